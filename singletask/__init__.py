@@ -1,0 +1,41 @@
+"""singletask: one execution of a Celery task (or of a task for the same arguments) at a time.
+
+::
+
+    from singletask import SingletonTask
+
+    @app.task(base=SingletonTask, lock_args=("customer_id",), lock_policy="retry")
+    def sync_customer(customer_id, full=False): ...
+"""
+
+from __future__ import annotations
+
+from .exceptions import (
+    BackendError,
+    BackendTimeout,
+    BackendUnavailable,
+    ConfigurationError,
+    LockKeyError,
+    SingletaskError,
+    TaskLocked,
+    UnknownBackendError,
+)
+from .result import Skipped
+from .task import LockHandle, SingletonTask
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendError",
+    "BackendTimeout",
+    "BackendUnavailable",
+    "ConfigurationError",
+    "LockHandle",
+    "LockKeyError",
+    "SingletaskError",
+    "SingletonTask",
+    "Skipped",
+    "TaskLocked",
+    "UnknownBackendError",
+    "__version__",
+]

@@ -1,0 +1,79 @@
+"""Lock backends, chosen by the scheme of ``singletask_backend_url``.
+
+Built in: ``redis://``, ``rediss://``, ``unix://`` (:class:`~singletask.backends.redis.RedisBackend`)
+and ``memory://`` (:class:`~singletask.backends.memory.MemoryBackend`). A third-party package adds a
+scheme through the ``singletask.backends`` entry-point group::
+
+    [project.entry-points."singletask.backends"]
+    etcd = "singletask_etcd:EtcdBackend"
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from typing import Any
+from urllib.parse import urlsplit
+
+from kombu.utils.imports import symbol_by_name
+from kombu.utils.url import maybe_sanitize_url
+
+from ..exceptions import ConfigurationError, UnknownBackendError
+from .base import AcquireResult, Holder, LockBackend
+
+__all__ = [
+    "BACKEND_ALIASES",
+    "AcquireResult",
+    "Holder",
+    "LockBackend",
+    "backend_class",
+    "backend_from_url",
+    "known_schemes",
+]
+
+#: URL scheme -> "module:Class" of the built-in backends.
+BACKEND_ALIASES: dict[str, str] = {
+    "redis": "singletask.backends.redis:RedisBackend",
+    "rediss": "singletask.backends.redis:RedisBackend",
+    "unix": "singletask.backends.redis:RedisBackend",
+    "memory": "singletask.backends.memory:MemoryBackend",
+}
+
+ENTRY_POINT_GROUP = "singletask.backends"
+
+
+def _plugins() -> dict[str, str]:
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def known_schemes() -> list[str]:
+    """Every URL scheme a backend is registered for, built-in or plug-in."""
+    return sorted({*BACKEND_ALIASES, *_plugins()})
+
+
+def backend_class(url: str) -> type[LockBackend]:
+    """Return the backend class that serves ``url``.
+
+    Raises:
+        UnknownBackendError: No backend is registered for the URL's scheme.
+    """
+    scheme = urlsplit(url).scheme.lower()
+    target = BACKEND_ALIASES.get(scheme) or _plugins().get(scheme)
+    if target is None:
+        raise UnknownBackendError(
+            f"no singletask backend for {maybe_sanitize_url(url)!r}: unknown scheme "
+            f"{scheme!r}; known schemes: {', '.join(known_schemes())}"
+        )
+    cls = symbol_by_name(target)
+    if not (isinstance(cls, type) and issubclass(cls, LockBackend)):
+        raise ConfigurationError(f"{target!r} (scheme {scheme!r}) is not a LockBackend subclass")
+    return cls
+
+
+def backend_from_url(url: str, **options: Any) -> LockBackend:
+    """Build the backend for ``url``.
+
+    Raises:
+        UnknownBackendError: No backend is registered for the URL's scheme.
+        ConfigurationError: The backend rejected the URL or an option.
+    """
+    return backend_class(url).from_url(url, **options)

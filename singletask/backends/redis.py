@@ -1,0 +1,203 @@
+"""The Redis lock store: one hash per lock, every operation one round trip.
+
+A lock is a Redis hash at the lock key with the fields ``token`` (the owner token) and the
+holder metadata (``task_id``, ``task``, ``hostname``, ``pid``, ``since``); its lease is the
+key's expiry. Acquire, release and extend are Lua scripts, run with EVALSHA, so each is
+atomic and costs one round trip once the script is cached on the server.
+
+URLs: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` (TLS) and
+``unix:///path/to/socket?db=0``, with redis-py's query options (``socket_timeout``, ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import redis
+from kombu.utils.url import maybe_sanitize_url
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
+from .base import AcquireResult, Holder, LockBackend
+
+__all__ = ["RedisBackend"]
+
+# KEYS[1]  lock key (a hash)
+# ARGV[1]  owner token
+# ARGV[2]  lease in milliseconds
+# ARGV[3]  token prefix whose holder may be taken over, or '' for none
+# ARGV[4…] holder metadata: field, value, field, value, …
+# Returns {1} when the caller holds the lock now (it was free, already the caller's, or held by
+# a token starting with ARGV[3]); otherwise {0, holder token, holder task id, lease left in ms}.
+ACQUIRE_SCRIPT = """
+local cur = redis.call('HGET', KEYS[1], 'token')
+if cur and cur ~= ARGV[1] and (ARGV[3] == '' or string.sub(cur, 1, #ARGV[3]) ~= ARGV[3]) then
+  return {0, cur, redis.call('HGET', KEYS[1], 'task_id'), redis.call('PTTL', KEYS[1])}
+end
+redis.call('DEL', KEYS[1])
+local fields = {'token', ARGV[1]}
+for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[1], unpack(fields))
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return {1}
+"""
+
+# KEYS[1]  lock key
+# ARGV[1]  owner token
+# Returns 1 when the lock was deleted, 0 when ARGV[1] does not hold it (free or another owner).
+RELEASE_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+# KEYS[1]  lock key
+# ARGV[1]  owner token
+# ARGV[2]  new lease in milliseconds (from now)
+# Returns 1 when the lease was set, 0 when ARGV[1] does not hold the lock.
+EXTEND_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+#: Client defaults; options given in the URL's query string or to ``from_url`` win.
+CLIENT_DEFAULTS: dict[str, Any] = {
+    "socket_timeout": 5.0,
+    "socket_connect_timeout": 5.0,
+    "health_check_interval": 30,
+}
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+class RedisBackend(LockBackend):
+    """Locks in Redis (or Valkey, or anything speaking its protocol with Lua scripting).
+
+    Args:
+        client: A ready client (``redis.Redis``, ``valkey.Valkey``, a cluster client, ...).
+        url: A URL to build a client from, lazily, in the process that first uses it.
+        **options: Extra client options for ``redis.Redis.from_url``.
+
+    Exactly one of ``client`` and ``url`` is required.
+    """
+
+    schemes = ("redis", "rediss", "unix")
+
+    def __init__(
+        self, *, client: redis.Redis | None = None, url: str | None = None, **options: Any
+    ) -> None:
+        if (client is None) == (url is None):
+            raise ConfigurationError("RedisBackend takes exactly one of client= and url=")
+        self._url = url
+        self._options = {**CLIENT_DEFAULTS, **options}
+        self._client = client
+        self._pid = os.getpid() if client is None else None
+        self._acquire: Any = None
+        self._release: Any = None
+        self._extend: Any = None
+        if client is not None:
+            self._register(client)
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> RedisBackend:
+        return cls(url=url, **options)
+
+    def __repr__(self) -> str:
+        where = maybe_sanitize_url(self._url) if self._url else repr(self._client)
+        return f"<RedisBackend {where}>"
+
+    @property
+    def client(self) -> redis.Redis:
+        """The client, created on first use in each process (a forked child makes its own)."""
+        if self._url is not None and (self._client is None or self._pid != os.getpid()):
+            options = dict(self._options)
+            options.setdefault("retry", Retry(ExponentialBackoff(cap=1.0, base=0.05), 2))
+            client = redis.Redis.from_url(self._url, **options)
+            self._client, self._pid = client, os.getpid()
+            self._register(client)
+        assert self._client is not None
+        return self._client
+
+    def _register(self, client: redis.Redis) -> None:
+        self._acquire = client.register_script(ACQUIRE_SCRIPT)
+        self._release = client.register_script(RELEASE_SCRIPT)
+        self._extend = client.register_script(EXTEND_SCRIPT)
+
+    @contextlib.contextmanager
+    def _translate(self, operation: str, key: str) -> Iterator[None]:
+        """Map redis-py errors to singletask's, naming the server but never its password."""
+        try:
+            yield
+        except redis.exceptions.TimeoutError as exc:
+            raise BackendTimeout(f"{self!r}: {operation} {key!r} timed out: {exc}") from exc
+        except redis.exceptions.ConnectionError as exc:
+            raise BackendUnavailable(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
+        except redis.exceptions.RedisError as exc:
+            raise BackendError(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
+
+    def acquire(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        *,
+        meta: Mapping[str, str] | None = None,
+        takeover_prefix: str | None = None,
+    ) -> AcquireResult:
+        args: list[str | int] = [token, _ms(ttl), takeover_prefix or ""]
+        for name, value in (meta or {}).items():
+            args += [name, value]
+        client = self.client
+        with self._translate("acquire", key):
+            reply = self._acquire(keys=[key], args=args, client=client)
+        if reply[0] == 1:
+            return AcquireResult(True)
+        _, holder_token, task_id, pttl = reply
+        return AcquireResult(
+            False,
+            Holder(
+                _text(holder_token),
+                _text(task_id) if task_id is not None else None,
+                pttl / 1000 if pttl >= 0 else None,
+            ),
+        )
+
+    def release(self, key: str, token: str) -> bool:
+        client = self.client
+        with self._translate("release", key):
+            return bool(self._release(keys=[key], args=[token], client=client))
+
+    def extend(self, key: str, token: str, ttl: float) -> bool:
+        client = self.client
+        with self._translate("extend", key):
+            return bool(self._extend(keys=[key], args=[token, _ms(ttl)], client=client))
+
+    def holder(self, key: str) -> Holder | None:
+        client = self.client
+        with self._translate("inspect", key), client.pipeline(transaction=True) as pipe:
+            pipe.hgetall(key)
+            pipe.pttl(key)
+            fields, pttl = pipe.execute()
+        if not fields:
+            return None
+        meta = {_text(k): _text(v) for k, v in fields.items()}
+        token = meta.pop("token", "")
+        return Holder(token, meta.get("task_id"), pttl / 1000 if pttl >= 0 else None, meta)
+
+    def close(self) -> None:
+        if self._url is not None and self._client is not None and self._pid == os.getpid():
+            self._client.close()
+            self._client = None
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

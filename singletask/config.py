@@ -1,0 +1,152 @@
+"""Settings read from the Celery app's configuration, and their validation.
+
+Every setting is optional. Each ``singletask_lock_*`` setting is the app-wide default of the
+task attribute of the same name without the prefix; a task attribute always wins.
+
+================================  =========================  ==========================================
+setting                           default                    meaning
+================================  =========================  ==========================================
+``singletask_backend_url``        the broker, if Redis       where locks live (``redis://``, ``memory://``)
+``singletask_key_prefix``         ``"singletask:"``          prefix of every lock key
+``singletask_lock_policy``        ``"skip"``                 ``"skip"``, ``"retry"`` or ``"raise"``
+``singletask_lock_ttl``           ``3600``                   lease of a lock, in seconds
+``singletask_lock_retry_countdown``  ``10``                  seconds between lock retries (plus jitter)
+``singletask_lock_retry_max``     ``30``                     lock retries before ``TaskLocked``
+================================  =========================  ==========================================
+
+Settings are looked up with ``app.conf.get``, so Django's ``CELERY_`` namespace works
+(``CELERY_SINGLETASK_BACKEND_URL``), and so do old-style upper-case names
+(``SINGLETASK_BACKEND_URL``). They are deliberately *not* registered with
+``app.add_defaults``, which would shadow values from ``config_from_object``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from kombu.utils.url import maybe_sanitize_url
+
+from .exceptions import ConfigurationError
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+__all__ = [
+    "DEFAULTS",
+    "POLICIES",
+    "Settings",
+    "check_count",
+    "check_policy",
+    "check_seconds",
+]
+
+#: The three things a locked-out execution can do.
+POLICIES: Final = ("skip", "retry", "raise")
+
+#: Library defaults of the settings, by setting name.
+DEFAULTS: Final[dict[str, Any]] = {
+    "singletask_backend_url": None,
+    "singletask_key_prefix": "singletask:",
+    "singletask_lock_policy": "skip",
+    "singletask_lock_ttl": 3600.0,
+    "singletask_lock_retry_countdown": 10.0,
+    "singletask_lock_retry_max": 30,
+}
+
+
+def check_policy(value: object, where: str) -> str:
+    """Return ``value`` if it is a known policy, else raise a ConfigurationError naming ``where``."""
+    if value not in POLICIES:
+        raise ConfigurationError(
+            f"{where}: unknown lock policy {value!r}; use one of {', '.join(map(repr, POLICIES))}"
+        )
+    return str(value)
+
+
+def check_seconds(value: object, where: str, *, allow_zero: bool = False) -> float:
+    """Return ``value`` as float seconds; it must be a finite positive number (or zero if allowed)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigurationError(f"{where}: expected a number of seconds, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = "zero or more" if allow_zero else "more than zero"
+        raise ConfigurationError(f"{where}: must be {bound} seconds, got {value!r}")
+    return float(value)
+
+
+def check_count(value: object, where: str) -> int:
+    """Return ``value`` if it is a whole number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(f"{where}: expected a whole number >= 0, got {value!r}")
+    return value
+
+
+def _lookup(app: Celery, name: str) -> Any:
+    conf = app.conf
+    for candidate in (name, name.upper()):
+        value = conf.get(candidate)
+        if value is not None:
+            return value
+    return DEFAULTS[name]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The app-wide singletask settings, validated. Build with :meth:`from_app`."""
+
+    backend_url: str
+    key_prefix: str
+    lock_policy: str
+    lock_ttl: float
+    lock_retry_countdown: float
+    lock_retry_max: int
+
+    @classmethod
+    def from_app(cls, app: Celery) -> Settings:
+        """Read and validate the settings of ``app``.
+
+        Raises:
+            ConfigurationError: A setting is invalid, or no backend URL can be found.
+        """
+
+        def setting(name: str, check: Callable[[object, str], Any]) -> Any:
+            return check(_lookup(app, name), f"setting {name}")
+
+        prefix = _lookup(app, "singletask_key_prefix")
+        if not isinstance(prefix, str):
+            raise ConfigurationError(f"setting singletask_key_prefix: expected a string, got {prefix!r}")
+        return cls(
+            backend_url=_backend_url(app),
+            key_prefix=prefix,
+            lock_policy=setting("singletask_lock_policy", check_policy),
+            lock_ttl=setting("singletask_lock_ttl", check_seconds),
+            lock_retry_countdown=setting(
+                "singletask_lock_retry_countdown",
+                lambda v, w: check_seconds(v, w, allow_zero=True),
+            ),
+            lock_retry_max=setting("singletask_lock_retry_max", check_count),
+        )
+
+
+def _backend_url(app: Celery) -> str:
+    url = _lookup(app, "singletask_backend_url")
+    if url is not None:
+        if not isinstance(url, str) or "://" not in url:
+            raise ConfigurationError(
+                f"setting singletask_backend_url: expected a URL such as "
+                f"'redis://localhost:6379/1', got {url!r}"
+            )
+        return url
+    broker = app.conf.get("broker_url") or app.conf.get("BROKER_URL")
+    first = broker[0] if isinstance(broker, list | tuple) and broker else broker
+    if isinstance(first, str):
+        first = first.split(";")[0].strip()
+        if first.split("://", 1)[0].lower() in ("redis", "rediss"):
+            return first
+    raise ConfigurationError(
+        "setting singletask_backend_url is not set and the broker "
+        f"({maybe_sanitize_url(first) if isinstance(first, str) else first!r}) is not Redis: "
+        "set app.conf.singletask_backend_url, e.g. to 'redis://localhost:6379/1'"
+    )

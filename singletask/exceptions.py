@@ -1,0 +1,80 @@
+"""Every error singletask raises, under one root.
+
+::
+
+    SingletaskError(Exception)
+    ├── ConfigurationError(SingletaskError, ValueError)   bad or conflicting settings / task attributes
+    │   └── UnknownBackendError                           no backend for that URL scheme
+    ├── LockKeyError(SingletaskError, TypeError)          a lock key cannot be built from the arguments
+    ├── TaskLocked                                        the lock is held by another execution
+    └── BackendError                                      the lock store failed (driver error chained)
+        ├── BackendUnavailable                            cannot connect / connection lost
+        └── BackendTimeout                                a socket or command timed out
+
+Exceptions that travel through Celery's result backend (:class:`TaskLocked`) keep all of
+their fields in ``args``, so they survive pickling and the JSON result serializer.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "BackendTimeout",
+    "BackendUnavailable",
+    "ConfigurationError",
+    "LockKeyError",
+    "SingletaskError",
+    "TaskLocked",
+    "UnknownBackendError",
+]
+
+
+class SingletaskError(Exception):
+    """Root of every exception raised by singletask."""
+
+
+class ConfigurationError(SingletaskError, ValueError):
+    """A setting or a task attribute is invalid, or settings conflict."""
+
+
+class UnknownBackendError(ConfigurationError):
+    """No lock backend is registered for a URL scheme."""
+
+
+class LockKeyError(SingletaskError, TypeError):
+    """The lock key cannot be built from a call's arguments (e.g. an unserialisable value)."""
+
+
+class TaskLocked(SingletaskError):
+    """The task's lock is held by another execution.
+
+    Raised by the ``"raise"`` policy, and by the ``"retry"`` policy once its budget is spent.
+
+    Attributes:
+        key: The lock key.
+        holder: Task id of the execution holding the lock, when known.
+        ttl: Seconds left on the holder's lease, when known.
+    """
+
+    def __init__(self, key: str, holder: str | None = None, ttl: float | None = None) -> None:
+        super().__init__(key, holder, ttl)
+        self.key = key
+        self.holder = holder
+        self.ttl = ttl
+
+    def __str__(self) -> str:
+        who = f"task {self.holder}" if self.holder else "another execution"
+        left = f" ({self.ttl:.1f}s left on its lease)" if self.ttl is not None else ""
+        return f"lock {self.key!r} is held by {who}{left}"
+
+
+class BackendError(SingletaskError):
+    """The lock backend failed. The driver's exception is chained as ``__cause__``."""
+
+
+class BackendUnavailable(BackendError):
+    """The lock backend cannot be reached (connection refused, reset or lost)."""
+
+
+class BackendTimeout(BackendError):
+    """A lock backend operation timed out."""

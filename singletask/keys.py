@@ -1,0 +1,225 @@
+"""Lock keys: one canonical key per task, or per task and argument values.
+
+* No ``lock_args`` / ``lock_key``: ``<prefix><task name>`` (one lock for the whole task).
+* ``lock_args``: the call is bound to the task's signature with defaults applied, the chosen
+  arguments are serialised canonically (kombu's JSON, sorted keys, no whitespace) and hashed
+  with SHA-256: ``<prefix><task name>:<64 hex digits>``. So ``f(1)``, ``f(a=1)`` and
+  ``f(1, b=<default>)`` share a key, as do a tuple and a list, or two dicts in any order.
+  Argument values never appear in the key.
+* ``lock_key``: a format string over parameter names (``"feed:{url}"``) or a callable called
+  with the task's arguments; its text replaces the hash: ``<prefix><task name>:<text>``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import string
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from kombu.utils import json as kombu_json
+
+from .exceptions import ConfigurationError, LockKeyError
+
+__all__ = ["KeySpec", "canonical_json", "digest", "run_signature"]
+
+#: The value of ``lock_args`` that selects every parameter.
+ALL_ARGS = "*"
+
+
+def canonical_json(value: Any) -> str:
+    """Serialise ``value`` with kombu's JSON encoder, keys sorted, no whitespace.
+
+    Raises:
+        TypeError: A value cannot be serialised.
+    """
+    return kombu_json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def digest(arguments: Mapping[str, Any], *, where: str) -> str:
+    """Return the SHA-256 hex digest of the canonical JSON of ``arguments``.
+
+    Raises:
+        LockKeyError: An argument cannot be serialised; the message names it.
+    """
+    try:
+        text = canonical_json(dict(arguments))
+    except (TypeError, ValueError) as exc:
+        for name, value in arguments.items():
+            try:
+                canonical_json(value)
+            except (TypeError, ValueError) as inner:
+                raise LockKeyError(
+                    f"{where}: argument {name!r} cannot be part of a lock key: {inner}"
+                ) from inner
+        raise LockKeyError(f"{where}: arguments cannot be part of a lock key: {exc}") from exc
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def run_signature(task_cls: type) -> inspect.Signature | None:
+    """The signature a task is called with (``self`` dropped), or None if ``run`` is not defined.
+
+    ``@app.task`` stores plain functions as a ``staticmethod`` and ``bind=True`` functions and
+    class-based ``run`` methods as functions whose first parameter is the task.
+    """
+    from celery import Task
+
+    run = inspect.getattr_static(task_cls, "run", None)
+    if run is None or run is inspect.getattr_static(Task, "run"):
+        return None
+    if isinstance(run, staticmethod):
+        return inspect.signature(run.__func__)
+    if isinstance(run, classmethod):
+        return inspect.signature(run.__func__).replace(
+            parameters=list(inspect.signature(run.__func__).parameters.values())[1:]
+        )
+    signature = inspect.signature(run)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+class KeySpec:
+    """How one task class turns a call into a lock key; validated when built.
+
+    Args:
+        task_name: The task's name as known when the class is created, for error messages
+            (the key uses the registered name, passed to :meth:`key`).
+        signature: The task's call signature, or None when unknown (then only a global key,
+            a ``lock_key`` callable or ``lock_args="*"`` can be used).
+        lock_args: None, a sequence of parameter names, or ``"*"``.
+        lock_key: None, a format string over parameter names, or a callable.
+
+    Raises:
+        ConfigurationError: The attributes are invalid or conflict; the message names the task
+            and the attribute.
+    """
+
+    def __init__(
+        self,
+        task_name: str,
+        signature: inspect.Signature | None,
+        lock_args: Sequence[str] | str | None,
+        lock_key: str | Callable[..., str] | None,
+    ) -> None:
+        self.task_name = task_name
+        self.signature = signature
+        self.lock_args: tuple[str, ...] | str | None = None
+        self.lock_key = lock_key
+        where = f"task {task_name!r}"
+        if lock_args is not None and lock_key is not None:
+            raise ConfigurationError(
+                f"{where}: set lock_key or lock_args, not both "
+                "(lock_key replaces the key derived from lock_args)"
+            )
+        params = set(signature.parameters) if signature is not None else None
+        if lock_args is not None:
+            self.lock_args = self._check_args(lock_args, params, where)
+        if isinstance(lock_key, str):
+            self._check_format(lock_key, params, where)
+        elif lock_key is not None and not callable(lock_key):
+            raise ConfigurationError(
+                f"{where}: lock_key must be a format string or a callable, got {lock_key!r}"
+            )
+
+    @staticmethod
+    def _check_args(
+        lock_args: object, params: set[str] | None, where: str
+    ) -> tuple[str, ...] | str:
+        if lock_args == ALL_ARGS:
+            return ALL_ARGS
+        if isinstance(lock_args, str):
+            raise ConfigurationError(
+                f"{where}: lock_args must be a sequence of parameter names or '*', "
+                f"got the string {lock_args!r} (did you mean ({lock_args!r},)?)"
+            )
+        if not isinstance(lock_args, Sequence) or not all(isinstance(n, str) for n in lock_args):
+            raise ConfigurationError(
+                f"{where}: lock_args must be a sequence of parameter names or '*', "
+                f"got {lock_args!r}"
+            )
+        if not lock_args:
+            raise ConfigurationError(
+                f"{where}: lock_args is empty; use None for one lock per task name"
+            )
+        if params is None:
+            raise ConfigurationError(
+                f"{where}: lock_args needs a task with a run() signature to check names against"
+            )
+        unknown = [name for name in lock_args if name not in params]
+        if unknown:
+            raise ConfigurationError(
+                f"{where}: lock_args names {', '.join(map(repr, unknown))}, which "
+                f"{'is not a parameter' if len(unknown) == 1 else 'are not parameters'} "
+                f"of the task (parameters: {', '.join(sorted(params)) or 'none'})"
+            )
+        return tuple(lock_args)
+
+    @staticmethod
+    def _check_format(template: str, params: set[str] | None, where: str) -> None:
+        try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+        except ValueError as exc:
+            raise ConfigurationError(f"{where}: lock_key {template!r} is not valid: {exc}") from exc
+        for field in fields:
+            base = field.split(".", 1)[0].split("[", 1)[0]
+            if not base or base.isdigit():
+                raise ConfigurationError(
+                    f"{where}: lock_key {template!r} uses a positional field; "
+                    "name parameters instead, e.g. '{customer_id}'"
+                )
+            if params is not None and base not in params:
+                raise ConfigurationError(
+                    f"{where}: lock_key {template!r} uses field {base!r}, which is not a "
+                    f"parameter of the task (parameters: {', '.join(sorted(params)) or 'none'})"
+                )
+
+    def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        assert self.signature is not None
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise LockKeyError(
+                f"task {self.task_name!r}: cannot build the lock key, the arguments do not "
+                f"match the task's signature: {exc}"
+            ) from exc
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    def suffix(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
+        """The part of the key after the task name for one call, or None for a global lock.
+
+        Raises:
+            LockKeyError: The key cannot be built from these arguments.
+        """
+        where = f"task {self.task_name!r}"
+        if self.lock_key is not None:
+            if callable(self.lock_key):
+                text = self.lock_key(*args, **kwargs)
+                if not isinstance(text, str) or not text:
+                    raise LockKeyError(
+                        f"{where}: lock_key callable must return a non-empty str, got {text!r}"
+                    )
+                return text
+            if self.signature is None:
+                return self.lock_key.format(*args, **kwargs)
+            return self.lock_key.format(**self._bind(args, kwargs))
+        if self.lock_args is None:
+            return None
+        if self.lock_args == ALL_ARGS:
+            if self.signature is None:
+                return digest({"args": list(args), "kwargs": dict(kwargs)}, where=where)
+            return digest(self._bind(args, kwargs), where=where)
+        arguments = self._bind(args, kwargs)
+        return digest({name: arguments[name] for name in self.lock_args}, where=where)
+
+    def key(
+        self, prefix: str, task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> str:
+        """The full lock key for one call: ``<prefix><task name>[:<suffix>]``.
+
+        Raises:
+            LockKeyError: The key cannot be built from these arguments.
+        """
+        suffix = self.suffix(args, kwargs)
+        base = f"{prefix}{task_name}"
+        return base if suffix is None else f"{base}:{suffix}"

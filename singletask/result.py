@@ -1,0 +1,53 @@
+"""The value a skipped execution returns.
+
+A run skipped by the ``"skip"`` policy ends in state SUCCESS with a :class:`Skipped` value, so a
+caller blocked on ``AsyncResult.get()`` returns at once and can tell a skip from a run that
+returned ``None``::
+
+    value = sync_customer.delay(42).get()
+    if isinstance(value, Skipped):
+        print("already running as", value.holder)
+
+:class:`Skipped` is registered with kombu's JSON serializer (and pickles as is), so it comes back
+as a :class:`Skipped` in every process that has imported singletask. A process that has not sees
+kombu's tagged form, ``{"__type__": "singletask.skipped", "__value__": {...}}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kombu.utils.json import register_type
+
+__all__ = ["Skipped"]
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """An execution did not run its body because another execution held the lock.
+
+    Attributes:
+        key: The lock key.
+        holder: Task id of the execution holding the lock, when known.
+        ttl: Seconds that were left on the holder's lease, when known.
+    """
+
+    key: str
+    holder: str | None = None
+    ttl: float | None = None
+
+    def __str__(self) -> str:
+        who = self.holder or "another execution"
+        return f"skipped: lock {self.key!r} is held by {who}"
+
+
+def _encode(value: Skipped) -> dict[str, Any]:
+    return asdict(value)
+
+
+def _decode(value: dict[str, Any]) -> Skipped:
+    return Skipped(**value)
+
+
+register_type(Skipped, "singletask.skipped", _encode, _decode)
