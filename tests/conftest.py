@@ -1,0 +1,67 @@
+"""Session fixtures shared by every test module."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from singletask.backends.base import LockBackend
+from singletask.backends.memory import MemoryBackend
+from singletask.backends.redis import RedisBackend
+
+from .servers import private_redis, unavailable
+
+_redis_failure: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def redis_base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL (no database number) of the session's private Redis server."""
+    if _redis_failure:
+        unavailable(_redis_failure[0])
+    try:
+        with private_redis(Path(tmp_path_factory.mktemp("redis"))) as url:
+            yield url
+    except RuntimeError as exc:
+        _redis_failure.append(f"cannot start a private redis-server: {exc}")
+        unavailable(_redis_failure[0])
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_base_url: str) -> str:
+    """URL of database 0 of the private Redis server (lock store of the unit and contract tests)."""
+    return f"{redis_base_url}/0"
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.ping()
+    except redis.ConnectionError as exc:
+        unavailable(f"Redis at {redis_url} does not answer: {exc}")
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    """A key prefix no other test uses, so tests never need to flush anything."""
+    return f"test:{uuid.uuid4().hex[:12]}:"
+
+
+@pytest.fixture(params=["memory", "redis"])
+def backend(request: pytest.FixtureRequest) -> Iterator[LockBackend]:
+    """Every backend, for the contract suite."""
+    if request.param == "memory":
+        instance: LockBackend = MemoryBackend()
+    else:
+        url = request.getfixturevalue("redis_url")
+        request.getfixturevalue("redis_client")  # fails / skips when the server is missing
+        instance = RedisBackend.from_url(url)
+    yield instance
+    instance.close()
