@@ -18,6 +18,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 import redis
@@ -62,20 +63,8 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        log = (self.workdir / "redis.log").open("ab")
-        self.process = subprocess.Popen(
-            [
-                self.binary,
-                "--port", str(self.port),
-                "--bind", "127.0.0.1",
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", str(self.workdir),
-                "--databases", "16",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        with (self.workdir / "redis.log").open("ab") as log:
+            self.process = self._spawn(log)
         deadline = time.monotonic() + timeout
         client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
         try:
@@ -90,6 +79,21 @@ class RedisServer:
                 time.sleep(0.05)
         finally:
             client.close()
+
+    def _spawn(self, log: BinaryIO) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [
+                self.binary,
+                "--port", str(self.port),
+                "--bind", "127.0.0.1",
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", str(self.workdir),
+                "--databases", "16",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -1,0 +1,55 @@
+"""The Celery app the end-to-end workers run (``celery -A tests.e2e.app worker``).
+
+Both sides build it with :func:`make_app`: the worker subprocess from environment variables, the
+test process from the same values. Task modules use ``@shared_task`` so that every app built here
+has them; tests look tasks up by name (``app.tasks["e2e.basic.sleep"]``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+#: The task modules every e2e worker imports. Each test module's tasks live in its own module.
+TASK_MODULES = [
+    "tests.e2e.tasks_basic",
+    "tests.e2e.tasks_endings",
+    "tests.e2e.tasks_policies",
+]
+
+
+def make_app(*, broker: str, results: str, locks: str, queue: str) -> Celery:
+    app = Celery("e2e", broker=broker, backend=results, include=TASK_MODULES)
+    exchange = Exchange(queue, type="direct", durable=False, auto_delete=True)
+    app.conf.update(
+        singletask_backend_url=locks,
+        task_queues=[Queue(queue, exchange, routing_key=queue, durable=False, auto_delete=True)],
+        task_default_queue=queue,
+        task_default_exchange=queue,
+        task_default_routing_key=queue,
+        worker_prefetch_multiplier=1,
+        result_expires=600,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={"visibility_timeout": 60},
+        worker_hijack_root_logger=True,
+        worker_redirect_stdouts=False,
+    )
+    return app
+
+
+def _from_env() -> Celery | None:
+    try:
+        return make_app(
+            broker=os.environ["SINGLETASK_E2E_BROKER"],
+            results=os.environ["SINGLETASK_E2E_RESULTS"],
+            locks=os.environ["SINGLETASK_E2E_LOCKS"],
+            queue=os.environ["SINGLETASK_E2E_QUEUE"],
+        )
+    except KeyError:
+        return None
+
+
+#: Set in worker subprocesses (which get the environment variables); None in the test process.
+app = _from_env()

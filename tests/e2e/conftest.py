@@ -1,0 +1,175 @@
+"""Real ``celery worker -P prefork`` subprocesses on a real broker, for the end-to-end tests.
+
+One worker per broker for the whole session (Redis always; RabbitMQ too when
+``SINGLETASK_TEST_AMQP_URL`` is set, as CI does). The ``cluster`` fixture is parametrized over
+them, so every e2e test runs once per broker. Databases of the private Redis server:
+0 broker, 1 results, 2 locks, 3 probe.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import redis
+from celery import Celery
+
+from ..servers import amqp_url, unavailable
+from .app import TASK_MODULES, make_app
+from .probe import PROBE_URL_ENV, Probe
+
+ROOT = Path(__file__).resolve().parents[2]
+BROKERS = ["redis", "amqp"] if amqp_url() else ["redis"]
+CONCURRENCY = 2
+
+for _module in TASK_MODULES:  # register the shared tasks before any app is built
+    importlib.import_module(_module)
+
+
+class Worker:
+    """A ``celery worker`` subprocess (its own process group) and its log file."""
+
+    def __init__(self, env: dict[str, str], log: Path, app: Celery, extra: list[str]) -> None:
+        self.env = env
+        self.log = log
+        self.app = app
+        self.extra = extra
+        self.nodename = f"e2e-{uuid.uuid4().hex[:8]}@%h"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> None:
+        command = [
+            sys.executable, "-m", "celery", "-A", "tests.e2e.app", "worker",
+            "-P", "prefork", "-c", str(CONCURRENCY), "-n", self.nodename, "-l", "INFO",
+            "--without-gossip", "--without-mingle", "--without-heartbeat", *self.extra,
+        ]  # fmt: skip
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(
+                command, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        hostname = self.nodename.replace("%h", os.uname().nodename)
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.process.returncode}:\n{self.tail()}")
+            replies = self.app.control.ping(destination=[hostname], timeout=0.5)
+            if replies:
+                return
+        raise RuntimeError(f"worker did not answer ping within {timeout}s:\n{self.tail()}")
+
+    def children(self) -> list[int]:
+        """PIDs of the pool processes."""
+        assert self.process is not None
+        return [child.pid for child in psutil.Process(self.process.pid).children()]
+
+    def tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)  # warm shutdown
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+@dataclass
+class Cluster:
+    """What an e2e test talks to: a producer app, the worker, the lock store and the probe."""
+
+    broker: str
+    app: Celery
+    worker: Worker
+    locks: redis.Redis
+    probe: Probe
+    _labels: list[str] = field(default_factory=list)
+
+    def task(self, name: str) -> Any:
+        return self.app.tasks[name]
+
+    def label(self) -> str:
+        """A probe label no other test uses."""
+        label = f"{self.broker}-{uuid.uuid4().hex[:10]}"
+        self._labels.append(label)
+        return label
+
+    def lock_keys(self, pattern: str = "singletask:*") -> list[str]:
+        return sorted(k.decode() for k in self.locks.scan_iter(match=pattern))
+
+    def wait_free(self, key: str, timeout: float = 15.0) -> float:
+        """Wait until no lock is stored at ``key``; return how long that took (fails on timeout)."""
+        start = time.monotonic()
+        while self.locks.exists(key):
+            if time.monotonic() - start > timeout:
+                raise AssertionError(
+                    f"lock {key!r} still held after {timeout}s: {self.locks.hgetall(key)}\n"
+                    f"worker log:\n{self.worker.tail()}"
+                )
+            time.sleep(0.05)
+        return time.monotonic() - start
+
+
+def _broker_url(name: str, redis_base_url: str) -> str:
+    if name == "redis":
+        return f"{redis_base_url}/0"
+    url = amqp_url()
+    assert url is not None
+    return url
+
+
+@pytest.fixture(scope="session", params=BROKERS)
+def cluster(
+    request: pytest.FixtureRequest,
+    redis_base_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Cluster]:
+    broker = _broker_url(request.param, redis_base_url)
+    queue = f"singletask-e2e-{uuid.uuid4().hex[:8]}"
+    settings = {
+        "SINGLETASK_E2E_BROKER": broker,
+        "SINGLETASK_E2E_RESULTS": f"{redis_base_url}/1",
+        "SINGLETASK_E2E_LOCKS": f"{redis_base_url}/2",
+        "SINGLETASK_E2E_QUEUE": queue,
+        PROBE_URL_ENV: f"{redis_base_url}/3",
+    }
+    os.environ[PROBE_URL_ENV] = settings[PROBE_URL_ENV]
+    env = {**os.environ, **settings, "PYTHONPATH": str(ROOT)}
+    app = make_app(
+        broker=broker,
+        results=settings["SINGLETASK_E2E_RESULTS"],
+        locks=settings["SINGLETASK_E2E_LOCKS"],
+        queue=queue,
+    )
+    log = Path(tmp_path_factory.mktemp(f"worker-{request.param}")) / "worker.log"
+    worker = Worker(env, log, app, [])
+    try:
+        worker.start()
+    except Exception as exc:  # noqa: BLE001 - reported as unavailable / failure below
+        worker.stop()
+        unavailable(f"cannot start a celery worker on the {request.param} broker: {exc}")
+    cluster = Cluster(
+        request.param, app, worker, redis.Redis.from_url(settings["SINGLETASK_E2E_LOCKS"]),
+        Probe(settings[PROBE_URL_ENV]),
+    )  # fmt: skip
+    yield cluster
+    worker.stop()
+    cluster.locks.close()
+    app.close()
