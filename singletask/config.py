@@ -3,16 +3,16 @@
 Every setting is optional. Each ``singletask_lock_*`` setting is the app-wide default of the
 task attribute of the same name without the prefix; a task attribute always wins.
 
-================================  =========================  ==========================================
-setting                           default                    meaning
-================================  =========================  ==========================================
-``singletask_backend_url``        the broker, if Redis       where locks live (``redis://``, ``memory://``)
-``singletask_key_prefix``         ``"singletask:"``          prefix of every lock key
-``singletask_lock_policy``        ``"skip"``                 ``"skip"``, ``"retry"`` or ``"raise"``
-``singletask_lock_ttl``           ``3600``                   lease of a lock, in seconds
-``singletask_lock_retry_countdown``  ``10``                  seconds between lock retries (plus jitter)
-``singletask_lock_retry_max``     ``30``                     lock retries before ``TaskLocked``
-================================  =========================  ==========================================
+===================================  ====================  ====================================
+setting                              default               meaning
+===================================  ====================  ====================================
+``singletask_backend_url``           the broker, if Redis  where locks live
+``singletask_key_prefix``            ``"singletask:"``     prefix of every lock key
+``singletask_lock_policy``           ``"skip"``            ``"skip"``, ``"retry"``, ``"raise"``
+``singletask_lock_ttl``              ``3600``              lease of a lock, in seconds
+``singletask_lock_retry_countdown``  ``10``                seconds between lock retries
+``singletask_lock_retry_max``        ``30``                lock retries before ``TaskLocked``
+===================================  ====================  ====================================
 
 Settings are looked up with ``app.conf.get``, so Django's ``CELERY_`` namespace works
 (``CELERY_SINGLETASK_BACKEND_URL``), and so do old-style upper-case names
@@ -58,7 +58,7 @@ DEFAULTS: Final[dict[str, Any]] = {
 
 
 def check_policy(value: object, where: str) -> str:
-    """Return ``value`` if it is a known policy, else raise a ConfigurationError naming ``where``."""
+    """Return ``value`` if it is a known policy; else raise ConfigurationError naming ``where``."""
     if value not in POLICIES:
         raise ConfigurationError(
             f"{where}: unknown lock policy {value!r}; use one of {', '.join(map(repr, POLICIES))}"
@@ -67,7 +67,7 @@ def check_policy(value: object, where: str) -> str:
 
 
 def check_seconds(value: object, where: str, *, allow_zero: bool = False) -> float:
-    """Return ``value`` as float seconds; it must be a finite positive number (or zero if allowed)."""
+    """Return ``value`` as float seconds: a finite number > 0 (or >= 0 with ``allow_zero``)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ConfigurationError(f"{where}: expected a number of seconds, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
@@ -116,7 +116,9 @@ class Settings:
 
         prefix = _lookup(app, "singletask_key_prefix")
         if not isinstance(prefix, str):
-            raise ConfigurationError(f"setting singletask_key_prefix: expected a string, got {prefix!r}")
+            raise ConfigurationError(
+                f"setting singletask_key_prefix: expected a string, got {prefix!r}"
+            )
         return cls(
             backend_url=_backend_url(app),
             key_prefix=prefix,

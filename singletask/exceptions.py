@@ -3,13 +3,13 @@
 ::
 
     SingletaskError(Exception)
-    ├── ConfigurationError(SingletaskError, ValueError)   bad or conflicting settings / task attributes
-    │   └── UnknownBackendError                           no backend for that URL scheme
-    ├── LockKeyError(SingletaskError, TypeError)          a lock key cannot be built from the arguments
-    ├── TaskLocked                                        the lock is held by another execution
-    └── BackendError                                      the lock store failed (driver error chained)
-        ├── BackendUnavailable                            cannot connect / connection lost
-        └── BackendTimeout                                a socket or command timed out
+    ├── ConfigurationError(ValueError)   bad or conflicting settings / task attributes
+    │   └── UnknownBackendError          no backend for that URL scheme
+    ├── LockKeyError(TypeError)          a lock key cannot be built from the arguments
+    ├── TaskLocked                       the lock is held by another execution
+    └── BackendError                     the lock store failed (driver error chained)
+        ├── BackendUnavailable           cannot connect / connection lost
+        └── BackendTimeout               a socket or command timed out
 
 Exceptions that travel through Celery's result backend (:class:`TaskLocked`) keep all of
 their fields in ``args``, so they survive pickling and the JSON result serializer.

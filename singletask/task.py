@@ -196,7 +196,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         if cls.lock_ttl is not None:
             check_seconds(cls.lock_ttl, f"{where} lock_ttl")
         if cls.lock_retry_countdown is not None:
-            check_seconds(cls.lock_retry_countdown, f"{where} lock_retry_countdown", allow_zero=True)
+            check_seconds(
+                cls.lock_retry_countdown, f"{where} lock_retry_countdown", allow_zero=True
+            )
         if cls.lock_retry_max is not None:
             check_count(cls.lock_retry_max, f"{where} lock_retry_max")
         lock_key = inspect.getattr_static(cls, "lock_key")
@@ -227,7 +229,9 @@ class SingletonTask(Task):  # type: ignore[misc]
                 prefix=settings.key_prefix,
                 policy=pick(self.lock_policy, settings.lock_policy),
                 ttl=float(pick(self.lock_ttl, settings.lock_ttl)),
-                retry_countdown=float(pick(self.lock_retry_countdown, settings.lock_retry_countdown)),
+                retry_countdown=float(
+                    pick(self.lock_retry_countdown, settings.lock_retry_countdown)
+                ),
                 retry_max=pick(self.lock_retry_max, settings.lock_retry_max),
             )
             self.__dict__["_singletask_options"] = options
@@ -238,7 +242,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         """This process's backend for this task's app (created on first use, per process)."""
         return _app_state(self.app).backend
 
-    def lock_key_for(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> str:
+    def lock_key_for(
+        self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> str:
         """The lock key an execution with these arguments takes.
 
         Raises:
@@ -338,9 +344,7 @@ class SingletonTask(Task):  # type: ignore[misc]
                 handle.ttl,
             )
 
-    def _locked(
-        self, key: str, holder: Holder | None, direct: bool, options: _Options
-    ) -> Any:
+    def _locked(self, key: str, holder: Holder | None, direct: bool, options: _Options) -> Any:
         """Apply the lock policy to an execution that found ``key`` held by someone else."""
         request = self.request
         holder_id = holder.task_id if holder else None
@@ -349,7 +353,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         spent = 0
         if action == "retry":
             if direct or request.is_eager:
-                action, why = "raise", " (the retry policy cannot wait in eager mode or a direct call)"
+                action, why = "raise", " (retry cannot wait in eager mode or a direct call)"
             else:
                 spent = _lock_retries(request)
                 if spent >= options.retry_max:
@@ -404,14 +408,18 @@ class SingletonTask(Task):  # type: ignore[misc]
         self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any
     ) -> None:
         if self._outside_execution(task_id):
-            self.release_for(task_id, args, kwargs, reason=f"{type(exc).__name__} in the main process")
+            self.release_for(
+                task_id, args, kwargs, reason=f"{type(exc).__name__} in the main process"
+            )
         super().on_failure(exc, task_id, args, kwargs, einfo)
 
     def after_return(
         self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any
     ) -> None:
         if self._outside_execution(task_id):
-            self.release_for(task_id, args, kwargs, reason=f"after_return({status}) from the main process")
+            self.release_for(
+                task_id, args, kwargs, reason=f"after_return({status}) in the main process"
+            )
         super().after_return(status, retval, task_id, args, kwargs, einfo)
 
     def release_for(
@@ -472,7 +480,6 @@ def _lock_retries(request: Any) -> int:
 # signal and releases for it.
 
 
-@celery_signals.task_failure.connect(weak=False)
 def _release_after_failure(
     sender: Any = None,
     task_id: str | None = None,
@@ -491,11 +498,12 @@ def _release_after_failure(
         sender.release_for(task_id, args, kwargs, reason="a hard time limit")
 
 
-@celery_signals.task_revoked.connect(weak=False)
 def _release_after_revoke(
     sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
 ) -> None:
     if terminated and isinstance(sender, SingletonTask) and request is not None and request.id:
-        sender.release_for(
-            request.id, request.args, request.kwargs, reason="revoke with terminate"
-        )
+        sender.release_for(request.id, request.args, request.kwargs, reason="revoke with terminate")
+
+
+celery_signals.task_failure.connect(_release_after_failure, weak=False)
+celery_signals.task_revoked.connect(_release_after_revoke, weak=False)

@@ -1,8 +1,9 @@
 """Lock backends, chosen by the scheme of ``singletask_backend_url``.
 
-Built in: ``redis://``, ``rediss://``, ``unix://`` (:class:`~singletask.backends.redis.RedisBackend`)
-and ``memory://`` (:class:`~singletask.backends.memory.MemoryBackend`). A third-party package adds a
-scheme through the ``singletask.backends`` entry-point group::
+Built in: ``redis://``, ``rediss://``, ``unix://``
+(:class:`~singletask.backends.redis.RedisBackend`) and ``memory://``
+(:class:`~singletask.backends.memory.MemoryBackend`). A third-party package adds a scheme
+through the ``singletask.backends`` entry-point group::
 
     [project.entry-points."singletask.backends"]
     etcd = "singletask_etcd:EtcdBackend"
@@ -63,7 +64,7 @@ def backend_class(url: str) -> type[LockBackend]:
             f"no singletask backend for {maybe_sanitize_url(url)!r}: unknown scheme "
             f"{scheme!r}; known schemes: {', '.join(known_schemes())}"
         )
-    cls = symbol_by_name(target)
+    cls = symbol_by_name(target)  # type: ignore[no-untyped-call]
     if not (isinstance(cls, type) and issubclass(cls, LockBackend)):
         raise ConfigurationError(f"{target!r} (scheme {scheme!r}) is not a LockBackend subclass")
     return cls
