@@ -34,9 +34,7 @@ def canonical_json(value: Any) -> str:
     Raises:
         TypeError: A value cannot be serialised.
     """
-    text: str = kombu_json.dumps(  # type: ignore[no-untyped-call]
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False
-    )
+    text: str = kombu_json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return text
 
 

@@ -159,7 +159,13 @@ def _seconds_until(when: object) -> float:
     return 0.0
 
 
-class SingletonTask(Task):  # type: ignore[misc]
+if TYPE_CHECKING:
+    _TaskBase = Task[Any, Any]
+else:
+    _TaskBase = Task
+
+
+class SingletonTask(_TaskBase):
     """A Celery task of which one execution per lock key runs at a time, on every worker.
 
     Configure it with class attributes or ``@app.task(...)`` options; ``None`` means "use the
@@ -306,7 +312,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise
         finally:
             _frames.reset(reset)
-            keep = retry is not None and retry.sig is not None and not direct
+            keep = retry is not None and getattr(retry, "sig", None) is not None and not direct
             self._finish(backend, handle, retry if keep and not request.is_eager else None, options)
 
     def _finish(
@@ -386,7 +392,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             signature.apply_async()
         except Exception as exc:
             raise Reject(exc, requeue=False) from exc
-        raise Retry(exc=locked, when=countdown, sig=signature)
+        raise Retry(exc=locked, when=countdown, sig=signature)  # type: ignore[arg-type]
 
     # -- Celery hooks ----------------------------------------------------------------------
     #
@@ -404,9 +410,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             self.release_for(task_id, args, kwargs, reason="on_success from the main process")
         super().on_success(retval, task_id, args, kwargs)
 
-    def on_failure(
-        self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any
-    ) -> None:
+    def on_failure(self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
         if self._outside_execution(task_id):
             self.release_for(
                 task_id, args, kwargs, reason=f"{type(exc).__name__} in the main process"

@@ -64,7 +64,7 @@ def backend_class(url: str) -> type[LockBackend]:
             f"no singletask backend for {maybe_sanitize_url(url)!r}: unknown scheme "
             f"{scheme!r}; known schemes: {', '.join(known_schemes())}"
         )
-    cls = symbol_by_name(target)  # type: ignore[no-untyped-call]
+    cls = symbol_by_name(target)
     if not (isinstance(cls, type) and issubclass(cls, LockBackend)):
         raise ConfigurationError(f"{target!r} (scheme {scheme!r}) is not a LockBackend subclass")
     return cls
