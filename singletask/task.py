@@ -19,6 +19,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -502,12 +503,31 @@ def _release_after_failure(
         sender.release_for(task_id, args, kwargs, reason="a hard time limit")
 
 
+#: In the worker's main process: the requests of singleton tasks it has received and not yet
+#: dropped, by task id. The ``task_revoked`` signal carries a request context without the
+#: arguments, which a per-argument lock key needs.
+_received: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+
+
+def _remember_request(sender: Any = None, request: Any = None, **_: Any) -> None:
+    if isinstance(getattr(request, "task", None), SingletonTask):
+        _received[request.id] = request
+
+
 def _release_after_revoke(
     sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
 ) -> None:
-    if terminated and isinstance(sender, SingletonTask) and request is not None and request.id:
-        sender.release_for(request.id, request.args, request.kwargs, reason="revoke with terminate")
+    if not (terminated and isinstance(sender, SingletonTask) and request is not None):
+        return
+    task_id = request.id
+    args, kwargs = getattr(request, "args", None), getattr(request, "kwargs", None)
+    received = _received.get(task_id)
+    if args is None and received is not None:
+        args, kwargs = received.args, received.kwargs
+    if task_id:
+        sender.release_for(task_id, args, kwargs, reason="revoke with terminate")
 
 
 celery_signals.task_failure.connect(_release_after_failure, weak=False)
 celery_signals.task_revoked.connect(_release_after_revoke, weak=False)
+celery_signals.task_received.connect(_remember_request, weak=False)
