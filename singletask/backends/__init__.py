@@ -37,6 +37,7 @@ BACKEND_ALIASES: dict[str, str] = {
     "rediss": "singletask.backends.redis:RedisBackend",
     "unix": "singletask.backends.redis:RedisBackend",
     "memory": "singletask.backends.memory:MemoryBackend",
+    "sqlite": "singletask.backends.sqlite:SQLiteBackend",
 }
 
 ENTRY_POINT_GROUP = "singletask.backends"

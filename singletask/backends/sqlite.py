@@ -1,0 +1,222 @@
+"""A lock store in one SQLite file: real cross-process locks for the workers of one host.
+
+URL: ``sqlite:///relative/path/locks.db`` or ``sqlite:////absolute/path/locks.db`` (the
+SQLAlchemy convention). Every operation is one ``BEGIN IMMEDIATE`` transaction, so writers are
+serialised by SQLite's file lock; the database runs in WAL mode with a busy timeout, so concurrent
+worker processes wait for each other instead of failing.
+
+Limits: every process using the file must run on the same host (SQLite's locking does not work
+across machines, and is unreliable on network filesystems such as NFS or SMB, which this backend
+refuses). Leases use the wall clock (``time.time()``), shared by all processes of the host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ..exceptions import BackendError, BackendTimeout, ConfigurationError
+from .base import AcquireResult, Holder, LockBackend
+
+__all__ = ["SQLiteBackend"]
+
+#: Filesystem types on which SQLite's file locking cannot be trusted.
+NETWORK_FILESYSTEMS = frozenset(
+    {"nfs", "nfs4", "cifs", "smbfs", "smb3", "fuse.sshfs", "9p", "afs", "ceph", "glusterfs"}
+)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS singletask_locks (
+    key TEXT PRIMARY KEY,
+    token TEXT NOT NULL,
+    expires_at REAL NOT NULL,
+    meta TEXT NOT NULL
+)
+"""
+
+_LIMITS = (
+    "the sqlite:// lock backend serves the worker processes of one host, from a database file "
+    "on a local filesystem"
+)
+
+
+def _path_from_url(url: str) -> Path:
+    if not url.startswith("sqlite:///"):
+        raise ConfigurationError(
+            f"{url!r}: a SQLite lock URL looks like sqlite:///relative/locks.db or "
+            f"sqlite:////absolute/locks.db ({_LIMITS})"
+        )
+    raw = url[len("sqlite:///") :].split("?", 1)[0]
+    if raw in ("", ":memory:"):
+        raise ConfigurationError(
+            f"{url!r}: an in-memory SQLite database is private to one process; {_LIMITS}. "
+            "For in-process locks use memory://"
+        )
+    return Path(raw).expanduser()
+
+
+def _filesystem_type(path: Path) -> str | None:
+    """The type of the filesystem holding ``path`` (Linux only; None when unknown)."""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    target = str(path.resolve())
+    best, kind = "", None
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mountpoint = parts[1].replace("\\040", " ")
+        inside = target == mountpoint or target.startswith(mountpoint.rstrip("/") + "/")
+        if inside and len(mountpoint) >= len(best):
+            best, kind = mountpoint, parts[2]
+    return kind
+
+
+class SQLiteBackend(LockBackend):
+    """Locks in a SQLite database file shared by the processes of one host.
+
+    Args:
+        path: The database file; created (with its table) when missing. Its folder must exist.
+        timeout: Seconds to wait for another process's transaction before giving up.
+    """
+
+    schemes = ("sqlite",)
+
+    def __init__(self, path: str | os.PathLike[str], *, timeout: float = 5.0) -> None:
+        self.path = Path(path)
+        self.timeout = timeout
+        folder = self.path.resolve().parent
+        if not folder.is_dir():
+            raise ConfigurationError(
+                f"SQLite lock database {str(self.path)!r}: folder {str(folder)!r} does not exist "
+                f"({_LIMITS})"
+            )
+        kind = _filesystem_type(folder)
+        if kind in NETWORK_FILESYSTEMS:
+            raise ConfigurationError(
+                f"SQLite lock database {str(self.path)!r} is on a {kind} network filesystem, "
+                f"where SQLite's locking is unreliable: {_LIMITS}. Use redis:// for several hosts"
+            )
+        self._mutex = threading.Lock()
+        self._conn: sqlite3.Connection | None = None
+        self._pid: int | None = None
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> SQLiteBackend:
+        return cls(_path_from_url(url), **options)
+
+    def __repr__(self) -> str:
+        return f"<SQLiteBackend {str(self.path)!r}>"
+
+    def _connection(self) -> sqlite3.Connection:
+        # One connection per process (a forked child opens its own), shared by its threads.
+        if self._conn is None or self._pid != os.getpid():
+            conn = sqlite3.connect(
+                self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False
+            )
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute(_SCHEMA)
+            self._conn, self._pid = conn, os.getpid()
+        return self._conn
+
+    @contextmanager
+    def _transaction(self, operation: str, key: str) -> Iterator[sqlite3.Connection]:
+        """One serialised write transaction; SQLite errors become singletask's."""
+        with self._mutex:
+            try:
+                conn = self._connection()
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield conn
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+                conn.execute("COMMIT")
+            except sqlite3.OperationalError as exc:
+                error = (
+                    BackendTimeout if "locked" in str(exc) or "busy" in str(exc) else BackendError
+                )
+                raise error(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
+            except sqlite3.Error as exc:
+                raise BackendError(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
+
+    @staticmethod
+    def _row(conn: sqlite3.Connection, key: str, now: float) -> tuple[str, float, str] | None:
+        row: tuple[str, float, str] | None = conn.execute(
+            "SELECT token, expires_at, meta FROM singletask_locks WHERE key = ?", (key,)
+        ).fetchone()
+        if row is not None and row[1] <= now:
+            conn.execute("DELETE FROM singletask_locks WHERE key = ?", (key,))
+            return None
+        return row
+
+    def acquire(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        *,
+        meta: Mapping[str, str] | None = None,
+        takeover_prefix: str | None = None,
+    ) -> AcquireResult:
+        with self._transaction("acquire", key) as conn:
+            now = time.time()
+            row = self._row(conn, key, now)
+            if row is not None:
+                current, expires_at, stored = row
+                if current != token and not (
+                    takeover_prefix and current.startswith(takeover_prefix)
+                ):
+                    task_id = json.loads(stored).get("task_id")
+                    return AcquireResult(False, Holder(current, task_id, expires_at - now))
+            conn.execute(
+                "INSERT OR REPLACE INTO singletask_locks (key, token, expires_at, meta) "
+                "VALUES (?, ?, ?, ?)",
+                (key, token, now + ttl, json.dumps(dict(meta or {}))),
+            )
+            return AcquireResult(True)
+
+    def release(self, key: str, token: str) -> bool:
+        with self._transaction("release", key) as conn:
+            row = self._row(conn, key, time.time())
+            if row is None or row[0] != token:
+                return False
+            conn.execute("DELETE FROM singletask_locks WHERE key = ?", (key,))
+            return True
+
+    def extend(self, key: str, token: str, ttl: float) -> bool:
+        with self._transaction("extend", key) as conn:
+            now = time.time()
+            row = self._row(conn, key, now)
+            if row is None or row[0] != token:
+                return False
+            conn.execute(
+                "UPDATE singletask_locks SET expires_at = ? WHERE key = ?", (now + ttl, key)
+            )
+            return True
+
+    def holder(self, key: str) -> Holder | None:
+        with self._transaction("inspect", key) as conn:
+            now = time.time()
+            row = self._row(conn, key, now)
+        if row is None:
+            return None
+        token, expires_at, stored = row
+        meta: dict[str, str] = json.loads(stored)
+        return Holder(token, meta.get("task_id"), expires_at - now, meta)
+
+    def close(self) -> None:
+        with self._mutex:
+            if self._conn is not None and self._pid == os.getpid():
+                self._conn.close()
+            self._conn = None
