@@ -33,7 +33,13 @@ class Probe:
         self._enter = self.client.register_script(_ENTER)
 
     def _record(self, label: str, event: str, task_id: str | None, **extra: Any) -> None:
-        payload = {"event": event, "task_id": task_id, "pid": os.getpid(), "t": time.time(), **extra}
+        payload = {
+            "event": event,
+            "task_id": task_id,
+            "pid": os.getpid(),
+            "t": time.time(),
+            **extra,
+        }
         self.client.rpush(f"probe:{label}:events", json.dumps(payload))
 
     @contextlib.contextmanager
@@ -63,7 +69,9 @@ class Probe:
     def max_overlap(self, label: str) -> int:
         return int(self.client.get(f"probe:{label}:max") or 0)
 
-    def wait_for(self, label: str, event: str, count: int = 1, timeout: float = 20.0) -> list[dict[str, Any]]:
+    def wait_for(
+        self, label: str, event: str, count: int = 1, timeout: float = 20.0
+    ) -> list[dict[str, Any]]:
         """Wait until ``count`` events of a kind are recorded; return them (fails on timeout)."""
         deadline = time.monotonic() + timeout
         while True:
