@@ -212,6 +212,11 @@ class SingletonTask(_TaskBase):
         if isinstance(lock_key, staticmethod | classmethod):
             lock_key = lock_key.__get__(None, cls)
         cls._singletask_spec = KeySpec(name, run_signature(cls), cls.lock_args, lock_key)
+        # A locked-out execution failing with TaskLocked is an expected outcome: Celery logs
+        # exceptions listed in ``throws`` at INFO, without a traceback.
+        throws = tuple(getattr(cls, "throws", ()) or ())
+        if TaskLocked not in throws:
+            cls.throws = (*throws, TaskLocked)
         time_limit = getattr(cls, "time_limit", None)
         if cls.lock_ttl is not None and time_limit and cls.lock_ttl <= time_limit:
             logger.warning(
