@@ -12,6 +12,7 @@ import redis
 from singletask.backends.base import LockBackend
 from singletask.backends.memory import MemoryBackend
 from singletask.backends.redis import RedisBackend
+from singletask.backends.sqlite import SQLiteBackend
 
 from .servers import private_redis, unavailable
 
@@ -54,11 +55,14 @@ def key_prefix() -> str:
     return f"test:{uuid.uuid4().hex[:12]}:"
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "sqlite"])
 def backend(request: pytest.FixtureRequest) -> Iterator[LockBackend]:
     """Every backend, for the contract suite."""
     if request.param == "memory":
         instance: LockBackend = MemoryBackend()
+    elif request.param == "sqlite":
+        tmp_path = request.getfixturevalue("tmp_path")
+        instance = SQLiteBackend.from_url(f"sqlite:///{tmp_path}/locks.db")
     else:
         url = request.getfixturevalue("redis_url")
         request.getfixturevalue("redis_client")  # fails / skips when the server is missing

@@ -19,6 +19,7 @@ from typing import Any
 import redis
 from kombu.utils.url import maybe_sanitize_url
 from redis.backoff import ExponentialBackoff
+from redis.connection import parse_url
 from redis.retry import Retry
 
 from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
@@ -97,6 +98,11 @@ class RedisBackend(LockBackend):
     ) -> None:
         if (client is None) == (url is None):
             raise ConfigurationError("RedisBackend takes exactly one of client= and url=")
+        if url is not None:
+            try:
+                parse_url(url)  # type: ignore[no-untyped-call]  # fail early on a bad URL
+            except ValueError as exc:
+                raise ConfigurationError(f"{maybe_sanitize_url(url)!r}: {exc}") from exc
         self._url = url
         self._options = {**CLIENT_DEFAULTS, **options}
         self._client = client
@@ -120,7 +126,16 @@ class RedisBackend(LockBackend):
         """The client, created on first use in each process (a forked child makes its own)."""
         if self._url is not None and (self._client is None or self._pid != os.getpid()):
             options = dict(self._options)
-            options.setdefault("retry", Retry(ExponentialBackoff(cap=1.0, base=0.05), 2))
+            # Retry a dropped connection, never a timeout: redis-py would also retry it inside
+            # each reconnect, multiplying the wait on a server that does not answer.
+            options.setdefault(
+                "retry",
+                Retry(
+                    ExponentialBackoff(cap=1.0, base=0.05),
+                    2,
+                    supported_errors=(redis.exceptions.ConnectionError,),
+                ),
+            )
             client = redis.Redis.from_url(self._url, **options)
             self._client, self._pid = client, os.getpid()
             self._register(client)

@@ -48,6 +48,8 @@ _LIMITS = (
 
 
 def _path_from_url(url: str) -> Path:
+    if url.split("?", 1)[0] in ("sqlite:", "sqlite://"):
+        url = "sqlite:///:memory:"  # SQLAlchemy's spelling of an in-memory database
     if not url.startswith("sqlite:///"):
         raise ConfigurationError(
             f"{url!r}: a SQLite lock URL looks like sqlite:///relative/locks.db or "

@@ -1,0 +1,425 @@
+"""The contract of the lock backend primitives, run against every backend.
+
+Every backend (the ``backend`` fixture: memory, the private Redis and SQLite) must pass this suite
+unchanged; the semantics are those documented in :mod:`singletask.backends.base`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from singletask.backends.base import AcquireResult, Holder, LockBackend
+
+LEASE = 30.0
+#: A lease short enough to watch it run out in a test ...
+SHORT = 0.2
+#: ... and a wait long enough that it has run out, even on a loaded machine.
+EXPIRY_WAIT = 10.0
+
+
+def wait_until_free(backend: LockBackend, key: str, timeout: float = EXPIRY_WAIT) -> bool:
+    """Poll until ``key`` has no holder; False if it still has one after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if backend.holder(key) is None:
+            return True
+        time.sleep(0.05)
+    return backend.holder(key) is None
+
+
+@pytest.fixture
+def key(key_prefix: str) -> str:
+    return f"{key_prefix}lock"
+
+
+# -- acquire ------------------------------------------------------------------------------------
+
+
+def test_acquire_takes_a_free_key(backend: LockBackend, key: str) -> None:
+    """A free key is acquired, and the backend then names the caller as its holder."""
+    # Given a key nobody holds
+    assert backend.holder(key) is None
+
+    # When a token acquires it
+    result = backend.acquire(key, "token-a", LEASE, meta={"task_id": "task-a"})
+
+    # Then it succeeds and the token holds the key
+    assert result == AcquireResult(True)
+    holder = backend.holder(key)
+    assert holder is not None
+    assert holder.token == "token-a"
+    assert holder.task_id == "task-a"
+    assert holder.ttl is not None
+    assert 0 < holder.ttl <= LEASE
+
+
+def test_acquire_of_a_held_key_fails_and_names_the_holder(backend: LockBackend, key: str) -> None:
+    """A conflicting acquire fails and returns the holder's token, task id and lease left."""
+    # Given a key held by token A with a 30 s lease
+    assert backend.acquire(key, "token-a", LEASE, meta={"task_id": "task-a"}).acquired
+
+    # When token B tries to acquire it
+    result = backend.acquire(key, "token-b", LEASE, meta={"task_id": "task-b"})
+
+    # Then B is refused and told who holds it
+    assert result.acquired is False
+    assert result.holder is not None
+    assert result.holder.token == "token-a"
+    assert result.holder.task_id == "task-a"
+    assert result.holder.ttl is not None
+    assert 0 < result.holder.ttl <= LEASE
+    # And nothing changed
+    holder = backend.holder(key)
+    assert holder is not None
+    assert (holder.token, holder.task_id) == ("token-a", "task-a")
+
+
+def test_conflict_without_task_id_reports_none(backend: LockBackend, key: str) -> None:
+    """A holder that stored no task id is reported with task_id None."""
+    # Given a key held by a token that stored no metadata
+    assert backend.acquire(key, "token-a", LEASE).acquired
+
+    # When another token tries to acquire it
+    result = backend.acquire(key, "token-b", LEASE)
+
+    # Then the holder is named by token only
+    assert result.holder is not None
+    assert result.holder.token == "token-a"
+    assert result.holder.task_id is None
+
+
+def test_reacquire_by_the_same_token_succeeds_and_restarts_the_lease(
+    backend: LockBackend, key: str
+) -> None:
+    """Acquire is idempotent for the owner: a repeated call succeeds and restarts the lease."""
+    # Given a key held by token A with a short lease
+    assert backend.acquire(key, "token-a", 5.0).acquired
+
+    # When token A acquires it again with a longer lease
+    result = backend.acquire(key, "token-a", LEASE)
+
+    # Then it succeeds, and the lease is the new one
+    assert result.acquired is True
+    holder = backend.holder(key)
+    assert holder is not None
+    assert holder.token == "token-a"
+    assert holder.ttl is not None
+    assert 5.0 < holder.ttl <= LEASE
+
+
+def test_takeover_prefix_takes_over_a_matching_holder(backend: LockBackend, key: str) -> None:
+    """A holder whose token starts with takeover_prefix is replaced by the caller."""
+    # Given a key held by the previous attempt of a task
+    assert backend.acquire(key, "task-1:0:aaaa", LEASE, meta={"task_id": "task-1"}).acquired
+
+    # When the next attempt acquires with that attempt's prefix
+    result = backend.acquire(
+        key, "task-1:1:bbbb", LEASE, meta={"task_id": "task-1"}, takeover_prefix="task-1:0:"
+    )
+
+    # Then it holds the key now
+    assert result.acquired is True
+    holder = backend.holder(key)
+    assert holder is not None
+    assert holder.token == "task-1:1:bbbb"
+
+
+def test_takeover_prefix_does_not_take_over_another_holder(backend: LockBackend, key: str) -> None:
+    """takeover_prefix never takes over a holder whose token does not start with it."""
+    # Given a key held by another task
+    assert backend.acquire(key, "task-2:0:cccc", LEASE, meta={"task_id": "task-2"}).acquired
+
+    # When an attempt of task-1 acquires with its own takeover prefix
+    result = backend.acquire(
+        key, "task-1:1:bbbb", LEASE, meta={"task_id": "task-1"}, takeover_prefix="task-1:0:"
+    )
+
+    # Then it is refused and task-2 still holds the key
+    assert result.acquired is False
+    assert result.holder is not None
+    assert result.holder.token == "task-2:0:cccc"
+    holder = backend.holder(key)
+    assert holder is not None
+    assert holder.token == "task-2:0:cccc"
+    assert holder.task_id == "task-2"
+
+
+def test_empty_takeover_prefix_takes_over_nothing(backend: LockBackend, key: str) -> None:
+    """An empty takeover_prefix means "no takeover", not "every token matches"."""
+    # Given a held key
+    assert backend.acquire(key, "token-a", LEASE).acquired
+
+    # When another token acquires with an empty prefix
+    result = backend.acquire(key, "token-b", LEASE, takeover_prefix="")
+
+    # Then it is refused
+    assert result.acquired is False
+    holder = backend.holder(key)
+    assert holder is not None
+    assert holder.token == "token-a"
+
+
+def test_meta_is_replaced_on_takeover(backend: LockBackend, key: str) -> None:
+    """On a successful acquire the stored metadata is replaced, not merged."""
+    # Given a key held with two metadata fields
+    meta_a = {"task_id": "task-1", "hostname": "host-a", "pid": "11"}
+    assert backend.acquire(key, "task-1:0:aaaa", LEASE, meta=meta_a).acquired
+
+    # When the next attempt takes it over with different metadata (no hostname)
+    meta_b = {"task_id": "task-1", "pid": "22", "since": "1700000000.000"}
+    assert backend.acquire(
+        key, "task-1:1:bbbb", LEASE, meta=meta_b, takeover_prefix="task-1:0:"
+    ).acquired
+
+    # Then the metadata is exactly the new one
+    holder = backend.holder(key)
+    assert holder is not None
+    assert dict(holder.meta) == meta_b
+
+
+def test_meta_is_replaced_on_reacquire_by_the_owner(backend: LockBackend, key: str) -> None:
+    """A repeated acquire by the owner also replaces the metadata."""
+    # Given a key held with metadata
+    assert backend.acquire(key, "token-a", LEASE, meta={"task_id": "t", "pid": "1"}).acquired
+
+    # When the owner acquires again with other metadata
+    assert backend.acquire(key, "token-a", LEASE, meta={"task_id": "t", "pid": "2"}).acquired
+
+    # Then only the new metadata is stored
+    holder = backend.holder(key)
+    assert holder is not None
+    assert dict(holder.meta) == {"task_id": "t", "pid": "2"}
+
+
+def test_holder_returns_all_meta(backend: LockBackend, key: str) -> None:
+    """holder() returns every metadata field, as strings, and the token separately."""
+    # Given a key acquired with the full set of metadata fields
+    meta = {
+        "task_id": "9f1c-task",
+        "task": "proj.tasks.sync",
+        "hostname": "worker-1@host",
+        "pid": "4242",
+        "since": "1700000000.123",
+    }
+    assert backend.acquire(key, "token-a", LEASE, meta=meta).acquired
+
+    # When it is inspected
+    holder = backend.holder(key)
+
+    # Then the holder carries all of them
+    assert isinstance(holder, Holder)
+    assert holder.token == "token-a"
+    assert holder.task_id == "9f1c-task"
+    assert dict(holder.meta) == meta
+    assert holder.ttl is not None
+    assert 0 < holder.ttl <= LEASE
+
+
+def test_holder_of_a_free_key_is_none(backend: LockBackend, key: str) -> None:
+    """holder() of a key nobody holds is None."""
+    assert backend.holder(key) is None
+
+
+def test_keys_are_independent(backend: LockBackend, key: str) -> None:
+    """Holding one key does not affect another."""
+    # Given a held key
+    assert backend.acquire(key, "token-a", LEASE).acquired
+
+    # When another token acquires a different key
+    result = backend.acquire(f"{key}:other", "token-b", LEASE)
+
+    # Then it succeeds
+    assert result.acquired is True
+
+
+# -- release ------------------------------------------------------------------------------------
+
+
+def test_release_by_the_owner_frees_the_key(backend: LockBackend, key: str) -> None:
+    """The owner's release deletes the lock; another token can acquire it at once."""
+    # Given a key held by token A
+    assert backend.acquire(key, "token-a", LEASE).acquired
+
+    # When A releases it
+    released = backend.release(key, "token-a")
+
+    # Then it was released and is free for B
+    assert released is True
+    assert backend.holder(key) is None
+    assert backend.acquire(key, "token-b", LEASE).acquired
+
+
+def test_release_by_another_token_changes_nothing(backend: LockBackend, key: str) -> None:
+    """Only the owner can release: another token's release returns False, the lock stays."""
+    # Given a key held by token A
+    assert backend.acquire(key, "token-a", LEASE, meta={"task_id": "task-a"}).acquired
+
+    # When token B releases it
+    released = backend.release(key, "token-b")
+
+    # Then nothing happened
+    assert released is False
+    holder = backend.holder(key)
+    assert holder is not None
+    assert (holder.token, holder.task_id) == ("token-a", "task-a")
+    assert holder.ttl is not None
+    assert holder.ttl > LEASE / 2
+
+
+def test_release_of_a_free_key_returns_false(backend: LockBackend, key: str) -> None:
+    """Releasing a key nobody holds is harmless and returns False."""
+    assert backend.release(key, "token-a") is False
+    assert backend.holder(key) is None
+
+
+def test_release_twice_returns_false_the_second_time(backend: LockBackend, key: str) -> None:
+    """A release is done once: a repeated release by the same owner returns False."""
+    # Given a key acquired then released by token A
+    assert backend.acquire(key, "token-a", LEASE).acquired
+    assert backend.release(key, "token-a") is True
+
+    # When A releases again / Then there was nothing left to release
+    assert backend.release(key, "token-a") is False
+
+
+# -- extend -------------------------------------------------------------------------------------
+
+
+def test_extend_by_the_owner_sets_the_lease(backend: LockBackend, key: str) -> None:
+    """The owner's extend sets the lease to the new value from now."""
+    # Given a key held by token A with a 5 s lease
+    assert backend.acquire(key, "token-a", 5.0).acquired
+
+    # When A extends it to 30 s
+    extended = backend.extend(key, "token-a", LEASE)
+
+    # Then the lease is longer than the original one
+    assert extended is True
+    holder = backend.holder(key)
+    assert holder is not None
+    assert holder.ttl is not None
+    assert 5.0 < holder.ttl <= LEASE
+
+
+def test_extend_can_shorten_the_lease(backend: LockBackend, key: str) -> None:
+    """Shortening a lease is allowed, and the shortened lease runs out."""
+    # Given a key held by token A with a 30 s lease
+    assert backend.acquire(key, "token-a", LEASE).acquired
+
+    # When A shortens it to 0.2 s
+    assert backend.extend(key, "token-a", SHORT) is True
+
+    # Then the key is free again soon after (within 10 s)
+    holder = backend.holder(key)
+    assert holder is None or (holder.ttl is not None and holder.ttl <= 1.0)
+    assert wait_until_free(backend, key)
+
+
+def test_extend_by_another_token_changes_nothing(backend: LockBackend, key: str) -> None:
+    """Only the owner can extend: another token's extend returns False, the lease stays."""
+    # Given a key held by token A with a 30 s lease
+    assert backend.acquire(key, "token-a", LEASE).acquired
+
+    # When token B tries to shorten it
+    extended = backend.extend(key, "token-b", SHORT)
+
+    # Then nothing happened: A still holds it with (about) its 30 s lease
+    assert extended is False
+    time.sleep(SHORT * 2)
+    holder = backend.holder(key)
+    assert holder is not None
+    assert holder.token == "token-a"
+    assert holder.ttl is not None
+    assert holder.ttl > LEASE / 2
+
+
+def test_extend_of_a_free_key_returns_false_and_creates_nothing(
+    backend: LockBackend, key: str
+) -> None:
+    """Extending a key nobody holds returns False and does not create a lock."""
+    assert backend.extend(key, "token-a", LEASE) is False
+    assert backend.holder(key) is None
+
+
+# -- lease expiry -------------------------------------------------------------------------------
+
+
+def test_lease_expiry_frees_the_key(backend: LockBackend, key: str) -> None:
+    """A lease always runs out: the key is free again once its lease has passed."""
+    # Given a key held with a 0.2 s lease
+    assert backend.acquire(key, "token-a", SHORT).acquired
+
+    # When the lease passes / Then the key is free (within 10 s)
+    assert wait_until_free(backend, key)
+    # And another token acquires it
+    assert backend.acquire(key, "token-b", LEASE).acquired
+
+
+def test_expired_owner_cannot_release_or_extend_the_new_owners_lock(
+    backend: LockBackend, key: str
+) -> None:
+    """After expiry a new owner holds the key; the old owner's release and extend return False.
+
+    This is the "a finished task deletes someone else's lock" bug: the old owner's late release
+    must not free the key the new owner holds.
+    """
+    # Given token A's lease ran out and token B acquired the key
+    assert backend.acquire(key, "token-a", SHORT, meta={"task_id": "task-a"}).acquired
+    assert wait_until_free(backend, key)
+    assert backend.acquire(key, "token-b", LEASE, meta={"task_id": "task-b"}).acquired
+
+    # When A (finishing late) releases and extends
+    released = backend.release(key, "token-a")
+    extended = backend.extend(key, "token-a", SHORT)
+
+    # Then both refused, and B still holds the key with its full lease
+    assert released is False
+    assert extended is False
+    time.sleep(SHORT * 2)
+    holder = backend.holder(key)
+    assert holder is not None
+    assert (holder.token, holder.task_id) == ("token-b", "task-b")
+    assert holder.ttl is not None
+    assert holder.ttl > LEASE / 2
+
+
+def test_expired_owner_is_not_the_holder_any_more(backend: LockBackend, key: str) -> None:
+    """Once its lease ran out, even the old owner's own release returns False."""
+    # Given token A's lease ran out
+    assert backend.acquire(key, "token-a", SHORT).acquired
+    assert wait_until_free(backend, key)
+
+    # When A releases / Then there was nothing to release
+    assert backend.release(key, "token-a") is False
+
+
+# -- concurrency --------------------------------------------------------------------------------
+
+
+def test_racing_acquires_have_exactly_one_winner(backend: LockBackend, key: str) -> None:
+    """32 threads acquiring one free key at the same moment: exactly one of them gets it."""
+    # Given 32 threads, released together by a barrier
+    contenders = 32
+    barrier = threading.Barrier(contenders)
+
+    def contend(index: int) -> tuple[str, AcquireResult]:
+        token = f"token-{index}"
+        barrier.wait(timeout=30)
+        return token, backend.acquire(key, token, LEASE, meta={"task_id": f"task-{index}"})
+
+    # When they all acquire the same key
+    with ThreadPoolExecutor(max_workers=contenders) as pool:
+        outcomes = list(pool.map(contend, range(contenders)))
+
+    # Then exactly one won, every loser was told the winner, and the winner holds the key
+    winners = [token for token, result in outcomes if result.acquired]
+    assert len(winners) == 1
+    losers = [result for _, result in outcomes if not result.acquired]
+    assert all(r.holder is not None and r.holder.token == winners[0] for r in losers)
+    holder = backend.holder(key)
+    assert holder is not None
+    assert holder.token == winners[0]

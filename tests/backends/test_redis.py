@@ -1,0 +1,413 @@
+"""Redis-only behaviour of RedisBackend and the backend registry, on the private Redis server."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from singletask import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
+from singletask.backends import backend_class, backend_from_url, known_schemes
+from singletask.backends.memory import MemoryBackend
+from singletask.backends.redis import RedisBackend
+from singletask.exceptions import UnknownBackendError
+
+from ..servers import free_port
+
+LEASE = 30.0
+
+
+@pytest.fixture
+def redis_backend(redis_url: str, redis_client: redis.Redis) -> Iterator[RedisBackend]:
+    backend = RedisBackend.from_url(redis_url)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+def key(key_prefix: str) -> str:
+    return f"{key_prefix}lock"
+
+
+# -- storage format -----------------------------------------------------------------------------
+
+
+def test_a_lock_is_a_redis_hash_with_an_expiry(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key: str
+) -> None:
+    """A lock is a Redis hash at the lock key (token + metadata), whose PTTL is the lease."""
+    # Given / When a lock acquired with metadata and a 30 s lease
+    meta = {"task_id": "task-1", "task": "proj.sync", "hostname": "h", "pid": "7", "since": "1.0"}
+    assert redis_backend.acquire(key, "token-1", LEASE, meta=meta).acquired
+
+    # Then Redis holds a hash with the token and every metadata field
+    assert redis_client.type(key) == b"hash"
+    fields = {k.decode(): v.decode() for k, v in redis_client.hgetall(key).items()}
+    assert fields == {"token": "token-1", **meta}
+    # And the key expires within the lease
+    pttl = redis_client.pttl(key)
+    assert 0 < pttl <= LEASE * 1000
+
+
+def test_release_deletes_the_redis_key(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key: str
+) -> None:
+    """The owner's release removes the key from Redis entirely."""
+    # Given a held lock
+    assert redis_backend.acquire(key, "token-1", LEASE).acquired
+
+    # When the owner releases it
+    assert redis_backend.release(key, "token-1")
+
+    # Then the key does not exist
+    assert redis_client.exists(key) == 0
+
+
+def test_extend_sets_the_redis_pttl(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key: str
+) -> None:
+    """extend() sets the key's PTTL to the new lease."""
+    # Given a lock with a 30 s lease
+    assert redis_backend.acquire(key, "token-1", LEASE).acquired
+
+    # When the owner shortens it to 5 s
+    assert redis_backend.extend(key, "token-1", 5.0)
+
+    # Then Redis has the new expiry
+    assert 0 < redis_client.pttl(key) <= 5000
+
+
+def test_a_client_with_decode_responses_works(redis_url: str, key: str) -> None:
+    """A ready client created with decode_responses=True is usable as is."""
+    # Given a backend built on a client that decodes replies to str
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    backend = RedisBackend(client=client)
+    try:
+        # When it acquires, conflicts, inspects, extends and releases
+        assert backend.acquire(key, "token-1", LEASE, meta={"task_id": "task-1"}).acquired
+        conflict = backend.acquire(key, "token-2", LEASE)
+        holder = backend.holder(key)
+
+        # Then every result carries str values
+        assert conflict.holder is not None
+        assert (conflict.holder.token, conflict.holder.task_id) == ("token-1", "task-1")
+        assert holder is not None
+        assert (holder.token, holder.task_id, dict(holder.meta)) == (
+            "token-1",
+            "task-1",
+            {"task_id": "task-1"},
+        )
+        assert backend.extend(key, "token-1", LEASE)
+        assert backend.release(key, "token-1")
+        assert backend.holder(key) is None
+    finally:
+        client.close()
+
+
+def test_a_given_client_is_not_closed_by_the_backend(redis_url: str, key: str) -> None:
+    """close() leaves a client the caller passed in alone: the caller owns it."""
+    # Given a backend on a caller's client
+    client = redis.Redis.from_url(redis_url)
+    try:
+        backend = RedisBackend(client=client)
+
+        # When the backend is closed
+        backend.close()
+
+        # Then the client and the backend still work
+        assert client.ping()
+        assert backend.acquire(key, "token-1", LEASE).acquired
+        assert backend.client is client
+    finally:
+        client.close()
+
+
+# -- construction -------------------------------------------------------------------------------
+
+
+def test_client_and_url_together_are_a_configuration_error(redis_url: str) -> None:
+    """RedisBackend takes exactly one of client= and url=: both is an error."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        with pytest.raises(ConfigurationError, match="exactly one"):
+            RedisBackend(client=client, url=redis_url)
+    finally:
+        client.close()
+
+
+def test_neither_client_nor_url_is_a_configuration_error() -> None:
+    """RedisBackend takes exactly one of client= and url=: neither is an error."""
+    with pytest.raises(ConfigurationError, match="exactly one"):
+        RedisBackend()
+
+
+def test_url_query_options_are_honoured(redis_url: str, key: str) -> None:
+    """Client options in the URL's query string (socket_timeout, ...) reach the client."""
+    # Given a backend URL with client options
+    backend = RedisBackend.from_url(f"{redis_url}?socket_timeout=0.75&health_check_interval=7")
+    try:
+        # When the backend is used
+        assert backend.acquire(key, "token-1", LEASE).acquired
+
+        # Then its client was built with them (over the library's defaults)
+        kwargs = backend.client.connection_pool.connection_kwargs
+        assert kwargs["socket_timeout"] == 0.75
+        assert kwargs["health_check_interval"] == 7
+    finally:
+        backend.close()
+
+
+def test_options_given_to_from_url_reach_the_client(redis_url: str) -> None:
+    """Keyword options of from_url are client options too."""
+    backend = RedisBackend.from_url(redis_url, socket_timeout=1.5)
+    try:
+        assert backend.client.connection_pool.connection_kwargs["socket_timeout"] == 1.5
+    finally:
+        backend.close()
+
+
+def test_an_invalid_url_option_is_a_configuration_error() -> None:
+    """A URL option redis-py cannot parse is a ConfigurationError (when built, or at first use).
+
+    base.py documents ``from_url`` as raising ConfigurationError for an invalid option; a bare
+    ValueError from the driver would escape ``except SingletaskError`` handlers.
+    """
+    url = f"redis://127.0.0.1:{free_port()}/0?socket_timeout=abc"
+
+    def build_and_use() -> None:
+        backend = backend_from_url(url)
+        backend.acquire("test:invalid-option", "token-1", LEASE)
+
+    # When a backend URL with a malformed option is built and used
+    # Then the error is singletask's ConfigurationError naming the option
+    with pytest.raises(ConfigurationError, match="socket_timeout"):
+        build_and_use()
+
+
+def test_repr_hides_the_password() -> None:
+    """The backend's repr names the server but never the password."""
+    backend = RedisBackend.from_url("redis://:s3cret@127.0.0.1:6399/0")
+    assert "s3cret" not in repr(backend)
+    assert "127.0.0.1:6399" in repr(backend)
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+def test_an_unreachable_server_raises_backend_unavailable_without_the_password() -> None:
+    """Connection refused -> BackendUnavailable, driver error chained, password not shown."""
+    # Given a backend on a port nobody listens on, with a password in the URL
+    backend = RedisBackend.from_url(f"redis://:s3cret@127.0.0.1:{free_port()}/0")
+
+    # When it is used
+    with pytest.raises(BackendUnavailable) as caught:
+        backend.acquire("test:unreachable", "token-1", LEASE)
+
+    # Then the error is singletask's, chains redis-py's, and never shows the password
+    assert isinstance(caught.value, BackendError)
+    assert isinstance(caught.value.__cause__, redis.exceptions.ConnectionError)
+    assert "s3cret" not in str(caught.value)
+    assert "test:unreachable" in str(caught.value)
+
+
+@pytest.mark.parametrize("operation", ["release", "extend", "holder"])
+def test_every_operation_on_an_unreachable_server_raises_backend_unavailable(
+    operation: str,
+) -> None:
+    """Not only acquire: release, extend and holder translate connection errors too."""
+    backend = RedisBackend.from_url(f"redis://127.0.0.1:{free_port()}/0")
+    calls = {
+        "release": lambda: backend.release("test:unreachable", "token-1"),
+        "extend": lambda: backend.extend("test:unreachable", "token-1", LEASE),
+        "holder": lambda: backend.holder("test:unreachable"),
+    }
+    with pytest.raises(BackendUnavailable) as caught:
+        calls[operation]()
+    assert isinstance(caught.value.__cause__, redis.exceptions.ConnectionError)
+
+
+class SilentServer:
+    """A TCP port that accepts connections and never answers; counts the connections."""
+
+    def __init__(self) -> None:
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.listener.settimeout(0.05)
+        self.port = int(self.listener.getsockname()[1])
+        self.accepted: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.accepted.append(self.listener.accept()[0])
+            except OSError:
+                continue
+
+    def connections(self) -> int:
+        """How many connections were made so far (stops accepting, drains the backlog)."""
+        self._stop.set()
+        self._thread.join(5)
+        while True:
+            try:
+                self.accepted.append(self.listener.accept()[0])
+            except OSError:
+                return len(self.accepted)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for connection in self.accepted:
+            connection.close()
+        self.listener.close()
+
+
+@pytest.fixture
+def silent_server() -> Iterator[SilentServer]:
+    server = SilentServer()
+    yield server
+    server.close()
+
+
+def test_a_server_that_does_not_answer_raises_backend_timeout(silent_server: SilentServer) -> None:
+    """A command that gets no reply within socket_timeout -> BackendTimeout."""
+    # Given a backend with a short socket timeout on a server that never replies
+    url = f"redis://127.0.0.1:{silent_server.port}/0?socket_timeout=0.1"
+    backend = RedisBackend.from_url(url)
+    try:
+        # When it is used / Then the timeout is singletask's, chaining redis-py's
+        with pytest.raises(BackendTimeout) as caught:
+            backend.acquire("test:silent", "token-1", LEASE)
+        assert isinstance(caught.value, BackendError)
+        assert isinstance(caught.value.__cause__, redis.exceptions.TimeoutError)
+    finally:
+        backend.close()
+
+
+def test_a_timed_out_operation_is_not_retried_over_and_over(silent_server: SilentServer) -> None:
+    """A silent server costs one operation at most 3 attempts (the client's 2 retries).
+
+    Each attempt waits socket_timeout, so the attempts bound how long a worker can block on a
+    lock operation (with the default socket_timeout of 5 s: 15 s, not minutes).
+    """
+    # Given a backend on a server that never replies
+    backend = RedisBackend.from_url(f"redis://127.0.0.1:{silent_server.port}/0?socket_timeout=0.1")
+    try:
+        # When one operation times out
+        with pytest.raises(BackendTimeout):
+            backend.holder("test:silent")
+    finally:
+        backend.close()
+
+    # Then the server saw at most 3 connection attempts
+    assert silent_server.connections() <= 3
+
+
+def test_a_key_of_the_wrong_type_raises_backend_error(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key: str
+) -> None:
+    """A lock key that holds another Redis type (WRONGTYPE) -> BackendError, key untouched."""
+    # Given a plain string at the lock key
+    redis_client.set(key, "not a lock", ex=60)
+
+    # When the backend operates on it / Then each operation fails with BackendError
+    with pytest.raises(BackendError) as caught:
+        redis_backend.acquire(key, "token-1", LEASE)
+    assert isinstance(caught.value.__cause__, redis.exceptions.ResponseError)
+    assert "WRONGTYPE" in str(caught.value)
+    with pytest.raises(BackendError):
+        redis_backend.release(key, "token-1")
+    with pytest.raises(BackendError):
+        redis_backend.extend(key, "token-1", LEASE)
+    with pytest.raises(BackendError):
+        redis_backend.holder(key)
+    # And the key was left as it was
+    assert redis_client.get(key) == b"not a lock"
+
+
+# -- fork ---------------------------------------------------------------------------------------
+
+
+def test_the_client_is_recreated_after_fork(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key: str
+) -> None:
+    """A forked child builds its own client (never shares the parent's sockets) and works."""
+    # Given a backend whose client the parent has already used
+    assert redis_backend.acquire(f"{key}:parent", "parent-token", LEASE).acquired
+    parent_client = redis_backend.client
+
+    # When a forked child uses the same backend object
+    with warnings.catch_warnings():
+        # Python >= 3.12 warns about fork() in a process with threads; the child below only
+        # talks to Redis and leaves with os._exit.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        status = 1
+        try:
+            fresh = redis_backend.client is not parent_client
+            acquired = redis_backend.acquire(key, "child-token", LEASE).acquired
+            status = 0 if fresh and acquired else 2
+        finally:
+            os._exit(status)
+    _, wait_status = os.waitpid(pid, 0)
+
+    # Then the child exited cleanly with a client of its own, and its lock is in Redis
+    assert os.waitstatus_to_exitcode(wait_status) == 0
+    assert redis_client.hget(key, "token") == b"child-token"
+    # And the parent's client still works
+    assert redis_backend.client is parent_client
+    assert redis_backend.release(f"{key}:parent", "parent-token")
+
+
+# -- registry -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("redis://localhost:6379/1", RedisBackend),
+        ("rediss://:pw@redis.example.com:6380/0", RedisBackend),
+        ("unix:///var/run/redis/redis.sock?db=2", RedisBackend),
+        ("memory://", MemoryBackend),
+    ],
+)
+def test_backend_from_url_selects_the_class_by_scheme(url: str, expected: type) -> None:
+    """The URL scheme picks the backend class; building it connects to nothing."""
+    assert backend_class(url) is expected
+    backend = backend_from_url(url)
+    assert type(backend) is expected
+    backend.close()
+
+
+def test_memory_urls_build_independent_stores() -> None:
+    """Each memory:// backend is its own store."""
+    first, second = backend_from_url("memory://"), backend_from_url("memory://")
+    assert first.acquire("k", "token-1", LEASE).acquired
+    assert second.acquire("k", "token-2", LEASE).acquired
+
+
+def test_an_unknown_scheme_is_an_unknown_backend_error_listing_known_schemes() -> None:
+    """An unknown scheme fails with UnknownBackendError (a ConfigurationError and ValueError)."""
+    # When a URL with an unregistered scheme is used
+    with pytest.raises(UnknownBackendError) as caught:
+        backend_from_url("etcd://:s3cret@localhost:2379")
+
+    # Then the error is a configuration error that lists every known scheme
+    assert isinstance(caught.value, ConfigurationError)
+    assert isinstance(caught.value, ValueError)
+    message = str(caught.value)
+    assert "'etcd'" in message
+    for scheme in ("memory", "redis", "rediss", "unix"):
+        assert scheme in message
+    assert set(known_schemes()) >= {"memory", "redis", "rediss", "unix"}
+    # And it does not show the URL's password
+    assert "s3cret" not in message

@@ -1,0 +1,95 @@
+"""SQLite-only behaviour: URLs, refusals that state the backend's limits, several processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from singletask import ConfigurationError
+from singletask.backends import backend_from_url
+from singletask.backends.sqlite import SQLiteBackend
+
+
+def test_sqlite_urls_follow_the_sqlalchemy_convention(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a URL with four slashes (absolute) and one with three (relative to the cwd)
+    monkeypatch.chdir(tmp_path)
+    absolute = backend_from_url(f"sqlite:///{tmp_path}/abs.db")
+    relative = backend_from_url("sqlite:///rel.db")
+
+    # Then both are SQLite backends on the files named
+    assert isinstance(absolute, SQLiteBackend)
+    assert absolute.path == tmp_path / "abs.db"
+    assert isinstance(relative, SQLiteBackend)
+    assert relative.path == Path("rel.db")
+    # And the database file and table appear at first use
+    assert relative.acquire("k", "t", 5).acquired
+    assert (tmp_path / "rel.db").exists()
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
+def test_a_database_private_to_one_process_is_refused(url: str) -> None:
+    with pytest.raises(ConfigurationError, match="one host") as info:
+        backend_from_url(url)
+    assert "memory://" in str(info.value)
+
+
+def test_a_missing_folder_is_refused_with_the_limits_stated(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="does not exist") as info:
+        backend_from_url(f"sqlite:///{tmp_path}/missing/locks.db")
+    assert "one host" in str(info.value)
+
+
+def test_the_database_runs_in_wal_mode(tmp_path: Path) -> None:
+    backend = SQLiteBackend(tmp_path / "locks.db")
+    backend.acquire("k", "t", 5)
+    with sqlite3.connect(tmp_path / "locks.db") as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    backend.close()
+
+
+def _contend(path: str, worker: int, rounds: int, results: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    """In a separate process: take the lock, check nobody else is inside, leave, repeat."""
+    backend = SQLiteBackend(path)
+    inside = Path(path).with_suffix(".inside")
+    wins = overlaps = 0
+    for n in range(rounds):
+        token = f"w{worker}-{n}"
+        if backend.acquire("shared", token, 10).acquired:
+            wins += 1
+            try:
+                inside.mkdir()  # atomic: fails if another holder is inside
+            except FileExistsError:
+                overlaps += 1
+            else:
+                time.sleep(0.001)
+                inside.rmdir()
+            assert backend.release("shared", token)
+    results.put((wins, overlaps))
+
+
+def test_processes_sharing_the_file_never_hold_the_lock_together(tmp_path: Path) -> None:
+    # Given four processes competing for one key in the same database file
+    path = str(tmp_path / "locks.db")
+    SQLiteBackend(path).acquire("warm-up", "t", 1)  # create the database before the race
+    results: multiprocessing.Queue = multiprocessing.Queue()  # type: ignore[type-arg]
+    workers = [
+        multiprocessing.Process(target=_contend, args=(path, i, 150, results)) for i in range(4)
+    ]
+
+    # When they all acquire and release as fast as they can
+    for process in workers:
+        process.start()
+    for process in workers:
+        process.join(60)
+    outcomes = [results.get(timeout=5) for _ in workers]
+
+    # Then each finished, won sometimes, and no two were ever inside at once
+    assert all(process.exitcode == 0 for process in workers)
+    assert sum(wins for wins, _ in outcomes) > 0
+    assert sum(overlaps for _, overlaps in outcomes) == 0

@@ -1,0 +1,403 @@
+"""Configuration: task attributes validated at definition time, app settings at first use.
+
+Celery creates the class of an ``@app.task`` lazily (a proxy evaluated on first attribute access
+or at ``app.finalize()``), and SingletonTask validates its attributes when that class is created.
+These tests pass ``lazy=False`` so the class, and so the validation, happens right at the
+decorator; one test shows the same error surfacing at ``app.finalize()`` for a lazy task. Every
+task is created with ``shared=False``: a shared task (Celery's default) would be re-created, and
+fail again, in every app finalized later in the session.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import celery
+import pytest
+
+from singletask import ConfigurationError, LockHandle, SingletonTask, Skipped, TaskLocked
+from singletask.config import DEFAULTS, Settings
+
+
+@pytest.fixture
+def app() -> Iterator[celery.Celery]:
+    app = celery.Celery("t", set_as_current=False)
+    app.conf.singletask_backend_url = "memory://"
+    yield app
+    app.close()
+
+
+def singleton(app: celery.Celery, **options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """``@app.task(base=SingletonTask, ...)``, validated at once, never shared between apps."""
+    return app.task(base=SingletonTask, shared=False, lazy=False, **options)
+
+
+# -- task attributes: validated when the task class is created -----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "attribute"),
+    [
+        ({"lock_policy": "sometimes"}, "lock_policy"),
+        ({"lock_policy": "SKIP"}, "lock_policy"),
+        ({"lock_args": ("customer",)}, "lock_args"),
+        ({"lock_args": "customer_id"}, "lock_args"),
+        ({"lock_args": ()}, "lock_args"),
+        ({"lock_ttl": 0}, "lock_ttl"),
+        ({"lock_ttl": -5}, "lock_ttl"),
+        ({"lock_ttl": math.nan}, "lock_ttl"),
+        ({"lock_ttl": math.inf}, "lock_ttl"),
+        ({"lock_ttl": "60"}, "lock_ttl"),
+        ({"lock_retry_countdown": -1}, "lock_retry_countdown"),
+        ({"lock_retry_max": -1}, "lock_retry_max"),
+        ({"lock_retry_max": 2.5}, "lock_retry_max"),
+        ({"lock_key": "customer:{customer}"}, "lock_key"),
+        ({"lock_key": "customer:{0}"}, "lock_key"),
+        ({"lock_key": "customer:{}"}, "lock_key"),
+        ({"lock_key": "customer:{customer_id"}, "lock_key"),
+        ({"lock_key": 42}, "lock_key"),
+    ],
+    ids=[
+        "unknown-policy",
+        "policy-wrong-case",
+        "lock_args-not-a-parameter",
+        "lock_args-bare-string",
+        "lock_args-empty",
+        "ttl-zero",
+        "ttl-negative",
+        "ttl-nan",
+        "ttl-infinite",
+        "ttl-string",
+        "retry-countdown-negative",
+        "retry-max-negative",
+        "retry-max-float",
+        "lock_key-unknown-field",
+        "lock_key-positional-field",
+        "lock_key-auto-numbered-field",
+        "lock_key-malformed",
+        "lock_key-not-str-or-callable",
+    ],
+)
+def test_an_invalid_task_attribute_fails_at_definition_naming_task_and_attribute(
+    app: celery.Celery, options: dict[str, Any], attribute: str
+) -> None:
+    """A bad lock option is a ConfigurationError (a ValueError) when the task is defined."""
+    # When a task is defined with the invalid option
+    with pytest.raises(ConfigurationError) as caught:
+
+        @singleton(app, name="cfg.sync_customer", **options)
+        def sync_customer(customer_id: int, full: bool = False) -> None: ...
+
+    # Then the message names the task and the attribute
+    assert isinstance(caught.value, ValueError)
+    message = str(caught.value)
+    assert "cfg.sync_customer" in message
+    assert attribute in message
+
+
+@pytest.mark.parametrize("template", ["customer:{0}", "customer:{}", "{0.id}"])
+def test_a_positional_lock_key_field_is_rejected_as_positional(
+    app: celery.Celery, template: str
+) -> None:
+    """Positional fields ("{0}", "{}") are refused with a hint to name parameters instead."""
+    with pytest.raises(ConfigurationError, match="positional field") as caught:
+
+        @singleton(app, name="cfg.positional", lock_key=template)
+        def positional(customer_id: int) -> None: ...
+
+    assert "cfg.positional" in str(caught.value)
+
+
+def test_a_positional_lock_key_field_is_rejected_without_a_signature() -> None:
+    """A task class with no run() yet (an abstract base) still gets its lock_key checked."""
+    with pytest.raises(ConfigurationError, match="positional field"):
+
+        class Base(SingletonTask):
+            name = "cfg.abstract_base"
+            lock_key = "item:{0}"
+
+
+def test_lock_key_and_lock_args_together_fail_at_definition(app: celery.Celery) -> None:
+    """lock_key replaces the key derived from lock_args, so setting both is an error."""
+    with pytest.raises(ConfigurationError) as caught:
+
+        @singleton(app, name="cfg.both", lock_key="{a}", lock_args=("a",))
+        def both(a: int) -> None: ...
+
+    message = str(caught.value)
+    assert "cfg.both" in message
+    assert "lock_key" in message
+    assert "lock_args" in message
+
+
+def test_a_class_based_task_is_validated_when_the_class_is_defined() -> None:
+    """Subclassing SingletonTask with a bad attribute fails at the class statement."""
+    with pytest.raises(ConfigurationError, match=r"cfg\.Klass.*lock_args"):
+
+        class Klass(SingletonTask):
+            name = "cfg.Klass"
+            lock_args = ("missing",)
+
+            def run(self, url: str) -> None: ...
+
+
+def test_a_lazy_task_is_validated_when_the_app_is_finalized() -> None:
+    """With Celery's default lazy task creation, the error surfaces at app.finalize()."""
+    # Given a task with an invalid option, created lazily (not yet a class)
+    app = celery.Celery("t", set_as_current=False)
+
+    @app.task(base=SingletonTask, shared=False, name="cfg.lazy", lock_policy="often")
+    def lazy() -> None: ...
+
+    # When the app is finalized / Then the task's ConfigurationError is raised
+    with pytest.raises(ConfigurationError, match=r"cfg\.lazy.*lock_policy"):
+        app.finalize()
+    app.close()
+
+
+def test_valid_task_attributes_are_accepted(app: celery.Celery) -> None:
+    """The documented forms of every option define a task without error."""
+
+    @singleton(
+        app,
+        name="cfg.ok",
+        lock_policy="retry",
+        lock_args=["customer_id"],
+        lock_ttl=0.5,
+        lock_retry_countdown=0,
+        lock_retry_max=0,
+    )
+    def ok(customer_id: int) -> None: ...
+
+    @singleton(app, name="cfg.ok_key", lock_key="{customer.id}:{items[0]}")
+    def ok_key(customer: Any, items: list[int]) -> None: ...
+
+    assert ok.lock_policy == "retry"
+    assert ok_key.lock_key == "{customer.id}:{items[0]}"
+
+
+def test_a_lease_not_longer_than_the_time_limit_is_warned_about(
+    app: celery.Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """lock_ttl <= time_limit would let the lock expire while the task runs: a warning."""
+    with caplog.at_level("WARNING", logger="singletask"):
+
+        @singleton(app, name="cfg.short_lease", lock_ttl=60, time_limit=120)
+        def short_lease() -> None: ...
+
+    assert any(
+        "cfg.short_lease" in r.getMessage() and "time_limit" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+# -- app settings -------------------------------------------------------------------------------
+
+
+def test_library_defaults(app: celery.Celery) -> None:
+    """With only a backend URL set, every other setting has its documented default."""
+    settings = Settings.from_app(app)
+
+    assert settings == Settings(
+        backend_url="memory://",
+        key_prefix="singletask:",
+        lock_policy="skip",
+        lock_ttl=3600.0,
+        lock_retry_countdown=10.0,
+        lock_retry_max=30,
+    )
+    assert DEFAULTS["singletask_lock_policy"] == "skip"
+
+
+def test_settings_from_conf_update(app: celery.Celery) -> None:
+    """app.conf.update(singletask_...) sets every setting."""
+    app.conf.update(
+        singletask_backend_url="memory://other",
+        singletask_key_prefix="locks/",
+        singletask_lock_policy="raise",
+        singletask_lock_ttl=120,
+        singletask_lock_retry_countdown=0,
+        singletask_lock_retry_max=3,
+    )
+
+    settings = Settings.from_app(app)
+
+    assert settings == Settings("memory://other", "locks/", "raise", 120.0, 0.0, 3)
+
+
+def test_django_style_namespaced_settings() -> None:
+    """config_from_object(obj, namespace="CELERY") reads CELERY_SINGLETASK_* settings."""
+
+    # Given a Django-style settings object
+    class DjangoSettings:
+        CELERY_BROKER_URL = "amqp://guest@localhost//"
+        CELERY_SINGLETASK_BACKEND_URL = "redis://locks.example:6379/4"
+        CELERY_SINGLETASK_LOCK_POLICY = "retry"
+        CELERY_SINGLETASK_LOCK_TTL = 90
+
+    app = celery.Celery("t", set_as_current=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+
+    # When the settings are read
+    settings = Settings.from_app(app)
+
+    # Then the namespaced values are used
+    assert settings.backend_url == "redis://locks.example:6379/4"
+    assert settings.lock_policy == "retry"
+    assert settings.lock_ttl == 90.0
+    app.close()
+
+
+def test_upper_case_settings() -> None:
+    """Old-style upper-case names (SINGLETASK_BACKEND_URL) are read too."""
+
+    class OldStyle:
+        BROKER_URL = "amqp://guest@localhost//"
+        SINGLETASK_BACKEND_URL = "redis://locks.example:6379/5"
+        SINGLETASK_LOCK_RETRY_MAX = 4
+
+    app = celery.Celery("t", set_as_current=False)
+    app.config_from_object(OldStyle)
+
+    settings = Settings.from_app(app)
+
+    assert settings.backend_url == "redis://locks.example:6379/5"
+    assert settings.lock_retry_max == 4
+    app.close()
+
+
+@pytest.mark.parametrize(
+    "broker",
+    [
+        "redis://:pw@broker.example:6379/0",
+        "rediss://broker.example:6380/1",
+    ],
+)
+def test_the_backend_url_falls_back_to_a_redis_broker(broker: str) -> None:
+    """Without singletask_backend_url, a redis:// or rediss:// broker is the lock store."""
+    app = celery.Celery("t", set_as_current=False, broker=broker)
+
+    assert Settings.from_app(app).backend_url == broker
+    app.close()
+
+
+def test_the_fallback_uses_the_first_of_several_brokers() -> None:
+    """A failover broker list ("a;b") falls back to its first URL."""
+    app = celery.Celery("t", set_as_current=False)
+    app.conf.broker_url = "redis://first:6379/0; redis://second:6379/0"
+
+    assert Settings.from_app(app).backend_url == "redis://first:6379/0"
+    app.close()
+
+
+def test_an_amqp_broker_without_backend_url_fails_at_first_use_without_the_password() -> None:
+    """No backend URL and a non-Redis broker: ConfigurationError at first use, password hidden."""
+    # Given an app on RabbitMQ with no singletask_backend_url, and a task on it
+    app = celery.Celery("t", set_as_current=False, broker="amqp://user:s3cret@rabbit.example//")
+
+    @singleton(app, name="cfg.needs_backend")
+    def needs_backend() -> str:
+        return "ran"
+
+    # When the task is first used
+    with pytest.raises(ConfigurationError) as caught:
+        needs_backend()
+
+    # Then the error says what to set, and never shows the broker password
+    message = str(caught.value)
+    assert "singletask_backend_url" in message
+    assert "s3cret" not in message
+    app.close()
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("singletask_lock_policy", "sometimes"),
+        ("singletask_lock_ttl", 0),
+        ("singletask_lock_ttl", -1),
+        ("singletask_lock_ttl", math.nan),
+        ("singletask_lock_ttl", "3600"),
+        ("singletask_lock_retry_countdown", -0.5),
+        ("singletask_lock_retry_max", -1),
+        ("singletask_lock_retry_max", 1.5),
+        ("singletask_key_prefix", 5),
+        ("singletask_backend_url", "localhost:6379"),
+        ("singletask_backend_url", 6379),
+    ],
+)
+def test_an_invalid_app_setting_is_a_configuration_error_naming_it(
+    app: celery.Celery, setting: str, value: object
+) -> None:
+    """A bad app-level setting is reported, naming the setting, when settings are first read."""
+    # Given an app with one invalid setting, and a task on it
+    app.conf[setting] = value
+
+    @singleton(app, name="cfg.uses_settings")
+    def uses_settings() -> None: ...
+
+    # When the task is first used / Then the error names the setting
+    with pytest.raises(ConfigurationError, match=setting):
+        uses_settings()
+    with pytest.raises(ConfigurationError, match=setting):
+        Settings.from_app(app)
+
+
+# -- precedence ---------------------------------------------------------------------------------
+
+
+def lease_seen_by(task: Any) -> float:
+    """Run ``task`` directly; it returns the lease of the lock it held."""
+    result = task()
+    assert isinstance(result, float)
+    return result
+
+
+def test_task_attribute_beats_app_setting_beats_library_default(app: celery.Celery) -> None:
+    """Precedence of a lock option: task attribute, then app setting, then library default."""
+
+    def report_lease(self: Any) -> float:
+        assert isinstance(self.lock, LockHandle)
+        return self.lock.ttl
+
+    # Given an app with its own lease, a task overriding it and a task that does not
+    app.conf.singletask_lock_ttl = 120
+    own = singleton(app, name="cfg.own_ttl", bind=True, lock_ttl=45)(report_lease)
+    inherited = singleton(app, name="cfg.app_ttl", bind=True)(report_lease)
+
+    # And a second app with no lease setting at all
+    bare = celery.Celery("t2", set_as_current=False)
+    bare.conf.singletask_backend_url = "memory://"
+    default = singleton(bare, name="cfg.default_ttl", bind=True)(report_lease)
+
+    # When each runs / Then each holds its lock with the lease of the nearest setting
+    assert lease_seen_by(own) == 45.0
+    assert lease_seen_by(inherited) == 120.0
+    assert lease_seen_by(default) == 3600.0
+    bare.close()
+
+
+def test_task_policy_beats_app_policy(app: celery.Celery) -> None:
+    """lock_policy on a task wins over singletask_lock_policy; the app's wins over "skip"."""
+    # Given an app whose default policy is "raise"
+    app.conf.singletask_lock_policy = "raise"
+
+    @singleton(app, name="cfg.app_policy")
+    def app_policy() -> str:
+        return "ran"
+
+    @singleton(app, name="cfg.task_policy", lock_policy="skip")
+    def task_policy() -> str:
+        return "ran"
+
+    # And both tasks' locks held by someone else
+    backend = app_policy.lock_backend
+    for task in (app_policy, task_policy):
+        assert backend.acquire(task.lock_key_for(), "other", 30, meta={"task_id": "h"}).acquired
+
+    # When each runs / Then the app policy raises, the task policy skips
+    with pytest.raises(TaskLocked):
+        app_policy()
+    assert isinstance(task_policy(), Skipped)

@@ -1,0 +1,316 @@
+"""Canonical lock keys, through real task classes (``SingletonTask.lock_key_for``).
+
+Every task here is created with ``shared=False``: a shared task would be re-created in every
+app finalized later in the session.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from decimal import Decimal
+from typing import Any
+
+import celery
+import pytest
+
+from singletask import LockKeyError, SingletonTask
+
+SECRET = "hunter2-card-4111111111111111"
+
+
+@pytest.fixture
+def app() -> Iterator[celery.Celery]:
+    app = celery.Celery("t", set_as_current=False)
+    app.conf.singletask_backend_url = "memory://"
+    yield app
+    app.close()
+
+
+def singleton(app: celery.Celery, **options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """``@app.task(base=SingletonTask, ...)``, created at once and never shared between apps."""
+    return app.task(base=SingletonTask, shared=False, lazy=False, **options)
+
+
+def suffix_of(key: str, task_name: str) -> str:
+    prefix = f"singletask:{task_name}:"
+    assert key.startswith(prefix), key
+    return key[len(prefix) :]
+
+
+# -- canonical binding ----------------------------------------------------------------------------
+
+
+def test_positional_keyword_and_default_arguments_share_a_key(app: celery.Celery) -> None:
+    """f(1), f(a=1) and f(1, b=<default>) are the same call, so they take the same lock."""
+
+    # Given a task locked on all of its arguments, one of which has a default
+    @singleton(app, name="keys.f", lock_args="*")
+    def f(a: int, b: int = 2) -> None: ...
+
+    # When the same call is spelt three ways
+    keys = {
+        f.lock_key_for((1,), {}),
+        f.lock_key_for((), {"a": 1}),
+        f.lock_key_for((1,), {"b": 2}),
+        f.lock_key_for((), {"b": 2, "a": 1}),
+    }
+
+    # Then they share one key, and another value of a default gives another key
+    assert len(keys) == 1
+    assert f.lock_key_for((1, 3), {}) not in keys
+    assert f.lock_key_for((2,), {}) not in keys
+
+
+def test_the_key_is_the_sha256_of_the_canonical_json(app: celery.Celery) -> None:
+    """The suffix is SHA-256 (64 hex digits) of the sorted, whitespace-free JSON arguments."""
+
+    @singleton(app, name="keys.g", lock_args=("a", "b"))
+    def g(a: int, b: str) -> None: ...
+
+    key = g.lock_key_for((1, "x"), {})
+
+    assert suffix_of(key, "keys.g") == hashlib.sha256(b'{"a":1,"b":"x"}').hexdigest()
+
+
+def test_a_tuple_and_a_list_share_a_key(app: celery.Celery) -> None:
+    """A tuple becomes a list in a message, so (1, 2) and [1, 2] must lock the same."""
+
+    @singleton(app, name="keys.items", lock_args=("items",))
+    def items(items: Any) -> None: ...
+
+    assert items.lock_key_for(((1, 2),), {}) == items.lock_key_for(([1, 2],), {})
+    assert items.lock_key_for(([1, 2],), {}) != items.lock_key_for(([2, 1],), {})
+
+
+def test_dict_order_does_not_matter(app: celery.Celery) -> None:
+    """Two equal dicts lock the same, whatever their insertion order (nested too)."""
+
+    @singleton(app, name="keys.opts", lock_args=("options",))
+    def opts(options: dict[str, Any]) -> None: ...
+
+    first = {"a": 1, "b": {"x": 1, "y": 2}}
+    second = {"b": {"y": 2, "x": 1}, "a": 1}
+    assert opts.lock_key_for((first,), {}) == opts.lock_key_for((second,), {})
+    assert opts.lock_key_for((first,), {}) != opts.lock_key_for(({"a": 2},), {})
+
+
+@pytest.mark.parametrize(
+    ("value", "same", "other"),
+    [
+        (
+            datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc),
+            datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc),
+            datetime(2024, 5, 1, 12, 1, tzinfo=timezone.utc),
+        ),
+        (
+            uuid.UUID("12345678-1234-5678-1234-567812345678"),
+            uuid.UUID("12345678123456781234567812345678"),
+            uuid.UUID("87654321-1234-5678-1234-567812345678"),
+        ),
+        (Decimal("9.99"), Decimal("9.99"), Decimal("10.00")),
+    ],
+    ids=["datetime", "uuid", "decimal"],
+)
+def test_datetime_uuid_and_decimal_values_make_keys(
+    app: celery.Celery, value: Any, same: Any, other: Any
+) -> None:
+    """Values kombu's JSON knows (datetime, UUID, Decimal) are valid lock arguments."""
+
+    @singleton(app, name="keys.typed", lock_args=("value",))
+    def typed(value: Any) -> None: ...
+
+    assert typed.lock_key_for((value,), {}) == typed.lock_key_for((same,), {})
+    assert typed.lock_key_for((value,), {}) != typed.lock_key_for((other,), {})
+
+
+def test_an_unserialisable_value_raises_lock_key_error_naming_the_argument(
+    app: celery.Celery,
+) -> None:
+    """A value with no canonical JSON form (a set) -> LockKeyError naming that argument."""
+
+    @singleton(app, name="keys.tags", lock_args="*")
+    def tags(customer_id: int, tags: Any) -> None: ...
+
+    with pytest.raises(LockKeyError, match="'tags'") as caught:
+        tags.lock_key_for((42, {"a", "b"}), {})
+    assert isinstance(caught.value, TypeError)
+    assert "keys.tags" in str(caught.value)
+
+
+def test_arguments_that_do_not_match_the_signature_raise_lock_key_error(
+    app: celery.Celery,
+) -> None:
+    """A call the signature cannot bind -> LockKeyError, not a bare TypeError from inspect."""
+
+    @singleton(app, name="keys.one", lock_args=("a",))
+    def one(a: int) -> None: ...
+
+    with pytest.raises(LockKeyError, match=r"keys\.one"):
+        one.lock_key_for((1, 2), {})
+
+
+def test_raw_argument_values_never_appear_in_the_key(app: celery.Celery) -> None:
+    """Keys are digests: an argument value (a secret, say) is never readable in Redis."""
+
+    @singleton(app, name="keys.charge", lock_args=("card", "email"))
+    def charge(card: str, email: str) -> None: ...
+
+    key = charge.lock_key_for((SECRET, "someone@example.com"), {})
+
+    assert SECRET not in key
+    assert "4111" not in key
+    assert "someone" not in key
+    assert len(suffix_of(key, "keys.charge")) == 64
+
+
+# -- which arguments ------------------------------------------------------------------------------
+
+
+def test_lock_args_subset_ignores_other_arguments(app: celery.Celery) -> None:
+    """With lock_args=("customer_id",), only customer_id decides the key."""
+
+    @singleton(app, name="keys.sync", lock_args=("customer_id",))
+    def sync(customer_id: int, full: bool = False, note: str = "") -> None: ...
+
+    base = sync.lock_key_for((42,), {})
+    assert sync.lock_key_for((42, True, "x"), {}) == base
+    assert sync.lock_key_for((), {"customer_id": 42, "note": "y"}) == base
+    assert sync.lock_key_for((43,), {}) != base
+
+
+def test_star_uses_every_parameter_including_varargs(app: celery.Celery) -> None:
+    """lock_args="*" keys on every parameter, *args and **kwargs included."""
+
+    @singleton(app, name="keys.star", lock_args="*")
+    def star(a: int, *rest: int, **extra: Any) -> None: ...
+
+    base = star.lock_key_for((1, 2), {"x": 1})
+    assert star.lock_key_for((1, 2), {"x": 1}) == base
+    assert star.lock_key_for((1, 3), {"x": 1}) != base
+    assert star.lock_key_for((1, 2), {"x": 2}) != base
+    assert star.lock_key_for((1, 2), {"x": 1, "y": 0}) != base
+    assert star.lock_key_for((2, 2), {"x": 1}) != base
+
+
+def test_the_global_key_is_the_prefix_and_task_name(app: celery.Celery) -> None:
+    """Without lock_args / lock_key, one lock per task name: exactly singletask:<name>."""
+
+    @singleton(app, name="proj.tasks.rebuild_index")
+    def rebuild(kind: str = "all") -> None: ...
+
+    assert rebuild.lock_key_for((), {}) == "singletask:proj.tasks.rebuild_index"
+    assert rebuild.lock_key_for(("partial",), {}) == "singletask:proj.tasks.rebuild_index"
+
+
+def test_the_global_key_uses_the_generated_task_name(app: celery.Celery) -> None:
+    """With no explicit name, the key uses the name Celery generated for the task."""
+
+    @singleton(app)
+    def nightly() -> None: ...
+
+    assert nightly.lock_key_for() == f"singletask:{nightly.name}"
+    assert nightly.name.endswith("nightly")
+
+
+# -- lock_key -------------------------------------------------------------------------------------
+
+
+def test_lock_key_format_string(app: celery.Celery) -> None:
+    """lock_key as a format string over parameter names replaces the digest, defaults applied."""
+
+    @singleton(app, name="keys.feed", lock_key="feed:{url}:{region}")
+    def feed(url: str, region: str = "eu", force: bool = False) -> None: ...
+
+    expected = "singletask:keys.feed:feed:https://x.example/rss:eu"
+    assert feed.lock_key_for(("https://x.example/rss",), {}) == expected
+    assert feed.lock_key_for((), {"url": "https://x.example/rss", "force": True}) == expected
+
+
+def test_lock_key_callable(app: celery.Celery) -> None:
+    """lock_key as a callable gets the call's arguments; its text replaces the digest."""
+
+    def by_tenant(tenant: str, *args: Any, **kwargs: Any) -> str:
+        return f"tenant-{tenant.lower()}"
+
+    @singleton(app, name="keys.report", lock_key=by_tenant)
+    def report(tenant: str, day: str) -> None: ...
+
+    assert report.lock_key_for(("ACME", "mon"), {}) == "singletask:keys.report:tenant-acme"
+    assert report.lock_key_for(("acme",), {"day": "tue"}) == "singletask:keys.report:tenant-acme"
+
+
+def test_a_lock_key_callable_returning_no_text_raises_lock_key_error(app: celery.Celery) -> None:
+    """A lock_key callable must return a non-empty str."""
+
+    @singleton(app, name="keys.empty", lock_key=lambda *args, **kwargs: "")
+    def empty(a: int) -> None: ...
+
+    with pytest.raises(LockKeyError, match="non-empty str"):
+        empty.lock_key_for((1,), {})
+
+
+# -- prefix and task shapes -----------------------------------------------------------------------
+
+
+def test_custom_key_prefix(app: celery.Celery) -> None:
+    """singletask_key_prefix replaces "singletask:" in every key."""
+    # Given an app with its own prefix
+    app.conf.singletask_key_prefix = "myapp:locks:"
+
+    @singleton(app, name="keys.prefixed")
+    def prefixed() -> None: ...
+
+    @singleton(app, name="keys.prefixed_args", lock_key="{a}")
+    def prefixed_args(a: int) -> None: ...
+
+    # Then keys start with it
+    assert prefixed.lock_key_for() == "myapp:locks:keys.prefixed"
+    assert prefixed_args.lock_key_for((7,), {}) == "myapp:locks:keys.prefixed_args:7"
+
+
+def test_bound_tasks_drop_self_from_the_key(app: celery.Celery) -> None:
+    """bind=True: the task instance is not an argument of the key."""
+
+    @singleton(app, name="keys.bound", bind=True, lock_args=("customer_id",))
+    def bound(self: Any, customer_id: int) -> None: ...
+
+    @singleton(app, name="keys.bound_star", bind=True, lock_args="*")
+    def bound_star(self: Any, customer_id: int) -> None: ...
+
+    assert bound.lock_key_for((42,), {}) == bound.lock_key_for((), {"customer_id": 42})
+    assert suffix_of(bound_star.lock_key_for((42,), {}), "keys.bound_star") == (
+        hashlib.sha256(b'{"customer_id":42}').hexdigest()
+    )
+
+
+def test_class_based_tasks_key_on_run_parameters(app: celery.Celery) -> None:
+    """A SingletonTask subclass with run(self, url) keys on url, like a decorated function."""
+
+    # Given a class-based task registered on the app
+    class Fetch(SingletonTask):
+        name = "keys.fetch"
+        lock_args = ("url",)
+
+        def run(self, url: str) -> str:
+            return url
+
+    class FetchByFormat(SingletonTask):
+        name = "keys.fetch_format"
+        lock_key = "url:{url}"
+
+        def run(self, url: str) -> str:
+            return url
+
+    fetch = app.register_task(Fetch())
+    fetch_format = app.register_task(FetchByFormat())
+
+    # Then its key follows the same rules
+    key = fetch.lock_key_for(("https://a.example",), {})
+    assert key == fetch.lock_key_for((), {"url": "https://a.example"})
+    assert suffix_of(key, "keys.fetch") == (
+        hashlib.sha256(b'{"url":"https://a.example"}').hexdigest()
+    )
+    assert fetch_format.lock_key_for(("u",), {}) == "singletask:keys.fetch_format:url:u"
