@@ -5,7 +5,9 @@ Policy (which key, which token, what to do when a lock is held, when to release)
 
 * a lock is a *key* with an owner *token*, a lease (seconds) and a few metadata fields;
 * every operation is atomic, and release / extend only act for the owner token;
-* a lease always expires: there are no permanent locks.
+* a lease always expires: there are no permanent locks;
+* every acquisition gets a fencing token, strictly increasing per key;
+* a release can leave a completion marker that later acquisitions of the key see.
 
 A new backend subclasses :class:`LockBackend`, implements the abstract methods, passes
 ``tests/backends/test_contract.py``, and registers a URL scheme (see :mod:`singletask.backends`).
@@ -14,7 +16,7 @@ A new backend subclasses :class:`LockBackend`, implements the abstract methods, 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,12 +33,14 @@ class Holder:
         ttl: Seconds left on the lease, when known.
         meta: Every metadata field stored with the lock (``task_id``, ``task``, ``hostname``,
             ``pid``, ``since``), as strings. Empty when the backend returned only the essentials.
+        fence: The holder's fencing token, when known.
     """
 
     token: str
     task_id: str | None = None
     ttl: float | None = None
     meta: Mapping[str, str] = field(default_factory=dict)
+    fence: int | None = None
 
 
 @dataclass(frozen=True)
@@ -46,10 +50,16 @@ class AcquireResult:
     Attributes:
         acquired: True when the caller holds the lock now.
         holder: When not acquired, who holds it (from the same atomic step).
+        fence: When acquired, the fencing token of this acquisition: strictly greater than every
+            token issued earlier for the key (see :meth:`LockBackend.acquire`).
+        completed: When acquired, the marker the key's last normal release recorded (see
+            :meth:`LockBackend.release`), if the store still remembers one.
     """
 
     acquired: bool
     holder: Holder | None = None
+    fence: int | None = None
+    completed: str | None = None
 
 
 class LockBackend(abc.ABC):
@@ -81,16 +91,24 @@ class LockBackend(abc.ABC):
 
         It succeeds when the key is free (or its lease ran out), when it is already held by
         ``token`` itself (so a retried call is harmless), or when the current holder's token
-        starts with ``takeover_prefix``. On success the metadata is replaced by ``meta`` and the
-        lease restarts. Otherwise nothing changes and the result names the holder.
+        starts with ``takeover_prefix``. On success the metadata is replaced by ``meta``, the
+        lease restarts, and the result carries a fencing token and the key's last completion
+        marker. Otherwise nothing changes and the result names the holder.
+
+        Fencing tokens of one key strictly increase: a new acquisition gets more than every
+        token issued before for that key, even after the lock expired; re-acquiring by the same
+        token keeps its token.
 
         Raises:
             BackendError: The store failed.
         """
 
     @abc.abstractmethod
-    def release(self, key: str, token: str) -> bool:
+    def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         """Delete ``key`` if ``token`` holds it. Returns whether it did.
+
+        With ``completed``, a successful release also records that marker for the key, in the
+        same atomic step; the next acquisitions report it in :attr:`AcquireResult.completed`.
 
         Raises:
             BackendError: The store failed.
@@ -105,6 +123,16 @@ class LockBackend(abc.ABC):
         Raises:
             BackendError: The store failed.
         """
+
+    def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool]:
+        """:meth:`extend` each ``(key, token, ttl)``; backends override it to use one round trip.
+
+        Returns one result per lease, in order.
+
+        Raises:
+            BackendError: The store failed.
+        """
+        return [self.extend(key, token, ttl) for key, token, ttl in leases]
 
     @abc.abstractmethod
     def holder(self, key: str) -> Holder | None:

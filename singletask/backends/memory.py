@@ -23,6 +23,7 @@ class _Entry:
     token: str
     expires_at: float  # time.monotonic() deadline
     meta: dict[str, str]
+    fence: int
 
 
 class MemoryBackend(LockBackend):
@@ -32,6 +33,8 @@ class MemoryBackend(LockBackend):
 
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
+        self._fences: dict[str, int] = {}  # last fencing token per key; kept for the process's life
+        self._completed: dict[str, str] = {}
         self._mutex = threading.Lock()
 
     @classmethod
@@ -62,19 +65,25 @@ class MemoryBackend(LockBackend):
                 and entry.token != token
                 and not (takeover_prefix and entry.token.startswith(takeover_prefix))
             ):
-                return AcquireResult(
-                    False,
-                    Holder(entry.token, entry.meta.get("task_id"), entry.expires_at - now),
+                holder = Holder(
+                    entry.token, entry.meta.get("task_id"), entry.expires_at - now, {}, entry.fence
                 )
-            self._entries[key] = _Entry(token, now + ttl, dict(meta or {}))
-            return AcquireResult(True)
+                return AcquireResult(False, holder)
+            if entry is not None and entry.token == token:
+                fence = entry.fence
+            else:
+                fence = self._fences[key] = self._fences.get(key, 0) + 1
+            self._entries[key] = _Entry(token, now + ttl, dict(meta or {}), fence)
+            return AcquireResult(True, fence=fence, completed=self._completed.get(key))
 
-    def release(self, key: str, token: str) -> bool:
+    def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         with self._mutex:
             entry = self._live(key, time.monotonic())
             if entry is None or entry.token != token:
                 return False
             del self._entries[key]
+            if completed is not None:
+                self._completed[key] = completed
             return True
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
@@ -93,5 +102,9 @@ class MemoryBackend(LockBackend):
             if entry is None:
                 return None
             return Holder(
-                entry.token, entry.meta.get("task_id"), entry.expires_at - now, dict(entry.meta)
+                entry.token,
+                entry.meta.get("task_id"),
+                entry.expires_at - now,
+                dict(entry.meta),
+                entry.fence,
             )

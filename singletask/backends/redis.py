@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import redis
 from kombu.utils.url import maybe_sanitize_url
 from redis.backoff import ExponentialBackoff
+from redis.cluster import RedisCluster
 from redis.connection import parse_url
 from redis.retry import Retry
 
@@ -28,33 +29,57 @@ from .base import AcquireResult, Holder, LockBackend
 __all__ = ["RedisBackend"]
 
 # KEYS[1]  lock key (a hash)
+# KEYS[2]  the lock's fence hash (same cluster slot): fields fence (last token issued), done
 # ARGV[1]  owner token
 # ARGV[2]  lease in milliseconds
 # ARGV[3]  token prefix whose holder may be taken over, or '' for none
-# ARGV[4…] holder metadata: field, value, field, value, …
-# Returns {1} when the caller holds the lock now (it was free, already the caller's, or held by
-# a token starting with ARGV[3]); otherwise {0, holder token, holder task id, lease left in ms}.
+# ARGV[4]  how long the fence hash is kept after its last use, in milliseconds
+# ARGV[5…] holder metadata: field, value, field, value, …
+# Returns {1, fence, completion marker or false} when the caller holds the lock now (it was free,
+# already the caller's, or held by a token starting with ARGV[3]); otherwise
+# {0, holder token, holder task id, lease left in ms, holder fence}.
+# A new fence is max(last fence + 1, server time in microseconds): it grows while the fence hash
+# is kept, and after it is gone (or lost) it still grows as long as the server clock does.
 ACQUIRE_SCRIPT = """
 local cur = redis.call('HGET', KEYS[1], 'token')
 if cur and cur ~= ARGV[1] and (ARGV[3] == '' or string.sub(cur, 1, #ARGV[3]) ~= ARGV[3]) then
-  return {0, cur, redis.call('HGET', KEYS[1], 'task_id'), redis.call('PTTL', KEYS[1])}
+  local held = redis.call('HMGET', KEYS[1], 'task_id', 'fence')
+  return {0, cur, held[1], redis.call('PTTL', KEYS[1]), held[2]}
 end
+local fence
+if cur == ARGV[1] then
+  fence = tonumber(redis.call('HGET', KEYS[1], 'fence'))
+else
+  local now = redis.call('TIME')
+  local last = tonumber(redis.call('HGET', KEYS[2], 'fence') or '0')
+  fence = math.max(last + 1, tonumber(now[1]) * 1000000 + tonumber(now[2]))
+  redis.call('HSET', KEYS[2], 'fence', string.format('%.0f', fence))
+end
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
 redis.call('DEL', KEYS[1])
-local fields = {'token', ARGV[1]}
-for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
+local fields = {'token', ARGV[1], 'fence', string.format('%.0f', fence)}
+for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {1}
+return {1, fence, redis.call('HGET', KEYS[2], 'done')}
 """
 
 # KEYS[1]  lock key
+# KEYS[2]  the lock's fence hash
 # ARGV[1]  owner token
+# ARGV[2]  completion marker to record, or '' for none
+# ARGV[3]  how long the fence hash is kept, in milliseconds
 # Returns 1 when the lock was deleted, 0 when ARGV[1] does not hold it (free or another owner).
 RELEASE_SCRIPT = """
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
+  return 0
 end
-return 0
+redis.call('DEL', KEYS[1])
+if ARGV[2] ~= '' then
+  redis.call('HSET', KEYS[2], 'done', ARGV[2])
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+end
+return 1
 """
 
 # KEYS[1]  lock key
@@ -68,6 +93,25 @@ end
 return 0
 """
 
+# KEYS[1…n]  lock keys
+# ARGV[2i-1] owner token of KEYS[i]; ARGV[2i] its new lease in milliseconds
+# Returns a list with, for each key, 1 when its lease was set and 0 when that token does not
+# hold it. One round trip renews every lock a process holds.
+EXTEND_MANY_SCRIPT = """
+local out = {}
+for i = 1, #KEYS do
+  if redis.call('HGET', KEYS[i], 'token') == ARGV[2 * i - 1] then
+    out[i] = redis.call('PEXPIRE', KEYS[i], ARGV[2 * i])
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+
+#: How long a lock's fence hash (last fencing token, last completion) outlives its last use.
+FENCE_RETENTION = 7 * 24 * 3600.0
+
 #: Client defaults; options given in the URL's query string or to ``from_url`` win.
 CLIENT_DEFAULTS: dict[str, Any] = {
     "socket_timeout": 5.0,
@@ -78,6 +122,21 @@ CLIENT_DEFAULTS: dict[str, Any] = {
 
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
+
+
+def fence_key(key: str) -> str:
+    """The key of ``key``'s fence hash, in the same Redis Cluster slot as ``key``.
+
+    A key that has a hash tag keeps it with any suffix; any other key becomes the tag. (A key
+    with a ``}`` but no hash tag cannot be a tag: its fence hash lands in another slot, which only
+    matters under Redis Cluster.)
+    """
+    start = key.find("{")
+    if start != -1 and key.find("}", start + 2) != -1 and key[start + 1] != "}":
+        return f"{key}:fence"
+    if "}" in key:
+        return f"{key}:fence"
+    return f"{{{key}}}:fence"
 
 
 class RedisBackend(LockBackend):
@@ -110,6 +169,7 @@ class RedisBackend(LockBackend):
         self._acquire: Any = None
         self._release: Any = None
         self._extend: Any = None
+        self._extend_many: Any = None
         if client is not None:
             self._register(client)
 
@@ -146,6 +206,7 @@ class RedisBackend(LockBackend):
         self._acquire = client.register_script(ACQUIRE_SCRIPT)
         self._release = client.register_script(RELEASE_SCRIPT)
         self._extend = client.register_script(EXTEND_SCRIPT)
+        self._extend_many = client.register_script(EXTEND_MANY_SCRIPT)
 
     @contextlib.contextmanager
     def _translate(self, operation: str, key: str) -> Iterator[None]:
@@ -168,33 +229,56 @@ class RedisBackend(LockBackend):
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
     ) -> AcquireResult:
-        args: list[str | int] = [token, _ms(ttl), takeover_prefix or ""]
+        args: list[str | int] = [token, _ms(ttl), takeover_prefix or "", _ms(FENCE_RETENTION)]
         for name, value in (meta or {}).items():
             args += [name, value]
         client = self.client
         with self._translate("acquire", key):
-            reply = self._acquire(keys=[key], args=args, client=client)
+            reply = self._acquire(keys=[key, fence_key(key)], args=args, client=client)
         if reply[0] == 1:
-            return AcquireResult(True)
-        _, holder_token, task_id, pttl = reply
+            _, fence, completed = reply
+            return AcquireResult(
+                True, fence=int(fence), completed=_text(completed) if completed else None
+            )
+        _, holder_token, task_id, pttl, holder_fence = reply
         return AcquireResult(
             False,
             Holder(
                 _text(holder_token),
                 _text(task_id) if task_id is not None else None,
                 pttl / 1000 if pttl >= 0 else None,
+                {},
+                int(holder_fence) if holder_fence is not None else None,
             ),
         )
 
-    def release(self, key: str, token: str) -> bool:
+    def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         client = self.client
+        args = [token, completed or "", _ms(FENCE_RETENTION)]
         with self._translate("release", key):
-            return bool(self._release(keys=[key], args=[token], client=client))
+            return bool(self._release(keys=[key, fence_key(key)], args=args, client=client))
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
         client = self.client
         with self._translate("extend", key):
             return bool(self._extend(keys=[key], args=[token, _ms(ttl)], client=client))
+
+    def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool]:
+        if not leases:
+            return []
+        client = self.client
+        if isinstance(client, RedisCluster):
+            # Keys of several slots cannot share a script: one pipeline, split by node.
+            with self._translate("extend", leases[0][0]), client.pipeline() as pipe:
+                for key, token, ttl in leases:
+                    pipe.eval(EXTEND_SCRIPT, 1, key, token, _ms(ttl))
+                return [bool(done) for done in pipe.execute()]
+        keys = [key for key, _, _ in leases]
+        args: list[str | int] = []
+        for _, token, ttl in leases:
+            args += [token, _ms(ttl)]
+        with self._translate("extend", keys[0]):
+            return [bool(done) for done in self._extend_many(keys=keys, args=args, client=client)]
 
     def holder(self, key: str) -> Holder | None:
         client = self.client
@@ -206,7 +290,14 @@ class RedisBackend(LockBackend):
             return None
         meta = {_text(k): _text(v) for k, v in fields.items()}
         token = meta.pop("token", "")
-        return Holder(token, meta.get("task_id"), pttl / 1000 if pttl >= 0 else None, meta)
+        fence = meta.pop("fence", None)
+        return Holder(
+            token,
+            meta.get("task_id"),
+            pttl / 1000 if pttl >= 0 else None,
+            meta,
+            int(fence) if fence is not None else None,
+        )
 
     def close(self) -> None:
         if self._url is not None and self._client is not None and self._pid == os.getpid():

@@ -32,14 +32,29 @@ NETWORK_FILESYSTEMS = frozenset(
     {"nfs", "nfs4", "cifs", "smbfs", "smb3", "fuse.sshfs", "9p", "afs", "ceph", "glusterfs"}
 )
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS singletask_locks (
-    key TEXT PRIMARY KEY,
-    token TEXT NOT NULL,
-    expires_at REAL NOT NULL,
-    meta TEXT NOT NULL
+_SCHEMA = (
+    """
+    CREATE TABLE IF NOT EXISTS singletask_locks (
+        key TEXT PRIMARY KEY,
+        token TEXT NOT NULL,
+        expires_at REAL NOT NULL,
+        meta TEXT NOT NULL,
+        fence INTEGER NOT NULL
+    )
+    """,
+    # The last fencing token and completion marker of every key, kept FENCE_RETENTION seconds.
+    """
+    CREATE TABLE IF NOT EXISTS singletask_fences (
+        key TEXT PRIMARY KEY,
+        fence INTEGER NOT NULL,
+        done TEXT,
+        touched REAL NOT NULL
+    )
+    """,
 )
-"""
+
+#: How long a key's last fencing token and completion marker outlive its last use.
+FENCE_RETENTION = 7 * 24 * 3600.0
 
 _LIMITS = (
     "the sqlite:// lock backend serves the worker processes of one host, from a database file "
@@ -127,7 +142,11 @@ class SQLiteBackend(LockBackend):
             )
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute(_SCHEMA)
+            for statement in _SCHEMA:
+                conn.execute(statement)
+            conn.execute(
+                "DELETE FROM singletask_fences WHERE touched < ?", (time.time() - FENCE_RETENTION,)
+            )
             self._conn, self._pid = conn, os.getpid()
         return self._conn
 
@@ -153,9 +172,9 @@ class SQLiteBackend(LockBackend):
                 raise BackendError(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
 
     @staticmethod
-    def _row(conn: sqlite3.Connection, key: str, now: float) -> tuple[str, float, str] | None:
-        row: tuple[str, float, str] | None = conn.execute(
-            "SELECT token, expires_at, meta FROM singletask_locks WHERE key = ?", (key,)
+    def _row(conn: sqlite3.Connection, key: str, now: float) -> tuple[str, float, str, int] | None:
+        row: tuple[str, float, str, int] | None = conn.execute(
+            "SELECT token, expires_at, meta, fence FROM singletask_locks WHERE key = ?", (key,)
         ).fetchone()
         if row is not None and row[1] <= now:
             conn.execute("DELETE FROM singletask_locks WHERE key = ?", (key,))
@@ -175,25 +194,45 @@ class SQLiteBackend(LockBackend):
             now = time.time()
             row = self._row(conn, key, now)
             if row is not None:
-                current, expires_at, stored = row
+                current, expires_at, stored, fence = row
                 if current != token and not (
                     takeover_prefix and current.startswith(takeover_prefix)
                 ):
                     task_id = json.loads(stored).get("task_id")
-                    return AcquireResult(False, Holder(current, task_id, expires_at - now))
+                    holder = Holder(current, task_id, expires_at - now, {}, fence)
+                    return AcquireResult(False, holder)
+            last = conn.execute(
+                "SELECT fence, done FROM singletask_fences WHERE key = ?", (key,)
+            ).fetchone()
+            if row is not None and row[0] == token:
+                fence = row[3]
+            else:
+                # Like Redis: grows while the fence row is kept, and with the clock after that.
+                fence = max((last[0] if last else 0) + 1, int(now * 1_000_000))
             conn.execute(
-                "INSERT OR REPLACE INTO singletask_locks (key, token, expires_at, meta) "
-                "VALUES (?, ?, ?, ?)",
-                (key, token, now + ttl, json.dumps(dict(meta or {}))),
+                "INSERT INTO singletask_fences (key, fence, touched) VALUES (?, ?, ?) ON CONFLICT "
+                "(key) DO UPDATE SET fence = excluded.fence, touched = excluded.touched",
+                (key, fence, now),
             )
-            return AcquireResult(True)
+            conn.execute(
+                "INSERT OR REPLACE INTO singletask_locks (key, token, expires_at, meta, fence) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (key, token, now + ttl, json.dumps(dict(meta or {})), fence),
+            )
+            return AcquireResult(True, fence=fence, completed=last[1] if last else None)
 
-    def release(self, key: str, token: str) -> bool:
+    def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         with self._transaction("release", key) as conn:
-            row = self._row(conn, key, time.time())
+            now = time.time()
+            row = self._row(conn, key, now)
             if row is None or row[0] != token:
                 return False
             conn.execute("DELETE FROM singletask_locks WHERE key = ?", (key,))
+            if completed is not None:
+                conn.execute(
+                    "UPDATE singletask_fences SET done = ?, touched = ? WHERE key = ?",
+                    (completed, now, key),
+                )
             return True
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
@@ -213,9 +252,9 @@ class SQLiteBackend(LockBackend):
             row = self._row(conn, key, now)
         if row is None:
             return None
-        token, expires_at, stored = row
+        token, expires_at, stored, fence = row
         meta: dict[str, str] = json.loads(stored)
-        return Holder(token, meta.get("task_id"), expires_at - now, meta)
+        return Holder(token, meta.get("task_id"), expires_at - now, meta, fence)
 
     def close(self) -> None:
         with self._mutex:

@@ -47,8 +47,11 @@ def test_acquire_takes_a_free_key(backend: LockBackend, key: str) -> None:
     # When a token acquires it
     result = backend.acquire(key, "token-a", LEASE, meta={"task_id": "task-a"})
 
-    # Then it succeeds and the token holds the key
-    assert result == AcquireResult(True)
+    # Then it succeeds with a fencing token, and the token holds the key
+    assert result.acquired
+    assert result.holder is None
+    assert isinstance(result.fence, int)
+    assert result.completed is None
     holder = backend.holder(key)
     assert holder is not None
     assert holder.token == "token-a"
@@ -423,3 +426,94 @@ def test_racing_acquires_have_exactly_one_winner(backend: LockBackend, key: str)
     holder = backend.holder(key)
     assert holder is not None
     assert holder.token == winners[0]
+
+
+def test_every_new_acquisition_gets_a_greater_fence(backend: LockBackend, key: str) -> None:
+    """Fencing tokens of one key strictly increase: after a release, a takeover, an expiry."""
+    # Given a first acquisition
+    first = backend.acquire(key, "token-a", LEASE)
+    assert first.fence is not None
+
+    # When the key is released and taken again, then taken over, then left to expire and taken
+    assert backend.release(key, "token-a")
+    second = backend.acquire(key, "token-b", LEASE)
+    third = backend.acquire(key, "token-c", SHORT, takeover_prefix="token-b")
+    time.sleep(SHORT + 0.2)
+    fourth = backend.acquire(key, "token-d", LEASE)
+
+    # Then each fence is greater than the one before
+    fences = [first.fence, second.fence, third.fence, fourth.fence]
+    assert all(isinstance(fence, int) for fence in fences)
+    assert fences == sorted(set(fences)), fences
+
+
+def test_re_acquiring_by_the_holder_keeps_its_fence(backend: LockBackend, key: str) -> None:
+    first = backend.acquire(key, "token-a", LEASE)
+    again = backend.acquire(key, "token-a", LEASE)
+    assert again.acquired
+    assert again.fence == first.fence
+
+
+def test_a_conflict_reports_the_holders_fence(backend: LockBackend, key: str) -> None:
+    held = backend.acquire(key, "token-a", LEASE)
+    conflict = backend.acquire(key, "token-b", LEASE)
+    assert conflict.holder is not None
+    assert conflict.holder.fence == held.fence
+    inspected = backend.holder(key)
+    assert inspected is not None
+    assert inspected.fence == held.fence
+
+
+def test_a_release_can_record_a_completion_marker(backend: LockBackend, key: str) -> None:
+    """The marker of the last normal release is reported to later acquisitions of the key."""
+    # Given a lock released with a completion marker
+    assert backend.acquire(key, "token-a", LEASE).acquired
+    assert backend.release(key, "token-a", completed="task-a:0")
+
+    # When the key is acquired again
+    result = backend.acquire(key, "token-b", LEASE)
+
+    # Then the acquisition sees the marker
+    assert result.acquired
+    assert result.completed == "task-a:0"
+
+
+def test_a_release_by_a_non_owner_records_no_marker(backend: LockBackend, key: str) -> None:
+    assert backend.acquire(key, "token-a", LEASE).acquired
+    assert not backend.release(key, "token-b", completed="task-b:0")
+    assert backend.release(key, "token-a")
+    assert backend.acquire(key, "token-c", LEASE).completed is None
+
+
+def test_extend_many_renews_only_the_leases_still_held(
+    backend: LockBackend, key_prefix: str
+) -> None:
+    """One call renews many locks; a lock that is gone or held by another token is not touched."""
+    # Given two locks held, one released, and one held by someone else
+    held_a, held_b, gone, other = (f"{key_prefix}{name}" for name in "abcd")
+    for name in (held_a, held_b, gone):
+        assert backend.acquire(name, "mine", SHORT).acquired
+    assert backend.release(gone, "mine")
+    assert backend.acquire(other, "theirs", SHORT).acquired
+
+    # When all four are extended for the same token
+    results = backend.extend_many(
+        [
+            (held_a, "mine", LEASE),
+            (held_b, "mine", LEASE),
+            (gone, "mine", LEASE),
+            (other, "mine", LEASE),
+        ]
+    )
+
+    # Then only the held ones were extended, and the others are unchanged
+    assert results == [True, True, False, False]
+    time.sleep(SHORT + 0.2)
+    assert backend.holder(held_a) is not None
+    assert backend.holder(held_b) is not None
+    assert backend.holder(gone) is None
+    assert backend.holder(other) is None  # its own short lease ran out
+
+
+def test_extend_many_of_nothing_is_nothing(backend: LockBackend) -> None:
+    assert backend.extend_many([]) == []

@@ -14,7 +14,7 @@ import redis
 from singletask import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
 from singletask.backends import backend_class, backend_from_url, known_schemes
 from singletask.backends.memory import MemoryBackend
-from singletask.backends.redis import RedisBackend
+from singletask.backends.redis import RedisBackend, fence_key
 from singletask.exceptions import UnknownBackendError
 
 from ..servers import free_port
@@ -45,10 +45,15 @@ def test_a_lock_is_a_redis_hash_with_an_expiry(
     meta = {"task_id": "task-1", "task": "proj.sync", "hostname": "h", "pid": "7", "since": "1.0"}
     assert redis_backend.acquire(key, "token-1", LEASE, meta=meta).acquired
 
-    # Then Redis holds a hash with the token and every metadata field
+    # Then Redis holds a hash with the token, the fencing token and every metadata field
     assert redis_client.type(key) == b"hash"
     fields = {k.decode(): v.decode() for k, v in redis_client.hgetall(key).items()}
-    assert fields == {"token": "token-1", **meta}
+    assert fields == {"token": "token-1", "fence": fields["fence"], **meta}
+    assert int(fields["fence"]) > 0
+    # And the fence lives on in a companion hash in the same cluster slot, kept after release
+    companion = f"{{{key}}}:fence"
+    assert redis_client.hget(companion, "fence").decode() == fields["fence"]
+    assert redis_client.pttl(companion) > LEASE * 1000
     # And the key expires within the lease
     pttl = redis_client.pttl(key)
     assert 0 < pttl <= LEASE * 1000
@@ -411,3 +416,35 @@ def test_an_unknown_scheme_is_an_unknown_backend_error_listing_known_schemes() -
     assert set(known_schemes()) >= {"memory", "redis", "rediss", "unix"}
     # And it does not show the URL's password
     assert "s3cret" not in message
+
+
+def test_fences_keep_growing_when_the_fence_hash_is_lost(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key: str
+) -> None:
+    """With the companion hash evicted or gone, new fences still exceed the old ones (clock)."""
+    # Given a fence issued, then the lock and its fence hash deleted behind the backend's back
+    first = redis_backend.acquire(key, "token-1", LEASE).fence
+    assert first is not None
+    redis_client.delete(key, fence_key(key))
+
+    # When the key is acquired again
+    second = redis_backend.acquire(key, "token-2", LEASE).fence
+
+    # Then its fence is still greater
+    assert second is not None
+    assert second > first
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        ("singletask:sync", "{singletask:sync}:fence"),
+        ("singletask:{tenant-1}:sync", "singletask:{tenant-1}:sync:fence"),
+    ],
+)
+def test_the_fence_hash_shares_the_locks_cluster_slot(key: str, expected: str) -> None:
+    # Given a lock key with or without a hash tag, the fence key hashes to the same slot
+    from redis.crc import key_slot
+
+    assert fence_key(key) == expected
+    assert key_slot(fence_key(key).encode()) == key_slot(key.encode())
