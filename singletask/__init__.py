@@ -16,12 +16,14 @@ from .exceptions import (
     BackendUnavailable,
     ConfigurationError,
     LockKeyError,
+    LockLost,
     SingletaskError,
     TaskLocked,
     UnknownBackendError,
 )
+from .lease import LockHandle
 from .result import Skipped
-from .task import LockHandle, SingletonTask
+from .task import SingletonTask
 
 __version__ = "0.1.0"
 
@@ -32,6 +34,7 @@ __all__ = [
     "ConfigurationError",
     "LockHandle",
     "LockKeyError",
+    "LockLost",
     "SingletaskError",
     "SingletonTask",
     "Skipped",

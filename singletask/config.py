@@ -9,9 +9,13 @@ setting                              default               meaning
 ``singletask_backend_url``           the broker, if Redis  where locks live
 ``singletask_key_prefix``            ``"singletask:"``     prefix of every lock key
 ``singletask_lock_policy``           ``"skip"``            ``"skip"``, ``"retry"``, ``"raise"``
-``singletask_lock_ttl``              ``3600``              lease of a lock, in seconds
+``singletask_lock_ttl``              ``30``                lease of a lock, in seconds
+``singletask_lock_renew``            ``True``              renew the lease while the body runs
+``singletask_lock_max_hold``         ``None``              stop renewing after this many seconds
 ``singletask_lock_retry_countdown``  ``10``                seconds between lock retries
 ``singletask_lock_retry_max``        ``30``                lock retries before ``TaskLocked``
+``singletask_lock_on_backend_error`` ``"retry"``           ``"retry"`` or ``"run"`` unlocked
+``singletask_lock_backend_retry_max`` ``10``               store-outage retries before failing
 ===================================  ====================  ====================================
 
 Settings are looked up with ``app.conf.get``, so Django's ``CELERY_`` namespace works
@@ -35,9 +39,12 @@ if TYPE_CHECKING:
     from celery import Celery
 
 __all__ = [
+    "BACKEND_ERROR_POLICIES",
     "DEFAULTS",
     "POLICIES",
     "Settings",
+    "check_backend_error_policy",
+    "check_bool",
     "check_count",
     "check_policy",
     "check_seconds",
@@ -46,14 +53,21 @@ __all__ = [
 #: The three things a locked-out execution can do.
 POLICIES: Final = ("skip", "retry", "raise")
 
+#: What an execution does when the lock store cannot be reached as it starts.
+BACKEND_ERROR_POLICIES: Final = ("retry", "run")
+
 #: Library defaults of the settings, by setting name.
 DEFAULTS: Final[dict[str, Any]] = {
     "singletask_backend_url": None,
     "singletask_key_prefix": "singletask:",
     "singletask_lock_policy": "skip",
-    "singletask_lock_ttl": 3600.0,
+    "singletask_lock_ttl": 30.0,
+    "singletask_lock_renew": True,
+    "singletask_lock_max_hold": None,
     "singletask_lock_retry_countdown": 10.0,
     "singletask_lock_retry_max": 30,
+    "singletask_lock_on_backend_error": "retry",
+    "singletask_lock_backend_retry_max": 10,
 }
 
 
@@ -64,6 +78,22 @@ def check_policy(value: object, where: str) -> str:
             f"{where}: unknown lock policy {value!r}; use one of {', '.join(map(repr, POLICIES))}"
         )
     return str(value)
+
+
+def check_backend_error_policy(value: object, where: str) -> str:
+    """Return ``value`` if it is ``"retry"`` or ``"run"``; else raise ConfigurationError."""
+    if value not in BACKEND_ERROR_POLICIES:
+        raise ConfigurationError(
+            f"{where}: expected 'retry' or 'run' for an unreachable lock store, got {value!r}"
+        )
+    return str(value)
+
+
+def check_bool(value: object, where: str) -> bool:
+    """Return ``value`` if it is a bool; else raise ConfigurationError."""
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{where}: expected True or False, got {value!r}")
+    return value
 
 
 def check_seconds(value: object, where: str, *, allow_zero: bool = False) -> float:
@@ -100,8 +130,12 @@ class Settings:
     key_prefix: str
     lock_policy: str
     lock_ttl: float
+    lock_renew: bool
+    lock_max_hold: float | None
     lock_retry_countdown: float
     lock_retry_max: int
+    lock_on_backend_error: str
+    lock_backend_retry_max: int
 
     @classmethod
     def from_app(cls, app: Celery) -> Settings:
@@ -124,11 +158,19 @@ class Settings:
             key_prefix=prefix,
             lock_policy=setting("singletask_lock_policy", check_policy),
             lock_ttl=setting("singletask_lock_ttl", check_seconds),
+            lock_renew=setting("singletask_lock_renew", check_bool),
+            lock_max_hold=setting(
+                "singletask_lock_max_hold", lambda v, w: None if v is None else check_seconds(v, w)
+            ),
             lock_retry_countdown=setting(
                 "singletask_lock_retry_countdown",
                 lambda v, w: check_seconds(v, w, allow_zero=True),
             ),
             lock_retry_max=setting("singletask_lock_retry_max", check_count),
+            lock_on_backend_error=setting(
+                "singletask_lock_on_backend_error", check_backend_error_policy
+            ),
+            lock_backend_retry_max=setting("singletask_lock_backend_retry_max", check_count),
         )
 
 

@@ -7,6 +7,7 @@
     │   └── UnknownBackendError          no backend for that URL scheme
     ├── LockKeyError(TypeError)          a lock key cannot be built from the arguments
     ├── TaskLocked                       the lock is held by another execution
+    ├── LockLost                         a running execution's lock expired or was taken
     └── BackendError                     the lock store failed (driver error chained)
         ├── BackendUnavailable           cannot connect / connection lost
         └── BackendTimeout               a socket or command timed out
@@ -23,6 +24,7 @@ __all__ = [
     "BackendUnavailable",
     "ConfigurationError",
     "LockKeyError",
+    "LockLost",
     "SingletaskError",
     "TaskLocked",
     "UnknownBackendError",
@@ -66,6 +68,29 @@ class TaskLocked(SingletaskError):
         who = f"task {self.holder}" if self.holder else "another execution"
         left = f" ({self.ttl:.1f}s left on its lease)" if self.ttl is not None else ""
         return f"lock {self.key!r} is held by {who}{left}"
+
+
+class LockLost(SingletaskError):
+    """A running execution's lock is no longer its own (the lease ran out or another took it).
+
+    Raised by :meth:`LockHandle.check() <singletask.LockHandle.check>`.
+
+    Attributes:
+        key: The lock key.
+        reason: What happened.
+    """
+
+    def __init__(self, key: str, reason: str = "") -> None:
+        super().__init__(key, reason)
+        self.key = key
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return (
+            f"lock {self.key!r} was lost: {self.reason}"
+            if self.reason
+            else f"lock {self.key!r} was lost"
+        )
 
 
 class BackendError(SingletaskError):

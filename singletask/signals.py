@@ -6,6 +6,12 @@
     (seconds left on the holder's lease or None), ``task_id`` (of the locked-out execution),
     ``action`` (``"skip"``, ``"retry"`` or ``"raise"``).
 
+``lock_lost``
+    Sent in the process executing the task when its lock is found lost while the body runs (a
+    renewal found it gone or owned by another, or its lease passed while renewals failed).
+    Arguments: ``sender`` (the task), ``key``, ``task_id``, ``reason``. Sent from the renewer
+    thread.
+
 Example::
 
     from singletask.signals import lock_conflict
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 from celery.utils.dispatch import Signal
 
-__all__ = ["lock_conflict"]
+__all__ = ["lock_conflict", "lock_lost"]
 
 lock_conflict = Signal(name="lock_conflict")
+lock_lost = Signal(name="lock_lost")

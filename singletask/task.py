@@ -11,6 +11,8 @@ worker process). See ``docs/lifecycle.rst`` for the table of which hook releases
 from __future__ import annotations
 
 import contextvars
+import functools
+import hashlib
 import inspect
 import logging
 import os
@@ -23,32 +25,47 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import Task
 from celery import signals as celery_signals
-from celery.exceptions import Reject, Retry
+from celery.exceptions import Ignore, Reject, Retry
 
 from .backends import backend_from_url
-from .config import Settings, check_count, check_policy, check_seconds
-from .exceptions import TaskLocked
+from .config import (
+    Settings,
+    check_backend_error_policy,
+    check_bool,
+    check_count,
+    check_policy,
+    check_seconds,
+)
+from .exceptions import BackendTimeout, BackendUnavailable, TaskLocked
 from .keys import KeySpec, run_signature
+from .lease import LockHandle, Renewer
 from .result import Skipped
-from .signals import lock_conflict
+from .signals import lock_conflict, lock_lost
 
 if TYPE_CHECKING:
     from celery import Celery
 
     from .backends.base import Holder, LockBackend
 
-__all__ = ["LockHandle", "SingletonTask"]
+__all__ = ["SingletonTask"]
 
 logger = logging.getLogger("singletask")
 
-#: Message header counting the lock retries of one attempt (the task's own ``retries`` stays
+#: Message header counting the lock retries of a task id (the task's own ``retries`` stays
 #: untouched, so lock retries never spend ``max_retries``).
 LOCK_RETRIES_HEADER = "singletask_lock_retries"
+
+#: Message header counting the retries made because the lock store could not be reached.
+BACKEND_RETRIES_HEADER = "singletask_backend_retries"
+
+#: Longest wait between those retries, in seconds (they back off 1, 2, 4, ... up to this).
+BACKEND_RETRY_CAP = 30.0
 
 #: Seconds of lease left to a holder whose process the worker is stopping (hard time limit,
 #: revoke with terminate): long enough for that process to be gone, short enough to not matter.
@@ -57,25 +74,6 @@ TERMINATION_GRACE = 2.0
 #: A parent-side release for the same task id within this many seconds is a repeat (Celery
 #: reports a hard time limit through two hooks and two signals).
 _REPEAT_WINDOW = 10.0
-
-
-@dataclass(frozen=True)
-class LockHandle:
-    """The lock held by the running execution, as ``self.lock`` inside the task body.
-
-    Attributes:
-        key: The lock key.
-        token: The owner token stored with the lock.
-        task_id: The holding execution's task id (None for a direct call).
-        acquired_at: When it was acquired (``time.time()``).
-        ttl: The lease it was acquired with, in seconds.
-    """
-
-    key: str
-    token: str
-    task_id: str | None
-    acquired_at: float
-    ttl: float
 
 
 @dataclass(frozen=True)
@@ -99,8 +97,12 @@ class _Options:
     prefix: str
     policy: str
     ttl: float
+    renew: bool
+    max_hold: float | None
     retry_countdown: float
     retry_max: int
+    on_backend_error: str
+    backend_retry_max: int
 
 
 class _AppState:
@@ -111,6 +113,7 @@ class _AppState:
         self._mutex = threading.Lock()
         self._settings: Settings | None = None
         self._backend: LockBackend | None = None
+        self._renewer: Renewer | None = None
         self._pid: int | None = None
         self._released: dict[str, float] = {}
 
@@ -127,8 +130,16 @@ class _AppState:
             with self._mutex:
                 if self._backend is None or self._pid != pid:
                     self._backend = backend_from_url(self.settings.backend_url)
+                    self._renewer = Renewer(self._backend)
                     self._pid = pid
         return self._backend
+
+    @property
+    def renewer(self) -> Renewer:
+        """The renewer of this process's backend."""
+        self.backend  # noqa: B018 - (re)creates backend and renewer in a new process
+        assert self._renewer is not None
+        return self._renewer
 
     def first_release(self, task_id: str) -> bool:
         """True the first time a parent-side release for ``task_id`` is asked for lately."""
@@ -148,6 +159,51 @@ def _app_state(app: Celery) -> _AppState:
         state = app.__dict__.setdefault("_singletask_state", _AppState(app))
     assert isinstance(state, _AppState)
     return state
+
+
+@functools.cache
+def _host_id() -> str:
+    """Who "this host" is for pid liveness checks: boot id and pid namespace, or "-" if unknown.
+
+    Two processes see each other's pids only on the same kernel boot and in the same pid
+    namespace (containers on one host share the boot id but not the namespace).
+    """
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "-"
+    return hashlib.sha256(f"{boot}|{namespace}".encode()).hexdigest()[:12]
+
+
+def _parse_token(token: str) -> tuple[str, int, str, int] | None:
+    """``(task id, retries, host id, pid)`` of an execution's owner token, or None."""
+    parts = token.rsplit(":", 4)
+    if len(parts) != 5:
+        return None
+    try:
+        return parts[0], int(parts[1]), parts[2], int(parts[3])
+    except ValueError:
+        return None
+
+
+def _holder_process_gone(token: str) -> bool:
+    """True only when the holder ran on this host and its process no longer exists."""
+    parsed = _parse_token(token)
+    if parsed is None or parsed[2] == "-" or parsed[2] != _host_id() or parsed[3] == os.getpid():
+        return False
+    pid = parsed[3]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    try:  # a killed pool process may linger as a zombie until the worker reaps it
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("Z", "X")
 
 
 def _seconds_until(when: object) -> float:
@@ -178,9 +234,14 @@ class SingletonTask(_TaskBase):
     * ``lock_args``: None (one lock per task name), a sequence of parameter names, or ``"*"``.
     * ``lock_key``: a format string over parameter names, or a callable taking the task's
       arguments; replaces the suffix derived from ``lock_args``.
-    * ``lock_ttl``: the lease in seconds (default 3600).
+    * ``lock_ttl``: the lease in seconds (default 30), renewed while the body runs.
+    * ``lock_renew``: renew the lease while the body runs (default True).
+    * ``lock_max_hold``: seconds after which renewal stops (default None: no cap).
     * ``lock_retry_countdown``: seconds between lock retries, plus up to 25% jitter (default 10).
     * ``lock_retry_max``: lock retries before failing with ``TaskLocked`` (default 30).
+    * ``lock_on_backend_error``: ``"retry"`` (default) or ``"run"`` when the lock store cannot
+      be reached as the task starts.
+    * ``lock_backend_retry_max``: retries while the lock store is unreachable (default 10).
 
     Every attribute is validated when the task class is created.
     """
@@ -189,8 +250,12 @@ class SingletonTask(_TaskBase):
     lock_args: ClassVar[Sequence[str] | str | None] = None
     lock_key: ClassVar[str | Callable[..., str] | None] = None
     lock_ttl: ClassVar[float | None] = None
+    lock_renew: ClassVar[bool | None] = None
+    lock_max_hold: ClassVar[float | None] = None
     lock_retry_countdown: ClassVar[float | None] = None
     lock_retry_max: ClassVar[int | None] = None
+    lock_on_backend_error: ClassVar[str | None] = None
+    lock_backend_retry_max: ClassVar[int | None] = None
 
     _singletask_spec: ClassVar[KeySpec]
 
@@ -198,16 +263,20 @@ class SingletonTask(_TaskBase):
         super().__init_subclass__(**kwargs)
         name = cls.__dict__.get("name") or getattr(cls, "name", None) or cls.__qualname__
         where = f"task {name!r} attribute"
-        if cls.lock_policy is not None:
-            check_policy(cls.lock_policy, f"{where} lock_policy")
-        if cls.lock_ttl is not None:
-            check_seconds(cls.lock_ttl, f"{where} lock_ttl")
-        if cls.lock_retry_countdown is not None:
-            check_seconds(
-                cls.lock_retry_countdown, f"{where} lock_retry_countdown", allow_zero=True
-            )
-        if cls.lock_retry_max is not None:
-            check_count(cls.lock_retry_max, f"{where} lock_retry_max")
+        checks: dict[str, Callable[[object, str], object]] = {
+            "lock_policy": check_policy,
+            "lock_ttl": check_seconds,
+            "lock_renew": check_bool,
+            "lock_max_hold": check_seconds,
+            "lock_retry_countdown": lambda v, w: check_seconds(v, w, allow_zero=True),
+            "lock_retry_max": check_count,
+            "lock_on_backend_error": check_backend_error_policy,
+            "lock_backend_retry_max": check_count,
+        }
+        for attribute, check in checks.items():
+            value = getattr(cls, attribute)
+            if value is not None:
+                check(value, f"{where} {attribute}")
         lock_key = inspect.getattr_static(cls, "lock_key")
         if isinstance(lock_key, staticmethod | classmethod):
             lock_key = lock_key.__get__(None, cls)
@@ -218,10 +287,10 @@ class SingletonTask(_TaskBase):
         if TaskLocked not in throws:
             cls.throws = (*throws, TaskLocked)
         time_limit = getattr(cls, "time_limit", None)
-        if cls.lock_ttl is not None and time_limit and cls.lock_ttl <= time_limit:
+        if cls.lock_renew is False and cls.lock_ttl and time_limit and cls.lock_ttl <= time_limit:
             logger.warning(
-                "task %r: lock_ttl (%ss) is not longer than time_limit (%ss): the lock can "
-                "expire while the task still runs",
+                "task %r: lock_ttl (%ss) is not longer than time_limit (%ss) and lock_renew is "
+                "False: the lock can expire while the task still runs",
                 name,
                 cls.lock_ttl,
                 time_limit,
@@ -241,10 +310,16 @@ class SingletonTask(_TaskBase):
                 prefix=settings.key_prefix,
                 policy=pick(self.lock_policy, settings.lock_policy),
                 ttl=float(pick(self.lock_ttl, settings.lock_ttl)),
+                renew=pick(self.lock_renew, settings.lock_renew),
+                max_hold=pick(self.lock_max_hold, settings.lock_max_hold),
                 retry_countdown=float(
                     pick(self.lock_retry_countdown, settings.lock_retry_countdown)
                 ),
                 retry_max=pick(self.lock_retry_max, settings.lock_retry_max),
+                on_backend_error=pick(self.lock_on_backend_error, settings.lock_on_backend_error),
+                backend_retry_max=pick(
+                    self.lock_backend_retry_max, settings.lock_backend_retry_max
+                ),
             )
             self.__dict__["_singletask_options"] = options
         return options
@@ -287,12 +362,16 @@ class SingletonTask(_TaskBase):
             # Re-entrant: the body of the execution holding this key calls the task directly.
             return super().__call__(*args, **kwargs)
 
-        backend = self.lock_backend
-        if direct:
+        state = _app_state(self.app)
+        backend = state.backend
+        # ``attempt`` names one execution attempt of one message: a redelivered copy of the
+        # message has the same one, the body's own retry the next one.
+        attempt = None if direct else f"{task_id}:{int(request.retries or 0)}"
+        if attempt is None:
             token, takeover = f"direct:{secrets.token_hex(8)}", None
         else:
+            token = f"{attempt}:{_host_id()}:{os.getpid()}:{secrets.token_hex(4)}"
             retries = int(request.retries or 0)
-            token = f"{task_id}:{retries}:{secrets.token_hex(4)}"
             # The body's own retry republished this message: take over the reservation that
             # the previous attempt left (see _finish).
             takeover = f"{task_id}:{retries - 1}:" if retries > 0 else None
@@ -302,13 +381,47 @@ class SingletonTask(_TaskBase):
             "pid": str(os.getpid()),
             "since": f"{time.time():.3f}",
         }
-        if task_id is not None and not direct:
-            meta["task_id"] = task_id
-        result = backend.acquire(key, token, options.ttl, meta=meta, takeover_prefix=takeover)
+        if attempt is not None:
+            meta["task_id"] = str(task_id)
+        try:
+            result = backend.acquire(key, token, options.ttl, meta=meta, takeover_prefix=takeover)
+            holder = result.holder
+            if holder is not None and attempt is not None and _holder_process_gone(holder.token):
+                # Same host, and the holder's process is gone: no need to wait for its lease.
+                result = backend.acquire(
+                    key, token, options.ttl, meta=meta, takeover_prefix=holder.token
+                )
+                if result.acquired:
+                    logger.warning(
+                        "Task %s[%s] took over lock %r from %s, whose process is gone",
+                        self.name, task_id, key, holder.task_id,
+                    )  # fmt: skip
+        except (BackendUnavailable, BackendTimeout) as exc:
+            return self._backend_unreachable(exc, direct, options, args, kwargs)
         if not result.acquired:
             return self._locked(key, result.holder, direct, options)
 
-        handle = LockHandle(key, token, None if direct else task_id, time.time(), options.ttl)
+        if attempt is not None and result.completed == attempt and not request.is_eager:
+            # This very message already ran to completion: a redelivered copy must not run.
+            self._finish(backend, key, token, None, options)
+            logger.warning(
+                "Task %s[%s] dropped: this message already ran to completion under lock %r "
+                "(a redelivered copy)",
+                self.name, task_id, key,
+            )  # fmt: skip
+            raise Ignore()
+
+        handle = LockHandle(
+            key,
+            token,
+            None if direct else task_id,
+            result.fence,
+            options.ttl,
+            max_hold=options.max_hold,
+            on_lost=self._lock_lost,
+        )
+        if options.renew:
+            state.renewer.add(handle)
         reset = _frames.set((*frames, _Frame(self.name, None if direct else task_id, handle)))
         retry: Retry | None = None
         try:
@@ -318,56 +431,134 @@ class SingletonTask(_TaskBase):
             raise
         finally:
             _frames.reset(reset)
+            state.renewer.remove(handle)  # before the release: no renewal starts after this
             keep = retry is not None and getattr(retry, "sig", None) is not None and not direct
-            self._finish(backend, handle, retry if keep and not request.is_eager else None, options)
+            self._finish(
+                backend,
+                key,
+                token,
+                retry if keep and not request.is_eager else None,
+                options,
+                completed=attempt,
+            )
 
     def _finish(
-        self, backend: LockBackend, handle: LockHandle, retry: Retry | None, options: _Options
+        self,
+        backend: LockBackend,
+        key: str,
+        token: str,
+        retry: Retry | None,
+        options: _Options,
+        *,
+        completed: str | None = None,
     ) -> None:
         """End the execution's hold: release, or keep the lock reserved for the body's retry."""
         try:
             if retry is not None:
                 reserve = _seconds_until(retry.when) + options.ttl
-                if backend.extend(handle.key, handle.token, reserve):
+                if backend.extend(key, token, reserve):
                     logger.info(
                         "Task %s[%s] retries: lock %r stays reserved for the retry (%.0fs at most)",
-                        self.name,
-                        handle.task_id,
-                        handle.key,
-                        reserve,
-                    )
+                        self.name, self.request.id, key, reserve,
+                    )  # fmt: skip
                 return  # not extended: the retried attempt has taken the lock over already
-            if not backend.release(handle.key, handle.token):
+            if not backend.release(key, token, completed=completed):
                 logger.warning(
-                    "Task %s[%s]: lock %r was no longer held when the task ended (lease of "
-                    "%.0fs ran out, or it was released for this task by the worker)",
-                    self.name,
-                    handle.task_id,
-                    handle.key,
-                    handle.ttl,
-                )
+                    "Task %s[%s]: lock %r was no longer held when the task ended (its lease "
+                    "ran out, or the worker released it for this task)",
+                    self.name, self.request.id, key,
+                )  # fmt: skip
         except Exception:
             # Never let release break the task's outcome; the lease ends by itself.
             logger.exception(
                 "Task %s[%s]: could not release lock %r; it expires by itself within %.0fs",
-                self.name,
-                handle.task_id,
-                handle.key,
-                handle.ttl,
+                self.name, self.request.id, key, options.ttl,
+            )  # fmt: skip
+
+    def _lock_lost(self, handle: LockHandle, reason: str) -> None:
+        """Called (from the renewer thread) when a running execution's lock is lost."""
+        logger.error(
+            "Task %s[%s]: lock %r lost while the task runs: %s. Another execution may start; "
+            "self.lock.check() now raises LockLost",
+            self.name, handle.task_id, handle.key, reason,
+        )  # fmt: skip
+        lock_lost.send(sender=self, key=handle.key, task_id=handle.task_id, reason=reason)
+
+    def _backend_unreachable(
+        self,
+        exc: BackendUnavailable | BackendTimeout,
+        direct: bool,
+        options: _Options,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+    ) -> Any:
+        """The lock store could not be reached to acquire: run unlocked, retry later, or fail."""
+        request = self.request
+        if options.on_backend_error == "run":
+            logger.warning(
+                "Task %s[%s] runs WITHOUT its lock: the lock store is unreachable (%s) and "
+                "lock_on_backend_error is 'run'",
+                self.name, request.id, exc,
+            )  # fmt: skip
+            return super().__call__(*args, **kwargs)
+        spent = _header_count(request, BACKEND_RETRIES_HEADER)
+        if direct or request.is_eager or spent >= options.backend_retry_max:
+            why = (
+                "cannot wait in eager mode or a direct call"
+                if direct or request.is_eager
+                else f"gave up after {spent} retries"
             )
+            logger.error(
+                "Task %s[%s] fails: the lock store is unreachable (%s); %s",
+                self.name, request.id, exc, why,
+            )  # fmt: skip
+            raise exc
+        countdown = min(BACKEND_RETRY_CAP, 2.0**spent) * random.uniform(1.0, 1.25)
+        logger.warning(
+            "Task %s[%s] retries in %.1fs (%d of %d): the lock store is unreachable: %s",
+            self.name, request.id, countdown, spent + 1, options.backend_retry_max, exc,
+        )  # fmt: skip
+        self._republish(request, countdown, {BACKEND_RETRIES_HEADER: spent + 1}, exc)
+
+    def _republish(
+        self,
+        request: Any,
+        countdown: float,
+        headers: Mapping[str, Any],
+        reason: Exception | None,
+        *,
+        quietly: bool = False,
+    ) -> NoReturn:
+        """Send this message again (same id and ``retries``) after ``countdown``; end this one.
+
+        Like ``Task.retry()`` but without touching ``retries``: it raises ``Retry`` (state
+        RETRY), or with ``quietly`` ``Ignore`` (nothing stored). A failed publish raises
+        ``Reject``, as ``Task.retry()`` does.
+        """
+        merged = {**(request.headers or {}), **headers}
+        signature = self.signature_from_request(request, countdown=countdown, headers=merged)
+        try:
+            signature.apply_async()
+        except Exception as exc:
+            raise Reject(exc, requeue=False) from exc
+        if quietly:
+            raise Ignore()
+        raise Retry(exc=reason, when=countdown, sig=signature)  # type: ignore[arg-type]
 
     def _locked(self, key: str, holder: Holder | None, direct: bool, options: _Options) -> Any:
         """Apply the lock policy to an execution that found ``key`` held by someone else."""
         request = self.request
         holder_id = holder.task_id if holder else None
         ttl = holder.ttl if holder else None
+        if holder is not None and not direct and holder_id == request.id:
+            self._held_by_same_task(key, holder, options)
         action, why = options.policy, ""
         spent = 0
         if action == "retry":
             if direct or request.is_eager:
                 action, why = "raise", " (retry cannot wait in eager mode or a direct call)"
             else:
-                spent = _lock_retries(request)
+                spent = _header_count(request, LOCK_RETRIES_HEADER)
                 if spent >= options.retry_max:
                     action, why = "raise", f" (lock retries spent: {spent} of {options.retry_max})"
         lock_conflict.send(
@@ -392,13 +583,42 @@ class SingletonTask(_TaskBase):
             "Task %s[%s] retries in %.1fs (lock retry %d of %d): lock %r is held by %s",
             self.name, request.id, countdown, spent + 1, options.retry_max, key, holder_id,
         )  # fmt: skip
-        headers = {**(request.headers or {}), LOCK_RETRIES_HEADER: spent + 1}
-        signature = self.signature_from_request(request, countdown=countdown, headers=headers)
-        try:
-            signature.apply_async()
-        except Exception as exc:
-            raise Reject(exc, requeue=False) from exc
-        raise Retry(exc=locked, when=countdown, sig=signature)  # type: ignore[arg-type]
+        self._republish(request, countdown, {LOCK_RETRIES_HEADER: spent + 1}, locked)
+
+    def _held_by_same_task(self, key: str, holder: Holder, options: _Options) -> NoReturn:
+        """The lock is held under this task id: by another delivery of this very message (a
+        broker redelivery), or by a newer attempt of the task (this copy is stale).
+
+        Neither may store a result under the task id, which belongs to the holder: a stale
+        copy is dropped, a redelivered one checks again once the holder's lease could have
+        run out. If the holder is alive it keeps renewing and the copy keeps waiting, until the
+        holder completes (then the copy is dropped) or dies (then the copy runs).
+        """
+        request = self.request
+        parsed = _parse_token(holder.token)
+        retries = int(request.retries or 0)
+        if parsed is not None and parsed[1] > retries:
+            logger.warning(
+                "Task %s[%s] dropped: a newer attempt of this task (retry %d) holds lock %r",
+                self.name, request.id, parsed[1], key,
+            )  # fmt: skip
+            lock_conflict.send(
+                sender=self, key=key, holder=holder.task_id, ttl=holder.ttl,
+                task_id=request.id, action="drop",
+            )  # fmt: skip
+            raise Ignore()
+        countdown = min(options.ttl, max(1.0, holder.ttl or options.ttl)) + random.uniform(0, 0.5)
+        logger.info(
+            "Task %s[%s]: another delivery of this message holds lock %r (lease left: %s); "
+            "checking again in %.1fs",
+            self.name, request.id, key,
+            f"{holder.ttl:.1f}s" if holder.ttl is not None else "unknown", countdown,
+        )  # fmt: skip
+        lock_conflict.send(
+            sender=self, key=key, holder=holder.task_id, ttl=holder.ttl,
+            task_id=request.id, action="defer",
+        )  # fmt: skip
+        self._republish(request, countdown, {}, None, quietly=True)
 
     # -- Celery hooks ----------------------------------------------------------------------
     #
@@ -476,10 +696,11 @@ class SingletonTask(_TaskBase):
         return done
 
 
-def _lock_retries(request: Any) -> int:
-    value = getattr(request, LOCK_RETRIES_HEADER, None)
+def _header_count(request: Any, header: str) -> int:
+    """A counter this library keeps in the message headers (0 when absent)."""
+    value = getattr(request, header, None)
     if value is None:
-        value = (getattr(request, "headers", None) or {}).get(LOCK_RETRIES_HEADER)
+        value = (getattr(request, "headers", None) or {}).get(header)
     try:
         return int(value or 0)
     except (TypeError, ValueError):

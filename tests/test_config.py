@@ -58,6 +58,10 @@ def singleton(app: celery.Celery, **options: Any) -> Callable[[Callable[..., Any
         ({"lock_key": "customer:{}"}, "lock_key"),
         ({"lock_key": "customer:{customer_id"}, "lock_key"),
         ({"lock_key": 42}, "lock_key"),
+        ({"lock_renew": "yes"}, "lock_renew"),
+        ({"lock_max_hold": 0}, "lock_max_hold"),
+        ({"lock_on_backend_error": "ignore"}, "lock_on_backend_error"),
+        ({"lock_backend_retry_max": -1}, "lock_backend_retry_max"),
     ],
     ids=[
         "unknown-policy",
@@ -78,6 +82,10 @@ def singleton(app: celery.Celery, **options: Any) -> Callable[[Callable[..., Any
         "lock_key-auto-numbered-field",
         "lock_key-malformed",
         "lock_key-not-str-or-callable",
+        "renew-not-bool",
+        "max-hold-zero",
+        "backend-error-policy-unknown",
+        "backend-retry-max-negative",
     ],
 )
 def test_an_invalid_task_attribute_fails_at_definition_naming_task_and_attribute(
@@ -181,10 +189,10 @@ def test_valid_task_attributes_are_accepted(app: celery.Celery) -> None:
 def test_a_lease_not_longer_than_the_time_limit_is_warned_about(
     app: celery.Celery, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """lock_ttl <= time_limit would let the lock expire while the task runs: a warning."""
+    """Without renewal, lock_ttl <= time_limit lets the lock expire while the task runs."""
     with caplog.at_level("WARNING", logger="singletask"):
 
-        @singleton(app, name="cfg.short_lease", lock_ttl=60, time_limit=120)
+        @singleton(app, name="cfg.short_lease", lock_ttl=60, lock_renew=False, time_limit=120)
         def short_lease() -> None: ...
 
     assert any(
@@ -204,9 +212,13 @@ def test_library_defaults(app: celery.Celery) -> None:
         backend_url="memory://",
         key_prefix="singletask:",
         lock_policy="skip",
-        lock_ttl=3600.0,
+        lock_ttl=30.0,
+        lock_renew=True,
+        lock_max_hold=None,
         lock_retry_countdown=10.0,
         lock_retry_max=30,
+        lock_on_backend_error="retry",
+        lock_backend_retry_max=10,
     )
     assert DEFAULTS["singletask_lock_policy"] == "skip"
 
@@ -220,11 +232,26 @@ def test_settings_from_conf_update(app: celery.Celery) -> None:
         singletask_lock_ttl=120,
         singletask_lock_retry_countdown=0,
         singletask_lock_retry_max=3,
+        singletask_lock_renew=False,
+        singletask_lock_max_hold=600,
+        singletask_lock_on_backend_error="run",
+        singletask_lock_backend_retry_max=2,
     )
 
     settings = Settings.from_app(app)
 
-    assert settings == Settings("memory://other", "locks/", "raise", 120.0, 0.0, 3)
+    assert settings == Settings(
+        backend_url="memory://other",
+        key_prefix="locks/",
+        lock_policy="raise",
+        lock_ttl=120.0,
+        lock_renew=False,
+        lock_max_hold=600.0,
+        lock_retry_countdown=0.0,
+        lock_retry_max=3,
+        lock_on_backend_error="run",
+        lock_backend_retry_max=2,
+    )
 
 
 def test_django_style_namespaced_settings() -> None:
@@ -323,6 +350,10 @@ def test_an_amqp_broker_without_backend_url_fails_at_first_use_without_the_passw
         ("singletask_lock_retry_countdown", -0.5),
         ("singletask_lock_retry_max", -1),
         ("singletask_lock_retry_max", 1.5),
+        ("singletask_lock_renew", "no"),
+        ("singletask_lock_max_hold", -3),
+        ("singletask_lock_on_backend_error", "skip"),
+        ("singletask_lock_backend_retry_max", -2),
         ("singletask_key_prefix", 5),
         ("singletask_backend_url", "localhost:6379"),
         ("singletask_backend_url", 6379),
@@ -375,7 +406,7 @@ def test_task_attribute_beats_app_setting_beats_library_default(app: celery.Cele
     # When each runs / Then each holds its lock with the lease of the nearest setting
     assert lease_seen_by(own) == 45.0
     assert lease_seen_by(inherited) == 120.0
-    assert lease_seen_by(default) == 3600.0
+    assert lease_seen_by(default) == 30.0
     bare.close()
 
 

@@ -1,0 +1,200 @@
+"""Held leases and the per-process renewer that keeps them alive.
+
+A :class:`LockHandle` is the lock an execution holds (``self.lock`` in the task body). While the
+body runs, the process's :class:`Renewer` extends every handle it was given, all of them in one
+backend round trip, every third of the shortest lease. A renewal that finds the lock gone or owned
+by someone else marks the handle lost at once; while the backend cannot be reached, the handle
+counts as lost as soon as its lease has passed without a successful renewal.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from .exceptions import BackendError, LockLost
+
+__all__ = ["LockHandle", "Renewer"]
+
+logger = logging.getLogger("singletask")
+
+#: Seconds between renewal attempts while the backend is failing (bounded by a third of the lease).
+RETRY_INTERVAL = 1.0
+
+
+class LockHandle:
+    """The lock held by the running execution: ``self.lock`` inside the task body.
+
+    Attributes:
+        key: The lock key.
+        token: The owner token stored with the lock.
+        task_id: The holding execution's task id (None for a direct call).
+        fence: The fencing token of this acquisition: greater than every earlier one of the key.
+            Hand it to the resource you protect and have it reject smaller ones.
+        acquired_at: When the lock was acquired (``time.time()``).
+        ttl: The lease, in seconds.
+        max_hold: Seconds after which renewal stops (None: no cap).
+    """
+
+    def __init__(
+        self,
+        key: str,
+        token: str,
+        task_id: str | None,
+        fence: int | None,
+        ttl: float,
+        *,
+        max_hold: float | None = None,
+        on_lost: Callable[[LockHandle, str], None] | None = None,
+    ) -> None:
+        self.key = key
+        self.token = token
+        self.task_id = task_id
+        self.fence = fence
+        self.ttl = ttl
+        self.max_hold = max_hold
+        self.acquired_at = time.time()
+        self._on_lost = on_lost
+        self._started = time.monotonic()
+        self._expires = self._started + ttl  # monotonic deadline of the current lease
+        self._lost: str | None = None
+        self._mutex = threading.Lock()
+
+    def __repr__(self) -> str:
+        state = f"lost: {self._lost}" if self.lost else "held"
+        return f"<LockHandle {self.key!r} fence={self.fence} {state}>"
+
+    @property
+    def lost(self) -> bool:
+        """True once the lock may be held by someone else: found gone, or its lease ran out."""
+        return self._lost is not None or time.monotonic() >= self._expires
+
+    @property
+    def lost_reason(self) -> str | None:
+        """Why the lock counts as lost, or None while it is held."""
+        if self._lost is None and time.monotonic() >= self._expires:
+            return "its lease ran out without a renewal"
+        return self._lost
+
+    def check(self) -> None:
+        """Raise :class:`~singletask.LockLost` if the lock is lost; do nothing while it is held.
+
+        Call it before work that must not happen twice at once, e.g. before committing.
+        """
+        reason = self.lost_reason
+        if reason is not None:
+            raise LockLost(self.key, reason)
+
+    def renewed(self, at: float) -> None:
+        """The lease was extended by a request sent at monotonic time ``at``."""
+        self._expires = max(self._expires, at + self.ttl)
+
+    def lose(self, reason: str) -> None:
+        """Mark the lock lost (once) and tell the owner."""
+        with self._mutex:
+            if self._lost is not None:
+                return
+            self._lost = reason
+        if self._on_lost is not None:
+            self._on_lost(self, reason)
+
+    @property
+    def hold_expired(self) -> bool:
+        """True once the handle has been held ``max_hold`` seconds."""
+        return self.max_hold is not None and time.monotonic() - self._started >= self.max_hold
+
+
+class Renewer:
+    """Extends the leases of one process, in one round trip per interval, from a daemon thread.
+
+    One renewer serves every lock its backend holds in the process; it starts its thread on the
+    first lease it is given. Under gevent or eventlet (monkey-patched threading) the thread is a
+    green thread. A forked child gets a new renewer, since threads do not survive ``fork()``.
+    """
+
+    def __init__(self, backend: object) -> None:
+        from .backends.base import LockBackend
+
+        assert isinstance(backend, LockBackend)
+        self._backend = backend
+        self._leases: dict[str, LockHandle] = {}
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._retry_at = 0.0
+
+    def add(self, handle: LockHandle) -> None:
+        """Start renewing ``handle`` until :meth:`remove`, loss, or its ``max_hold``."""
+        with self._wake:
+            self._leases[handle.token] = handle
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="singletask-renewer", daemon=True
+                )
+                self._thread.start()
+            self._wake.notify()
+
+    def remove(self, handle: LockHandle) -> None:
+        """Stop renewing ``handle``; call it before releasing (no renewal starts after it)."""
+        with self._wake:
+            self._leases.pop(handle.token, None)
+
+    def _due(self, now: float) -> float | None:
+        """Seconds until the next renewal round, or None when there is nothing to renew."""
+        if not self._leases:
+            return None
+        interval = min(handle.ttl for handle in self._leases.values()) / 3
+        oldest = min(handle._expires - handle.ttl for handle in self._leases.values())
+        return max(oldest + interval, self._retry_at) - now
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                wait = self._due(time.monotonic())
+                while wait is None or wait > 0:
+                    self._wake.wait(timeout=wait)
+                    wait = self._due(time.monotonic())
+                batch = list(self._leases.values())
+                for handle in batch:
+                    if handle.hold_expired:
+                        del self._leases[handle.token]
+                        logger.warning(
+                            "lock %r reached lock_max_hold (%ss): renewal stopped, its lease "
+                            "ends within %ss",
+                            handle.key,
+                            handle.max_hold,
+                            handle.ttl,
+                        )
+                batch = [handle for handle in batch if handle.token in self._leases]
+            if batch:
+                self._renew(batch)
+
+    def _renew(self, batch: list[LockHandle]) -> None:
+        sent = time.monotonic()
+        try:
+            results = self._backend.extend_many([(h.key, h.token, h.ttl) for h in batch])
+        except BackendError as exc:
+            shortest = min(handle.ttl for handle in batch)
+            self._retry_at = time.monotonic() + min(RETRY_INTERVAL, shortest / 3)
+            for handle in batch:
+                if handle.lost:  # the lease has passed without a successful renewal
+                    self._drop(handle, f"its lease ran out while renewals failed: {exc}")
+            logger.warning("could not renew %d lock(s), retrying: %s", len(batch), exc)
+            return
+        except Exception:  # never let the renewer thread die
+            logger.exception("renewing %d lock(s) failed", len(batch))
+            self._retry_at = time.monotonic() + RETRY_INTERVAL
+            return
+        self._retry_at = 0.0
+        for handle, extended in zip(batch, results, strict=True):
+            if extended:
+                handle.renewed(sent)
+            else:
+                self._drop(handle, "a renewal found it gone or held by another owner")
+
+    def _drop(self, handle: LockHandle, reason: str) -> None:
+        with self._wake:
+            if self._leases.pop(handle.token, None) is None:
+                return  # released meanwhile: not a loss
+        handle.lose(reason)
