@@ -67,10 +67,6 @@ BACKEND_RETRIES_HEADER = "singletask_backend_retries"
 #: Longest wait between those retries, in seconds (they back off 1, 2, 4, ... up to this).
 BACKEND_RETRY_CAP = 30.0
 
-#: Seconds of lease left to a holder whose process the worker is stopping (hard time limit,
-#: revoke with terminate): long enough for that process to be gone, short enough to not matter.
-TERMINATION_GRACE = 2.0
-
 #: A parent-side release for the same task id within this many seconds is a repeat (Celery
 #: reports a hard time limit through two hooks and two signals).
 _REPEAT_WINDOW = 10.0
@@ -176,6 +172,11 @@ def _host_id() -> str:
     return hashlib.sha256(f"{boot}|{namespace}".encode()).hexdigest()[:12]
 
 
+def _reservation_token(task_id: str, retries: int) -> str:
+    """The owner token of the lock an attempt leaves reserved for its retry."""
+    return f"{task_id}:{retries}:-:0:retry"
+
+
 def _parse_token(token: str) -> tuple[str, int, str, int] | None:
     """``(task id, retries, host id, pid)`` of an execution's owner token, or None."""
     parts = token.rsplit(":", 4)
@@ -187,23 +188,28 @@ def _parse_token(token: str) -> tuple[str, int, str, int] | None:
         return None
 
 
-def _holder_process_gone(token: str) -> bool:
-    """True only when the holder ran on this host and its process no longer exists."""
+def _holder_process(token: str) -> str:
+    """``"gone"``, ``"alive"`` or ``"unknown"``: the state of the process an owner token names.
+
+    Known only for processes of this host (same boot and pid namespace); a zombie counts as gone.
+    """
     parsed = _parse_token(token)
-    if parsed is None or parsed[2] == "-" or parsed[2] != _host_id() or parsed[3] == os.getpid():
-        return False
+    if parsed is None or parsed[2] == "-" or parsed[2] != _host_id():
+        return "unknown"
     pid = parsed[3]
+    if pid == os.getpid():
+        return "alive"
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return True
+        return "gone"
     except OSError:
-        return False
+        return "unknown"
     try:  # a killed pool process may linger as a zombie until the worker reaps it
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
-    return state in ("Z", "X")
+        return "alive"
+    return "gone" if state in ("Z", "X") else "alive"
 
 
 def _seconds_until(when: object) -> float:
@@ -372,9 +378,9 @@ class SingletonTask(_TaskBase):
         else:
             token = f"{attempt}:{_host_id()}:{os.getpid()}:{secrets.token_hex(4)}"
             retries = int(request.retries or 0)
-            # The body's own retry republished this message: take over the reservation that
-            # the previous attempt left (see _finish).
-            takeover = f"{task_id}:{retries - 1}:" if retries > 0 else None
+            # The body's own retry republished this message: take over the reservation the
+            # previous attempt left when it ended (see _finish), never that attempt itself.
+            takeover = _reservation_token(str(task_id), retries - 1) if retries > 0 else None
         meta = {
             "task": self.name,
             "hostname": request.hostname or socket.gethostname(),
@@ -386,7 +392,11 @@ class SingletonTask(_TaskBase):
         try:
             result = backend.acquire(key, token, options.ttl, meta=meta, takeover_prefix=takeover)
             holder = result.holder
-            if holder is not None and attempt is not None and _holder_process_gone(holder.token):
+            if (
+                holder is not None
+                and attempt is not None
+                and _holder_process(holder.token) == "gone"
+            ):
                 # Same host, and the holder's process is gone: no need to wait for its lease.
                 result = backend.acquire(
                     key, token, options.ttl, meta=meta, takeover_prefix=holder.token
@@ -440,6 +450,7 @@ class SingletonTask(_TaskBase):
                 retry if keep and not request.is_eager else None,
                 options,
                 completed=attempt,
+                meta=meta,
             )
 
     def _finish(
@@ -451,17 +462,30 @@ class SingletonTask(_TaskBase):
         options: _Options,
         *,
         completed: str | None = None,
+        meta: Mapping[str, str] | None = None,
     ) -> None:
-        """End the execution's hold: release, or keep the lock reserved for the body's retry."""
+        """End the execution's hold: release, or turn it into a reservation for the body's retry.
+
+        The reservation is the lock under a token only the retried attempt (same task id,
+        ``retries + 1``) takes over; it lasts the retry's countdown plus one lease.
+        """
         try:
             if retry is not None:
                 reserve = _seconds_until(retry.when) + options.ttl
-                if backend.extend(key, token, reserve):
+                retries = int(self.request.retries or 0)
+                reserved = backend.acquire(
+                    key,
+                    _reservation_token(str(self.request.id), retries),
+                    reserve,
+                    meta=meta,
+                    takeover_prefix=token,
+                )
+                if reserved.acquired:
                     logger.info(
                         "Task %s[%s] retries: lock %r stays reserved for the retry (%.0fs at most)",
                         self.name, self.request.id, key, reserve,
                     )  # fmt: skip
-                return  # not extended: the retried attempt has taken the lock over already
+                return
             if not backend.release(key, token, completed=completed):
                 logger.warning(
                     "Task %s[%s]: lock %r was no longer held when the task ended (its lease "
@@ -597,6 +621,15 @@ class SingletonTask(_TaskBase):
         request = self.request
         parsed = _parse_token(holder.token)
         retries = int(request.retries or 0)
+        if parsed is not None and parsed[1] == retries - 1:
+            # The attempt that asked for this retry has not ended yet (Celery publishes the
+            # retry before the body returns): look again shortly, then take its reservation.
+            countdown = 0.5 + random.uniform(0, 0.25)
+            logger.info(
+                "Task %s[%s]: the previous attempt still holds lock %r; retrying in %.1fs",
+                self.name, request.id, key, countdown,
+            )  # fmt: skip
+            self._republish(request, countdown, {}, None, quietly=True)
         if parsed is not None and parsed[1] > retries:
             logger.warning(
                 "Task %s[%s] dropped: a newer attempt of this task (retry %d) holds lock %r",
@@ -659,15 +692,19 @@ class SingletonTask(_TaskBase):
         kwargs: Mapping[str, Any] | None,
         *,
         reason: str,
-        grace: float = TERMINATION_GRACE,
     ) -> bool:
-        """Release the lock of execution ``task_id`` from a process that is not running it.
+        """Release the lock of execution ``task_id`` for a process that cannot release it.
 
-        Used by the worker's main process when the executing process cannot release (hard time
-        limit, revoke with terminate, lost worker process). It acts only if that task id still
-        holds the lock, and with ``grace > 0`` it shortens the lease to ``grace`` seconds instead
-        of deleting it, so that a process being stopped is gone before another execution starts.
-        Never raises; returns whether it changed the lock.
+        Used by the worker's main process after a hard time limit, a revoke with terminate or a
+        lost pool process. It acts only while that task id holds the lock, and never before the
+        holding process has ended: a process told to stop may still be running its body (Python
+        handles SIGTERM only once it is back from C code). If the process is gone the lock is
+        released at once; if it is still running, a watcher thread releases it the moment the
+        process ends (until then the process keeps renewing its own lease). Never raises.
+
+        Returns:
+            True if the lock was released now; False if there was nothing to release, or the
+            release was left to the watcher or to the lease.
         """
         state = _app_state(self.app)
         if not state.first_release(task_id):
@@ -676,24 +713,67 @@ class SingletonTask(_TaskBase):
             key = self.lock_key_for(args or (), kwargs or {})
             backend = state.backend
             holder = backend.holder(key)
-            if holder is None or holder.task_id != task_id:
-                return False
-            if grace > 0:
-                done = backend.extend(key, holder.token, min(grace, holder.ttl or grace))
-            else:
-                done = backend.release(key, holder.token)
+        except Exception:
+            logger.exception(
+                "Task %s[%s]: could not look up its lock after %s; it expires by itself",
+                self.name, task_id, reason,
+            )  # fmt: skip
+            return False
+        if holder is None or holder.task_id != task_id:
+            return False
+        process = _holder_process(holder.token)
+        if process == "gone":
+            return self._release_dead(backend, key, holder.token, task_id, reason)
+        if process == "alive":
+            watcher = threading.Thread(
+                target=self._release_when_gone,
+                args=(backend, key, holder.token, task_id, reason),
+                name="singletask-release-watch",
+                daemon=True,
+            )
+            watcher.start()
+            return False
+        logger.info(
+            "Task %s[%s]: after %s, lock %r is left to its lease (its holder's process cannot "
+            "be checked from here)",
+            self.name, task_id, reason, key,
+        )  # fmt: skip
+        return False
+
+    def _release_dead(
+        self, backend: LockBackend, key: str, token: str, task_id: str, reason: str
+    ) -> bool:
+        try:
+            released = backend.release(key, token)
         except Exception:
             logger.exception(
                 "Task %s[%s]: could not release its lock after %s; it expires by itself",
                 self.name, task_id, reason,
             )  # fmt: skip
             return False
-        if done:
+        if released:
             logger.warning(
-                "Task %s[%s]: lock %r released by the worker after %s%s",
-                self.name, task_id, key, reason, f" (in {grace:.0f}s)" if grace > 0 else "",
+                "Task %s[%s]: lock %r released by the worker after %s",
+                self.name, task_id, key, reason,
             )  # fmt: skip
-        return done
+        return released
+
+    def _release_when_gone(
+        self, backend: LockBackend, key: str, token: str, task_id: str, reason: str
+    ) -> None:
+        """Wait for the holding process to end, then release for it (from a watcher thread)."""
+        checked = time.monotonic()
+        while _holder_process(token) == "alive":
+            time.sleep(0.1)
+            if time.monotonic() - checked >= 5.0:  # stop watching once it let go by itself
+                checked = time.monotonic()
+                try:
+                    holder = backend.holder(key)
+                except Exception:
+                    continue
+                if holder is None or holder.token != token:
+                    return
+        self._release_dead(backend, key, token, task_id, reason)
 
 
 def _header_count(request: Any, header: str) -> int:
@@ -723,7 +803,7 @@ def _release_after_failure(
         return
     if isinstance(exception, WorkerLostError):
         # The executing process is gone: nothing can still be running under this lock.
-        sender.release_for(task_id, args, kwargs, reason="its worker process was lost", grace=0)
+        sender.release_for(task_id, args, kwargs, reason="its worker process was lost")
     elif isinstance(exception, TimeLimitExceeded):
         # Celery < 5.7 calls no task hook on a hard time limit; this signal is all there is.
         sender.release_for(task_id, args, kwargs, reason="a hard time limit")
