@@ -60,6 +60,7 @@ class LockHandle:
         self._started = time.monotonic()
         self._expires = self._started + ttl  # monotonic deadline of the current lease
         self._lost: str | None = None
+        self._notified = False
         self._mutex = threading.Lock()
 
     def __repr__(self) -> str:
@@ -68,14 +69,20 @@ class LockHandle:
 
     @property
     def lost(self) -> bool:
-        """True once the lock may be held by someone else: found gone, or its lease ran out."""
-        return self._lost is not None or time.monotonic() >= self._expires
+        """Whether the lock may now be held by someone else.
+
+        It becomes True when a renewal finds the lock gone or taken, or when the lease has run
+        out without a renewal, and then stays True.
+        """
+        return self.lost_reason is not None
 
     @property
     def lost_reason(self) -> str | None:
         """Why the lock counts as lost, or None while it is held."""
         if self._lost is None and time.monotonic() >= self._expires:
-            return "its lease ran out without a renewal"
+            with self._mutex:
+                if self._lost is None:
+                    self._lost = "its lease ran out without a renewal"
         return self._lost
 
     def check(self) -> None:
@@ -92,13 +99,15 @@ class LockHandle:
         self._expires = max(self._expires, at + self.ttl)
 
     def lose(self, reason: str) -> None:
-        """Mark the lock lost (once) and tell the owner."""
+        """Mark the lock lost and tell the owner (once)."""
         with self._mutex:
-            if self._lost is not None:
+            if self._notified:
                 return
-            self._lost = reason
+            self._notified = True
+            if self._lost is None:
+                self._lost = reason
         if self._on_lost is not None:
-            self._on_lost(self, reason)
+            self._on_lost(self, self._lost)
 
     @property
     def hold_expired(self) -> bool:
@@ -188,8 +197,10 @@ class Renewer:
             return
         self._retry_at = 0.0
         for handle, extended in zip(batch, results, strict=True):
-            if extended:
+            if extended and not handle.lost:
                 handle.renewed(sent)
+            elif extended:  # renewed too late: someone may have held the lock meanwhile
+                self._drop(handle, handle.lost_reason or "its lease ran out")
             else:
                 self._drop(handle, "a renewal found it gone or held by another owner")
 

@@ -4,7 +4,9 @@
     Sent in the process executing the task whenever an execution finds its lock held and acts
     on it. Arguments: ``sender`` (the task), ``key``, ``holder`` (task id or None), ``ttl``
     (seconds left on the holder's lease or None), ``task_id`` (of the locked-out execution),
-    ``action`` (``"skip"``, ``"retry"`` or ``"raise"``).
+    ``action``: the policy's ``"skip"``, ``"retry"`` or ``"raise"``; or, when the holder has the
+    same task id, ``"defer"`` (another delivery of this message holds it: check again later)
+    or ``"drop"`` (a newer attempt of the task holds it: this copy is stale).
 
 ``lock_lost``
     Sent in the process executing the task when its lock is found lost while the body runs (a

@@ -64,6 +64,9 @@ LOCK_RETRIES_HEADER = "singletask_lock_retries"
 #: Message header counting the retries made because the lock store could not be reached.
 BACKEND_RETRIES_HEADER = "singletask_backend_retries"
 
+#: Message header marking a copy deferred because another delivery of it held the lock.
+REDELIVERED_HEADER = "singletask_redelivered"
+
 #: Longest wait between those retries, in seconds (they back off 1, 2, 4, ... up to this).
 BACKEND_RETRY_CAP = 30.0
 
@@ -411,7 +414,7 @@ class SingletonTask(_TaskBase):
         if not result.acquired:
             return self._locked(key, result.holder, direct, options)
 
-        if attempt is not None and result.completed == attempt and not request.is_eager:
+        if attempt is not None and result.completed == attempt and _is_redelivery(request):
             # This very message already ran to completion: a redelivered copy must not run.
             self._finish(backend, key, token, None, options)
             logger.warning(
@@ -434,10 +437,23 @@ class SingletonTask(_TaskBase):
             state.renewer.add(handle)
         reset = _frames.set((*frames, _Frame(self.name, None if direct else task_id, handle)))
         retry: Retry | None = None
+        # Whether this message is done with, so that a redelivered copy must not run it again:
+        # not when it is requeued, retried, replaced (Ignore) or its process is being stopped.
+        completed = False
         try:
-            return super().__call__(*args, **kwargs)
+            value = super().__call__(*args, **kwargs)
+            completed = True
+            return value
         except Retry as exc:
             retry = exc
+            raise
+        except Reject as exc:
+            completed = not getattr(exc, "requeue", False)
+            raise
+        except Ignore:
+            raise
+        except Exception:
+            completed = True
             raise
         finally:
             _frames.reset(reset)
@@ -449,7 +465,7 @@ class SingletonTask(_TaskBase):
                 token,
                 retry if keep and not request.is_eager else None,
                 options,
-                completed=attempt,
+                completed=attempt if completed else None,
                 meta=meta,
             )
 
@@ -536,8 +552,10 @@ class SingletonTask(_TaskBase):
                 "Task %s[%s] fails: the lock store is unreachable (%s); %s",
                 self.name, request.id, exc, why,
             )  # fmt: skip
-            raise exc
-        countdown = min(BACKEND_RETRY_CAP, 2.0**spent) * random.uniform(1.0, 1.25)
+            if isinstance(exc, BackendUnavailable):
+                raise exc
+            raise BackendUnavailable(str(exc)) from exc
+        countdown = min(BACKEND_RETRY_CAP, 2.0**spent * random.uniform(1.0, 1.25))
         logger.warning(
             "Task %s[%s] retries in %.1fs (%d of %d): the lock store is unreachable: %s",
             self.name, request.id, countdown, spent + 1, options.backend_retry_max, exc,
@@ -651,7 +669,7 @@ class SingletonTask(_TaskBase):
             sender=self, key=key, holder=holder.task_id, ttl=holder.ttl,
             task_id=request.id, action="defer",
         )  # fmt: skip
-        self._republish(request, countdown, {}, None, quietly=True)
+        self._republish(request, countdown, {REDELIVERED_HEADER: True}, None, quietly=True)
 
     # -- Celery hooks ----------------------------------------------------------------------
     #
@@ -774,6 +792,13 @@ class SingletonTask(_TaskBase):
                 if holder is None or holder.token != token:
                     return
         self._release_dead(backend, key, token, task_id, reason)
+
+
+def _is_redelivery(request: Any) -> bool:
+    """Whether the broker delivered this message before (or singletask deferred such a copy)."""
+    if (getattr(request, "delivery_info", None) or {}).get("redelivered"):
+        return True
+    return bool(_header_count(request, REDELIVERED_HEADER))
 
 
 def _header_count(request: Any, header: str) -> int:

@@ -217,7 +217,7 @@ class RedisBackend(LockBackend):
             raise BackendTimeout(f"{self!r}: {operation} {key!r} timed out: {exc}") from exc
         except redis.exceptions.ConnectionError as exc:
             raise BackendUnavailable(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
-        except redis.exceptions.RedisError as exc:
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
             raise BackendError(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
 
     def acquire(
