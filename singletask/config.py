@@ -9,6 +9,8 @@ setting                              default               meaning
 ``singletask_backend_url``           the broker, if Redis  where locks live
 ``singletask_key_prefix``            ``"singletask:"``     prefix of every lock key
 ``singletask_lock_policy``           ``"skip"``            ``"skip"``, ``"retry"``, ``"raise"``
+``singletask_lock_scope``            ``"execution"``       also ``"queue"`` or ``"coalesce"``
+``singletask_lock_queue_ttl``        ``3600``              longest a sent message stays reserved
 ``singletask_lock_ttl``              ``30``                lease of a lock, in seconds
 ``singletask_lock_renew``            ``True``              renew the lease while the body runs
 ``singletask_lock_max_hold``         ``None``              stop renewing after this many seconds
@@ -42,16 +44,22 @@ __all__ = [
     "BACKEND_ERROR_POLICIES",
     "DEFAULTS",
     "POLICIES",
+    "SCOPES",
     "Settings",
     "check_backend_error_policy",
     "check_bool",
     "check_count",
     "check_policy",
+    "check_scope",
     "check_seconds",
 ]
 
 #: The three things a locked-out execution can do.
 POLICIES: Final = ("skip", "retry", "raise")
+
+#: Where a task's duplicates are stopped: only when they execute, already when they are sent,
+#: or sent and collapsed into one follow-up run.
+SCOPES: Final = ("execution", "queue", "coalesce")
 
 #: What an execution does when the lock store cannot be reached as it starts.
 BACKEND_ERROR_POLICIES: Final = ("retry", "run")
@@ -61,6 +69,8 @@ DEFAULTS: Final[dict[str, Any]] = {
     "singletask_backend_url": None,
     "singletask_key_prefix": "singletask:",
     "singletask_lock_policy": "skip",
+    "singletask_lock_scope": "execution",
+    "singletask_lock_queue_ttl": 3600.0,
     "singletask_lock_ttl": 30.0,
     "singletask_lock_renew": True,
     "singletask_lock_max_hold": None,
@@ -76,6 +86,15 @@ def check_policy(value: object, where: str) -> str:
     if value not in POLICIES:
         raise ConfigurationError(
             f"{where}: unknown lock policy {value!r}; use one of {', '.join(map(repr, POLICIES))}"
+        )
+    return str(value)
+
+
+def check_scope(value: object, where: str) -> str:
+    """Return ``value`` if it is a known lock scope; else raise ConfigurationError."""
+    if value not in SCOPES:
+        raise ConfigurationError(
+            f"{where}: unknown lock scope {value!r}; use one of {', '.join(map(repr, SCOPES))}"
         )
     return str(value)
 
@@ -129,6 +148,8 @@ class Settings:
     backend_url: str
     key_prefix: str
     lock_policy: str
+    lock_scope: str
+    lock_queue_ttl: float
     lock_ttl: float
     lock_renew: bool
     lock_max_hold: float | None
@@ -157,6 +178,8 @@ class Settings:
             backend_url=_backend_url(app),
             key_prefix=prefix,
             lock_policy=setting("singletask_lock_policy", check_policy),
+            lock_scope=setting("singletask_lock_scope", check_scope),
+            lock_queue_ttl=setting("singletask_lock_queue_ttl", check_seconds),
             lock_ttl=setting("singletask_lock_ttl", check_seconds),
             lock_renew=setting("singletask_lock_renew", check_bool),
             lock_max_hold=setting(

@@ -32,6 +32,8 @@ from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import Task
 from celery import signals as celery_signals
 from celery.exceptions import Ignore, Reject, Retry
+from celery.result import AsyncResult
+from celery.utils import uuid
 
 from .backends import backend_from_url
 from .config import (
@@ -40,9 +42,10 @@ from .config import (
     check_bool,
     check_count,
     check_policy,
+    check_scope,
     check_seconds,
 )
-from .exceptions import BackendTimeout, BackendUnavailable, TaskLocked
+from .exceptions import BackendError, BackendTimeout, BackendUnavailable, TaskLocked
 from .keys import KeySpec, run_signature
 from .lease import LockHandle, Renewer
 from .result import Skipped
@@ -95,6 +98,8 @@ class _Options:
 
     prefix: str
     policy: str
+    scope: str
+    queue_ttl: float
     ttl: float
     renew: bool
     max_hold: float | None
@@ -176,8 +181,8 @@ def _host_id() -> str:
 
 
 def _reservation_token(task_id: str, retries: int) -> str:
-    """The owner token of the lock an attempt leaves reserved for its retry."""
-    return f"{task_id}:{retries}:-:0:retry"
+    """The owner token of a lock reserved for attempt ``retries`` of message ``task_id``."""
+    return f"{task_id}:{retries}:-:0:reserved"
 
 
 def _parse_token(token: str) -> tuple[str, int, str, int] | None:
@@ -215,6 +220,32 @@ def _holder_process(token: str) -> str:
     return "gone" if state in ("Z", "X") else "alive"
 
 
+def _queue_lease(queue_ttl: float, options: Mapping[str, Any]) -> float:
+    """How long a sent message keeps its key reserved: its delay plus ``queue_ttl``, and never
+    past its ``expires`` (a worker discards an expired message)."""
+    delay = 0.0
+    if options.get("countdown") is not None:
+        delay = max(0.0, float(options["countdown"]))
+    elif options.get("eta") is not None:
+        delay = _seconds_until(_as_datetime(options["eta"]))
+    lease = delay + queue_ttl
+    expires = options.get("expires")
+    if isinstance(expires, int | float):
+        lease = min(lease, max(0.001, float(expires)))
+    elif expires is not None:
+        lease = min(lease, max(0.001, _seconds_until(_as_datetime(expires))))
+    return lease
+
+
+def _as_datetime(value: object) -> object:
+    if isinstance(value, str):
+        try:
+            return datetime.fromisoformat(value)
+        except ValueError:
+            return value
+    return value
+
+
 def _seconds_until(when: object) -> float:
     """The delay of a ``Retry.when`` (seconds or an ETA), never negative."""
     if isinstance(when, int | float):
@@ -240,6 +271,11 @@ class SingletonTask(_TaskBase):
     * ``lock_policy``: what a locked-out execution does: ``"skip"`` (default: return a
       :class:`~singletask.Skipped`), ``"retry"`` (retry later) or ``"raise"`` (fail with
       :class:`~singletask.TaskLocked`).
+    * ``lock_scope``: where duplicates are stopped: ``"execution"`` (default: when a worker
+      runs them), ``"queue"`` (already in ``apply_async``: a duplicate gets the holder's
+      ``AsyncResult``) or ``"coalesce"`` (one run plus at most one pending follow-up).
+    * ``lock_queue_ttl``: the longest a sent message keeps its key reserved before a worker
+      starts it (default 3600, plus any countdown / ETA).
     * ``lock_args``: None (one lock per task name), a sequence of parameter names, or ``"*"``.
     * ``lock_key``: a format string over parameter names, or a callable taking the task's
       arguments; replaces the suffix derived from ``lock_args``.
@@ -256,6 +292,8 @@ class SingletonTask(_TaskBase):
     """
 
     lock_policy: ClassVar[str | None] = None
+    lock_scope: ClassVar[str | None] = None
+    lock_queue_ttl: ClassVar[float | None] = None
     lock_args: ClassVar[Sequence[str] | str | None] = None
     lock_key: ClassVar[str | Callable[..., str] | None] = None
     lock_ttl: ClassVar[float | None] = None
@@ -274,6 +312,8 @@ class SingletonTask(_TaskBase):
         where = f"task {name!r} attribute"
         checks: dict[str, Callable[[object, str], object]] = {
             "lock_policy": check_policy,
+            "lock_scope": check_scope,
+            "lock_queue_ttl": check_seconds,
             "lock_ttl": check_seconds,
             "lock_renew": check_bool,
             "lock_max_hold": check_seconds,
@@ -318,6 +358,8 @@ class SingletonTask(_TaskBase):
             options = _Options(
                 prefix=settings.key_prefix,
                 policy=pick(self.lock_policy, settings.lock_policy),
+                scope=pick(self.lock_scope, settings.lock_scope),
+                queue_ttl=float(pick(self.lock_queue_ttl, settings.lock_queue_ttl)),
                 ttl=float(pick(self.lock_ttl, settings.lock_ttl)),
                 renew=pick(self.lock_renew, settings.lock_renew),
                 max_hold=pick(self.lock_max_hold, settings.lock_max_hold),
@@ -356,6 +398,130 @@ class SingletonTask(_TaskBase):
                 return frame.handle
         return None
 
+    # -- sending ---------------------------------------------------------------------------
+
+    def apply_async(
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> AsyncResult[Any]:
+        """Send the task; with ``lock_scope`` "queue" or "coalesce", deduplicate it first.
+
+        The key is reserved for the new message, atomically, before it is published; the
+        worker's execution then takes that reservation over as its lock. A duplicate sent while
+        the key is reserved or held gets the holder's ``AsyncResult`` instead of a new message
+        (``lock_policy = "raise"``: :class:`~singletask.TaskLocked` here instead). With
+        "coalesce", a duplicate sent while a run is in progress becomes (or joins) the key's one
+        pending follow-up. Messages republished for an execution (its own retries, lock
+        retries) and canvas parts (links, chains, chords, groups) are never deduplicated here:
+        for them, and for ``send_task``, the execution-time lock alone applies.
+        """
+
+        def send(task_id: str) -> AsyncResult[Any]:
+            return super(SingletonTask, self).apply_async(
+                tuple(args) if args is not None else None,
+                dict(kwargs) if kwargs is not None else None,
+                task_id,
+                producer,
+                link,
+                link_error,
+                shadow,
+                **options,
+            )
+
+        settings = self._options()
+        canvas = (
+            link or link_error or any(options.get(name) for name in ("chain", "chord", "group_id"))
+        )
+        if (
+            settings.scope == "execution"
+            or self.app.conf.task_always_eager
+            or "retries" in options  # republished for an execution (Task.retry and ours)
+            or canvas
+        ):
+            return send(task_id)  # type: ignore[arg-type]
+        task_id = task_id or uuid()
+        try:
+            return self._send_once(send, task_id, args or (), kwargs or {}, settings, options)
+        except BackendError as exc:
+            logger.warning(
+                "Task %s[%s] sent without deduplication: the lock store is unreachable (%s); "
+                "the execution-time lock still applies",
+                self.name, task_id, exc,
+            )  # fmt: skip
+            return send(task_id)
+
+    def _send_once(
+        self,
+        send: Callable[[str], AsyncResult[Any]],
+        task_id: str,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        settings: _Options,
+        options: Mapping[str, Any],
+    ) -> AsyncResult[Any]:
+        backend = self.lock_backend
+        key = self.lock_key_for(args, kwargs)
+        ttl = _queue_lease(settings.queue_ttl, options)
+        token = _reservation_token(task_id, 0)
+        meta = {"task_id": task_id, "task": self.name, "since": f"{time.time():.3f}"}
+        reserved = backend.acquire(key, token, ttl, meta=meta)
+        if reserved.acquired:
+            try:
+                return send(task_id)
+            except BaseException:
+                backend.release(key, token)  # the message never left: nothing will run it
+                raise
+        holder = reserved.holder
+        holder_id = holder.task_id if holder else None
+        queued = holder is not None and holder.token == _reservation_token(str(holder_id), 0)
+        if holder_id is None:
+            return send(task_id)  # held by a direct call: leave it to the execution-time lock
+        if settings.scope == "coalesce" and not queued:
+            follow_up = backend.claim_next(key, task_id, ttl)
+            action = "follow" if follow_up == task_id else "join"
+            lock_conflict.send(
+                sender=self, key=key, holder=holder_id, ttl=holder.ttl if holder else None,
+                task_id=task_id, action=action,
+            )  # fmt: skip
+            if follow_up == task_id:
+                logger.info(
+                    "Task %s[%s] sent as the follow-up of the run in progress on %r (%s)",
+                    self.name, task_id, key, holder_id,
+                )  # fmt: skip
+                return send(task_id)
+            logger.info(
+                "Task %s not sent: it joins the pending follow-up %s of %r",
+                self.name, follow_up, key,
+            )  # fmt: skip
+            return self.AsyncResult(follow_up)
+        state = "queued" if queued else "running"
+        if settings.policy == "raise":
+            lock_conflict.send(
+                sender=self, key=key, holder=holder_id, ttl=holder.ttl if holder else None,
+                task_id=task_id, action="raise",
+            )  # fmt: skip
+            logger.warning(
+                "Task %s not sent: lock %r is held by %s (%s); raising TaskLocked",
+                self.name, key, holder_id, state,
+            )  # fmt: skip
+            raise TaskLocked(key, holder_id, holder.ttl if holder else None)
+        lock_conflict.send(
+            sender=self, key=key, holder=holder_id, ttl=holder.ttl if holder else None,
+            task_id=task_id, action="dedupe",
+        )  # fmt: skip
+        logger.info(
+            "Task %s not sent: a duplicate of %s (%s) under lock %r; returning its result",
+            self.name, holder_id, state, key,
+        )  # fmt: skip
+        return self.AsyncResult(holder_id)
+
     # -- execution -------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -380,10 +546,10 @@ class SingletonTask(_TaskBase):
             token, takeover = f"direct:{secrets.token_hex(8)}", None
         else:
             token = f"{attempt}:{_host_id()}:{os.getpid()}:{secrets.token_hex(4)}"
-            retries = int(request.retries or 0)
-            # The body's own retry republished this message: take over the reservation the
-            # previous attempt left when it ended (see _finish), never that attempt itself.
-            takeover = _reservation_token(str(task_id), retries - 1) if retries > 0 else None
+            # Take over the reservation made for this attempt: by apply_async when the message
+            # was sent (lock_scope "queue" / "coalesce"), or by the previous attempt when it
+            # ended with a retry (see _finish); never a running attempt itself.
+            takeover = _reservation_token(str(task_id), int(request.retries or 0))
         meta = {
             "task": self.name,
             "hostname": request.hostname or socket.gethostname(),
@@ -423,6 +589,9 @@ class SingletonTask(_TaskBase):
                 self.name, task_id, key,
             )  # fmt: skip
             raise Ignore()
+
+        if options.scope == "coalesce" and attempt is not None:
+            self._clear_follow_up(backend, key, str(task_id))
 
         handle = LockHandle(
             key,
@@ -491,7 +660,7 @@ class SingletonTask(_TaskBase):
                 retries = int(self.request.retries or 0)
                 reserved = backend.acquire(
                     key,
-                    _reservation_token(str(self.request.id), retries),
+                    _reservation_token(str(self.request.id), retries + 1),
                     reserve,
                     meta=meta,
                     takeover_prefix=token,
@@ -594,6 +763,8 @@ class SingletonTask(_TaskBase):
         ttl = holder.ttl if holder else None
         if holder is not None and not direct and holder_id == request.id:
             self._held_by_same_task(key, holder, options)
+        if options.scope == "coalesce" and not direct and not request.is_eager:
+            self._wait_as_follow_up(key, holder, options)
         action, why = options.policy, ""
         spent = 0
         if action == "retry":
@@ -626,6 +797,37 @@ class SingletonTask(_TaskBase):
             self.name, request.id, countdown, spent + 1, options.retry_max, key, holder_id,
         )  # fmt: skip
         self._republish(request, countdown, {LOCK_RETRIES_HEADER: spent + 1}, locked)
+
+    def _clear_follow_up(self, backend: LockBackend, key: str, task_id: str) -> None:
+        """The follow-up started: later submissions form the next follow-up."""
+        try:
+            backend.clear_next(key, task_id)
+        except BackendError:
+            logger.warning(
+                "Task %s[%s]: could not clear its follow-up claim on %r; it expires by itself",
+                self.name, task_id, key, exc_info=True,
+            )  # fmt: skip
+
+    def _wait_as_follow_up(self, key: str, holder: Holder | None, options: _Options) -> None:
+        """Coalescing: the key's one pending follow-up waits for the run in progress to end.
+
+        Returns (so the lock policy applies) when another execution is already the follow-up.
+        """
+        request = self.request
+        follow_up = self.lock_backend.claim_next(key, str(request.id), options.queue_ttl)
+        if follow_up != request.id:
+            return
+        countdown = options.retry_countdown + random.uniform(0, options.retry_countdown / 4)
+        logger.info(
+            "Task %s[%s] is the follow-up of lock %r (held by %s): starting when it is free, "
+            "checking again in %.1fs",
+            self.name, request.id, key, holder.task_id if holder else None, countdown,
+        )  # fmt: skip
+        lock_conflict.send(
+            sender=self, key=key, holder=holder.task_id if holder else None,
+            ttl=holder.ttl if holder else None, task_id=request.id, action="follow",
+        )  # fmt: skip
+        self._republish(request, countdown, {}, None, quietly=True)
 
     def _held_by_same_task(self, key: str, holder: Holder, options: _Options) -> NoReturn:
         """The lock is held under this task id: by another delivery of this very message (a
@@ -758,6 +960,33 @@ class SingletonTask(_TaskBase):
         )  # fmt: skip
         return False
 
+    def release_reservation(
+        self,
+        task_id: str,
+        retries: int,
+        args: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+    ) -> bool:
+        """Release the key reserved for a message that will not run (revoked or expired).
+
+        Never raises; returns whether a reservation was released.
+        """
+        try:
+            key = self.lock_key_for(args or (), kwargs or {})
+            released = self.lock_backend.release(key, _reservation_token(task_id, retries))
+        except Exception:
+            logger.exception(
+                "Task %s[%s]: could not release its reservation; it expires by itself",
+                self.name, task_id,
+            )  # fmt: skip
+            return False
+        if released:
+            logger.info(
+                "Task %s[%s] will not run (revoked or expired): reservation of %r released",
+                self.name, task_id, key,
+            )  # fmt: skip
+        return released
+
     def _release_dead(
         self, backend: LockBackend, key: str, token: str, task_id: str, reason: str
     ) -> bool:
@@ -848,15 +1077,18 @@ def _remember_request(sender: Any = None, request: Any = None, **_: Any) -> None
 def _release_after_revoke(
     sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
 ) -> None:
-    if not (terminated and isinstance(sender, SingletonTask) and request is not None):
+    if not (isinstance(sender, SingletonTask) and request is not None and request.id):
         return
     task_id = request.id
     args, kwargs = getattr(request, "args", None), getattr(request, "kwargs", None)
     received = _received.get(task_id)
     if args is None and received is not None:
         args, kwargs = received.args, received.kwargs
-    if task_id:
+    if terminated:
         sender.release_for(task_id, args, kwargs, reason="revoke with terminate")
+    else:
+        # Revoked or expired before it started: it will never run, so its reservation goes.
+        sender.release_reservation(task_id, int(request.retries or 0), args, kwargs)
 
 
 celery_signals.task_failure.connect(_release_after_failure, weak=False)

@@ -62,6 +62,8 @@ def singleton(app: celery.Celery, **options: Any) -> Callable[[Callable[..., Any
         ({"lock_max_hold": 0}, "lock_max_hold"),
         ({"lock_on_backend_error": "ignore"}, "lock_on_backend_error"),
         ({"lock_backend_retry_max": -1}, "lock_backend_retry_max"),
+        ({"lock_scope": "enqueue"}, "lock_scope"),
+        ({"lock_queue_ttl": 0}, "lock_queue_ttl"),
     ],
     ids=[
         "unknown-policy",
@@ -86,6 +88,8 @@ def singleton(app: celery.Celery, **options: Any) -> Callable[[Callable[..., Any
         "max-hold-zero",
         "backend-error-policy-unknown",
         "backend-retry-max-negative",
+        "scope-unknown",
+        "queue-ttl-zero",
     ],
 )
 def test_an_invalid_task_attribute_fails_at_definition_naming_task_and_attribute(
@@ -212,6 +216,8 @@ def test_library_defaults(app: celery.Celery) -> None:
         backend_url="memory://",
         key_prefix="singletask:",
         lock_policy="skip",
+        lock_scope="execution",
+        lock_queue_ttl=3600.0,
         lock_ttl=30.0,
         lock_renew=True,
         lock_max_hold=None,
@@ -236,6 +242,8 @@ def test_settings_from_conf_update(app: celery.Celery) -> None:
         singletask_lock_max_hold=600,
         singletask_lock_on_backend_error="run",
         singletask_lock_backend_retry_max=2,
+        singletask_lock_scope="queue",
+        singletask_lock_queue_ttl=60,
     )
 
     settings = Settings.from_app(app)
@@ -244,6 +252,8 @@ def test_settings_from_conf_update(app: celery.Celery) -> None:
         backend_url="memory://other",
         key_prefix="locks/",
         lock_policy="raise",
+        lock_scope="queue",
+        lock_queue_ttl=60.0,
         lock_ttl=120.0,
         lock_renew=False,
         lock_max_hold=600.0,
@@ -354,6 +364,8 @@ def test_an_amqp_broker_without_backend_url_fails_at_first_use_without_the_passw
         ("singletask_lock_max_hold", -3),
         ("singletask_lock_on_backend_error", "skip"),
         ("singletask_lock_backend_retry_max", -2),
+        ("singletask_lock_scope", "producer"),
+        ("singletask_lock_queue_ttl", 0),
         ("singletask_key_prefix", 5),
         ("singletask_backend_url", "localhost:6379"),
         ("singletask_backend_url", 6379),

@@ -7,7 +7,8 @@ Policy (which key, which token, what to do when a lock is held, when to release)
 * every operation is atomic, and release / extend only act for the owner token;
 * a lease always expires: there are no permanent locks;
 * every acquisition gets a fencing token, strictly increasing per key;
-* a release can leave a completion marker that later acquisitions of the key see.
+* a release can leave a completion marker that later acquisitions of the key see;
+* a key can have one pending follow-up task id, claimed and cleared atomically.
 
 A new backend subclasses :class:`LockBackend`, implements the abstract methods, passes
 ``tests/backends/test_contract.py``, and registers a URL scheme (see :mod:`singletask.backends`).
@@ -133,6 +134,26 @@ class LockBackend(abc.ABC):
             BackendError: The store failed.
         """
         return [self.extend(key, token, ttl) for key, token, ttl in leases]
+
+    @abc.abstractmethod
+    def claim_next(self, key: str, task_id: str, ttl: float) -> str:
+        """Make ``task_id`` the key's pending follow-up unless one is pending; return the one.
+
+        A key has at most one pending follow-up (coalescing: one run plus one follow-up). The
+        claim lasts ``ttl`` seconds unless :meth:`clear_next` ends it first. Returns ``task_id``
+        when the caller's claim took, else the task id that was already pending.
+
+        Raises:
+            BackendError: The store failed.
+        """
+
+    @abc.abstractmethod
+    def clear_next(self, key: str, task_id: str) -> bool:
+        """End ``task_id``'s pending follow-up claim on ``key``; returns whether it was pending.
+
+        Raises:
+            BackendError: The store failed.
+        """
 
     @abc.abstractmethod
     def holder(self, key: str) -> Holder | None:

@@ -35,6 +35,7 @@ class MemoryBackend(LockBackend):
         self._entries: dict[str, _Entry] = {}
         self._fences: dict[str, int] = {}  # last fencing token per key; kept for the process's life
         self._completed: dict[str, str] = {}
+        self._next: dict[str, tuple[str, float]] = {}  # key -> (task id, monotonic deadline)
         self._mutex = threading.Lock()
 
     @classmethod
@@ -94,6 +95,23 @@ class MemoryBackend(LockBackend):
                 return False
             entry.expires_at = now + ttl
             return True
+
+    def claim_next(self, key: str, task_id: str, ttl: float) -> str:
+        now = time.monotonic()
+        with self._mutex:
+            pending = self._next.get(key)
+            if pending is not None and pending[1] > now:
+                return pending[0]
+            self._next[key] = (task_id, now + ttl)
+            return task_id
+
+    def clear_next(self, key: str, task_id: str) -> bool:
+        with self._mutex:
+            pending = self._next.get(key)
+            if pending is None or pending[0] != task_id:
+                return False
+            del self._next[key]
+            return pending[1] > time.monotonic()
 
     def holder(self, key: str) -> Holder | None:
         now = time.monotonic()

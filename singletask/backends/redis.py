@@ -109,6 +109,34 @@ end
 return out
 """
 
+# KEYS[1]  the lock's fence hash
+# ARGV[1]  task id claiming the follow-up slot
+# ARGV[2]  how long the claim lasts, in milliseconds
+# ARGV[3]  how long the fence hash is kept, in milliseconds
+# Returns the task id holding the slot now: ARGV[1] if its claim took, else the one pending.
+CLAIM_NEXT_SCRIPT = """
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local pending = redis.call('HMGET', KEYS[1], 'next', 'next_until')
+if pending[1] and tonumber(pending[2] or '0') > now_ms then
+  return pending[1]
+end
+redis.call('HSET', KEYS[1], 'next', ARGV[1], 'next_until', string.format('%.0f', now_ms + ARGV[2]))
+redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[3]), tonumber(ARGV[2])))
+return ARGV[1]
+"""
+
+# KEYS[1]  the lock's fence hash
+# ARGV[1]  task id whose follow-up claim ends
+# Returns 1 when ARGV[1] was the pending follow-up (its claim is removed), else 0.
+CLEAR_NEXT_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'next') == ARGV[1] then
+  redis.call('HDEL', KEYS[1], 'next', 'next_until')
+  return 1
+end
+return 0
+"""
+
 #: How long a lock's fence hash (last fencing token, last completion) outlives its last use.
 FENCE_RETENTION = 7 * 24 * 3600.0
 
@@ -170,6 +198,8 @@ class RedisBackend(LockBackend):
         self._release: Any = None
         self._extend: Any = None
         self._extend_many: Any = None
+        self._claim_next: Any = None
+        self._clear_next: Any = None
         if client is not None:
             self._register(client)
 
@@ -207,6 +237,8 @@ class RedisBackend(LockBackend):
         self._release = client.register_script(RELEASE_SCRIPT)
         self._extend = client.register_script(EXTEND_SCRIPT)
         self._extend_many = client.register_script(EXTEND_MANY_SCRIPT)
+        self._claim_next = client.register_script(CLAIM_NEXT_SCRIPT)
+        self._clear_next = client.register_script(CLEAR_NEXT_SCRIPT)
 
     @contextlib.contextmanager
     def _translate(self, operation: str, key: str) -> Iterator[None]:
@@ -279,6 +311,17 @@ class RedisBackend(LockBackend):
             args += [token, _ms(ttl)]
         with self._translate("extend", keys[0]):
             return [bool(done) for done in self._extend_many(keys=keys, args=args, client=client)]
+
+    def claim_next(self, key: str, task_id: str, ttl: float) -> str:
+        client = self.client
+        args = [task_id, _ms(ttl), _ms(FENCE_RETENTION)]
+        with self._translate("claim_next", key):
+            return _text(self._claim_next(keys=[fence_key(key)], args=args, client=client))
+
+    def clear_next(self, key: str, task_id: str) -> bool:
+        client = self.client
+        with self._translate("clear_next", key):
+            return bool(self._clear_next(keys=[fence_key(key)], args=[task_id], client=client))
 
     def holder(self, key: str) -> Holder | None:
         client = self.client

@@ -42,12 +42,15 @@ _SCHEMA = (
         fence INTEGER NOT NULL
     )
     """,
-    # The last fencing token and completion marker of every key, kept FENCE_RETENTION seconds.
+    # Per key: the last fencing token, the completion marker and the pending follow-up, kept
+    # FENCE_RETENTION seconds after the last use.
     """
     CREATE TABLE IF NOT EXISTS singletask_fences (
         key TEXT PRIMARY KEY,
         fence INTEGER NOT NULL,
         done TEXT,
+        next TEXT,
+        next_until REAL,
         touched REAL NOT NULL
     )
     """,
@@ -245,6 +248,31 @@ class SQLiteBackend(LockBackend):
                 "UPDATE singletask_locks SET expires_at = ? WHERE key = ?", (now + ttl, key)
             )
             return True
+
+    def claim_next(self, key: str, task_id: str, ttl: float) -> str:
+        with self._transaction("claim_next", key) as conn:
+            now = time.time()
+            row = conn.execute(
+                "SELECT next, next_until FROM singletask_fences WHERE key = ?", (key,)
+            ).fetchone()
+            if row is not None and row[0] is not None and (row[1] or 0) > now:
+                return str(row[0])
+            conn.execute(
+                "INSERT INTO singletask_fences (key, fence, next, next_until, touched) "
+                "VALUES (?, 0, ?, ?, ?) ON CONFLICT (key) DO UPDATE SET next = excluded.next, "
+                "next_until = excluded.next_until, touched = excluded.touched",
+                (key, task_id, now + ttl, now),
+            )
+            return task_id
+
+    def clear_next(self, key: str, task_id: str) -> bool:
+        with self._transaction("clear_next", key) as conn:
+            cursor = conn.execute(
+                "UPDATE singletask_fences SET next = NULL, next_until = NULL "
+                "WHERE key = ? AND next = ?",
+                (key, task_id),
+            )
+            return cursor.rowcount > 0
 
     def holder(self, key: str) -> Holder | None:
         with self._transaction("inspect", key) as conn:

@@ -495,9 +495,11 @@ def test_a_retried_attempt_does_not_start_while_the_attempt_that_asked_for_it_st
 
 
 @pytest.mark.parametrize("lost", ["revoked", "expired"])
-def test_a_retry_that_never_runs_leaves_a_reservation_that_ends_by_itself(
+def test_a_retry_that_never_runs_does_not_keep_its_reservation(
     cluster: Cluster, watch: Any, lost: str
 ) -> None:
+    """A retry revoked or expired before it starts will never run: the worker that discards it
+    releases the reservation its attempt left (at the latest it ends with countdown + ttl)."""
     task_name = "e2e.endings.retrying"
     task = cluster.task(task_name)
     label = cluster.label()
@@ -518,14 +520,16 @@ def test_a_retry_that_never_runs_leaves_a_reservation_that_ends_by_itself(
     if lost == "revoked":
         cluster.app.control.revoke(attempt.id, destination=[worker_hostname(cluster)])
 
-    # Then the reservation ends by itself within countdown + lock_ttl (plus slack)
+    # Then the reservation is gone within countdown + lock_ttl (plus slack)
     left = countdown + lease + 3.0 - (time.time() - first["t"])
     cluster.wait_free(key, timeout=max(left, 0.0))
     print(f"\n[{cluster.broker}] retry {lost}: lock free {time.time() - first['t']:.2f}s after it")
     seen = events.events()
-    assert seen[-1] == "expired", seen
+    # released by the worker that discarded the retry, once (or, had it missed it, expired)
     last_set = max(i for i, event in enumerate(seen) if event == "hset")
-    assert "del" not in seen[last_set:], seen  # the reservation was never released
+    assert seen[last_set + 1 :] in (["expire", "del"], ["expire", "expired"]), seen
+    if seen[-1] == "del":
+        wait_for_log(cluster, attempt.id, "reservation of")
     # the retried attempt never ran, and the task is REVOKED
     assert len(cluster.probe.starts(label)) == 1
     assert attempt.state == "REVOKED"
