@@ -80,9 +80,9 @@ class LockHandle:
     def lost_reason(self) -> str | None:
         """Why the lock counts as lost, or None while it is held."""
         if self._lost is None and time.monotonic() >= self._expires:
-            with self._mutex:
-                if self._lost is None:
-                    self._lost = "its lease ran out without a renewal"
+            # Noticed here first (the renewer may be blocked on an unreachable store, or not
+            # renewing at all): report it now, once, as a loss found by a renewal is.
+            self.lose("its lease ran out without a renewal")
         return self._lost
 
     def check(self) -> None:

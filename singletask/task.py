@@ -626,6 +626,7 @@ class SingletonTask(_TaskBase):
             raise
         finally:
             _frames.reset(reset)
+            handle.lost  # noqa: B018 - reports a lease that ran out unnoticed by the body
             state.renewer.remove(handle)  # before the release: no renewal starts after this
             keep = retry is not None and getattr(retry, "sig", None) is not None and not direct
             self._finish(
