@@ -7,7 +7,10 @@ has them; tests look tasks up by name (``app.tasks["e2e.basic.sleep"]``).
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
+from typing import Any
 
 from celery import Celery
 from kombu import Exchange, Queue
@@ -17,10 +20,23 @@ TASK_MODULES = [
     "tests.e2e.tasks_basic",
     "tests.e2e.tasks_endings",
     "tests.e2e.tasks_policies",
+    "tests.e2e.tasks_faults",
+    "tests.e2e.tasks_scopes",
 ]
 
+#: Optional: a JSON object merged into ``broker_transport_options`` (e.g. a short
+#: ``visibility_timeout`` for the redelivery tests of test_faults.py).
+TRANSPORT_ENV = "SINGLETASK_E2E_TRANSPORT"
 
-def make_app(*, broker: str, results: str, locks: str, queue: str) -> Celery:
+
+def make_app(
+    *,
+    broker: str,
+    results: str,
+    locks: str,
+    queue: str,
+    transport_options: Mapping[str, Any] | None = None,
+) -> Celery:
     app = Celery("e2e", broker=broker, backend=results, include=TASK_MODULES)
     exchange = Exchange(queue, type="direct", durable=False, auto_delete=True)
     app.conf.update(
@@ -32,7 +48,7 @@ def make_app(*, broker: str, results: str, locks: str, queue: str) -> Celery:
         worker_prefetch_multiplier=1,
         result_expires=600,
         broker_connection_retry_on_startup=True,
-        broker_transport_options={"visibility_timeout": 60},
+        broker_transport_options={"visibility_timeout": 60, **(transport_options or {})},
         worker_hijack_root_logger=True,
         worker_redirect_stdouts=False,
     )
@@ -46,6 +62,7 @@ def _from_env() -> Celery | None:
             results=os.environ["SINGLETASK_E2E_RESULTS"],
             locks=os.environ["SINGLETASK_E2E_LOCKS"],
             queue=os.environ["SINGLETASK_E2E_QUEUE"],
+            transport_options=json.loads(os.environ.get(TRANSPORT_ENV) or "{}"),
         )
     except KeyError:
         return None
