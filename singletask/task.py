@@ -11,26 +11,18 @@ worker process). See ``docs/lifecycle.rst`` for the table of which hook releases
 from __future__ import annotations
 
 import contextvars
-import functools
-import hashlib
 import inspect
 import logging
 import os
 import random
-import secrets
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
-from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import Task
-from celery import signals as celery_signals
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
 from celery.utils import uuid
@@ -45,11 +37,14 @@ from .config import (
     check_scope,
     check_seconds,
 )
+from .enqueue import seconds_until, send_once
 from .exceptions import BackendError, BackendTimeout, BackendUnavailable, TaskLocked
 from .keys import KeySpec, run_signature
 from .lease import LockHandle, Renewer
+from .recovery import release_dead, watch_and_release
 from .result import Skipped
 from .signals import lock_conflict, lock_lost
+from .tokens import direct_token, execution_token, parse_token, process_state, reservation_token
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -163,97 +158,6 @@ def _app_state(app: Celery) -> _AppState:
         state = app.__dict__.setdefault("_singletask_state", _AppState(app))
     assert isinstance(state, _AppState)
     return state
-
-
-@functools.cache
-def _host_id() -> str:
-    """Who "this host" is for pid liveness checks: boot id and pid namespace, or "-" if unknown.
-
-    Two processes see each other's pids only on the same kernel boot and in the same pid
-    namespace (containers on one host share the boot id but not the namespace).
-    """
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return "-"
-    return hashlib.sha256(f"{boot}|{namespace}".encode()).hexdigest()[:12]
-
-
-def _reservation_token(task_id: str, retries: int) -> str:
-    """The owner token of a lock reserved for attempt ``retries`` of message ``task_id``."""
-    return f"{task_id}:{retries}:-:0:reserved"
-
-
-def _parse_token(token: str) -> tuple[str, int, str, int] | None:
-    """``(task id, retries, host id, pid)`` of an execution's owner token, or None."""
-    parts = token.rsplit(":", 4)
-    if len(parts) != 5:
-        return None
-    try:
-        return parts[0], int(parts[1]), parts[2], int(parts[3])
-    except ValueError:
-        return None
-
-
-def _holder_process(token: str) -> str:
-    """``"gone"``, ``"alive"`` or ``"unknown"``: the state of the process an owner token names.
-
-    Known only for processes of this host (same boot and pid namespace); a zombie counts as gone.
-    """
-    parsed = _parse_token(token)
-    if parsed is None or parsed[2] == "-" or parsed[2] != _host_id():
-        return "unknown"
-    pid = parsed[3]
-    if pid == os.getpid():
-        return "alive"
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return "gone"
-    except OSError:
-        return "unknown"
-    try:  # a killed pool process may linger as a zombie until the worker reaps it
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "alive"
-    return "gone" if state in ("Z", "X") else "alive"
-
-
-def _queue_lease(queue_ttl: float, options: Mapping[str, Any]) -> float:
-    """How long a sent message keeps its key reserved: its delay plus ``queue_ttl``, and never
-    past its ``expires`` (a worker discards an expired message)."""
-    delay = 0.0
-    if options.get("countdown") is not None:
-        delay = max(0.0, float(options["countdown"]))
-    elif options.get("eta") is not None:
-        delay = _seconds_until(_as_datetime(options["eta"]))
-    lease = delay + queue_ttl
-    expires = options.get("expires")
-    if isinstance(expires, int | float):
-        lease = min(lease, max(0.001, float(expires)))
-    elif expires is not None:
-        lease = min(lease, max(0.001, _seconds_until(_as_datetime(expires))))
-    return lease
-
-
-def _as_datetime(value: object) -> object:
-    if isinstance(value, str):
-        try:
-            return datetime.fromisoformat(value)
-        except ValueError:
-            return value
-    return value
-
-
-def _seconds_until(when: object) -> float:
-    """The delay of a ``Retry.when`` (seconds or an ETA), never negative."""
-    if isinstance(when, int | float):
-        return max(0.0, float(when))
-    if isinstance(when, datetime):
-        now = datetime.now(when.tzinfo or timezone.utc) if when.tzinfo else datetime.now()
-        return max(0.0, (when - now).total_seconds())
-    return 0.0
 
 
 if TYPE_CHECKING:
@@ -448,7 +352,17 @@ class SingletonTask(_TaskBase):
             return send(task_id)  # type: ignore[arg-type]
         task_id = task_id or uuid()
         try:
-            return self._send_once(send, task_id, args or (), kwargs or {}, settings, options)
+            return send_once(
+                self,
+                send,
+                task_id,
+                args or (),
+                kwargs or {},
+                scope=settings.scope,
+                policy=settings.policy,
+                queue_ttl=settings.queue_ttl,
+                options=options,
+            )
         except BackendError as exc:
             logger.warning(
                 "Task %s[%s] sent without deduplication: the lock store is unreachable (%s); "
@@ -456,71 +370,6 @@ class SingletonTask(_TaskBase):
                 self.name, task_id, exc,
             )  # fmt: skip
             return send(task_id)
-
-    def _send_once(
-        self,
-        send: Callable[[str], AsyncResult[Any]],
-        task_id: str,
-        args: Sequence[Any],
-        kwargs: Mapping[str, Any],
-        settings: _Options,
-        options: Mapping[str, Any],
-    ) -> AsyncResult[Any]:
-        backend = self.lock_backend
-        key = self.lock_key_for(args, kwargs)
-        ttl = _queue_lease(settings.queue_ttl, options)
-        token = _reservation_token(task_id, 0)
-        meta = {"task_id": task_id, "task": self.name, "since": f"{time.time():.3f}"}
-        reserved = backend.acquire(key, token, ttl, meta=meta)
-        if reserved.acquired:
-            try:
-                return send(task_id)
-            except BaseException:
-                backend.release(key, token)  # the message never left: nothing will run it
-                raise
-        holder = reserved.holder
-        holder_id = holder.task_id if holder else None
-        queued = holder is not None and holder.token == _reservation_token(str(holder_id), 0)
-        if holder_id is None:
-            return send(task_id)  # held by a direct call: leave it to the execution-time lock
-        if settings.scope == "coalesce" and not queued:
-            follow_up = backend.claim_next(key, task_id, ttl)
-            action = "follow" if follow_up == task_id else "join"
-            lock_conflict.send(
-                sender=self, key=key, holder=holder_id, ttl=holder.ttl if holder else None,
-                task_id=task_id, action=action,
-            )  # fmt: skip
-            if follow_up == task_id:
-                logger.info(
-                    "Task %s[%s] sent as the follow-up of the run in progress on %r (%s)",
-                    self.name, task_id, key, holder_id,
-                )  # fmt: skip
-                return send(task_id)
-            logger.info(
-                "Task %s not sent: it joins the pending follow-up %s of %r",
-                self.name, follow_up, key,
-            )  # fmt: skip
-            return self.AsyncResult(follow_up)
-        state = "queued" if queued else "running"
-        if settings.policy == "raise":
-            lock_conflict.send(
-                sender=self, key=key, holder=holder_id, ttl=holder.ttl if holder else None,
-                task_id=task_id, action="raise",
-            )  # fmt: skip
-            logger.warning(
-                "Task %s not sent: lock %r is held by %s (%s); raising TaskLocked",
-                self.name, key, holder_id, state,
-            )  # fmt: skip
-            raise TaskLocked(key, holder_id, holder.ttl if holder else None)
-        lock_conflict.send(
-            sender=self, key=key, holder=holder_id, ttl=holder.ttl if holder else None,
-            task_id=task_id, action="dedupe",
-        )  # fmt: skip
-        logger.info(
-            "Task %s not sent: a duplicate of %s (%s) under lock %r; returning its result",
-            self.name, holder_id, state, key,
-        )  # fmt: skip
-        return self.AsyncResult(holder_id)
 
     # -- execution -------------------------------------------------------------------------
 
@@ -543,13 +392,13 @@ class SingletonTask(_TaskBase):
         # message has the same one, the body's own retry the next one.
         attempt = None if direct else f"{task_id}:{int(request.retries or 0)}"
         if attempt is None:
-            token, takeover = f"direct:{secrets.token_hex(8)}", None
+            token, takeover = direct_token(), None
         else:
-            token = f"{attempt}:{_host_id()}:{os.getpid()}:{secrets.token_hex(4)}"
+            token = execution_token(str(task_id), int(request.retries or 0))
             # Take over the reservation made for this attempt: by apply_async when the message
             # was sent (lock_scope "queue" / "coalesce"), or by the previous attempt when it
             # ended with a retry (see _finish); never a running attempt itself.
-            takeover = _reservation_token(str(task_id), int(request.retries or 0))
+            takeover = reservation_token(str(task_id), int(request.retries or 0))
         meta = {
             "task": self.name,
             "hostname": request.hostname or socket.gethostname(),
@@ -561,11 +410,7 @@ class SingletonTask(_TaskBase):
         try:
             result = backend.acquire(key, token, options.ttl, meta=meta, takeover_prefix=takeover)
             holder = result.holder
-            if (
-                holder is not None
-                and attempt is not None
-                and _holder_process(holder.token) == "gone"
-            ):
+            if holder is not None and attempt is not None and process_state(holder.token) == "gone":
                 # Same host, and the holder's process is gone: no need to wait for its lease.
                 result = backend.acquire(
                     key, token, options.ttl, meta=meta, takeover_prefix=holder.token
@@ -657,11 +502,11 @@ class SingletonTask(_TaskBase):
         """
         try:
             if retry is not None:
-                reserve = _seconds_until(retry.when) + options.ttl
+                reserve = seconds_until(retry.when) + options.ttl
                 retries = int(self.request.retries or 0)
                 reserved = backend.acquire(
                     key,
-                    _reservation_token(str(self.request.id), retries + 1),
+                    reservation_token(str(self.request.id), retries + 1),
                     reserve,
                     meta=meta,
                     takeover_prefix=token,
@@ -840,7 +685,7 @@ class SingletonTask(_TaskBase):
         holder completes (then the copy is dropped) or dies (then the copy runs).
         """
         request = self.request
-        parsed = _parse_token(holder.token)
+        parsed = parse_token(holder.token)
         retries = int(request.retries or 0)
         if parsed is not None and parsed[1] == retries - 1:
             # The attempt that asked for this retry has not ended yet (Celery publishes the
@@ -942,17 +787,11 @@ class SingletonTask(_TaskBase):
             return False
         if holder is None or holder.task_id != task_id:
             return False
-        process = _holder_process(holder.token)
+        process = process_state(holder.token)
         if process == "gone":
-            return self._release_dead(backend, key, holder.token, task_id, reason)
+            return release_dead(self.name, backend, key, holder.token, task_id, reason)
         if process == "alive":
-            watcher = threading.Thread(
-                target=self._release_when_gone,
-                args=(backend, key, holder.token, task_id, reason),
-                name="singletask-release-watch",
-                daemon=True,
-            )
-            watcher.start()
+            watch_and_release(self.name, backend, key, holder.token, task_id, reason)
             return False
         logger.info(
             "Task %s[%s]: after %s, lock %r is left to its lease (its holder's process cannot "
@@ -974,7 +813,7 @@ class SingletonTask(_TaskBase):
         """
         try:
             key = self.lock_key_for(args or (), kwargs or {})
-            released = self.lock_backend.release(key, _reservation_token(task_id, retries))
+            released = self.lock_backend.release(key, reservation_token(task_id, retries))
         except Exception:
             logger.exception(
                 "Task %s[%s]: could not release its reservation; it expires by itself",
@@ -987,41 +826,6 @@ class SingletonTask(_TaskBase):
                 self.name, task_id, key,
             )  # fmt: skip
         return released
-
-    def _release_dead(
-        self, backend: LockBackend, key: str, token: str, task_id: str, reason: str
-    ) -> bool:
-        try:
-            released = backend.release(key, token)
-        except Exception:
-            logger.exception(
-                "Task %s[%s]: could not release its lock after %s; it expires by itself",
-                self.name, task_id, reason,
-            )  # fmt: skip
-            return False
-        if released:
-            logger.warning(
-                "Task %s[%s]: lock %r released by the worker after %s",
-                self.name, task_id, key, reason,
-            )  # fmt: skip
-        return released
-
-    def _release_when_gone(
-        self, backend: LockBackend, key: str, token: str, task_id: str, reason: str
-    ) -> None:
-        """Wait for the holding process to end, then release for it (from a watcher thread)."""
-        checked = time.monotonic()
-        while _holder_process(token) == "alive":
-            time.sleep(0.1)
-            if time.monotonic() - checked >= 5.0:  # stop watching once it let go by itself
-                checked = time.monotonic()
-                try:
-                    holder = backend.holder(key)
-                except Exception:
-                    continue
-                if holder is None or holder.token != token:
-                    return
-        self._release_dead(backend, key, token, task_id, reason)
 
 
 def _is_redelivery(request: Any) -> bool:
@@ -1040,58 +844,3 @@ def _header_count(request: Any, header: str) -> int:
         return int(value or 0)
     except (TypeError, ValueError):
         return 0
-
-
-# Endings where no task hook runs in the executing process: the worker's main process gets a
-# signal and releases for it.
-
-
-def _release_after_failure(
-    sender: Any = None,
-    task_id: str | None = None,
-    exception: BaseException | None = None,
-    args: Any = None,
-    kwargs: Any = None,
-    **_: Any,
-) -> None:
-    if not isinstance(sender, SingletonTask) or task_id is None:
-        return
-    if isinstance(exception, WorkerLostError):
-        # The executing process is gone: nothing can still be running under this lock.
-        sender.release_for(task_id, args, kwargs, reason="its worker process was lost")
-    elif isinstance(exception, TimeLimitExceeded):
-        # Celery < 5.7 calls no task hook on a hard time limit; this signal is all there is.
-        sender.release_for(task_id, args, kwargs, reason="a hard time limit")
-
-
-#: In the worker's main process: the requests of singleton tasks it has received and not yet
-#: dropped, by task id. The ``task_revoked`` signal carries a request context without the
-#: arguments, which a per-argument lock key needs.
-_received: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
-
-
-def _remember_request(sender: Any = None, request: Any = None, **_: Any) -> None:
-    if isinstance(getattr(request, "task", None), SingletonTask):
-        _received[request.id] = request
-
-
-def _release_after_revoke(
-    sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
-) -> None:
-    if not (isinstance(sender, SingletonTask) and request is not None and request.id):
-        return
-    task_id = request.id
-    args, kwargs = getattr(request, "args", None), getattr(request, "kwargs", None)
-    received = _received.get(task_id)
-    if args is None and received is not None:
-        args, kwargs = received.args, received.kwargs
-    if terminated:
-        sender.release_for(task_id, args, kwargs, reason="revoke with terminate")
-    else:
-        # Revoked or expired before it started: it will never run, so its reservation goes.
-        sender.release_reservation(task_id, int(request.retries or 0), args, kwargs)
-
-
-celery_signals.task_failure.connect(_release_after_failure, weak=False)
-celery_signals.task_revoked.connect(_release_after_revoke, weak=False)
-celery_signals.task_received.connect(_remember_request, weak=False)

@@ -1,0 +1,91 @@
+"""Owner tokens: which execution holds a lock, and whether its process still exists.
+
+An execution's token is ``<task id>:<retries>:<host id>:<pid>:<nonce>``: the task id lets the
+worker's main process act for a pool process that cannot, ``retries`` tells the attempts of one
+message apart (a redelivered copy has the same, the body's own retry the next), and host id plus
+pid let a process on the same host tell whether the holder is still alive. A lock reserved for an
+attempt that has not started yet (sent with ``lock_scope`` "queue", or left by a body retry) has
+the token ``<task id>:<retries>:-:0:reserved``; a direct call's token is ``direct:<nonce>``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import secrets
+from pathlib import Path
+
+__all__ = [
+    "direct_token",
+    "execution_token",
+    "host_id",
+    "parse_token",
+    "process_state",
+    "reservation_token",
+]
+
+
+def execution_token(task_id: str, retries: int) -> str:
+    """A new owner token for attempt ``retries`` of message ``task_id``, in this process."""
+    return f"{task_id}:{retries}:{host_id()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+def direct_token() -> str:
+    """A new owner token for a direct call ``task(...)``, which has no task id."""
+    return f"direct:{secrets.token_hex(8)}"
+
+
+@functools.cache
+def host_id() -> str:
+    """Who "this host" is for pid liveness checks: boot id and pid namespace, or "-" if unknown.
+
+    Two processes see each other's pids only on the same kernel boot and in the same pid
+    namespace (containers on one host share the boot id but not the namespace).
+    """
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "-"
+    return hashlib.sha256(f"{boot}|{namespace}".encode()).hexdigest()[:12]
+
+
+def reservation_token(task_id: str, retries: int) -> str:
+    """The owner token of a lock reserved for attempt ``retries`` of message ``task_id``."""
+    return f"{task_id}:{retries}:-:0:reserved"
+
+
+def parse_token(token: str) -> tuple[str, int, str, int] | None:
+    """``(task id, retries, host id, pid)`` of an execution's owner token, or None."""
+    parts = token.rsplit(":", 4)
+    if len(parts) != 5:
+        return None
+    try:
+        return parts[0], int(parts[1]), parts[2], int(parts[3])
+    except ValueError:
+        return None
+
+
+def process_state(token: str) -> str:
+    """``"gone"``, ``"alive"`` or ``"unknown"``: the state of the process an owner token names.
+
+    Known only for processes of this host (same boot and pid namespace); a zombie counts as gone.
+    """
+    parsed = parse_token(token)
+    if parsed is None or parsed[2] == "-" or parsed[2] != host_id():
+        return "unknown"
+    pid = parsed[3]
+    if pid == os.getpid():
+        return "alive"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "gone"
+    except OSError:
+        return "unknown"
+    try:  # a killed pool process may linger as a zombie until the worker reaps it
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "alive"
+    return "gone" if state in ("Z", "X") else "alive"
