@@ -340,8 +340,15 @@ class SingletonTask(_TaskBase):
             )
 
         settings = self._options()
+        # Canvas parts, and messages a worker sends for a task it finished (a chain's next link,
+        # with ``chain=[]`` for the last one; a link callback, with ``parent_id``) or replaced
+        # (Task.replace): their callers already hold this task id's AsyncResult, so the message
+        # must be published; the execution-time lock alone applies to them.
         canvas = (
-            link or link_error or any(options.get(name) for name in ("chain", "chord", "group_id"))
+            link
+            or link_error
+            or any(options.get(name) for name in ("chord", "group_id"))
+            or any(name in options for name in ("chain", "parent_id", "replaced_task_nesting"))
         )
         if (
             settings.scope == "execution"
@@ -813,7 +820,10 @@ class SingletonTask(_TaskBase):
         """
         try:
             key = self.lock_key_for(args or (), kwargs or {})
-            released = self.lock_backend.release(key, reservation_token(task_id, retries))
+            backend = self.lock_backend
+            released = backend.release(key, reservation_token(task_id, retries))
+            if self._options().scope == "coalesce":
+                backend.clear_next(key, task_id)  # a follow-up that will not run frees its slot
         except Exception:
             logger.exception(
                 "Task %s[%s]: could not release its reservation; it expires by itself",
