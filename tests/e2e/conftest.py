@@ -62,13 +62,22 @@ class Worker:
             )  # fmt: skip
         deadline = time.monotonic() + timeout
         hostname = self.nodename.replace("%h", os.uname().nodename)
+        last_error: Exception | None = None
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"worker exited with {self.process.returncode}:\n{self.tail()}")
-            replies = self.app.control.ping(destination=[hostname], timeout=0.5)
+            try:
+                replies = self.app.control.ping(destination=[hostname], timeout=0.5)
+            except OSError as exc:  # e.g. the broker resets a connection while under load
+                last_error = exc
+                time.sleep(0.5)
+                continue
             if replies:
                 return
-        raise RuntimeError(f"worker did not answer ping within {timeout}s:\n{self.tail()}")
+        raise RuntimeError(
+            f"worker did not answer ping within {timeout}s (last error: {last_error!r}):\n"
+            f"{self.tail()}"
+        )
 
     def children(self) -> list[int]:
         """PIDs of the pool processes."""
