@@ -59,43 +59,38 @@ def send_once(
             backend.release(key, token)  # the message never left: nothing will run it
             raise
     holder = reserved.holder
-    holder_id = holder.task_id if holder else None
-    queued = holder is not None and holder.token == reservation_token(str(holder_id), 0)
-    if holder_id is None:
+    if holder is None or holder.task_id is None:
         return send(task_id)  # held by a direct call: leave it to the execution-time lock
+    holder_id = holder.task_id
+    queued = holder.token == reservation_token(holder_id, 0)
+    follow_up = holder_id
     if scope == "coalesce" and not queued:
         follow_up = backend.claim_next(key, task_id, ttl)
         action = "follow" if follow_up == task_id else "join"
-        lock_conflict.send(
-            sender=task, key=key, holder=holder_id, ttl=holder.ttl if holder else None,
-            task_id=task_id, action=action,
+    else:
+        action = "raise" if policy == "raise" else "dedupe"
+    lock_conflict.send(
+        sender=task, key=key, holder=holder_id, ttl=holder.ttl, task_id=task_id, action=action
+    )
+    if action == "follow":
+        logger.info(
+            "Task %s[%s] sent as the follow-up of the run in progress on %r (%s)",
+            task.name, task_id, key, holder_id,
         )  # fmt: skip
-        if follow_up == task_id:
-            logger.info(
-                "Task %s[%s] sent as the follow-up of the run in progress on %r (%s)",
-                task.name, task_id, key, holder_id,
-            )  # fmt: skip
-            return send(task_id)
+        return send(task_id)
+    if action == "join":
         logger.info(
             "Task %s not sent: it joins the pending follow-up %s of %r",
             task.name, follow_up, key,
         )  # fmt: skip
         return task.AsyncResult(follow_up)
     state = "queued" if queued else "running"
-    if policy == "raise":
-        lock_conflict.send(
-            sender=task, key=key, holder=holder_id, ttl=holder.ttl if holder else None,
-            task_id=task_id, action="raise",
-        )  # fmt: skip
+    if action == "raise":
         logger.warning(
             "Task %s not sent: lock %r is held by %s (%s); raising TaskLocked",
             task.name, key, holder_id, state,
         )  # fmt: skip
-        raise TaskLocked(key, holder_id, holder.ttl if holder else None)
-    lock_conflict.send(
-        sender=task, key=key, holder=holder_id, ttl=holder.ttl if holder else None,
-        task_id=task_id, action="dedupe",
-    )  # fmt: skip
+        raise TaskLocked(key, holder_id, holder.ttl)
     logger.info(
         "Task %s not sent: a duplicate of %s (%s) under lock %r; returning its result",
         task.name, holder_id, state, key,
