@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+from celery.utils.time import maybe_iso8601
+
 from .exceptions import TaskLocked
 from .signals import lock_conflict
 from .tokens import reservation_token
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
 
     from .task import SingletonTask
 
-__all__ = ["as_datetime", "queue_lease", "seconds_until", "send_once"]
+__all__ = ["queue_lease", "seconds_until", "send_once"]
 
 logger = logging.getLogger("singletask")
 
@@ -105,23 +107,14 @@ def queue_lease(queue_ttl: float, options: Mapping[str, Any]) -> float:
     if options.get("countdown") is not None:
         delay = max(0.0, float(options["countdown"]))
     elif options.get("eta") is not None:
-        delay = seconds_until(as_datetime(options["eta"]))
+        delay = seconds_until(maybe_iso8601(options["eta"]))
     lease = delay + queue_ttl
     expires = options.get("expires")
     if isinstance(expires, int | float):
         lease = min(lease, max(0.001, float(expires)))
     elif expires is not None:
-        lease = min(lease, max(0.001, seconds_until(as_datetime(expires))))
+        lease = min(lease, max(0.001, seconds_until(maybe_iso8601(expires))))
     return lease
-
-
-def as_datetime(value: object) -> object:
-    if isinstance(value, str):
-        try:
-            return datetime.fromisoformat(value)
-        except ValueError:
-            return value
-    return value
 
 
 def seconds_until(when: object) -> float:

@@ -66,9 +66,6 @@ class AcquireResult:
 class LockBackend(abc.ABC):
     """Abstract base of lock stores. All durations are float seconds."""
 
-    #: URL schemes this backend serves (informational; the registry maps schemes to classes).
-    schemes: tuple[str, ...] = ()
-
     @classmethod
     @abc.abstractmethod
     def from_url(cls, url: str, **options: Any) -> LockBackend:

@@ -29,8 +29,6 @@ class _Entry:
 class MemoryBackend(LockBackend):
     """Locks in a dict guarded by a mutex; leases use the monotonic clock."""
 
-    schemes = ("memory",)
-
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
         self._fences: dict[str, int] = {}  # last fencing token per key; kept for the process's life

@@ -178,8 +178,6 @@ class RedisBackend(LockBackend):
     Exactly one of ``client`` and ``url`` is required.
     """
 
-    schemes = ("redis", "rediss", "unix")
-
     def __init__(
         self, *, client: redis.Redis | None = None, url: str | None = None, **options: Any
     ) -> None:

@@ -109,8 +109,6 @@ class SQLiteBackend(LockBackend):
         timeout: Seconds to wait for another process's transaction before giving up.
     """
 
-    schemes = ("sqlite",)
-
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 5.0) -> None:
         self.path = Path(path)
         self.timeout = timeout
