@@ -55,17 +55,28 @@ def key_prefix() -> str:
     return f"test:{uuid.uuid4().hex[:12]}:"
 
 
-@pytest.fixture(params=["memory", "redis", "sqlite"])
+@pytest.fixture(params=["memory", "redis", "redis-client", "sqlite"])
 def backend(request: pytest.FixtureRequest) -> Iterator[LockBackend]:
-    """Every backend, for the contract suite."""
+    """Every backend, for the contract suite.
+
+    ``redis`` is built from a URL (it sends its scripts on connections of its own);
+    ``redis-client`` is given a ready client (it calls that client's methods).
+    """
+    client: redis.Redis | None = None
     if request.param == "memory":
         instance: LockBackend = MemoryBackend()
     elif request.param == "sqlite":
         tmp_path = request.getfixturevalue("tmp_path")
         instance = SQLiteBackend.from_url(f"sqlite:///{tmp_path}/locks.db")
+    elif request.param == "redis-client":
+        client = redis.Redis.from_url(request.getfixturevalue("redis_url"))
+        request.getfixturevalue("redis_client")  # fails / skips when the server is missing
+        instance = RedisBackend(client=client)
     else:
         url = request.getfixturevalue("redis_url")
         request.getfixturevalue("redis_client")  # fails / skips when the server is missing
         instance = RedisBackend.from_url(url)
     yield instance
     instance.close()
+    if client is not None:
+        client.close()  # the backend leaves a client it was given open

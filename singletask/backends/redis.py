@@ -1,20 +1,26 @@
 """The Redis lock store: one hash per lock, every operation one round trip.
 
-A lock is a Redis hash at the lock key with the fields ``token`` (the owner token) and the
-holder metadata (``task_id``, ``task``, ``hostname``, ``pid``, ``since``); its lease is the
-key's expiry. Acquire, release and extend are Lua scripts, run with EVALSHA, so each is
+A lock is a Redis hash at the lock key with the fields ``token`` (the owner token), ``fence``
+and the holder metadata (``task_id``, ``task``, ``hostname``, ``pid``, ``since``); its lease is
+the key's expiry. Acquire, release and extend are Lua scripts, run with EVALSHA, so each is
 atomic and costs one round trip once the script is cached on the server.
 
 URLs: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` (TLS) and
 ``unix:///path/to/socket?db=0``, with redis-py's query options (``socket_timeout``, ...).
+
+A backend built from a URL sends its scripts over redis-py connections it keeps itself, one
+per thread that uses it at once, with the command encoded here: the lock costs its two round
+trips and little else (redis-py's command path adds a pool checkout, retry and metrics
+bookkeeping to every command). A backend given a ready client uses that client's own methods.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import redis
 from kombu.utils.url import maybe_sanitize_url
@@ -28,12 +34,15 @@ from .base import AcquireResult, Holder, LockBackend
 
 __all__ = ["RedisBackend"]
 
+#: What redis-py raises; translated to singletask's errors at this module's boundary.
+_DRIVER_ERRORS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException)
+
 # KEYS[1]  lock key (a hash)
 # KEYS[2]  the lock's fence hash (same cluster slot): fields fence (last token issued), done
 # ARGV[1]  owner token
 # ARGV[2]  lease in milliseconds
 # ARGV[3]  token prefix whose holder may be taken over, or '' for none
-# ARGV[4]  how long the fence hash is kept after its last use, in milliseconds
+# ARGV[4]  how long the fence hash is kept after this acquisition, in milliseconds
 # ARGV[5…] holder metadata: field, value, field, value, …
 # Returns {1, fence, completion marker or false} when the caller holds the lock now (it was free,
 # already the caller's, or held by a token starting with ARGV[3]); otherwise
@@ -46,37 +55,39 @@ if cur and cur ~= ARGV[1] and (ARGV[3] == '' or string.sub(cur, 1, #ARGV[3]) ~= 
   local held = redis.call('HMGET', KEYS[1], 'task_id', 'fence')
   return {0, cur, held[1], redis.call('PTTL', KEYS[1]), held[2]}
 end
+local last = redis.call('HMGET', KEYS[2], 'fence', 'done')
 local fence
 if cur == ARGV[1] then
-  fence = tonumber(redis.call('HGET', KEYS[1], 'fence'))
+  fence = redis.call('HGET', KEYS[1], 'fence')
 else
   local now = redis.call('TIME')
-  local last = tonumber(redis.call('HGET', KEYS[2], 'fence') or '0')
-  fence = math.max(last + 1, tonumber(now[1]) * 1000000 + tonumber(now[2]))
-  redis.call('HSET', KEYS[2], 'fence', string.format('%.0f', fence))
+  fence = string.format('%.0f', math.max(tonumber(last[1] or '0') + 1, now[1] * 1000000 + now[2]))
+  redis.call('HSET', KEYS[2], 'fence', fence)
 end
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
-redis.call('DEL', KEYS[1])
-local fields = {'token', ARGV[1], 'fence', string.format('%.0f', fence)}
-for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
-redis.call('HSET', KEYS[1], unpack(fields))
+if cur then
+  redis.call('DEL', KEYS[1])
+end
+redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence, unpack(ARGV, 5))
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {1, fence, redis.call('HGET', KEYS[2], 'done')}
+return {1, fence, last[2]}
 """
 
 # KEYS[1]  lock key
 # KEYS[2]  the lock's fence hash
 # ARGV[1]  owner token
 # ARGV[2]  completion marker to record, or '' for none
-# ARGV[3]  how long the fence hash is kept, in milliseconds
+# ARGV[3]  how long the fence hash is kept, in milliseconds, if this release creates it
 # Returns 1 when the lock was deleted, 0 when ARGV[1] does not hold it (free or another owner).
+# The fence hash always has an expiry (every script that writes it sets one); the acquisition
+# this release ends set it, so only a fence hash that has expired since is given one here.
 RELEASE_SCRIPT = """
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
   return 0
 end
 redis.call('DEL', KEYS[1])
-if ARGV[2] ~= '' then
-  redis.call('HSET', KEYS[2], 'done', ARGV[2])
+if ARGV[2] ~= '' and redis.call('HSET', KEYS[2], 'done', ARGV[2]) == 1
+    and redis.call('PTTL', KEYS[2]) < 0 then
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
 end
 return 1
@@ -148,10 +159,6 @@ CLIENT_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _ms(seconds: float) -> int:
-    return max(1, int(seconds * 1000))
-
-
 def fence_key(key: str) -> str:
     """The key of ``key``'s fence hash, in the same Redis Cluster slot as ``key``.
 
@@ -165,6 +172,58 @@ def fence_key(key: str) -> str:
     if "}" in key:
         return f"{key}:fence"
     return f"{{{key}}}:fence"
+
+
+class _Connection(Protocol):
+    """What this module uses of a redis-py connection (whose methods are untyped)."""
+
+    def send_packed_command(self, command: list[bytes], check_health: bool = True) -> None: ...
+
+    def read_response(self) -> Any: ...
+
+    def disconnect(self) -> None: ...
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+def _bulk(data: bytes) -> bytes:
+    """``data`` as a RESP bulk string."""
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+class _Script:
+    """One of the scripts above, called by its SHA1 digest, with the command encoded here."""
+
+    __slots__ = ("_eval", "_evalsha", "sha", "text")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.sha = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
+        self._evalsha = _bulk(b"EVALSHA") + _bulk(self.sha.encode())
+        self._eval = _bulk(b"EVAL") + _bulk(text.encode())
+
+    def command(
+        self, keys: Sequence[str], args: Sequence[str | int], *, text: bool = False
+    ) -> bytes:
+        """The RESP-encoded EVALSHA (or, with ``text``, EVAL) of this script; strings as UTF-8."""
+        parts = [
+            b"*%d\r\n" % (3 + len(keys) + len(args)),
+            self._eval if text else self._evalsha,
+            _bulk(b"%d" % len(keys)),
+        ]
+        for value in (*keys, *args):
+            parts.append(_bulk(value.encode() if isinstance(value, str) else b"%d" % value))
+        return b"".join(parts)
+
+
+_ACQUIRE = _Script(ACQUIRE_SCRIPT)
+_RELEASE = _Script(RELEASE_SCRIPT)
+_EXTEND = _Script(EXTEND_SCRIPT)
+_EXTEND_MANY = _Script(EXTEND_MANY_SCRIPT)
+_CLAIM_NEXT = _Script(CLAIM_NEXT_SCRIPT)
+_CLEAR_NEXT = _Script(CLEAR_NEXT_SCRIPT)
 
 
 class RedisBackend(LockBackend):
@@ -192,14 +251,8 @@ class RedisBackend(LockBackend):
         self._options = {**CLIENT_DEFAULTS, **options}
         self._client = client
         self._pid = os.getpid() if client is None else None
-        self._acquire: Any = None
-        self._release: Any = None
-        self._extend: Any = None
-        self._extend_many: Any = None
-        self._claim_next: Any = None
-        self._clear_next: Any = None
-        if client is not None:
-            self._register(client)
+        # Connections of a URL-built backend, idle between two script calls (see _send).
+        self._idle: list[_Connection] = []
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisBackend:
@@ -225,30 +278,98 @@ class RedisBackend(LockBackend):
                 ),
             )
             client = redis.Redis.from_url(self._url, **options)
-            self._client, self._pid = client, os.getpid()
-            self._register(client)
+            # A forked child drops (never closes, never uses) its parent's connections.
+            self._client, self._pid, self._idle = client, os.getpid(), []
         assert self._client is not None
         return self._client
 
-    def _register(self, client: redis.Redis) -> None:
-        self._acquire = client.register_script(ACQUIRE_SCRIPT)
-        self._release = client.register_script(RELEASE_SCRIPT)
-        self._extend = client.register_script(EXTEND_SCRIPT)
-        self._extend_many = client.register_script(EXTEND_MANY_SCRIPT)
-        self._claim_next = client.register_script(CLAIM_NEXT_SCRIPT)
-        self._clear_next = client.register_script(CLEAR_NEXT_SCRIPT)
+    def _error(self, exc: Exception, operation: str, key: str) -> BackendError:
+        """singletask's error for a redis-py one, naming the server but never its password."""
+        if isinstance(exc, redis.exceptions.TimeoutError):
+            return BackendTimeout(f"{self!r}: {operation} {key!r} timed out: {exc}")
+        if isinstance(exc, redis.exceptions.ConnectionError):
+            return BackendUnavailable(f"{self!r}: {operation} {key!r} failed: {exc}")
+        return BackendError(f"{self!r}: {operation} {key!r} failed: {exc}")
 
     @contextlib.contextmanager
     def _translate(self, operation: str, key: str) -> Iterator[None]:
-        """Map redis-py errors to singletask's, naming the server but never its password."""
+        """Raise the redis-py errors raised inside as singletask's (see :meth:`_error`)."""
         try:
             yield
-        except redis.exceptions.TimeoutError as exc:
-            raise BackendTimeout(f"{self!r}: {operation} {key!r} timed out: {exc}") from exc
-        except redis.exceptions.ConnectionError as exc:
-            raise BackendUnavailable(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
-        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as exc:
-            raise BackendError(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
+        except _DRIVER_ERRORS as exc:
+            raise self._error(exc, operation, key) from exc
+
+    def _call(
+        self,
+        operation: str,
+        script: _Script,
+        keys: Sequence[str],
+        args: Sequence[str | int],
+    ) -> Any:
+        """Run ``script``: one round trip, two when the server does not have it cached.
+
+        Errors are translated here rather than with :meth:`_translate`, which would cost a
+        generator per call on the path every execution takes twice.
+        """
+        try:
+            client = self.client
+            if self._url is not None:
+                return self._send(client, script, keys, args)
+            try:
+                return client.evalsha(script.sha, len(keys), *keys, *args)
+            except redis.exceptions.NoScriptError:
+                return client.eval(script.text, len(keys), *keys, *args)
+        except _DRIVER_ERRORS as exc:
+            raise self._error(exc, operation, keys[0]) from exc
+
+    def _send(
+        self,
+        client: redis.Redis,
+        script: _Script,
+        keys: Sequence[str],
+        args: Sequence[str | int],
+    ) -> Any:
+        """Run ``script`` on one of this backend's own connections.
+
+        A connection serves one call at a time: it is taken from the idle list (or made with the
+        client's connection settings) and put back once the reply is read. One that fails is
+        closed; if it had been idle, the others may be stale as well (a server restart drops
+        them all), so they are closed too and the call is made again on a new connection. A new
+        connection that fails is not tried again here: connecting already retries as the
+        client's ``retry`` says, and a timeout is never retried.
+        """
+        while True:
+            try:
+                connection, fresh = self._idle.pop(), False
+            except IndexError:
+                pool = client.connection_pool
+                connection = cast(_Connection, pool.connection_class(**pool.connection_kwargs))
+                fresh = True
+            try:
+                connection.send_packed_command([script.command(keys, args)])
+                try:
+                    reply = connection.read_response()
+                except redis.exceptions.NoScriptError:
+                    # The server's script cache was emptied (a restart, SCRIPT FLUSH): sending
+                    # the text runs the script and caches it again.
+                    connection.send_packed_command([script.command(keys, args, text=True)])
+                    reply = connection.read_response()
+            except redis.exceptions.ResponseError:
+                self._idle.append(connection)  # the reply was read: the connection is sound
+                raise
+            except redis.exceptions.ConnectionError:
+                connection.disconnect()
+                if fresh:
+                    raise
+                while self._idle:
+                    with contextlib.suppress(IndexError):
+                        self._idle.pop().disconnect()
+                continue
+            except BaseException:
+                connection.disconnect()  # a reply may still be on its way: never reuse it
+                raise
+            self._idle.append(connection)
+            return reply
 
     def acquire(
         self,
@@ -260,11 +381,10 @@ class RedisBackend(LockBackend):
         takeover_prefix: str | None = None,
     ) -> AcquireResult:
         args: list[str | int] = [token, _ms(ttl), takeover_prefix or "", _ms(FENCE_RETENTION)]
-        for name, value in (meta or {}).items():
-            args += [name, value]
-        client = self.client
-        with self._translate("acquire", key):
-            reply = self._acquire(keys=[key, fence_key(key)], args=args, client=client)
+        if meta:
+            for item in meta.items():
+                args += item
+        reply = self._call("acquire", _ACQUIRE, (key, fence_key(key)), args)
         if reply[0] == 1:
             _, fence, completed = reply
             return AcquireResult(
@@ -283,15 +403,11 @@ class RedisBackend(LockBackend):
         )
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
-        client = self.client
-        args = [token, completed or "", _ms(FENCE_RETENTION)]
-        with self._translate("release", key):
-            return bool(self._release(keys=[key, fence_key(key)], args=args, client=client))
+        args = (token, completed or "", _ms(FENCE_RETENTION))
+        return bool(self._call("release", _RELEASE, (key, fence_key(key)), args))
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
-        client = self.client
-        with self._translate("extend", key):
-            return bool(self._extend(keys=[key], args=[token, _ms(ttl)], client=client))
+        return bool(self._call("extend", _EXTEND, (key,), (token, _ms(ttl))))
 
     def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool]:
         if not leases:
@@ -307,19 +423,14 @@ class RedisBackend(LockBackend):
         args: list[str | int] = []
         for _, token, ttl in leases:
             args += [token, _ms(ttl)]
-        with self._translate("extend", keys[0]):
-            return [bool(done) for done in self._extend_many(keys=keys, args=args, client=client)]
+        return [bool(done) for done in self._call("extend", _EXTEND_MANY, keys, args)]
 
     def claim_next(self, key: str, task_id: str, ttl: float) -> str:
-        client = self.client
-        args = [task_id, _ms(ttl), _ms(FENCE_RETENTION)]
-        with self._translate("claim_next", key):
-            return _text(self._claim_next(keys=[fence_key(key)], args=args, client=client))
+        args = (task_id, _ms(ttl), _ms(FENCE_RETENTION))
+        return _text(self._call("claim_next", _CLAIM_NEXT, (fence_key(key),), args))
 
     def clear_next(self, key: str, task_id: str) -> bool:
-        client = self.client
-        with self._translate("clear_next", key):
-            return bool(self._clear_next(keys=[fence_key(key)], args=[task_id], client=client))
+        return bool(self._call("clear_next", _CLEAR_NEXT, (fence_key(key),), (task_id,)))
 
     def holder(self, key: str) -> Holder | None:
         client = self.client
@@ -342,6 +453,8 @@ class RedisBackend(LockBackend):
 
     def close(self) -> None:
         if self._url is not None and self._client is not None and self._pid == os.getpid():
+            while self._idle:
+                self._idle.pop().disconnect()
             self._client.close()
             self._client = None
 

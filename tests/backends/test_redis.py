@@ -338,6 +338,78 @@ def test_a_key_of_the_wrong_type_raises_backend_error(
     assert redis_client.get(key) == b"not a lock"
 
 
+# -- connections --------------------------------------------------------------------------------
+
+
+def test_an_uncontended_lock_costs_two_round_trips(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key: str
+) -> None:
+    """Acquire and release are one request each, as the server counts requests (read events)."""
+    # Given a backend that has already connected and cached its scripts
+    assert redis_backend.acquire(f"{key}:warm", "token-0", LEASE).acquired
+    assert redis_backend.release(f"{key}:warm", "token-0")
+    before = redis_client.info("stats")["total_reads_processed"]
+
+    # When a lock is acquired and released
+    assert redis_backend.acquire(key, "token-1", LEASE, meta={"task_id": "t"}).acquired
+    assert redis_backend.release(key, "token-1", completed="t:0")
+
+    # Then the server read two requests (and the INFO that reads the count)
+    after = redis_client.info("stats")["total_reads_processed"]
+    assert after - before - 1 == 2
+
+
+def test_a_connection_dropped_while_idle_is_replaced(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key: str
+) -> None:
+    """Connections the server closed between two calls (restart, timeout) cost no error."""
+    # Given a backend holding a lock, whose idle connection the server has since closed
+    assert redis_backend.acquire(key, "token-1", LEASE).acquired
+    assert redis_client.client_kill_filter(_type="normal", skipme=True) >= 1
+
+    # When the owner releases it / Then the release goes through on a new connection
+    assert redis_backend.release(key, "token-1")
+    assert redis_client.exists(key) == 0
+
+
+def test_scripts_flushed_from_the_server_are_sent_again(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key: str
+) -> None:
+    """After SCRIPT FLUSH (or a restart) the scripts are sent once more and work."""
+    # Given a backend that has run its scripts, and a server that has forgotten them
+    assert redis_backend.acquire(key, "token-1", LEASE).acquired
+    redis_client.script_flush()
+
+    # When the backend calls them again / Then they run
+    assert redis_backend.extend(key, "token-1", LEASE)
+    assert redis_backend.release(key, "token-1")
+    assert redis_backend.acquire(key, "token-2", LEASE).acquired
+
+
+def test_threads_share_a_backend_without_mixing_replies(
+    redis_backend: RedisBackend, key: str
+) -> None:
+    """Concurrent threads each get their own connection, so each gets its own reply."""
+    # Given 8 threads, each acquiring and releasing its own key 100 times
+    errors: list[str] = []
+
+    def work(number: int) -> None:
+        for attempt in range(100):
+            token = f"token-{number}-{attempt}"
+            result = redis_backend.acquire(f"{key}:{number}", token, LEASE)
+            if not (result.acquired and redis_backend.release(f"{key}:{number}", token)):
+                errors.append(f"{number}/{attempt}: {result}")
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+
+    # Then every call saw its own outcome
+    assert errors == []
+
+
 # -- fork ---------------------------------------------------------------------------------------
 
 
