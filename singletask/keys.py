@@ -28,13 +28,19 @@ __all__ = ["KeySpec", "canonical_json", "digest", "run_signature"]
 ALL_ARGS = "*"
 
 
+#: kombu's JSON encoder as ``kombu.utils.json.dumps(value, sort_keys=True, separators=(",", ":"),
+#: ensure_ascii=False)`` builds it for each call; it keeps no state between calls, and types
+#: registered with kombu later are still seen (``default`` looks them up on each call).
+_ENCODER = kombu_json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def canonical_json(value: Any) -> str:
     """Serialise ``value`` with kombu's JSON encoder, keys sorted, no whitespace.
 
     Raises:
         TypeError: A value cannot be serialised.
     """
-    text: str = kombu_json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    text: str = _ENCODER.encode(value)
     return text
 
 
@@ -106,7 +112,8 @@ class KeySpec:
         self.signature = signature
         self.lock_args: tuple[str, ...] | str | None = None
         self.lock_key = lock_key
-        where = f"task {task_name!r}"
+        self._where = where = f"task {task_name!r}"
+        self._simple = _simple_parameters(signature)
         if lock_args is not None and lock_key is not None:
             raise ConfigurationError(
                 f"{where}: set lock_key or lock_args, not both "
@@ -175,6 +182,20 @@ class KeySpec:
                 )
 
     def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The call's arguments by parameter name, defaults applied (order is irrelevant)."""
+        if self._simple is not None:
+            positional, names, defaults = self._simple
+            if len(args) <= len(positional):
+                arguments = dict(zip(positional, args, strict=False))
+                for name, value in kwargs.items():
+                    if name in arguments or name not in names:
+                        break  # an error: let inspect word it
+                    arguments[name] = value
+                else:
+                    for name, default in defaults:
+                        arguments.setdefault(name, default)
+                    if len(arguments) == len(names):
+                        return arguments
         assert self.signature is not None
         try:
             bound = self.signature.bind(*args, **kwargs)
@@ -192,7 +213,7 @@ class KeySpec:
         Raises:
             LockKeyError: The key cannot be built from these arguments.
         """
-        where = f"task {self.task_name!r}"
+        where = self._where
         if self.lock_key is not None:
             if callable(self.lock_key):
                 text = self.lock_key(*args, **kwargs)
@@ -224,3 +245,23 @@ class KeySpec:
         suffix = self.suffix(args, kwargs)
         base = f"{prefix}{task_name}"
         return base if suffix is None else f"{base}:{suffix}"
+
+
+def _simple_parameters(
+    signature: inspect.Signature | None,
+) -> tuple[tuple[str, ...], frozenset[str], tuple[tuple[str, Any], ...]] | None:
+    """For a signature without ``*args``, ``**kwargs`` or positional-only parameters: its
+    positional parameter names, all its names and its defaults, to bind calls without
+    :meth:`inspect.Signature.bind` (which gives the same arguments, more slowly). Else None.
+    """
+    if signature is None:
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    parameters = list(signature.parameters.values())
+    if any(p.kind not in kinds for p in parameters):
+        return None
+    return (
+        tuple(p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        frozenset(p.name for p in parameters),
+        tuple((p.name, p.default) for p in parameters if p.default is not p.empty),
+    )

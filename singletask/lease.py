@@ -10,6 +10,7 @@ counts as lost as soon as its lease has passed without a successful renewal.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,9 @@ logger = logging.getLogger("singletask")
 
 #: Seconds between renewal attempts while the backend is failing (bounded by a third of the lease).
 RETRY_INTERVAL = 1.0
+
+#: Serialises LockHandle.lose() (rare: a loss is reported once, from whichever thread sees it).
+_LOSS_MUTEX = threading.Lock()
 
 
 class LockHandle:
@@ -61,7 +65,6 @@ class LockHandle:
         self._expires = self._started + ttl  # monotonic deadline of the current lease
         self._lost: str | None = None
         self._notified = False
-        self._mutex = threading.Lock()
 
     def __repr__(self) -> str:
         state = f"lost: {self._lost}" if self.lost else "held"
@@ -100,7 +103,7 @@ class LockHandle:
 
     def lose(self, reason: str) -> None:
         """Mark the lock lost and tell the owner (once)."""
-        with self._mutex:
+        with _LOSS_MUTEX:
             if self._notified:
                 return
             self._notified = True
@@ -121,6 +124,11 @@ class Renewer:
     One renewer serves every lock its backend holds in the process; it starts its thread on the
     first lease it is given. Under gevent or eventlet (monkey-patched threading) the thread is a
     green thread. A forked child gets a new renewer, since threads do not survive ``fork()``.
+
+    The thread sleeps until the next renewal is due; with nothing to renew, for a third of the
+    shortest lease it has been given. Adding a lease wakes it only if that lease must be renewed
+    before the thread would wake anyway, so a stream of short executions costs the thread
+    nothing: their leases are added and removed while it sleeps.
     """
 
     def __init__(self, backend: object) -> None:
@@ -132,38 +140,54 @@ class Renewer:
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._retry_at = 0.0
+        self._shortest = math.inf  # the shortest lease given so far, in seconds
+        self._wakes_at = math.inf  # monotonic time at which the sleeping thread wakes
 
     def add(self, handle: LockHandle) -> None:
         """Start renewing ``handle`` until :meth:`remove`, loss, or its ``max_hold``."""
         with self._wake:
             self._leases[handle.token] = handle
-            if self._thread is None or not self._thread.is_alive():
+            self._shortest = min(self._shortest, handle.ttl)
+            if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="singletask-renewer", daemon=True
                 )
                 self._thread.start()
-            self._wake.notify()
+            elif handle._expires - handle.ttl + handle.ttl / 3 < self._wakes_at:
+                self._wake.notify()  # its first renewal is due before the thread would wake
 
     def remove(self, handle: LockHandle) -> None:
         """Stop renewing ``handle``; call it before releasing (no renewal starts after it)."""
         with self._wake:
             self._leases.pop(handle.token, None)
 
-    def _due(self, now: float) -> float | None:
-        """Seconds until the next renewal round, or None when there is nothing to renew."""
+    def _due(self, now: float) -> float:
+        """Seconds until the next renewal round (or, with nothing to renew, the next look)."""
         if not self._leases:
-            return None
+            return self._shortest / 3
         interval = min(handle.ttl for handle in self._leases.values()) / 3
         oldest = min(handle._expires - handle.ttl for handle in self._leases.values())
         return max(oldest + interval, self._retry_at) - now
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:  # never expected; the next add() starts a new thread
+            with self._wake:
+                self._thread = None
+
+    def _loop(self) -> None:
         while True:
             with self._wake:
-                wait = self._due(time.monotonic())
-                while wait is None or wait > 0:
+                now = time.monotonic()
+                wait = self._due(now)
+                while wait > 0 or not self._leases:
+                    self._wakes_at = now + wait
                     self._wake.wait(timeout=wait)
-                    wait = self._due(time.monotonic())
+                    now = time.monotonic()
+                    wait = self._due(now)
+                # Awake: it looks at the leases again before it sleeps, so add() need not notify.
+                self._wakes_at = -math.inf
                 batch = list(self._leases.values())
                 for handle in batch:
                     if handle.hold_expired:

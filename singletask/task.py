@@ -11,6 +11,7 @@ worker process). See ``docs/lifecycle.rst`` for the table of which hook releases
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import logging
 import os
@@ -20,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NoReturn
 
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
@@ -73,8 +74,7 @@ BACKEND_RETRY_CAP = 30.0
 _REPEAT_WINDOW = 10.0
 
 
-@dataclass(frozen=True)
-class _Frame:
+class _Frame(NamedTuple):
     """One ``SingletonTask.__call__`` in progress in the current thread / greenlet."""
 
     task: str
@@ -397,18 +397,20 @@ class SingletonTask(_TaskBase):
         backend = state.backend
         # ``attempt`` names one execution attempt of one message: a redelivered copy of the
         # message has the same one, the body's own retry the next one.
-        attempt = None if direct else f"{task_id}:{int(request.retries or 0)}"
-        if attempt is None:
+        attempt: str | None = None
+        if direct:
             token, takeover = direct_token(), None
         else:
-            token = execution_token(str(task_id), int(request.retries or 0))
+            retries = int(request.retries or 0)
+            attempt = f"{task_id}:{retries}"
+            token = execution_token(str(task_id), retries)
             # Take over the reservation made for this attempt: by apply_async when the message
             # was sent (lock_scope "queue" / "coalesce"), or by the previous attempt when it
             # ended with a retry (see _finish); never a running attempt itself.
-            takeover = reservation_token(str(task_id), int(request.retries or 0))
+            takeover = reservation_token(str(task_id), retries)
         meta = {
             "task": self.name,
-            "hostname": request.hostname or socket.gethostname(),
+            "hostname": request.hostname or _this_host(),
             "pid": str(os.getpid()),
             "since": f"{time.time():.3f}",
         }
@@ -836,6 +838,12 @@ class SingletonTask(_TaskBase):
                 self.name, task_id, key,
             )  # fmt: skip
         return released
+
+
+@functools.cache
+def _this_host() -> str:
+    """The host name, for the lock metadata of executions outside a worker (eager, direct)."""
+    return socket.gethostname()
 
 
 def _is_redelivery(request: Any) -> bool:

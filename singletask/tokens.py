@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import random
 import secrets
 from pathlib import Path
 
@@ -27,8 +28,13 @@ __all__ = [
 
 
 def execution_token(task_id: str, retries: int) -> str:
-    """A new owner token for attempt ``retries`` of message ``task_id``, in this process."""
-    return f"{task_id}:{retries}:{host_id()}:{os.getpid()}:{secrets.token_hex(4)}"
+    """A new owner token for attempt ``retries`` of message ``task_id``, in this process.
+
+    The nonce tells apart two executions of one attempt in one process (a redelivered copy);
+    it needs to be unique, not secret, so it comes from :mod:`random` (reseeded in every forked
+    child) rather than from a system call.
+    """
+    return f"{task_id}:{retries}:{host_id()}:{os.getpid()}:{random.getrandbits(32):08x}"
 
 
 def direct_token() -> str:

@@ -7,6 +7,8 @@ app finalized later in the session.
 from __future__ import annotations
 
 import hashlib
+import inspect
+import json
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
@@ -15,8 +17,10 @@ from typing import Any
 
 import celery
 import pytest
+from kombu.utils import json as kombu_json
 
 from singletask import LockKeyError, SingletonTask
+from singletask.keys import canonical_json
 
 SECRET = "hunter2-card-4111111111111111"
 
@@ -150,6 +154,55 @@ def test_arguments_that_do_not_match_the_signature_raise_lock_key_error(
 
     with pytest.raises(LockKeyError, match=r"keys\.one"):
         one.lock_key_for((1, 2), {})
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error"),
+    [
+        ((1,), {}, None),
+        ((), {"a": 1}, None),
+        ((1, 2), {}, None),
+        ((1,), {"b": 2, "c": 3}, None),
+        ((), {"c": 3, "a": 1}, None),
+        ((1, 2, 3, 4), {}, "too many positional arguments"),
+        ((1,), {"a": 1}, "multiple values for argument 'a'"),
+        ((1,), {"z": 0}, "unexpected keyword argument 'z'"),
+        ((), {"b": 2}, "missing a required argument: 'a'"),
+    ],
+)
+def test_binding_matches_inspect_for_every_kind_of_call(
+    app: celery.Celery, args: tuple[Any, ...], kwargs: dict[str, Any], error: str | None
+) -> None:
+    """Keys bind calls exactly as ``inspect.Signature.bind`` with defaults applied would, and a
+    call it rejects is a LockKeyError with inspect's own explanation."""
+
+    @singleton(app, name="keys.bind", lock_args="*")
+    def bind(a: int, b: int = 2, *, c: int = 3) -> None: ...
+
+    if error is not None:
+        with pytest.raises(LockKeyError, match=error):
+            bind.lock_key_for(args, kwargs)
+        return
+    bound = inspect.signature(bind.run).bind(*args, **kwargs)
+    bound.apply_defaults()
+    expected = hashlib.sha256(
+        json.dumps(dict(bound.arguments), sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+    assert suffix_of(bind.lock_key_for(args, kwargs), "keys.bind") == expected
+
+
+def test_canonical_json_is_kombus_json(app: celery.Celery) -> None:
+    """The encoder singletask keeps gives exactly what kombu's ``dumps`` gives for each call."""
+    value = {
+        "when": datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc),
+        "id": uuid.UUID(int=7),
+        "amount": Decimal("1.10"),
+        "names": ["é", "z", "a"],
+        "nested": {"b": 1, "a": (2, 3)},
+    }
+    assert canonical_json(value) == kombu_json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
 
 
 def test_raw_argument_values_never_appear_in_the_key(app: celery.Celery) -> None:

@@ -63,6 +63,31 @@ def test_a_renewed_lease_outlives_its_ttl_while_the_body_runs(
     assert not redis_client.exists(seen["key"])
 
 
+def test_a_lease_shorter_than_all_before_it_is_renewed_in_time(
+    app: celery.Celery, redis_client: redis.Redis
+) -> None:
+    """The renewer sleeps a third of the shortest lease it knows; a shorter one wakes it."""
+
+    @singleton(app, name="lease.usual", lock_ttl=30)
+    def usual(self: SingletonTask) -> None:
+        pass
+
+    @singleton(app, name="lease.short", lock_ttl=SHORT_LEASE)
+    def short(self: SingletonTask) -> None:
+        deadline = time.monotonic() + 5 * SHORT_LEASE
+        while time.monotonic() < deadline:
+            assert not self.lock.lost
+            time.sleep(0.05)
+        self.lock.check()
+
+    # Given a renewer that only knows 30 s leases, asleep for 10 s with nothing to renew
+    usual.apply()
+
+    # When an execution with a 0.6 s lease runs for five of its leases
+    # Then its lease is renewed in time all along (the body's asserts)
+    short.apply().get()
+
+
 def test_renewal_costs_one_round_trip_per_interval_for_all_locks(
     app: celery.Celery, redis_client: redis.Redis
 ) -> None:
