@@ -29,7 +29,7 @@ Settings are looked up with ``app.conf.get``, so Django's ``CELERY_`` namespace 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -81,31 +81,31 @@ DEFAULTS: Final[dict[str, Any]] = {
 }
 
 
-def check_policy(value: object, where: str) -> str:
-    """Return ``value`` if it is a known policy; else raise ConfigurationError naming ``where``."""
-    if value not in POLICIES:
+def _check_choice(value: object, choices: Sequence[str], what: str, where: str) -> str:
+    """Return ``value`` if it is one of ``choices``; else raise ConfigurationError naming
+    ``where`` and listing them."""
+    if value not in choices:
         raise ConfigurationError(
-            f"{where}: unknown lock policy {value!r}; use one of {', '.join(map(repr, POLICIES))}"
+            f"{where}: unknown {what} {value!r}; use one of {', '.join(map(repr, choices))}"
         )
     return str(value)
+
+
+def check_policy(value: object, where: str) -> str:
+    """Return ``value`` if it is a known policy; else raise ConfigurationError naming ``where``."""
+    return _check_choice(value, POLICIES, "lock policy", where)
 
 
 def check_scope(value: object, where: str) -> str:
     """Return ``value`` if it is a known lock scope; else raise ConfigurationError."""
-    if value not in SCOPES:
-        raise ConfigurationError(
-            f"{where}: unknown lock scope {value!r}; use one of {', '.join(map(repr, SCOPES))}"
-        )
-    return str(value)
+    return _check_choice(value, SCOPES, "lock scope", where)
 
 
 def check_backend_error_policy(value: object, where: str) -> str:
     """Return ``value`` if it is ``"retry"`` or ``"run"``; else raise ConfigurationError."""
-    if value not in BACKEND_ERROR_POLICIES:
-        raise ConfigurationError(
-            f"{where}: expected 'retry' or 'run' for an unreachable lock store, got {value!r}"
-        )
-    return str(value)
+    return _check_choice(
+        value, BACKEND_ERROR_POLICIES, "policy for an unreachable lock store", where
+    )
 
 
 def check_bool(value: object, where: str) -> bool:

@@ -327,7 +327,7 @@ class SingletonTask(_TaskBase):
         for them, and for ``send_task``, the execution-time lock alone applies.
         """
 
-        def send(task_id: str) -> AsyncResult[Any]:
+        def send(task_id: str | None) -> AsyncResult[Any]:
             return super(SingletonTask, self).apply_async(
                 tuple(args) if args is not None else None,
                 dict(kwargs) if kwargs is not None else None,
@@ -344,19 +344,16 @@ class SingletonTask(_TaskBase):
         # with ``chain=[]`` for the last one; a link callback, with ``parent_id``) or replaced
         # (Task.replace): their callers already hold this task id's AsyncResult, so the message
         # must be published; the execution-time lock alone applies to them.
-        canvas = (
-            link
-            or link_error
-            or any(options.get(name) for name in ("chord", "group_id"))
-            or any(name in options for name in ("chain", "parent_id", "replaced_task_nesting"))
-        )
         if (
             settings.scope == "execution"
             or self.app.conf.task_always_eager
             or "retries" in options  # republished for an execution (Task.retry and ours)
-            or canvas
+            or link
+            or link_error
+            or any(options.get(name) for name in ("chord", "group_id"))
+            or any(name in options for name in ("chain", "parent_id", "replaced_task_nesting"))
         ):
-            return send(task_id)  # type: ignore[arg-type]
+            return send(task_id)
         task_id = task_id or uuid()
         try:
             return send_once(
