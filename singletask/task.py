@@ -821,8 +821,8 @@ class SingletonTask(_TaskBase):
             key = self.lock_key_for(args or (), kwargs or {})
             backend = self.lock_backend
             released = backend.release(key, reservation_token(task_id, retries))
-            if self._options().scope == "coalesce":
-                backend.clear_next(key, task_id)  # a follow-up that will not run frees its slot
+            # A follow-up that will not run frees its slot, so the next call can take it.
+            freed = self._options().scope == "coalesce" and backend.clear_next(key, task_id)
         except Exception:
             logger.exception(
                 "Task %s[%s]: could not release its reservation; it expires by itself",
@@ -832,6 +832,11 @@ class SingletonTask(_TaskBase):
         if released:
             logger.info(
                 "Task %s[%s] will not run (revoked or expired): reservation of %r released",
+                self.name, task_id, key,
+            )  # fmt: skip
+        if freed:
+            logger.info(
+                "Task %s[%s] will not run (revoked or expired): follow-up slot of %r freed",
                 self.name, task_id, key,
             )  # fmt: skip
         return released

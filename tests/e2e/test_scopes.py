@@ -465,15 +465,20 @@ def test_a_revoked_follow_up_frees_the_follow_up_slot(cluster: Cluster, label: s
         "the follow-up to wait for the run",
     )
 
-    # When the follow-up is revoked, and the worker has discarded it
+    # When the follow-up is revoked, and the worker has discarded it and freed its slot
+    # (Celery logs the discard before it sends task_revoked, which frees the slot)
     offset = log_offset(cluster)
     cluster.app.control.revoke(doomed.id)
     wait_until(
         lambda: any(
-            "Discarding revoked task" in line and doomed.id in line
+            "follow-up slot" in line and "freed" in line and doomed.id in line
             for line in log_since(cluster, offset)
         ),
-        "the worker to discard the revoked follow-up",
+        "the worker to free the revoked follow-up's slot",
+    )
+    assert any(
+        "Discarding revoked task" in line and doomed.id in line
+        for line in log_since(cluster, offset)
     )
     assert doomed.state == "REVOKED"
 
