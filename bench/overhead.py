@@ -210,16 +210,27 @@ def run(
                     extra = (seconds[name] - seconds["plain"]) * 1e6
                     added.setdefault(name, []).append(extra)
             pings_in_body = added["plain+2PING"][-1]
+            two_bare = 2 * seconds["PING"] * 1e6
+            for name in [*runners, "plain+2PING", "singletask-memory"]:
+                if name in added:
+                    vs_ping.setdefault(name, []).append(added[name][-1] / two_bare)
             for name in runners:
-                vs_ping[name].append(added[name][-1] / (2 * seconds["PING"] * 1e6))
                 vs_body_pings[name].append(added[name][-1] / pings_in_body)
+            if "singletask-scripts" in seconds:
+                # Not a task: the scripts' own time against two bare PINGs.
+                vs_ping.setdefault("singletask-scripts", []).append(
+                    seconds["singletask-scripts"] * 1e6 / two_bare
+                )
         log(
             f"overhead: round {number + 1}/{rounds}: "
             + ", ".join(f"{n} {seconds[n] * 1e6:.0f}us" for n in runners_with_ping)
         )
     ping_client.close()
     return {
-        "method": "task.apply_async((i,)) with task_always_eager, no result backend",
+        "method": (
+            "task.apply_async((i,)) with task_always_eager and a worker's stack protection, "
+            "no result backend"
+        ),
         "executions_per_batch": executions,
         "rounds": rounds,
         "variants": {

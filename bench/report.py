@@ -283,8 +283,22 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
             body = overhead["plain+2PING"]
             lines.append(
                 f"Two PINGs sent from a task body add {_spread(body['added_us'])} µs to a plain "
-                f"task; singletask adds {_spread(st['added_vs_two_pings_in_a_body'], 2)} times "
-                "that."
+                f"task, {_spread(body['added_vs_two_pings'], 2)} times two bare PINGs; "
+                f"singletask adds {_spread(st['added_vs_two_pings_in_a_body'], 2)} times "
+                "what they add."
+            )
+        if "singletask-scripts" in overhead:
+            scripts = overhead["singletask-scripts"]
+            lines.append(
+                "singletask's acquire and release scripts alone, in a loop: "
+                f"{_spread(scripts['us_per_execution'])} µs, "
+                f"{_spread(scripts['added_vs_two_pings'], 2)} times two bare PINGs."
+            )
+        if "singletask-memory" in overhead:
+            memory = overhead["singletask-memory"]
+            lines.append(
+                "singletask's bookkeeping in the worker process (its task on the in-memory "
+                f"backend): {_spread(memory['added_us'])} µs per execution."
             )
     throughput = (results.get("throughput") or {}).get("variants", {})
     if "singletask" in throughput:

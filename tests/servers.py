@@ -16,11 +16,10 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-import pytest
 import redis
 
 CI = os.environ.get("CI", "").strip().lower() in {"1", "true", "yes", "on"}
@@ -28,6 +27,8 @@ CI = os.environ.get("CI", "").strip().lower() in {"1", "true", "yes", "on"}
 
 def unavailable(reason: str) -> None:
     """Skip the test locally, fail it in CI: a missing server must never pass silently there."""
+    import pytest  # here, so that the benchmark (bench/common.py) can use this module without it
+
     if CI:
         pytest.fail(f"{reason} (CI is set, so this fails instead of skipping)", pytrace=False)
     pytest.skip(reason)
@@ -52,11 +53,15 @@ def redis_server_binary() -> str | None:
 
 
 class RedisServer:
-    """A redis-server process of our own, on 127.0.0.1, persisting nothing."""
+    """A redis-server process of our own, on 127.0.0.1, persisting nothing.
 
-    def __init__(self, binary: str, workdir: Path) -> None:
+    ``extra_args`` are added to its command line. The benchmark uses this class too.
+    """
+
+    def __init__(self, binary: str, workdir: Path, *, extra_args: Sequence[str] = ()) -> None:
         self.binary = binary
         self.workdir = workdir
+        self.extra_args = tuple(extra_args)
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
@@ -90,6 +95,7 @@ class RedisServer:
                 "--appendonly", "no",
                 "--dir", str(self.workdir),
                 "--databases", "16",
+                *self.extra_args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
