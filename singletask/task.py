@@ -323,8 +323,9 @@ class SingletonTask(_TaskBase):
         (``lock_policy = "raise"``: :class:`~singletask.TaskLocked` here instead). With
         "coalesce", a duplicate sent while a run is in progress becomes (or joins) the key's one
         pending follow-up. Messages republished for an execution (its own retries, lock
-        retries) and canvas parts (links, chains, chords, groups) are never deduplicated here:
-        for them, and for ``send_task``, the execution-time lock alone applies.
+        retries), canvas parts (links, chains, chords, groups) and frozen signatures are never
+        deduplicated here: for them, and for ``send_task``, the execution-time lock alone
+        applies.
         """
 
         def send(task_id: str | None) -> AsyncResult[Any]:
@@ -340,10 +341,12 @@ class SingletonTask(_TaskBase):
             )
 
         settings = self._options()
-        # Canvas parts, and messages a worker sends for a task it finished (a chain's next link,
-        # with ``chain=[]`` for the last one; a link callback, with ``parent_id``) or replaced
-        # (Task.replace): their callers already hold this task id's AsyncResult, so the message
-        # must be published; the execution-time lock alone applies to them.
+        # Canvas parts, frozen signatures (``freeze()`` sets ``reply_to``: a chord's callback, for
+        # one, carries nothing else before Celery 5.6), and messages a worker sends for a task it
+        # finished (a chain's next link, with ``chain=[]`` for the last one; a link callback,
+        # with ``parent_id``) or replaced (Task.replace): their callers already hold this task
+        # id's AsyncResult, so the message must be published; the execution-time lock alone
+        # applies to them.
         if (
             settings.scope == "execution"
             or self.app.conf.task_always_eager
@@ -351,7 +354,10 @@ class SingletonTask(_TaskBase):
             or link
             or link_error
             or any(options.get(name) for name in ("chord", "group_id"))
-            or any(name in options for name in ("chain", "parent_id", "replaced_task_nesting"))
+            or any(
+                name in options
+                for name in ("chain", "parent_id", "reply_to", "replaced_task_nesting")
+            )
         ):
             return send(task_id)
         task_id = task_id or uuid()

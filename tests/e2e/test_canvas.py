@@ -331,6 +331,29 @@ def test_queue_scope_parts_sent_by_the_canvas_meet_the_execution_lock(
     release(cluster, "queued", label, holder)
 
 
+def test_a_frozen_signature_is_published_under_its_own_id_and_meets_the_execution_lock(
+    cluster: Cluster, label: str
+) -> None:
+    queued = cluster.task(NAME + "queued")
+    # Given a queue-scope task running, its key held
+    holder = hold(cluster, "queued", label)
+
+    # When a signature of the same call is frozen (its AsyncResult handed out, as a chord does
+    # with its callback) and then sent
+    signature = queued.s(label)
+    frozen = signature.freeze()
+    sent = signature.delay()
+
+    # Then it was published under the frozen id (not handed the holder's result, which would
+    # leave the frozen AsyncResult pending forever) and skipped by the worker
+    assert sent.id == frozen.id != holder.id
+    skipped = frozen.get(timeout=15)
+    assert isinstance(skipped, Skipped), skipped
+    assert skipped.holder == holder.id
+    assert runs(cluster, label) == [("start", holder.id)]
+    release(cluster, "queued", label, holder)
+
+
 def test_queue_scope_chain_tail_and_link_callback_meet_the_execution_lock(
     cluster: Cluster, label: str
 ) -> None:
