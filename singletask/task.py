@@ -23,7 +23,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NoReturn
 
+import celery
 from celery import Task
+from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
 from celery.utils import uuid
@@ -72,6 +74,9 @@ BACKEND_RETRY_CAP = 30.0
 #: A parent-side release for the same task id within this many seconds is a repeat (Celery
 #: reports a hard time limit through two hooks and two signals).
 _REPEAT_WINDOW = 10.0
+
+#: Celery before 5.5 pushes a blank request in ``Task.__call__`` (see SingletonTask.push_request).
+_PUSHES_BLANK_REQUEST = tuple(celery.VERSION[:2]) < (5, 5)
 
 
 class _Frame(NamedTuple):
@@ -382,6 +387,18 @@ class SingletonTask(_TaskBase):
             return send(task_id)
 
     # -- execution -------------------------------------------------------------------------
+
+    if _PUSHES_BLANK_REQUEST:
+
+        def push_request(self, *args: Any, **kwargs: Any) -> None:
+            """Push a copy of the current request updated with ``kwargs``, as Celery 5.5 does.
+
+            Celery before 5.5 pushes a blank request in ``Task.__call__``. Outside a worker
+            (eager mode, where no stack protection skips that push) the body of a task class
+            with its own ``__call__`` would then run without its request: no ``request.id``,
+            and ``self.retry()`` could not retry.
+            """
+            self.request_stack.push(Context(*args, **{**self.request.__dict__, **kwargs}))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
