@@ -192,6 +192,11 @@ def record(self: Any, value: Any, label: str, step: str) -> dict[str, Any]:
 
 
 @shared_task(name=PREFIX + "on_error")
-def on_error(task_id: str, label: str) -> None:
-    """An errback (called with the failed task's id): records which task failed."""
-    probe().mark(label, "errback", task_id)
+def on_error(request: Any, exc: BaseException, traceback: Any, label: str) -> None:
+    """An errback: records which task failed, and with what.
+
+    It takes ``(request, exc, traceback)``, so every Celery calls it that way. (With the old
+    one-argument form, ``on_error(task_id, label)``, Celery before 5.7 counted the bound
+    ``label`` as a parameter, called it with three arguments, and the call failed.)
+    """
+    probe().mark(label, "errback", request.id, error=type(exc).__name__)

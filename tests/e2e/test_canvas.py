@@ -154,6 +154,7 @@ def test_raise_a_chain_stops_at_the_locked_link_and_its_errback_runs(
     # And the errback ran for it: the failure is visible, not silent
     errbacks = cluster.probe.wait_for(label, "errback", count=2)
     assert {event["task_id"] for event in errbacks} == {head.parent.id, middle.parent.id}
+    assert {event["error"] for event in errbacks} == {"TaskLocked"}
     # And the chain stopped there: the links after it never ran, and Celery failed their results
     # with the same TaskLocked, so the chain's own result raises it
     for stopped in (head, middle):

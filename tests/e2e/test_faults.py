@@ -31,7 +31,7 @@ from billiard.exceptions import WorkerLostError
 
 from singletask import BackendUnavailable, Skipped
 
-from .faults import BOUND, SHORT_VISIBILITY, FaultEnv
+from .faults import BOUND, SHORT_VISIBILITY, FaultEnv, needs_short_visibility
 from .tasks_faults import LEASE, LONG_LEASE, MAX_HOLD, PREFIX, SHORT_BACKEND_BUDGET
 
 pytestmark = pytest.mark.e2e
@@ -315,6 +315,7 @@ def test_acks_late_message_of_a_killed_pool_process_runs_once_more(
     assert_exclusive_and_once(env, label, {message.id: 2})
 
 
+@needs_short_visibility
 def test_visibility_timeout_restores_the_message_of_a_killed_worker_and_it_runs_once_more(
     faults: Callable[..., FaultEnv],
 ) -> None:
@@ -341,6 +342,7 @@ def test_visibility_timeout_restores_the_message_of_a_killed_worker_and_it_runs_
     assert_exclusive_and_once(env, label, {message.id: 2})
 
 
+@needs_short_visibility
 def test_a_visibility_timeout_duplicate_of_a_running_task_never_runs_its_body(
     faults: Callable[..., FaultEnv],
 ) -> None:
