@@ -11,12 +11,10 @@ worker process). See ``docs/lifecycle.rst`` for the table of which hook releases
 from __future__ import annotations
 
 import contextvars
-import functools
 import inspect
 import logging
 import os
 import random
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +27,7 @@ from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
 from celery.utils import uuid
+from celery.utils.nodenames import gethostname
 
 from .backends import backend_from_url
 from .config import (
@@ -430,7 +429,7 @@ class SingletonTask(_TaskBase):
             takeover = reservation_token(str(task_id), retries)
         meta = {
             "task": self.name,
-            "hostname": request.hostname or _this_host(),
+            "hostname": request.hostname or gethostname(),  # Celery's, memoized
             "pid": str(os.getpid()),
             "since": f"{time.time():.3f}",
         }
@@ -863,12 +862,6 @@ class SingletonTask(_TaskBase):
                 self.name, task_id, key,
             )  # fmt: skip
         return released
-
-
-@functools.cache
-def _this_host() -> str:
-    """The host name, for the lock metadata of executions outside a worker (eager, direct)."""
-    return socket.gethostname()
 
 
 def _is_redelivery(request: Any) -> bool:
