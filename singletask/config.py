@@ -20,6 +20,9 @@ setting                              default               meaning
 ``singletask_lock_backend_retry_max`` ``10``               store-outage retries before failing
 ===================================  ====================  ====================================
 
+``singletask_backend_transport_options`` (default ``{}``) holds options of the lock store's
+client: a Sentinel master name, TLS files, socket timeouts, the replica wait.
+
 Settings are looked up with ``app.conf.get``, so Django's ``CELERY_`` namespace works
 (``CELERY_SINGLETASK_BACKEND_URL``), and so do old-style upper-case names
 (``SINGLETASK_BACKEND_URL``). They are deliberately *not* registered with
@@ -29,8 +32,8 @@ Settings are looked up with ``app.conf.get``, so Django's ``CELERY_`` namespace 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from kombu.utils.url import maybe_sanitize_url
@@ -67,6 +70,7 @@ BACKEND_ERROR_POLICIES: Final = ("retry", "run")
 #: Library defaults of the settings, by setting name.
 DEFAULTS: Final[dict[str, Any]] = {
     "singletask_backend_url": None,
+    "singletask_backend_transport_options": None,
     "singletask_key_prefix": "singletask:",
     "singletask_lock_policy": "skip",
     "singletask_lock_scope": "execution",
@@ -157,6 +161,8 @@ class Settings:
     lock_retry_max: int
     lock_on_backend_error: str
     lock_backend_retry_max: int
+    #: ``singletask_backend_transport_options``: Sentinel master name, TLS, the replica wait...
+    backend_transport_options: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_app(cls, app: Celery) -> Settings:
@@ -194,7 +200,20 @@ class Settings:
                 "singletask_lock_on_backend_error", check_backend_error_policy
             ),
             lock_backend_retry_max=setting("singletask_lock_backend_retry_max", check_count),
+            backend_transport_options=setting(
+                "singletask_backend_transport_options", _check_options
+            ),
         )
+
+
+def _check_options(value: object, where: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ConfigurationError(
+            f"{where}: expected a dict of option names to values, got {value!r}"
+        )
+    return dict(value)
 
 
 def _backend_url(app: Celery) -> str:

@@ -55,14 +55,25 @@ def redis_server_binary() -> str | None:
 class RedisServer:
     """A redis-server process of our own, on 127.0.0.1, persisting nothing.
 
-    ``extra_args`` are added to its command line. The benchmark uses this class too.
+    ``extra_args`` are added to its command line. The benchmark uses this class too. ``port``
+    defaults to a free one; with ``tls`` it listens with TLS only, and ``extra_args`` must name
+    its certificates (tests/deployments.py).
     """
 
-    def __init__(self, binary: str, workdir: Path, *, extra_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        binary: str,
+        workdir: Path,
+        *,
+        extra_args: Sequence[str] = (),
+        port: int | None = None,
+        tls: bool = False,
+    ) -> None:
         self.binary = binary
         self.workdir = workdir
         self.extra_args = tuple(extra_args)
-        self.port = free_port()
+        self.port = port or free_port()
+        self.tls = tls
         self.url = f"redis://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -76,6 +87,14 @@ class RedisServer:
             while True:
                 if self.process.poll() is not None:
                     raise RuntimeError(f"redis-server exited with {self.process.returncode}")
+                if self.tls:  # no client certificate at hand: the port open is enough
+                    with (
+                        contextlib.suppress(OSError),
+                        socket.create_connection(("127.0.0.1", self.port), timeout=0.5),
+                    ):
+                        return
+                    time.sleep(0.05)
+                    continue
                 with contextlib.suppress(redis.ConnectionError):
                     if client.ping():
                         return
@@ -89,7 +108,7 @@ class RedisServer:
         return subprocess.Popen(
             [
                 self.binary,
-                "--port", str(self.port),
+                *(("--port", "0", "--tls-port") if self.tls else ("--port",)), str(self.port),
                 "--bind", "127.0.0.1",
                 "--save", "",
                 "--appendonly", "no",

@@ -1,9 +1,11 @@
 """Lock backends, chosen by the scheme of ``singletask_backend_url``.
 
 Built in: ``redis://``, ``rediss://``, ``unix://``
-(:class:`~singletask.backends.redis.RedisBackend`) and ``memory://``
-(:class:`~singletask.backends.memory.MemoryBackend`). A third-party package adds a scheme
-through the ``singletask.backends`` entry-point group::
+(:class:`~singletask.backends.redis.RedisBackend`), ``sentinel://``
+(:class:`~singletask.backends.redis_deploy.RedisSentinelBackend`), ``redis+cluster://`` and
+``rediss+cluster://`` (:class:`~singletask.backends.redis_deploy.RedisClusterBackend`),
+``sqlite://`` and ``memory://`` (:class:`~singletask.backends.memory.MemoryBackend`).
+A third-party package adds a scheme through the ``singletask.backends`` entry-point group::
 
     [project.entry-points."singletask.backends"]
     etcd = "singletask_etcd:EtcdBackend"
@@ -11,6 +13,8 @@ through the ``singletask.backends`` entry-point group::
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any
 from urllib.parse import urlsplit
@@ -36,6 +40,9 @@ BACKEND_ALIASES: dict[str, str] = {
     "redis": "singletask.backends.redis:RedisBackend",
     "rediss": "singletask.backends.redis:RedisBackend",
     "unix": "singletask.backends.redis:RedisBackend",
+    "sentinel": "singletask.backends.redis_deploy:RedisSentinelBackend",
+    "redis+cluster": "singletask.backends.redis_deploy:RedisClusterBackend",
+    "rediss+cluster": "singletask.backends.redis_deploy:RedisClusterBackend",
     "memory": "singletask.backends.memory:MemoryBackend",
     "sqlite": "singletask.backends.sqlite:SQLiteBackend",
 }
@@ -71,11 +78,24 @@ def backend_class(url: str) -> type[LockBackend]:
     return cls
 
 
-def backend_from_url(url: str, **options: Any) -> LockBackend:
+def backend_from_url(
+    url: str, *, transport_options: Mapping[str, Any] | None = None, **options: Any
+) -> LockBackend:
     """Build the backend for ``url``.
+
+    ``transport_options`` (the setting ``singletask_backend_transport_options``) go to backends
+    whose ``from_url`` takes them (the Redis ones); giving any to another backend is an error.
 
     Raises:
         UnknownBackendError: No backend is registered for the URL's scheme.
         ConfigurationError: The backend rejected the URL or an option.
     """
-    return backend_class(url).from_url(url, **options)
+    cls = backend_class(url)
+    if transport_options:
+        if "transport_options" not in inspect.signature(cls.from_url).parameters:
+            raise ConfigurationError(
+                f"setting singletask_backend_transport_options: {cls.__name__} "
+                f"({maybe_sanitize_url(url)!r}) takes no transport options"
+            )
+        return cls.from_url(url, transport_options=transport_options, **options)
+    return cls.from_url(url, **options)

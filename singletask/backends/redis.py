@@ -31,6 +31,7 @@ from redis.retry import Retry
 
 from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
 from .base import AcquireResult, Holder, LockBackend
+from .redis_options import connection_options
 
 __all__ = ["RedisBackend"]
 
@@ -243,11 +244,11 @@ class RedisBackend(LockBackend):
         if (client is None) == (url is None):
             raise ConfigurationError("RedisBackend takes exactly one of client= and url=")
         if url is not None:
-            try:
-                parse_url(url)  # type: ignore[no-untyped-call]  # fail early on a bad URL
-            except ValueError as exc:
-                raise ConfigurationError(f"{maybe_sanitize_url(url)!r}: {exc}") from exc
+            self._check_url(url)
         self._url = url
+        # Whether scripts go out on this backend's own connections (see _send), or through
+        # the client's methods (a ready client, or a cluster client, which routes by key).
+        self._own_connections = url is not None
         self._options = {**CLIENT_DEFAULTS, **options}
         self._client = client
         self._pid = os.getpid() if client is None else None
@@ -255,8 +256,26 @@ class RedisBackend(LockBackend):
         self._idle: list[_Connection] = []
 
     @classmethod
-    def from_url(cls, url: str, **options: Any) -> RedisBackend:
+    def from_url(
+        cls, url: str, *, transport_options: Mapping[str, Any] | None = None, **options: Any
+    ) -> RedisBackend:
+        """Build a backend for ``url``; ``transport_options`` are those of the setting
+        ``singletask_backend_transport_options`` (TLS and socket options here)."""
+        if transport_options:
+            options = {**connection_options(transport_options, url), **options}
         return cls(url=url, **options)
+
+    def _check_url(self, url: str) -> None:
+        """Raise ConfigurationError if ``url`` cannot be used: early, before any connection."""
+        try:
+            parse_url(url)  # type: ignore[no-untyped-call]
+        except ValueError as exc:
+            raise ConfigurationError(f"{maybe_sanitize_url(url)!r}: {exc}") from exc
+
+    def _connect(self, options: dict[str, Any]) -> redis.Redis:
+        """A new client for this backend's URL (called once per process)."""
+        assert self._url is not None
+        return redis.Redis.from_url(self._url, **options)
 
     def __repr__(self) -> str:
         where = maybe_sanitize_url(self._url) if self._url else repr(self._client)
@@ -277,7 +296,7 @@ class RedisBackend(LockBackend):
                     supported_errors=(redis.exceptions.ConnectionError,),
                 ),
             )
-            client = redis.Redis.from_url(self._url, **options)
+            client = self._connect(options)
             # A forked child drops (never closes, never uses) its parent's connections.
             self._client, self._pid, self._idle = client, os.getpid(), []
         assert self._client is not None
@@ -313,7 +332,7 @@ class RedisBackend(LockBackend):
         """
         try:
             client = self.client
-            if self._url is not None:
+            if self._own_connections:
                 return self._send(client, script, keys, args)
             try:
                 return client.evalsha(script.sha, len(keys), *keys, *args)
@@ -414,11 +433,20 @@ class RedisBackend(LockBackend):
             return []
         client = self.client
         if isinstance(client, RedisCluster):
-            # Keys of several slots cannot share a script: one pipeline, split by node.
-            with self._translate("extend", leases[0][0]), client.pipeline() as pipe:
-                for key, token, ttl in leases:
-                    pipe.eval(EXTEND_SCRIPT, 1, key, token, _ms(ttl))
-                return [bool(done) for done in pipe.execute()]
+            # A script's keys must share a slot (and cluster pipelines cannot run scripts):
+            # one script per slot, so one round trip per slot the leases fall in.
+            slots: dict[int, list[int]] = {}
+            for index, (key, _, _) in enumerate(leases):
+                slots.setdefault(client.keyslot(key), []).append(index)
+            done: list[bool] = [False] * len(leases)
+            for indexes in slots.values():
+                group = [leases[i] for i in indexes]
+                for i, ok in zip(indexes, self._extend_same_slot(group), strict=True):
+                    done[i] = ok
+            return done
+        return self._extend_same_slot(leases)
+
+    def _extend_same_slot(self, leases: Sequence[tuple[str, str, float]]) -> list[bool]:
         keys = [key for key, _, _ in leases]
         args: list[str | int] = []
         for _, token, ttl in leases:

@@ -1,0 +1,368 @@
+"""Redis beyond one server: Sentinel (automatic failover) and Cluster (sharding), TLS on both.
+
+URLs, with the options of ``singletask_backend_transport_options`` beside them:
+
+* ``sentinel://[[user]:password@]host:port[/db];sentinel://host2:port;...`` — the sentinels to
+  ask for the master; credentials and database come from the first URL and are the master's.
+  Transport options: ``master_name`` (required), ``sentinel_kwargs`` (options of the
+  connections to the sentinels themselves: their password, TLS), ``min_other_sentinels``; TLS to
+  the master with ``ssl: True`` or any ``ssl_*`` option.
+* ``redis+cluster://[[user]:password@]host:port[,host2:port...][/0]`` and
+  ``rediss+cluster://...`` (TLS) — any one reachable node; the client discovers the rest.
+  Transport option ``dynamic_startup_nodes`` (default True: use the addresses the cluster
+  announces; False behind a DNS name or proxy that must stay the entry point).
+
+Both take the TLS (``ssl_cert_reqs``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
+``ssl_check_hostname``) and socket options in the URL query or the transport options, and the
+opt-in replica wait (``wait_replicas``, ``wait_timeout``: see :class:`ReplicaWait`).
+
+Every key of one lock (the lock hash, its fence hash, which also holds the coalesce follow-up
+slot) hashes to one cluster slot (see :func:`~singletask.backends.redis.fence_key`), so every
+script touches one slot. Redirections and failovers are the cluster client's to follow; what it
+cannot follow surfaces as :class:`~singletask.exceptions.BackendUnavailable`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, cast
+from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
+
+import redis
+from redis.cluster import ClusterNode, RedisCluster
+from redis.sentinel import Sentinel
+
+from ..exceptions import BackendUnavailable, ConfigurationError
+from .base import Holder
+from .redis import _ACQUIRE, _DRIVER_ERRORS, RedisBackend, _Script
+from .redis_options import (
+    SOCKET_OPTIONS,
+    TLS_OPTIONS,
+    ReplicaWait,
+    check_keys,
+    mask,
+    socket_options,
+    tls_options,
+)
+
+__all__ = ["RedisClusterBackend", "RedisSentinelBackend"]
+
+#: Options a URL's query string may carry (the transport options may carry them too).
+QUERY_OPTIONS = frozenset({*TLS_OPTIONS, *SOCKET_OPTIONS})
+
+#: How many redirections one replica-waiting cluster acquisition follows before giving up.
+MAX_REDIRECTS = 5
+
+
+def _port(text: str, default: int, where: str) -> int:
+    try:
+        port = int(text) if text else default
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise ConfigurationError(f"{where}: invalid port {text!r}")
+    return port
+
+
+def _address(text: str, default_port: int, where: str) -> tuple[str, int]:
+    """``host[:port]`` or ``[v6 address][:port]`` as (host, port)."""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else rest
+    else:
+        host, _, port = text.partition(":")
+    if not host:
+        raise ConfigurationError(f"{where}: a host is missing")
+    return host, _port(port, default_port, where)
+
+
+def _credentials(parts: SplitResult) -> dict[str, str]:
+    userinfo = parts.netloc.rpartition("@")[0]
+    if not userinfo:
+        return {}
+    user, has_password, password = userinfo.partition(":")
+    out = {"username": unquote(user)} if user else {}
+    if has_password and password:
+        out["password"] = unquote(password)
+    return out
+
+
+def _db(parts: SplitResult, where: str) -> int:
+    path = parts.path.strip("/")
+    if not path:
+        return 0
+    if not path.isdigit():
+        raise ConfigurationError(f"{where}: the path must be a database number, got {path!r}")
+    return int(path)
+
+
+def _query(parts: SplitResult, where: str) -> dict[str, str]:
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    check_keys(query, QUERY_OPTIONS, f"{where}: URL query")
+    return query
+
+
+class _Deployed(RedisBackend):
+    """What Sentinel and Cluster share: transport options and the replica wait."""
+
+    #: Transport options this kind of deployment takes besides TLS, sockets and the wait.
+    EXTRA_OPTIONS: frozenset[str] = frozenset()
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        transport_options: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        self._transport = dict(transport_options or {})
+        where = f"setting singletask_backend_transport_options for {mask(url)!r}"
+        allowed = {*QUERY_OPTIONS, *ReplicaWait.OPTIONS, *self.EXTRA_OPTIONS}
+        check_keys(self._transport, allowed, where)
+        self._wait = ReplicaWait.from_options(self._transport, where)
+        super().__init__(url=url, **options)
+        # Through the client's methods: its pool asks the sentinels where the master is (a
+        # bare connection would not), and a cluster client routes each key to its node.
+        self._own_connections = False
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, transport_options: Mapping[str, Any] | None = None, **options: Any
+    ) -> RedisBackend:
+        return cls(url=url, transport_options=transport_options, **options)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {mask(self._url or '')}>"
+
+    def _tls_and_sockets(self, query: Mapping[str, str], where: str) -> dict[str, Any]:
+        """Client options from the transport options overridden by the URL query."""
+        merged = {**self._transport, **query}
+        return {**tls_options(merged, where), **socket_options(merged, where)}
+
+    def _call(
+        self,
+        operation: str,
+        script: _Script,
+        keys: Sequence[str],
+        args: Sequence[str | int],
+    ) -> Any:
+        wait = self._wait
+        if wait is None or script is not _ACQUIRE:
+            return super()._call(operation, script, keys, args)
+        try:
+            reply, acks = self._acquire_and_wait(script, keys, args, wait)
+        except _DRIVER_ERRORS as exc:
+            raise self._error(exc, operation, keys[0]) from exc
+        if reply[0] == 1 and acks < wait.replicas:
+            # Not on enough replicas: a failover now could lose it. Give it back (best effort:
+            # it expires anyway) and let the caller's store-error policy decide.
+            with contextlib.suppress(BackendUnavailable):
+                self.release(keys[0], str(args[0]))
+            raise BackendUnavailable(
+                f"{self!r}: acquire {keys[0]!r}: only {acks} of {wait.replicas} replica(s) "
+                f"confirmed the lock within {wait.timeout}s (wait_replicas); it was released"
+            )
+        return reply
+
+    def _acquire_and_wait(
+        self, script: _Script, keys: Sequence[str], args: Sequence[str | int], wait: ReplicaWait
+    ) -> tuple[Any, int]:
+        """Run the acquire script then WAIT on one connection, pipelined: one round trip."""
+        client: Any = self.client
+        for _ in range(2):
+            with client.pipeline(transaction=False) as pipe:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+                pipe.execute_command(*wait.command)
+                reply, acks = pipe.execute(raise_on_error=False)
+            if isinstance(reply, redis.exceptions.NoScriptError):
+                client.script_load(script.text)
+                continue
+            return _raised(reply), _raised(acks)
+        raise redis.exceptions.NoScriptError("the acquire script is not cached after loading")
+
+
+def _raised(value: Any) -> Any:
+    """``value``, or raise it when a pipeline returned an error in its place."""
+    if isinstance(value, Exception):
+        raise value
+    return value
+
+
+class RedisSentinelBackend(_Deployed):
+    """Locks on the master a set of Redis Sentinels names; follows failovers.
+
+    Each new connection asks the sentinels where the master is. A connection to a master that
+    has been demoted gets READONLY, is dropped, and the call is made again on a new connection
+    to the new master. While no master is known the calls raise
+    :class:`~singletask.exceptions.BackendUnavailable`.
+    """
+
+    EXTRA_OPTIONS = frozenset({"master_name", "sentinel_kwargs", "min_other_sentinels", "ssl"})
+
+    def _check_url(self, url: str) -> None:
+        self._target(url)
+
+    def _target(self, url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+        """The sentinel addresses, and the master's connection options (checked)."""
+        where = f"{mask(url)!r}"
+        nodes: list[tuple[str, int]] = []
+        first: SplitResult | None = None
+        for chunk in filter(None, (part.strip() for part in url.split(";"))):
+            parts = urlsplit(chunk)
+            if parts.scheme.lower() != "sentinel":
+                raise ConfigurationError(
+                    f"{where}: every URL must be sentinel://, got {mask(chunk)!r}"
+                )
+            first = first or parts
+            nodes.append(_address(parts.netloc.rpartition("@")[2], 26379, where))
+        if first is None:
+            raise ConfigurationError(f"{where}: no sentinel address")
+        name = self._transport.get("master_name")
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(
+                f"{where}: set the master's name in singletask_backend_transport_options, "
+                "e.g. {'master_name': 'mymaster'}"
+            )
+        sentinel_kwargs = self._transport.get("sentinel_kwargs", {})
+        others = self._transport.get("min_other_sentinels", 0)
+        if not isinstance(sentinel_kwargs, Mapping):
+            raise ConfigurationError(f"{where}: sentinel_kwargs must be a dict")
+        if isinstance(others, bool) or not isinstance(others, int) or others < 0:
+            raise ConfigurationError(f"{where}: min_other_sentinels must be a whole number >= 0")
+        query = _query(first, where)
+        options = {**_credentials(first), "db": _db(first, where)}
+        options.update(self._tls_and_sockets(query, where))
+        if self._transport.get("ssl") or any(name in options for name in TLS_OPTIONS):
+            options["ssl"] = True
+        return nodes, options
+
+    def _connect(self, options: dict[str, Any]) -> redis.Redis:
+        assert self._url is not None
+        nodes, master = self._target(self._url)
+        sentinel_kwargs = dict(self._transport.get("sentinel_kwargs", {}))
+        if not sentinel_kwargs:  # as redis-py does without it: the socket options only
+            sentinel_kwargs = {k: v for k, v in options.items() if k.startswith("socket_")}
+        make: Any = Sentinel
+        self._sentinel: Any = make(
+            nodes,
+            sentinel_kwargs=sentinel_kwargs,
+            min_other_sentinels=self._transport.get("min_other_sentinels", 0),
+        )
+        name = self._transport["master_name"]
+        client = self._sentinel.master_for(name, redis_class=redis.Redis, **{**options, **master})
+        return cast(redis.Redis, client)
+
+    def close(self) -> None:
+        sentinel = getattr(self, "_sentinel", None)
+        super().close()
+        if sentinel is not None and self._client is None:
+            for client in sentinel.sentinels:
+                client.close()
+            self._sentinel = None
+
+
+class RedisClusterBackend(_Deployed):
+    """Locks in a Redis Cluster; the client routes each script to the master of its slot.
+
+    Scripts go through the cluster client (which follows MOVED and ASK redirections and
+    re-reads the topology after a failover), one round trip each as on a single server.
+    """
+
+    EXTRA_OPTIONS = frozenset({"dynamic_startup_nodes"})
+
+    def _check_url(self, url: str) -> None:
+        self._target(url)
+
+    def _target(self, url: str) -> tuple[list[Any], dict[str, Any]]:
+        where = f"{mask(url)!r}"
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        if scheme not in ("redis+cluster", "rediss+cluster"):
+            raise ConfigurationError(f"{where}: expected redis+cluster:// or rediss+cluster://")
+        hosts = [h for h in parts.netloc.rpartition("@")[2].split(",") if h.strip()]
+        if not hosts:
+            raise ConfigurationError(f"{where}: no node address")
+        node: Any = ClusterNode
+        nodes = [node(*_address(h.strip(), 6379, where)) for h in hosts]
+        if _db(parts, where) != 0:
+            raise ConfigurationError(f"{where}: Redis Cluster has database 0 only")
+        options: dict[str, Any] = {**_credentials(parts)}
+        options.update(self._tls_and_sockets(_query(parts, where), where))
+        if scheme == "rediss+cluster":
+            options["ssl"] = True
+        elif any(name in options for name in TLS_OPTIONS):
+            raise ConfigurationError(f"{where}: TLS options need a rediss+cluster:// URL")
+        if "dynamic_startup_nodes" in self._transport:
+            options["dynamic_startup_nodes"] = bool(self._transport["dynamic_startup_nodes"])
+        return nodes, options
+
+    def _connect(self, options: dict[str, Any]) -> redis.Redis:
+        assert self._url is not None
+        nodes, cluster = self._target(self._url)
+        options = {k: v for k, v in options.items() if k != "retry"}  # the cluster's own
+        client = RedisCluster(startup_nodes=nodes, **{**options, **cluster})
+        return cast(redis.Redis, client)
+
+    @property
+    def cluster(self) -> Any:
+        """The cluster client (typed Any: redis-py's cluster API is untyped)."""
+        return self.client
+
+    def _acquire_and_wait(
+        self, script: _Script, keys: Sequence[str], args: Sequence[str | int], wait: ReplicaWait
+    ) -> tuple[Any, int]:
+        """Run the acquire script and WAIT pipelined on the connection of the key's master.
+
+        WAIT counts the writes of its own connection, so it cannot go through the cluster
+        client (which would send it to some other node). Redirections are followed here: MOVED
+        updates the client's slot map, ASK goes to the importing node after ASKING.
+        """
+        cluster = self.cluster
+        node = cluster.get_node_from_key(keys[0])
+        asking = False
+        for _ in range(MAX_REDIRECTS):
+            connection = cluster.get_redis_connection(node)
+            with connection.pipeline(transaction=False) as pipe:
+                if asking:
+                    pipe.execute_command("ASKING")
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+                pipe.execute_command(*wait.command)
+                reply, acks = pipe.execute(raise_on_error=False)[-2:]
+            asking = False
+            if isinstance(reply, redis.exceptions.MovedError):
+                cluster.nodes_manager.move_slot(reply)
+                node = cluster.get_node_from_key(keys[0])
+            elif isinstance(reply, redis.exceptions.AskError):
+                target = cluster.get_node(host=reply.host, port=reply.port)
+                if target is None:
+                    raise reply
+                node, asking = target, True
+            elif isinstance(reply, redis.exceptions.NoScriptError):
+                connection.script_load(script.text)
+            else:
+                return _raised(reply), _raised(acks)
+        raise redis.exceptions.ClusterError(f"more than {MAX_REDIRECTS} redirections")
+
+    def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
+        """Yield ``(key, holder)`` for every live lock whose key starts with ``prefix``.
+
+        SCANs every master in turn (the keys are spread over them), ``page_size`` keys a page;
+        a reshard or failover during the listing can skip or repeat a key.
+        """
+        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + "*"
+        cluster = self.cluster
+        with self._translate("list", prefix):
+            primaries = cluster.get_primaries()
+        for node in primaries:
+            with self._translate("list", prefix):
+                scan = cluster.get_redis_connection(node).scan_iter(match=pattern, count=page_size)
+            while True:
+                with self._translate("list", prefix):
+                    raw = next(scan, None)
+                if raw is None:
+                    break
+                key = raw.decode() if isinstance(raw, bytes) else raw
+                holder = self.holder(key)
+                if holder is not None and holder.token:  # a fence hash has no token
+                    yield key, holder

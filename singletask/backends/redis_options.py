@@ -1,0 +1,206 @@
+"""Options shared by the Redis deployments: TLS, sockets, the replica wait, password masking.
+
+They come from the URL's query string (``rediss://host?ssl_cert_reqs=required&...``) or from the
+setting ``singletask_backend_transport_options``, as Celery's Redis result backend reads them
+from ``result_backend_transport_options``; a key given in both places takes the URL's value.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from ..exceptions import ConfigurationError
+
+__all__ = [
+    "SOCKET_OPTIONS",
+    "TLS_OPTIONS",
+    "ReplicaWait",
+    "connection_options",
+    "mask",
+    "tls_options",
+]
+
+#: TLS options: certificate checking, CA bundle, client certificate and key, host name check.
+TLS_OPTIONS: Final = (
+    "ssl_cert_reqs",
+    "ssl_ca_certs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_check_hostname",
+)
+
+#: Socket options, by name, with the function that checks (and converts) a value.
+SOCKET_OPTIONS: Final[dict[str, type]] = {
+    "socket_timeout": float,
+    "socket_connect_timeout": float,
+    "socket_keepalive": bool,
+    "health_check_interval": int,
+}
+
+_CERT_REQS: Final = {
+    "required": ssl.CERT_REQUIRED,
+    "cert_required": ssl.CERT_REQUIRED,
+    "optional": ssl.CERT_OPTIONAL,
+    "cert_optional": ssl.CERT_OPTIONAL,
+    "none": ssl.CERT_NONE,
+    "cert_none": ssl.CERT_NONE,
+}
+
+_TRUE: Final = {"1", "true", "yes", "on"}
+_FALSE: Final = {"0", "false", "no", "off"}
+
+#: ``scheme://user:password@`` (and ``scheme://:password@``): the password part.
+_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.-]*://[^:@/;,]*:)[^@/;]*@", re.IGNORECASE)
+
+
+def mask(url: str) -> str:
+    """``url`` with every password replaced by ``**``, for messages and reprs.
+
+    Handles the forms plain URL parsers get wrong: several ``;``-separated Sentinel URLs and a
+    cluster URL with a comma-separated host list.
+    """
+    return _PASSWORD.sub(r"\g<head>**@", url)
+
+
+def _bool(value: object, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    raise ConfigurationError(f"{where}: expected true or false, got {value!r}")
+
+
+def _number(value: object, kind: type, where: str) -> Any:
+    if isinstance(value, bool):
+        raise ConfigurationError(f"{where}: expected a number, got {value!r}")
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"{where}: expected a number, got {value!r}") from None
+    if not math.isfinite(number) or number < 0:
+        raise ConfigurationError(f"{where}: expected a number >= 0, got {value!r}")
+    return number
+
+
+def tls_options(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The redis-py keyword arguments for the TLS options in ``values`` (others are ignored).
+
+    ``ssl_cert_reqs`` takes ``required``, ``optional`` or ``none`` (any case, with or without
+    ``CERT_``), or an :class:`ssl.VerifyMode`; paths are kept as given.
+
+    Raises:
+        ConfigurationError: A value is invalid; the message names the option.
+    """
+    out: dict[str, Any] = {}
+    for name in TLS_OPTIONS:
+        if name not in values:
+            continue
+        value = values[name]
+        what = f"{where}: option {name}"
+        if name == "ssl_cert_reqs":
+            if isinstance(value, ssl.VerifyMode):
+                out[name] = value
+            elif isinstance(value, str) and value.lower() in _CERT_REQS:
+                out[name] = _CERT_REQS[value.lower()]
+            else:
+                raise ConfigurationError(
+                    f"{what}: expected 'required', 'optional' or 'none', got {value!r}"
+                )
+        elif name == "ssl_check_hostname":
+            out[name] = _bool(value, what)
+        elif not isinstance(value, str) or not value:
+            raise ConfigurationError(f"{what}: expected a file path, got {value!r}")
+        else:
+            out[name] = value
+    return out
+
+
+def socket_options(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The redis-py keyword arguments for the socket options in ``values``, checked."""
+    out: dict[str, Any] = {}
+    for name, kind in SOCKET_OPTIONS.items():
+        if name in values:
+            what = f"{where}: option {name}"
+            value = values[name]
+            out[name] = _bool(value, what) if kind is bool else _number(value, kind, what)
+    return out
+
+
+def check_keys(values: Mapping[str, Any], allowed: set[str] | frozenset[str], where: str) -> None:
+    """Raise ConfigurationError naming every key of ``values`` not in ``allowed``."""
+    unknown = sorted(set(values) - set(allowed))
+    if unknown:
+        raise ConfigurationError(
+            f"{where}: unknown option{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(map(repr, unknown))}; known: {', '.join(sorted(allowed))}"
+        )
+
+
+def connection_options(transport_options: Mapping[str, Any], url: str) -> dict[str, Any]:
+    """The client options of a plain ``redis://``/``rediss://`` URL's transport options.
+
+    Raises:
+        ConfigurationError: An option is unknown, invalid, or needs another kind of URL.
+    """
+    where = f"setting singletask_backend_transport_options for {mask(url)!r}"
+    allowed = {*TLS_OPTIONS, *SOCKET_OPTIONS}
+    for name in ("master_name", "sentinel_kwargs", "min_other_sentinels"):
+        if name in transport_options:
+            raise ConfigurationError(f"{where}: {name} needs a sentinel:// URL")
+    for name in ReplicaWait.OPTIONS:
+        if name in transport_options:
+            raise ConfigurationError(
+                f"{where}: {name} works with sentinel:// and redis+cluster:// URLs, where a "
+                "replica is promoted automatically"
+            )
+    check_keys(transport_options, allowed, where)
+    tls = tls_options(transport_options, where)
+    if tls and not url.lower().startswith("rediss://"):
+        raise ConfigurationError(f"{where}: TLS options need a rediss:// URL")
+    return {**tls, **socket_options(transport_options, where)}
+
+
+@dataclass(frozen=True)
+class ReplicaWait:
+    """Redis' ``WAIT replicas timeout`` after each acquisition (the opt-in replica wait).
+
+    Attributes:
+        replicas: How many replicas must have the new lock before acquire() returns it.
+        timeout: How long to wait for them, in seconds (never 0, which waits forever).
+    """
+
+    replicas: int
+    timeout: float
+
+    #: Transport options that configure it.
+    OPTIONS = ("wait_replicas", "wait_timeout")
+    #: Default of ``wait_timeout``, in seconds.
+    DEFAULT_TIMEOUT = 0.5
+
+    @classmethod
+    def from_options(cls, values: Mapping[str, Any], where: str) -> ReplicaWait | None:
+        """The wait ``values`` ask for, or None when ``wait_replicas`` is absent or 0."""
+        replicas = values.get("wait_replicas", 0)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise ConfigurationError(
+                f"{where}: option wait_replicas: expected a whole number >= 0, got {replicas!r}"
+            )
+        timeout = _number(
+            values.get("wait_timeout", cls.DEFAULT_TIMEOUT), float, f"{where}: option wait_timeout"
+        )
+        if timeout <= 0:
+            raise ConfigurationError(
+                f"{where}: option wait_timeout: must be more than 0 seconds (WAIT with 0 "
+                f"blocks forever), got {timeout!r}"
+            )
+        return cls(replicas, timeout) if replicas else None
+
+    @property
+    def command(self) -> tuple[str, int, int]:
+        """The WAIT command, its timeout in whole milliseconds (at least 1)."""
+        return ("WAIT", self.replicas, max(1, round(self.timeout * 1000)))
