@@ -2,21 +2,83 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
+from singletask.backends import backend_from_url
 from singletask.backends.base import LockBackend
 from singletask.backends.memory import MemoryBackend
 from singletask.backends.redis import RedisBackend
 from singletask.backends.sqlite import SQLiteBackend
 
+from .deployments import (
+    ClusterDeployment,
+    SentinelDeployment,
+    TLSServer,
+    default_binary,
+    tls_redis_binary,
+)
 from .servers import private_redis, unavailable
 
 _redis_failure: list[str] = []
+_deployment_failures: dict[str, str] = {}
+
+
+def _deployment(
+    name: str, make: Callable[[Path], Any], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """Start a deployment for the session (once per test process), stop it at the end; where it
+    cannot start, every test that needs it is unavailable (skipped locally, failed in CI)."""
+    if name in _deployment_failures:
+        unavailable(_deployment_failures[name])
+    try:
+        deployment = make(Path(tmp_path_factory.mktemp(name)))
+        deployment.start()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        _deployment_failures[name] = f"cannot start the {name} deployment: {exc}"
+        with contextlib.suppress(NameError):
+            deployment.stop()
+        unavailable(_deployment_failures[name])
+    try:
+        yield deployment
+    finally:
+        deployment.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterDeployment]:
+    """A Redis Cluster of 3 masters and 3 replicas for the session (tests/deployments.py)."""
+    yield from _deployment(
+        "redis-cluster", lambda d: ClusterDeployment(default_binary(), d), tmp_path_factory
+    )
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelDeployment]:
+    """A master, a replica and 3 sentinels for the session (tests/deployments.py)."""
+    yield from _deployment(
+        "redis-sentinel", lambda d: SentinelDeployment(default_binary(), d), tmp_path_factory
+    )
+
+
+@pytest.fixture(scope="session")
+def redis_tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSServer]:
+    """A redis-server speaking TLS only, with its own throwaway CA (tests/deployments.py)."""
+
+    def make(workdir: Path) -> TLSServer:
+        binary = tls_redis_binary()
+        if binary is None:
+            raise RuntimeError("no redis-server built with TLS on PATH")
+        return TLSServer(binary, workdir)
+
+    yield from _deployment("redis-tls", make, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -55,16 +117,30 @@ def key_prefix() -> str:
     return f"test:{uuid.uuid4().hex[:12]}:"
 
 
-@pytest.fixture(params=["memory", "redis", "redis-client", "sqlite"])
+@pytest.fixture(
+    params=[
+        "memory", "redis", "redis-client", "sqlite",
+        "redis-cluster", "redis-sentinel", "rediss",
+    ]
+)  # fmt: skip
 def backend(request: pytest.FixtureRequest) -> Iterator[LockBackend]:
     """Every backend, for the contract suite.
 
     ``redis`` is built from a URL (it sends its scripts on connections of its own);
     ``redis-client`` is given a ready client (it calls that client's methods).
+    ``redis-cluster``, ``redis-sentinel`` and ``rediss`` are real deployments of the session
+    (a 6-node cluster, a master with a replica behind 3 sentinels, a TLS-only server).
     """
     client: redis.Redis | None = None
-    if request.param == "memory":
-        instance: LockBackend = MemoryBackend()
+    if request.param == "redis-cluster":
+        instance: LockBackend = backend_from_url(request.getfixturevalue("redis_cluster").url)
+    elif request.param == "redis-sentinel":
+        sentinel = request.getfixturevalue("redis_sentinel")
+        instance = backend_from_url(sentinel.url, transport_options=sentinel.transport_options)
+    elif request.param == "rediss":
+        instance = backend_from_url(request.getfixturevalue("redis_tls").url())
+    elif request.param == "memory":
+        instance = MemoryBackend()
     elif request.param == "sqlite":
         tmp_path = request.getfixturevalue("tmp_path")
         instance = SQLiteBackend.from_url(f"sqlite:///{tmp_path}/locks.db")

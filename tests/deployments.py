@@ -144,6 +144,24 @@ class ClusterDeployment:
                 return False
         return masters == 3
 
+    def failover(self, replica: int) -> None:
+        """Promote the replica on port ``replica`` with ``CLUSTER FAILOVER`` (a manual failover:
+        its master stops writes until the replica has caught up). A manual failover that times
+        out (the machine is loaded) is asked for again, up to 3 times."""
+        for _ in range(3):
+            with contextlib.closing(redis.Redis(port=replica)) as node:
+                node.execute_command("CLUSTER FAILOVER")
+            with contextlib.suppress(RuntimeError):
+                wait_until(
+                    lambda: _info(replica, "replication")["role"] == "master",
+                    "the replica to be promoted",
+                    15,
+                )
+                break
+        else:
+            raise RuntimeError(f"CLUSTER FAILOVER on {replica} did not promote it")
+        wait_until(self.healthy, "the cluster to be ok again after the failover")
+
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()

@@ -25,6 +25,7 @@ cannot follow surfaces as :class:`~singletask.exceptions.BackendUnavailable`.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
@@ -33,9 +34,9 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.sentinel import Sentinel
 
-from ..exceptions import BackendUnavailable, ConfigurationError
+from ..exceptions import BackendError, BackendUnavailable, ConfigurationError
 from .base import Holder
-from .redis import _ACQUIRE, _DRIVER_ERRORS, RedisBackend, _Script
+from .redis import _ACQUIRE, _DRIVER_ERRORS, RedisBackend, _Script, _text
 from .redis_options import (
     SOCKET_OPTIONS,
     TLS_OPTIONS,
@@ -50,6 +51,14 @@ __all__ = ["RedisClusterBackend", "RedisSentinelBackend"]
 
 #: Options a URL's query string may carry (the transport options may carry them too).
 QUERY_OPTIONS = frozenset({*TLS_OPTIONS, *SOCKET_OPTIONS})
+
+#: Errors of a topology change in progress (failover, resharding): reported as unavailable.
+_TRANSIENT = (
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.ClusterError,
+    redis.exceptions.ReadOnlyError,
+)
 
 #: How many redirections one replica-waiting cluster acquisition follows before giving up.
 MAX_REDIRECTS = 5
@@ -134,6 +143,16 @@ class _Deployed(RedisBackend):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {mask(self._url or '')}>"
+
+    def _error(self, exc: Exception, operation: str, key: str) -> BackendError:
+        """As for one server; besides, what a topology change answers for a moment (the
+        cluster down, a slot being migrated: TRYAGAIN) means the store is unavailable."""
+        if isinstance(exc, _TRANSIENT):
+            return BackendUnavailable(
+                f"{self!r}: {operation} {key!r} failed while the deployment changes "
+                f"(failover or slot migration): {exc}"
+            )
+        return super()._error(exc, operation, key)
 
     def _tls_and_sockets(self, query: Mapping[str, str], where: str) -> dict[str, Any]:
         """Client options from the transport options overridden by the URL query."""
@@ -262,6 +281,15 @@ class RedisSentinelBackend(_Deployed):
             self._sentinel = None
 
 
+# KEYS[1]  lock key
+# Returns {holder fields as field, value, ..., lease left in ms} (an empty hash: free).
+HOLDER_SCRIPT = """
+return {redis.call('HGETALL', KEYS[1]), redis.call('PTTL', KEYS[1])}
+"""
+
+_HOLDER = _Script(HOLDER_SCRIPT)
+
+
 class RedisClusterBackend(_Deployed):
     """Locks in a Redis Cluster; the client routes each script to the master of its slot.
 
@@ -340,9 +368,28 @@ class RedisClusterBackend(_Deployed):
                 node, asking = target, True
             elif isinstance(reply, redis.exceptions.NoScriptError):
                 connection.script_load(script.text)
+            elif isinstance(reply, redis.exceptions.TryAgainError):
+                time.sleep(0.05)  # keys of the slot in the middle of a migration
             else:
                 return _raised(reply), _raised(acks)
         raise redis.exceptions.ClusterError(f"more than {MAX_REDIRECTS} redirections")
+
+    def holder(self, key: str) -> Holder | None:
+        """Who holds ``key``: one script (the cluster client follows redirections for scripts,
+        not for the MULTI the single-server backend reads with)."""
+        fields, pttl = self._call("inspect", _HOLDER, (key,), ())
+        if not fields:
+            return None
+        meta = {_text(k): _text(v) for k, v in zip(fields[::2], fields[1::2], strict=True)}
+        token = meta.pop("token", "")
+        fence = meta.pop("fence", None)
+        return Holder(
+            token,
+            meta.get("task_id"),
+            pttl / 1000 if pttl >= 0 else None,
+            meta,
+            int(fence) if fence is not None else None,
+        )
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """Yield ``(key, holder)`` for every live lock whose key starts with ``prefix``.

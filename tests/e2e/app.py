@@ -28,6 +28,9 @@ TASK_MODULES = [
 #: ``visibility_timeout`` for the redelivery tests of test_faults.py).
 TRANSPORT_ENV = "SINGLETASK_E2E_TRANSPORT"
 
+#: Optional: a JSON object, the lock store's ``singletask_backend_transport_options``.
+LOCK_OPTIONS_ENV = "SINGLETASK_E2E_LOCK_OPTIONS"
+
 
 def make_app(
     *,
@@ -36,11 +39,13 @@ def make_app(
     locks: str,
     queue: str,
     transport_options: Mapping[str, Any] | None = None,
+    lock_options: Mapping[str, Any] | None = None,
 ) -> Celery:
     app = Celery("e2e", broker=broker, backend=results, include=TASK_MODULES)
     exchange = Exchange(queue, type="direct", durable=False, auto_delete=True)
     app.conf.update(
         singletask_backend_url=locks,
+        singletask_backend_transport_options=dict(lock_options or {}),
         task_queues=[Queue(queue, exchange, routing_key=queue, durable=False, auto_delete=True)],
         task_default_queue=queue,
         task_default_exchange=queue,
@@ -63,6 +68,7 @@ def _from_env() -> Celery | None:
             locks=os.environ["SINGLETASK_E2E_LOCKS"],
             queue=os.environ["SINGLETASK_E2E_QUEUE"],
             transport_options=json.loads(os.environ.get(TRANSPORT_ENV) or "{}"),
+            lock_options=json.loads(os.environ.get(LOCK_OPTIONS_ENV) or "{}"),
         )
     except KeyError:
         return None

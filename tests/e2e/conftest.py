@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import json
 import os
 import signal
 import subprocess
@@ -27,11 +28,18 @@ import redis
 from celery import Celery
 
 from ..servers import amqp_url, unavailable
-from .app import TASK_MODULES, make_app
+from .app import LOCK_OPTIONS_ENV, TASK_MODULES, make_app
 from .probe import PROBE_URL_ENV, Probe
 
 ROOT = Path(__file__).resolve().parents[2]
 BROKERS = ["redis", "amqp"] if amqp_url() else ["redis"]
+
+#: Lock stores besides the session's private Redis, from ``SINGLETASK_E2E_STORES`` (comma
+#: separated): ``redis-cluster``, ``redis-sentinel`` (tests/deployments.py). When it is set, the
+#: e2e tests run on the Redis broker with each of those lock stores instead (an extra step of
+#: .ci/run), as ``redis@redis-cluster`` and ``redis@redis-sentinel``.
+STORES = [s.strip() for s in os.environ.get("SINGLETASK_E2E_STORES", "").split(",") if s.strip()]
+CLUSTER_PARAMS = [f"redis@{store}" for store in STORES] if STORES else BROKERS
 CONCURRENCY = 2
 
 for _module in TASK_MODULES:  # register the shared tasks before any app is built
@@ -163,18 +171,37 @@ def _broker_url(name: str, redis_base_url: str) -> str:
     return url
 
 
-@pytest.fixture(scope="session", params=BROKERS)
+def _lock_store(
+    store: str, redis_base_url: str, request: pytest.FixtureRequest
+) -> tuple[str, dict[str, Any], Any]:
+    """The lock store's URL, transport options and a client to inspect it with."""
+    if store == "redis-cluster":
+        deployment = request.getfixturevalue("redis_cluster")
+        return deployment.url, {}, deployment.client()
+    if store == "redis-sentinel":
+        deployment = request.getfixturevalue("redis_sentinel")
+        options = deployment.transport_options
+        sentinel = redis.Sentinel([("127.0.0.1", s.port) for s in deployment.sentinels])
+        return deployment.url, options, sentinel.master_for(options["master_name"], db=2)
+    url = f"{redis_base_url}/2"
+    return url, {}, redis.Redis.from_url(url)
+
+
+@pytest.fixture(scope="session", params=CLUSTER_PARAMS)
 def cluster(
     request: pytest.FixtureRequest,
     redis_base_url: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Cluster]:
-    broker = _broker_url(request.param, redis_base_url)
+    broker_name, _, store = request.param.partition("@")
+    broker = _broker_url(broker_name, redis_base_url)
+    locks, lock_options, lock_client = _lock_store(store, redis_base_url, request)
     queue = f"singletask-e2e-{uuid.uuid4().hex[:8]}"
     settings = {
         "SINGLETASK_E2E_BROKER": broker,
         "SINGLETASK_E2E_RESULTS": f"{redis_base_url}/1",
-        "SINGLETASK_E2E_LOCKS": f"{redis_base_url}/2",
+        "SINGLETASK_E2E_LOCKS": locks,
+        LOCK_OPTIONS_ENV: json.dumps(lock_options),
         "SINGLETASK_E2E_QUEUE": queue,
         PROBE_URL_ENV: f"{redis_base_url}/3",
     }
@@ -183,20 +210,18 @@ def cluster(
     app = make_app(
         broker=broker,
         results=settings["SINGLETASK_E2E_RESULTS"],
-        locks=settings["SINGLETASK_E2E_LOCKS"],
+        locks=locks,
         queue=queue,
+        lock_options=lock_options,
     )
-    log = Path(tmp_path_factory.mktemp(f"worker-{request.param}")) / "worker.log"
+    log = Path(tmp_path_factory.mktemp(f"worker-{request.param.replace('@', '-')}")) / "worker.log"
     worker = Worker(env, log, app, [])
     try:
         worker.start()
     except Exception as exc:  # reported as unavailable (a failure in CI) below
         worker.stop()
         unavailable(f"cannot start a celery worker on the {request.param} broker: {exc}")
-    cluster = Cluster(
-        request.param, app, worker, redis.Redis.from_url(settings["SINGLETASK_E2E_LOCKS"]),
-        Probe(settings[PROBE_URL_ENV]),
-    )  # fmt: skip
+    cluster = Cluster(request.param, app, worker, lock_client, Probe(settings[PROBE_URL_ENV]))
     yield cluster
     worker.stop()
     # Collect the tests' AsyncResults while the result store still answers: on Celery < 5.5

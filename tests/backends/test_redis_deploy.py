@@ -1,0 +1,503 @@
+"""Sentinel, Cluster and TLS lock stores: their URLs, and what failovers and resharding do.
+
+The contract suite runs on each deployment through the ``backend`` fixture (tests/conftest.py);
+this module covers what only they have. Tests that fail a master over or move a slot start a
+deployment of their own, so that the session's stays as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from singletask.backends import backend_from_url
+from singletask.backends.redis_deploy import RedisClusterBackend, RedisSentinelBackend
+from singletask.backends.redis_options import mask
+from singletask.exceptions import BackendError, BackendUnavailable, ConfigurationError
+
+from ..deployments import (
+    ClusterDeployment,
+    SentinelDeployment,
+    TLSServer,
+    default_binary,
+    wait_until,
+)
+from ..servers import unavailable
+
+LEASE = 30.0
+
+
+def own(deployment: Any, tmp_path: Path) -> Any:
+    """Start ``deployment`` (a class of tests/deployments.py) for one test."""
+    instance = deployment(default_binary(), tmp_path)
+    try:
+        instance.start()
+    except (RuntimeError, OSError) as exc:
+        instance.stop()
+        unavailable(f"cannot start a {deployment.__name__}: {exc}")
+    return instance
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[ClusterDeployment]:
+    deployment = own(ClusterDeployment, tmp_path)
+    yield deployment
+    deployment.stop()
+
+
+@pytest.fixture
+def sentinel(tmp_path: Path) -> Iterator[SentinelDeployment]:
+    deployment = own(SentinelDeployment, tmp_path)
+    yield deployment
+    deployment.stop()
+
+
+class Renewal(threading.Thread):
+    """Extends one lock every 50 ms, as the renewer of a running task does, and records what
+    each attempt gave: True, False (the lock is not ours any more) or the exception raised."""
+
+    def __init__(self, backend: Any, key: str, token: str) -> None:
+        super().__init__(daemon=True)
+        self.backend, self.key, self.token = backend, key, token
+        self.outcomes: list[object] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.wait(0.05):
+            try:
+                self.outcomes.append(self.backend.extend(self.key, self.token, LEASE))
+            except Exception as exc:
+                self.outcomes.append(exc)
+
+    def stop(self) -> list[object]:
+        self.halt.set()
+        self.join(10)
+        return self.outcomes
+
+
+def raw_errors(outcomes: list[object]) -> list[object]:
+    """The outcomes that are neither a renewal's answer nor singletask's own error."""
+    return [o for o in outcomes if not isinstance(o, bool | BackendError)]
+
+
+# -- URLs and options ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "options", "message"),
+    [
+        ("sentinel://h:26379/0", {}, "master_name"),
+        ("sentinel://h:26379/0;redis://h:1", {"master_name": "m"}, "every URL must be sentinel"),
+        ("sentinel://h:bad/0", {"master_name": "m"}, "invalid port"),
+        ("sentinel://h:26379/x", {"master_name": "m"}, "database number"),
+        ("sentinel://h:26379/0?nope=1", {"master_name": "m"}, "unknown option 'nope'"),
+        ("sentinel://h:26379/0", {"master_name": "m", "colour": 1}, "unknown option 'colour'"),
+        ("sentinel://h:26379/0", {"master_name": "m", "sentinel_kwargs": 3}, "sentinel_kwargs"),
+        ("sentinel://h/0", {"master_name": "m", "wait_replicas": -1}, "wait_replicas"),
+        ("sentinel://h/0", {"master_name": "m", "wait_replicas": 1, "wait_timeout": 0}, "0"),
+        ("redis+cluster://h:7000/1", {}, "database 0 only"),
+        ("redis+cluster:///0", {}, "no node address"),
+        ("redis+cluster://h:7000?ssl_cert_reqs=required", {}, r"rediss\+cluster"),
+        ("rediss+cluster://h:7000?ssl_cert_reqs=maybe", {}, "ssl_cert_reqs"),
+        ("redis+cluster://h:7000", {"master_name": "m"}, "unknown option 'master_name'"),
+        ("redis://h:6379/0", {"master_name": "m"}, "needs a sentinel:// URL"),
+        ("redis://h:6379/0", {"wait_replicas": 1}, r"sentinel:// and redis\+cluster://"),
+        ("redis://h:6379/0", {"ssl_ca_certs": "/ca.pem"}, "rediss://"),
+        ("sqlite:///x.db", {"socket_timeout": 1}, "takes no transport options"),
+    ],
+)
+def test_a_bad_url_or_option_is_a_configuration_error(
+    url: str, options: dict[str, object], message: str
+) -> None:
+    """Malformed deployment URLs and options fail when the backend is built, saying why."""
+    # When a backend is built from the URL and transport options, Then it is refused
+    with pytest.raises(ConfigurationError, match=message):
+        backend_from_url(url, transport_options=options)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sentinel://:s3cret@h1:26379/0;sentinel://:s3cret@h2:26379/0",
+        "sentinel://user:s3cret@h1:26379/0;sentinel://h2:26379/0",
+        "redis+cluster://user:s3cret@h1:7000,h2:7001/0",
+        "rediss+cluster://:s3cret@h1:7000/0",
+    ],
+)
+def test_passwords_never_appear_in_reprs_or_errors(url: str) -> None:
+    """The password of every URL form is masked in the backend's repr and its errors."""
+    # Given a backend on a URL with a password, whose servers do not exist
+    options: dict[str, object] = {"socket_connect_timeout": 0.2}
+    if url.startswith("sentinel"):
+        options["master_name"] = "m"
+    backend = backend_from_url(url, transport_options=options)
+    # Then its repr hides the password
+    assert "s3cret" not in repr(backend)
+    assert "**" in repr(backend)
+    # And so does the error of a call that cannot connect
+    with pytest.raises(BackendError) as failed:
+        backend.acquire("k", "t", 1.0)
+    assert "s3cret" not in str(failed.value)
+    backend.close()
+    assert "s3cret" not in mask(url)
+
+
+def test_cluster_and_sentinel_options_reach_the_client() -> None:
+    """TLS and socket options from the URL and the transport options end up in the client's
+    connection settings (the URL's win), without connecting anywhere."""
+    # Given a cluster URL with TLS options in the query and more in the transport options
+    backend = backend_from_url(
+        "rediss+cluster://u:p@127.0.0.1:7000/0?ssl_cert_reqs=none&socket_timeout=2",
+        transport_options={"ssl_ca_certs": "/ca.pem", "socket_timeout": 9, "wait_replicas": 1},
+    )
+    assert isinstance(backend, RedisClusterBackend)
+    # When its options are worked out, Then they are redis-py's, converted
+    _, options = backend._target(backend._url or "")
+    assert options["ssl"] is True
+    assert options["ssl_cert_reqs"] == 0  # ssl.CERT_NONE
+    assert options["ssl_ca_certs"] == "/ca.pem"
+    assert options["socket_timeout"] == 2.0
+    assert options["username"] == "u"
+    assert options["password"] == "p"
+    # And a Sentinel URL gives its credentials and database to the master
+    sentinel = backend_from_url(
+        "sentinel://:pw@127.0.0.1:1/3;sentinel://127.0.0.1:2",
+        transport_options={"master_name": "m", "ssl": True},
+    )
+    assert isinstance(sentinel, RedisSentinelBackend)
+    nodes, master = sentinel._target(sentinel._url or "")
+    assert nodes == [("127.0.0.1", 1), ("127.0.0.1", 2)]
+    assert master == {"password": "pw", "db": 3, "ssl": True}
+
+
+def test_rediss_checks_the_server_certificate(redis_tls: TLSServer) -> None:
+    """A real TLS server: with its CA the lock store works; without, the connection is refused
+    by certificate verification (``ssl_cert_reqs=required``), reported as unavailable."""
+    # Given a TLS-only server, and a URL that trusts its CA, with a client certificate
+    url = redis_tls.url(
+        ssl_certfile=str(redis_tls.certs / "client.crt"),
+        ssl_keyfile=str(redis_tls.certs / "client.key"),
+    )
+    with backend_from_url(url) as backend:
+        # Then locks work over TLS
+        assert backend.acquire(f"tls:{uuid.uuid4().hex}", "t", LEASE).acquired
+    # And the same options as transport options work too
+    plain = f"rediss://127.0.0.1:{redis_tls.port}/0"
+    options = {"ssl_cert_reqs": "CERT_REQUIRED", "ssl_ca_certs": str(redis_tls.certs / "ca.crt")}
+    with backend_from_url(plain, transport_options=options) as backend:
+        assert backend.acquire(f"tls:{uuid.uuid4().hex}", "t", LEASE).acquired
+    # But a client that does not trust the CA is refused
+    with (
+        backend_from_url(plain, transport_options={"ssl_cert_reqs": "required"}) as backend,
+        pytest.raises(BackendUnavailable, match="certificate verify failed"),
+    ):
+        backend.acquire("tls:refused", "t", LEASE)
+
+
+# -- Cluster ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "singletask:tasks.report",
+        "singletask:tasks.report:" + "0" * 64,
+        "singletask:tasks.feed:{customer}:42",
+    ],
+)
+def test_every_key_of_one_lock_is_in_the_locks_slot(
+    redis_cluster: ClusterDeployment, key: str
+) -> None:
+    """Lock, fence, completion marker and follow-up slot of one key all hash to one slot, so
+    every script touches a single slot (Redis Cluster refuses any other)."""
+    # Given the cluster, and a key no other test uses
+    key = key.replace("singletask:", f"singletask:{uuid.uuid4().hex[:8]}:", 1)
+    with backend_from_url(redis_cluster.url) as backend:
+        # When the key goes through everything the lock and the scopes do with it
+        assert backend.acquire(key, "t", LEASE, meta={"task_id": "id"}).acquired
+        assert backend.claim_next(key, "follow-up", LEASE) == "follow-up"
+        assert backend.extend_many([(key, "t", LEASE)]) == [True]
+        assert backend.release(key, "t", completed="id")
+        assert backend.acquire(key, "u", LEASE).acquired
+    # Then every key it wrote is in the lock key's slot
+    client = redis_cluster.client()
+    try:
+        name = key.split(":")[1]
+        written = [k.decode() for k in client.scan_iter(match=f"*{name}*")]
+        assert len(written) == 2  # the lock hash and the fence hash
+        assert {client.keyslot(k) for k in written} == {client.keyslot(key)}
+    finally:
+        client.close()
+
+
+def test_extend_many_renews_locks_spread_over_every_master(
+    redis_cluster: ClusterDeployment,
+) -> None:
+    """One renewal of many locks (the renewer's call) works when their keys live on different
+    masters: one script per slot."""
+    # Given 30 locks, whose keys spread over the three masters
+    with backend_from_url(redis_cluster.url) as backend:
+        prefix = f"spread:{uuid.uuid4().hex[:8]}:"
+        keys = [f"{prefix}{i}" for i in range(30)]
+        for key in keys:
+            assert backend.acquire(key, f"t{key}", LEASE).acquired
+        # When all are renewed at once, one of them by the wrong token
+        leases = [(key, f"t{key}", LEASE) for key in keys]
+        leases[7] = (keys[7], "not-the-owner", LEASE)
+        # Then each is renewed but that one
+        assert backend.extend_many(leases) == [i != 7 for i in range(30)]
+
+
+def test_iter_locks_lists_the_locks_of_every_master(redis_cluster: ClusterDeployment) -> None:
+    """Listing SCANs every master: locks on all three are found, fence hashes are not."""
+    with backend_from_url(redis_cluster.url) as backend:
+        assert isinstance(backend, RedisClusterBackend)
+        prefix = f"list:{uuid.uuid4().hex[:8]}:"
+        keys = {f"{prefix}{i}" for i in range(40)}
+        for key in keys:
+            backend.acquire(key, "t", LEASE)
+            backend.claim_next(key, "next", LEASE)  # writes the fence hash too
+        client = redis_cluster.client()
+        masters = {client.get_node_from_key(k).port for k in keys}
+        client.close()
+        # When the locks are listed with a small page size
+        listed = dict(backend.iter_locks(prefix, page_size=7))
+    # Then every lock is there, from every master, with its holder; nothing else
+    assert len(masters) == 3
+    assert set(listed) == keys
+    assert all(holder.token == "t" for holder in listed.values())
+
+
+def _node_ids(deployment: ClusterDeployment) -> dict[int, str]:
+    ids = {}
+    for port in deployment.ports:
+        with contextlib.closing(redis.Redis(port=port, decode_responses=True)) as node:
+            ids[port] = node.execute_command("CLUSTER MYID")
+    return ids
+
+
+def test_moving_a_held_locks_slot_to_another_master(cluster: ClusterDeployment) -> None:
+    """A live lock's slot migrates to another master while its lease is being renewed: the
+    redirections (ASK while migrating, MOVED after) never surface, the holder keeps its lock
+    and nobody else gets it; a backend that waits for a replica follows them too. A lock not
+    yet in the slot cannot be taken until its migration ends (reported as unavailable)."""
+    # Given a held lock, renewed every 50 ms, and backends with and without the replica wait
+    key = f"migrate:{uuid.uuid4().hex[:8]}"
+    owner = backend_from_url(cluster.url)
+    waiting = backend_from_url(cluster.url, transport_options={"wait_replicas": 1})
+    first = owner.acquire(key, "owner", LEASE)
+    assert first.acquired
+    assert waiting.holder(key) is not None  # it has read the topology
+    renewal = Renewal(owner, key, "owner")
+    renewal.start()
+    client = cluster.client()
+    slot = client.keyslot(key)
+    source = client.get_node_from_key(key).port
+    target = next(n.port for n in client.get_primaries() if n.port != source)
+    ids = _node_ids(cluster)
+    src = redis.Redis(port=source, decode_responses=True)
+    dst = redis.Redis(port=target, decode_responses=True)
+    try:
+        # When the slot is set migrating, and its keys are moved to the target
+        dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", ids[source])
+        src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", ids[target])
+        time.sleep(0.3)
+        moved = src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100)
+        src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *moved)
+        time.sleep(0.3)
+        # Then, while it migrates (ASK), the lock is still the owner's and nobody else gets it
+        assert owner.acquire(key, "intruder", LEASE).acquired is False
+        holder = waiting.holder(key)
+        assert holder is not None
+        assert holder.token == "owner"
+        # but a new lock in that slot waits for the migration's end: Redis answers TRYAGAIN to
+        # a script over keys it has not all got yet, reported as the store being unavailable
+        sibling = f"{{{key}}}:sibling"
+        for backend in (owner, waiting):
+            with pytest.raises(BackendUnavailable, match="while the deployment changes"):
+                backend.acquire(sibling, "s", LEASE)
+        # When the slot is handed over to the target for good
+        for port in cluster.ports:
+            with contextlib.closing(redis.Redis(port=port)) as node:
+                if port in (source, target) or node.info("replication")["role"] == "master":
+                    node.execute_command("CLUSTER SETSLOT", slot, "NODE", ids[target])
+        time.sleep(0.5)
+        # Then (MOVED) the backends follow, and the lock is still the owner's
+        assert owner.acquire(key, "intruder", LEASE).acquired is False
+        assert waiting.acquire(key, "intruder", LEASE).acquired is False
+        assert waiting.acquire(sibling, "s", LEASE).acquired  # now on the target
+        assert client.get_node_from_key(key).port in (source, target)
+    finally:
+        outcomes = renewal.stop()
+        src.close()
+        dst.close()
+    # And the renewals went on without a raw driver error, and never found the lock gone
+    assert raw_errors(outcomes) == []
+    assert False not in outcomes
+    assert outcomes.count(True) >= 5
+    assert owner.release(key, "owner")
+    owner.close()
+    waiting.close()
+    client.close()
+
+
+def _replica_of(deployment: ClusterDeployment, master_port: int) -> int:
+    for port in deployment.ports:
+        with contextlib.closing(redis.Redis(port=port)) as node:
+            info = node.info("replication")
+            if info["role"] == "slave" and int(info["master_port"]) == master_port:
+                return port
+    raise AssertionError(f"no replica of {master_port}")
+
+
+def test_a_cluster_failover_keeps_the_held_lock(cluster: ClusterDeployment) -> None:
+    """``CLUSTER FAILOVER`` on the replica of a held lock's master: the replica takes over with
+    the lock (a manual failover waits for it to catch up), renewals go on (at worst reporting
+    the store unavailable for a moment, never a raw error), nobody else gets the lock, and the
+    next acquisition gets a greater fence."""
+    # Given a held lock, renewed every 50 ms, and a contender
+    key = f"failover:{uuid.uuid4().hex[:8]}"
+    owner = backend_from_url(cluster.url)
+    waiting = backend_from_url(cluster.url, transport_options={"wait_replicas": 1})
+    first = waiting.acquire(key, "owner", LEASE)
+    assert first.acquired
+    renewal = Renewal(owner, key, "owner")
+    renewal.start()
+    client = cluster.client()
+    master = client.get_node_from_key(key).port
+    replica = _replica_of(cluster, master)
+    try:
+        # When the replica fails its master over
+        cluster.failover(replica)
+        time.sleep(0.5)
+        # Then the lock is still the owner's, on the new master
+        assert owner.acquire(key, "intruder", LEASE).acquired is False
+        holder = waiting.holder(key)
+        assert holder is not None
+        assert holder.token == "owner"
+        # And a waiting acquisition works on the new master (whose replica is the old master)
+        assert waiting.acquire(f"{{{key}}}:next", "n", LEASE).acquired
+    finally:
+        outcomes = renewal.stop()
+    assert raw_errors(outcomes) == []
+    assert False not in outcomes
+    # And after the owner releases it, the next holder's fence is greater
+    assert owner.release(key, "owner")
+    second = owner.acquire(key, "next", LEASE)
+    assert second.acquired
+    assert second.fence is not None
+    assert first.fence is not None
+    assert second.fence > first.fence
+    owner.close()
+    waiting.close()
+    client.close()
+
+
+# -- Sentinel -----------------------------------------------------------------------------------
+
+
+def test_a_sentinel_failover_keeps_locks_working(sentinel: SentinelDeployment) -> None:
+    """``SENTINEL FAILOVER`` while a lock is held and renewed: renewals go on (translated errors
+    at worst), the lock survives on the new master (it was replicated), and new locks are
+    taken on the new master within seconds."""
+    # Given a held lock, renewed every 50 ms
+    options = sentinel.transport_options
+    backend = backend_from_url(sentinel.url, transport_options=options)
+    key = f"sentinel:{uuid.uuid4().hex[:8]}"
+    first = backend.acquire(key, "owner", LEASE)
+    assert first.acquired
+    renewal = Renewal(backend, key, "owner")
+    renewal.start()
+    try:
+        # When the sentinels are told to fail the master over
+        started = time.monotonic()
+        new_master = sentinel.failover()
+        # Then new locks are taken, on the new master, within seconds
+        fresh = f"{key}:fresh"
+        wait_until(lambda: backend.acquire(fresh, "n", LEASE).acquired, "a new lock", 30)
+        took = time.monotonic() - started
+        with contextlib.closing(redis.Redis(port=new_master, db=2)) as master:
+            assert master.exists(fresh)
+        assert took < 30
+        # And the held lock is still the owner's
+        holder = backend.holder(key)
+        assert holder is not None
+        assert holder.token == "owner"
+        time.sleep(0.5)
+    finally:
+        outcomes = renewal.stop()
+    assert raw_errors(outcomes) == []
+    assert False not in outcomes
+    assert outcomes[-1] is True
+    backend.close()
+
+
+def test_the_replica_wait_confirms_or_refuses_an_acquisition(
+    redis_sentinel: SentinelDeployment,
+) -> None:
+    """``wait_replicas``: an acquisition returns once that many replicas have the lock; when
+    they cannot confirm it in ``wait_timeout``, the lock is given back and the store reported
+    unavailable (the task's store-error policy then applies)."""
+    base = {**redis_sentinel.transport_options, "wait_timeout": 0.2}
+    key = f"wait:{uuid.uuid4().hex[:8]}"
+    # Given the deployment's one replica: waiting for it works
+    with backend_from_url(redis_sentinel.url, transport_options={**base, "wait_replicas": 1}) as b:
+        assert b.acquire(key, "t", LEASE).acquired
+        assert b.release(key, "t")
+    # But waiting for two cannot: the acquisition is refused, and nothing is left held
+    with backend_from_url(redis_sentinel.url, transport_options={**base, "wait_replicas": 2}) as b:
+        with pytest.raises(BackendUnavailable, match="only 1 of 2 replica"):
+            b.acquire(key, "t", LEASE)
+        assert b.holder(key) is None
+
+
+def test_a_lock_not_yet_replicated_is_lost_in_a_failover(sentinel: SentinelDeployment) -> None:
+    """The asynchronous-replication window, reproduced: a lock acquired on a master that dies
+    before its replica got it is gone after the failover, and a second holder gets it (with a
+    greater fence). With ``wait_replicas`` the same acquisition is refused instead."""
+    # Given a replica that stops receiving (frozen, its link dropped), and backends with and
+    # without the replica wait
+    plain = backend_from_url(sentinel.url, transport_options=sentinel.transport_options)
+    waiting = backend_from_url(
+        sentinel.url,
+        transport_options={**sentinel.transport_options, "wait_replicas": 1, "wait_timeout": 0.2},
+    )
+    key = f"lost:{uuid.uuid4().hex[:8]}"
+    assert plain.holder(key) is None  # both connected
+    assert waiting.holder(key) is None
+    replica, master = sentinel.replica.process, sentinel.master.process
+    assert replica is not None
+    assert master is not None
+    replica.send_signal(signal.SIGSTOP)
+    try:
+        # (the master drops its link to the replica, with what it had not sent yet)
+        with contextlib.closing(redis.Redis(port=sentinel.master.port)) as client:
+            client.client_kill_filter(_type="replica")
+        # When a lock is taken on the master then, and the master dies at once
+        first = plain.acquire(key, "first", LEASE)
+        with pytest.raises(BackendUnavailable, match="only 0 of 1"):
+            waiting.acquire(f"{key}:waited", "w", LEASE)
+        master.kill()
+    finally:
+        replica.send_signal(signal.SIGCONT)
+    assert first.acquired
+    old = sentinel.master.port
+    wait_until(lambda: sentinel.master_port() != old, "the sentinels to promote the replica", 60)
+    # Then, after the failover, the lock is gone: a second holder gets it
+    second = plain.acquire(key, "second", LEASE)
+    assert second.acquired
+    # with a greater fence (drawn from the server clock: the fence record was lost too)
+    assert second.fence is not None
+    assert first.fence is not None
+    assert second.fence > first.fence
+    plain.close()
+    waiting.close()
