@@ -144,6 +144,53 @@ class ClusterDeployment:
                 return False
         return masters == 3
 
+    def node_ids(self) -> dict[int, str]:
+        ids = {}
+        for port in self.ports:
+            with contextlib.closing(redis.Redis(port=port, decode_responses=True)) as node:
+                ids[port] = node.execute_command("CLUSTER MYID")
+        return ids
+
+    def masters(self) -> list[int]:
+        return [p for p in self.ports if _info(p, "replication")["role"] == "master"]
+
+    def replica_of(self, master: int) -> int:
+        for port in self.ports:
+            info = _info(port, "replication")
+            if info["role"] == "slave" and int(str(info["master_port"])) == master:
+                return port
+        raise RuntimeError(f"no replica of {master}")
+
+    def move_slot(
+        self, key: str, while_migrating: Callable[[], None] | None = None
+    ) -> tuple[int, int]:
+        """Move the slot of ``key`` to another master as ``redis-cli --cluster reshard`` does:
+        mark it importing/migrating, MIGRATE its keys, then assign it to the target on every
+        master. ``while_migrating`` runs after the keys moved, before the slot is reassigned
+        (clients get ASK then). Returns (source port, target port)."""
+        with contextlib.closing(self.client()) as client:
+            slot = client.keyslot(key)
+            source = client.get_node_from_key(key).port
+        target = next(port for port in self.masters() if port != source)
+        ids = self.node_ids()
+        src = redis.Redis(port=source, decode_responses=True)
+        dst = redis.Redis(port=target, decode_responses=True)
+        try:
+            dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", ids[source])
+            src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", ids[target])
+            keys = src.execute_command("CLUSTER GETKEYSINSLOT", slot, 1000)
+            if keys:
+                src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
+            if while_migrating is not None:
+                while_migrating()
+            for port in self.masters():
+                with contextlib.closing(redis.Redis(port=port)) as node:
+                    node.execute_command("CLUSTER SETSLOT", slot, "NODE", ids[target])
+        finally:
+            src.close()
+            dst.close()
+        return source, target
+
     def failover(self, replica: int) -> None:
         """Promote the replica on port ``replica`` with ``CLUSTER FAILOVER`` (a manual failover:
         its master stops writes until the replica has caught up). A manual failover that times

@@ -277,14 +277,6 @@ def test_iter_locks_lists_the_locks_of_every_master(redis_cluster: ClusterDeploy
     assert all(holder.token == "t" for holder in listed.values())
 
 
-def _node_ids(deployment: ClusterDeployment) -> dict[int, str]:
-    ids = {}
-    for port in deployment.ports:
-        with contextlib.closing(redis.Redis(port=port, decode_responses=True)) as node:
-            ids[port] = node.execute_command("CLUSTER MYID")
-    return ids
-
-
 def test_moving_a_held_locks_slot_to_another_master(cluster: ClusterDeployment) -> None:
     """A live lock's slot migrates to another master while its lease is being renewed: the
     redirections (ASK while migrating, MOVED after) never surface, the holder keeps its lock
@@ -300,46 +292,33 @@ def test_moving_a_held_locks_slot_to_another_master(cluster: ClusterDeployment) 
     renewal = Renewal(owner, key, "owner")
     renewal.start()
     client = cluster.client()
-    slot = client.keyslot(key)
-    source = client.get_node_from_key(key).port
-    target = next(n.port for n in client.get_primaries() if n.port != source)
-    ids = _node_ids(cluster)
-    src = redis.Redis(port=source, decode_responses=True)
-    dst = redis.Redis(port=target, decode_responses=True)
-    try:
-        # When the slot is set migrating, and its keys are moved to the target
-        dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", ids[source])
-        src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", ids[target])
-        time.sleep(0.3)
-        moved = src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100)
-        src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *moved)
-        time.sleep(0.3)
+    sibling = f"{{{key}}}:sibling"
+
+    def while_migrating() -> None:
         # Then, while it migrates (ASK), the lock is still the owner's and nobody else gets it
+        time.sleep(0.3)
         assert owner.acquire(key, "intruder", LEASE).acquired is False
         holder = waiting.holder(key)
         assert holder is not None
         assert holder.token == "owner"
         # but a new lock in that slot waits for the migration's end: Redis answers TRYAGAIN to
         # a script over keys it has not all got yet, reported as the store being unavailable
-        sibling = f"{{{key}}}:sibling"
         for backend in (owner, waiting):
             with pytest.raises(BackendUnavailable, match="while the deployment changes"):
                 backend.acquire(sibling, "s", LEASE)
-        # When the slot is handed over to the target for good
-        for port in cluster.ports:
-            with contextlib.closing(redis.Redis(port=port)) as node:
-                if port in (source, target) or node.info("replication")["role"] == "master":
-                    node.execute_command("CLUSTER SETSLOT", slot, "NODE", ids[target])
+
+    try:
+        # When the slot is migrated to another master, then handed over to it for good
+        _, target = cluster.move_slot(key, while_migrating)
         time.sleep(0.5)
         # Then (MOVED) the backends follow, and the lock is still the owner's
         assert owner.acquire(key, "intruder", LEASE).acquired is False
         assert waiting.acquire(key, "intruder", LEASE).acquired is False
         assert waiting.acquire(sibling, "s", LEASE).acquired  # now on the target
-        assert client.get_node_from_key(key).port in (source, target)
+        with contextlib.closing(cluster.client()) as fresh:
+            assert fresh.get_node_from_key(key).port == target
     finally:
         outcomes = renewal.stop()
-        src.close()
-        dst.close()
     # And the renewals went on without a raw driver error, and never found the lock gone
     assert raw_errors(outcomes) == []
     assert False not in outcomes
@@ -348,15 +327,6 @@ def test_moving_a_held_locks_slot_to_another_master(cluster: ClusterDeployment) 
     owner.close()
     waiting.close()
     client.close()
-
-
-def _replica_of(deployment: ClusterDeployment, master_port: int) -> int:
-    for port in deployment.ports:
-        with contextlib.closing(redis.Redis(port=port)) as node:
-            info = node.info("replication")
-            if info["role"] == "slave" and int(info["master_port"]) == master_port:
-                return port
-    raise AssertionError(f"no replica of {master_port}")
 
 
 def test_a_cluster_failover_keeps_the_held_lock(cluster: ClusterDeployment) -> None:
@@ -374,7 +344,7 @@ def test_a_cluster_failover_keeps_the_held_lock(cluster: ClusterDeployment) -> N
     renewal.start()
     client = cluster.client()
     master = client.get_node_from_key(key).port
-    replica = _replica_of(cluster, master)
+    replica = cluster.replica_of(master)
     try:
         # When the replica fails its master over
         cluster.failover(replica)

@@ -38,9 +38,14 @@ def gate_key(label: str) -> str:
 
 
 def wait_gate(label: str) -> None:
-    """Block until the test opens the gate of ``label`` (one opening lets one body through)."""
-    if probe().client.blpop([gate_key(label)], timeout=GATE_TIMEOUT) is None:
-        raise TimeoutError(f"gate {label!r} was not opened within {GATE_TIMEOUT}s")
+    """Block until the test opens the gate of ``label`` (one opening lets one body through).
+
+    It waits in BLPOPs of one second: a longer one would outlast redis-py's socket timeout.
+    """
+    deadline = time.monotonic() + GATE_TIMEOUT
+    while probe().client.blpop([gate_key(label)], timeout=1) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gate {label!r} was not opened within {GATE_TIMEOUT}s")
 
 
 @lock_conflict.connect(weak=False)
