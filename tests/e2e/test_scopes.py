@@ -12,6 +12,7 @@ The test-side helpers at the top are shared with test_beat.py and test_canvas.py
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import threading
 import time
@@ -28,7 +29,7 @@ from singletask import Skipped, TaskLocked
 from singletask.signals import lock_conflict
 
 from ..servers import free_port
-from .app import make_app
+from .app import LOCK_OPTIONS_ENV, make_app
 from .conftest import Cluster
 from .tasks_scopes import QUEUE_TTL, gate_key
 
@@ -339,6 +340,7 @@ def test_a_message_that_cannot_be_published_frees_its_key_at_once(
         results=env["SINGLETASK_E2E_RESULTS"],
         locks=env["SINGLETASK_E2E_LOCKS"],
         queue=env["SINGLETASK_E2E_QUEUE"],
+        lock_options=json.loads(env.get(LOCK_OPTIONS_ENV) or "{}"),
     )
     dead.conf.update(
         broker_connection_timeout=0.5,
