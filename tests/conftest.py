@@ -21,6 +21,7 @@ from singletask.backends.sqlite import SQLiteBackend
 from .deployments import (
     ClusterDeployment,
     SentinelDeployment,
+    TLSClusterDeployment,
     TLSServer,
     default_binary,
     tls_redis_binary,
@@ -117,10 +118,25 @@ def key_prefix() -> str:
     return f"test:{uuid.uuid4().hex[:12]}:"
 
 
+@pytest.fixture(scope="session")
+def redis_tls_cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[TLSClusterDeployment]:
+    """A Redis Cluster of 3 masters speaking TLS only (tests/deployments.py)."""
+
+    def make(workdir: Path) -> TLSClusterDeployment:
+        binary = tls_redis_binary()
+        if binary is None:
+            raise RuntimeError("no redis-server built with TLS on PATH")
+        return TLSClusterDeployment(binary, workdir)
+
+    yield from _deployment("redis-tls-cluster", make, tmp_path_factory)
+
+
 @pytest.fixture(
     params=[
         "memory", "redis", "redis-client", "sqlite",
-        "redis-cluster", "redis-sentinel", "rediss",
+        "redis-cluster", "redis-sentinel", "rediss", "rediss-cluster",
     ]
 )  # fmt: skip
 def backend(request: pytest.FixtureRequest) -> Iterator[LockBackend]:
@@ -128,8 +144,9 @@ def backend(request: pytest.FixtureRequest) -> Iterator[LockBackend]:
 
     ``redis`` is built from a URL (it sends its scripts on connections of its own);
     ``redis-client`` is given a ready client (it calls that client's methods).
-    ``redis-cluster``, ``redis-sentinel`` and ``rediss`` are real deployments of the session
-    (a 6-node cluster, a master with a replica behind 3 sentinels, a TLS-only server).
+    ``redis-cluster``, ``redis-sentinel``, ``rediss`` and ``rediss-cluster`` are real
+    deployments of the session (a 6-node cluster, a master with a replica behind 3 sentinels, a
+    TLS-only server, a TLS-only cluster of 3 masters).
     """
     client: redis.Redis | None = None
     if request.param == "redis-cluster":
@@ -137,6 +154,8 @@ def backend(request: pytest.FixtureRequest) -> Iterator[LockBackend]:
     elif request.param == "redis-sentinel":
         sentinel = request.getfixturevalue("redis_sentinel")
         instance = backend_from_url(sentinel.url, transport_options=sentinel.transport_options)
+    elif request.param == "rediss-cluster":
+        instance = backend_from_url(request.getfixturevalue("redis_tls_cluster").url)
     elif request.param == "rediss":
         instance = backend_from_url(request.getfixturevalue("redis_tls").url())
     elif request.param == "memory":

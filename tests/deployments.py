@@ -420,6 +420,65 @@ class TLSServer:
         self.server.stop()
 
 
+class TLSClusterDeployment:
+    """A Redis Cluster of 3 masters (no replicas) speaking TLS only, bus included."""
+
+    def __init__(self, binary: str, workdir: Path) -> None:
+        self.binary = binary
+        self.certs = workdir / "certs"
+        make_certificates(self.certs)
+        self.ports = cluster_ports(3)
+        tls = [
+            "--tls-cert-file", str(self.certs / "server.crt"),
+            "--tls-key-file", str(self.certs / "server.key"),
+            "--tls-ca-cert-file", str(self.certs / "ca.crt"),
+            "--tls-auth-clients", "no", "--tls-cluster", "yes", "--tls-replication", "yes",
+            "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+        ]  # fmt: skip
+        self.nodes = [
+            RedisServer(binary, workdir / f"node-{port}", port=port, extra_args=tls, tls=True)
+            for port in self.ports
+        ]
+
+    @property
+    def url(self) -> str:
+        """A ``rediss+cluster://`` URL naming one node and trusting the test CA."""
+        ca = self.certs / "ca.crt"
+        return (
+            f"rediss+cluster://127.0.0.1:{self.ports[0]}/0?ssl_cert_reqs=required&ssl_ca_certs={ca}"
+        )
+
+    def _client(self, port: int) -> redis.Redis:
+        return redis.Redis(
+            port=port, ssl=True, ssl_ca_certs=str(self.certs / "ca.crt"), socket_timeout=2,
+            decode_responses=True,
+        )  # fmt: skip
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+        created = subprocess.run(
+            [_cli(self.binary), "--tls", "--cacert", str(self.certs / "ca.crt"),
+             "--cluster", "create", *(f"127.0.0.1:{port}" for port in self.ports),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True, timeout=60, check=False,
+        )  # fmt: skip
+        if created.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create (TLS) failed: {created.stdout!r}")
+        wait_until(self.healthy, "the TLS cluster to be ok")
+
+    def healthy(self) -> bool:
+        for port in self.ports:
+            with contextlib.closing(self._client(port)) as client:
+                if client.execute_command("CLUSTER INFO").get("cluster_state") != "ok":
+                    return False
+        return True
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
 def default_binary() -> str:
     binary = redis_server_binary()
     if binary is None:
