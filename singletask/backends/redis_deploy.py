@@ -28,7 +28,7 @@ import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
-from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import redis
 from redis.cluster import ClusterNode, RedisCluster
@@ -45,6 +45,10 @@ from .redis_options import (
     mask,
     socket_options,
     tls_options,
+    url_address,
+    url_credentials,
+    url_db,
+    url_query,
 )
 
 __all__ = ["RedisClusterBackend", "RedisSentinelBackend"]
@@ -62,54 +66,6 @@ _TRANSIENT = (
 
 #: How many redirections one replica-waiting cluster acquisition follows before giving up.
 MAX_REDIRECTS = 5
-
-
-def _port(text: str, default: int, where: str) -> int:
-    try:
-        port = int(text) if text else default
-    except ValueError:
-        port = -1
-    if not 0 < port < 65536:
-        raise ConfigurationError(f"{where}: invalid port {text!r}")
-    return port
-
-
-def _address(text: str, default_port: int, where: str) -> tuple[str, int]:
-    """``host[:port]`` or ``[v6 address][:port]`` as (host, port)."""
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else rest
-    else:
-        host, _, port = text.partition(":")
-    if not host:
-        raise ConfigurationError(f"{where}: a host is missing")
-    return host, _port(port, default_port, where)
-
-
-def _credentials(parts: SplitResult) -> dict[str, str]:
-    userinfo = parts.netloc.rpartition("@")[0]
-    if not userinfo:
-        return {}
-    user, has_password, password = userinfo.partition(":")
-    out = {"username": unquote(user)} if user else {}
-    if has_password and password:
-        out["password"] = unquote(password)
-    return out
-
-
-def _db(parts: SplitResult, where: str) -> int:
-    path = parts.path.strip("/")
-    if not path:
-        return 0
-    if not path.isdigit():
-        raise ConfigurationError(f"{where}: the path must be a database number, got {path!r}")
-    return int(path)
-
-
-def _query(parts: SplitResult, where: str) -> dict[str, str]:
-    query = dict(parse_qsl(parts.query, keep_blank_values=True))
-    check_keys(query, QUERY_OPTIONS, f"{where}: URL query")
-    return query
 
 
 class _Deployed(RedisBackend):
@@ -234,7 +190,7 @@ class RedisSentinelBackend(_Deployed):
                     f"{where}: every URL must be sentinel://, got {mask(chunk)!r}"
                 )
             first = first or parts
-            nodes.append(_address(parts.netloc.rpartition("@")[2], 26379, where))
+            nodes.append(url_address(parts.netloc.rpartition("@")[2], 26379, where))
         if first is None:
             raise ConfigurationError(f"{where}: no sentinel address")
         name = self._transport.get("master_name")
@@ -249,8 +205,8 @@ class RedisSentinelBackend(_Deployed):
             raise ConfigurationError(f"{where}: sentinel_kwargs must be a dict")
         if isinstance(others, bool) or not isinstance(others, int) or others < 0:
             raise ConfigurationError(f"{where}: min_other_sentinels must be a whole number >= 0")
-        query = _query(first, where)
-        options = {**_credentials(first), "db": _db(first, where)}
+        query = url_query(first, where)
+        options = {**url_credentials(first), "db": url_db(first, where)}
         options.update(self._tls_and_sockets(query, where))
         if self._transport.get("ssl") or any(name in options for name in TLS_OPTIONS):
             options["ssl"] = True
@@ -312,11 +268,11 @@ class RedisClusterBackend(_Deployed):
         if not hosts:
             raise ConfigurationError(f"{where}: no node address")
         node: Any = ClusterNode
-        nodes = [node(*_address(h.strip(), 6379, where)) for h in hosts]
-        if _db(parts, where) != 0:
+        nodes = [node(*url_address(h.strip(), 6379, where)) for h in hosts]
+        if url_db(parts, where) != 0:
             raise ConfigurationError(f"{where}: Redis Cluster has database 0 only")
-        options: dict[str, Any] = {**_credentials(parts)}
-        options.update(self._tls_and_sockets(_query(parts, where), where))
+        options: dict[str, Any] = {**url_credentials(parts)}
+        options.update(self._tls_and_sockets(url_query(parts, where), where))
         if scheme == "rediss+cluster":
             options["ssl"] = True
         elif any(name in options for name in TLS_OPTIONS):

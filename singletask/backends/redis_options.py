@@ -1,4 +1,5 @@
-"""Options shared by the Redis deployments: TLS, sockets, the replica wait, password masking.
+"""What the Redis deployments share: TLS, socket and replica-wait options, password masking,
+and the parts of the URLs redis-py does not parse (Sentinel's and Cluster's).
 
 They come from the URL's query string (``rediss://host?ssl_cert_reqs=required&...``) or from the
 setting ``singletask_backend_transport_options``, as Celery's Redis result backend reads them
@@ -13,6 +14,7 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
+from urllib.parse import SplitResult, parse_qsl, unquote
 
 from ..exceptions import ConfigurationError
 
@@ -23,6 +25,10 @@ __all__ = [
     "connection_options",
     "mask",
     "tls_options",
+    "url_address",
+    "url_credentials",
+    "url_db",
+    "url_query",
 ]
 
 #: TLS options: certificate checking, CA bundle, client certificate and key, host name check.
@@ -204,3 +210,54 @@ class ReplicaWait:
     def command(self) -> tuple[str, int, int]:
         """The WAIT command, its timeout in whole milliseconds (at least 1)."""
         return ("WAIT", self.replicas, max(1, round(self.timeout * 1000)))
+
+
+# -- URL parts (Sentinel and Cluster URLs, which redis-py does not parse) -----------------
+
+
+def url_port(text: str, default: int, where: str) -> int:
+    try:
+        port = int(text) if text else default
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise ConfigurationError(f"{where}: invalid port {text!r}")
+    return port
+
+
+def url_address(text: str, default_port: int, where: str) -> tuple[str, int]:
+    """``host[:port]`` or ``[v6 address][:port]`` as (host, port)."""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else rest
+    else:
+        host, _, port = text.partition(":")
+    if not host:
+        raise ConfigurationError(f"{where}: a host is missing")
+    return host, url_port(port, default_port, where)
+
+
+def url_credentials(parts: SplitResult) -> dict[str, str]:
+    userinfo = parts.netloc.rpartition("@")[0]
+    if not userinfo:
+        return {}
+    user, has_password, password = userinfo.partition(":")
+    out = {"username": unquote(user)} if user else {}
+    if has_password and password:
+        out["password"] = unquote(password)
+    return out
+
+
+def url_db(parts: SplitResult, where: str) -> int:
+    path = parts.path.strip("/")
+    if not path:
+        return 0
+    if not path.isdigit():
+        raise ConfigurationError(f"{where}: the path must be a database number, got {path!r}")
+    return int(path)
+
+
+def url_query(parts: SplitResult, where: str) -> dict[str, str]:
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    check_keys(query, {*TLS_OPTIONS, *SOCKET_OPTIONS}, f"{where}: URL query")
+    return query
