@@ -218,6 +218,10 @@ class RedisSentinelBackend(_Deployed):
         sentinel_kwargs = dict(self._transport.get("sentinel_kwargs", {}))
         if not sentinel_kwargs:  # as redis-py does without it: the socket options only
             sentinel_kwargs = {k: v for k, v in options.items() if k.startswith("socket_")}
+        # The master's retry policy (a dropped connection, twice) rather than redis-py's
+        # default, which retries each unreachable sentinel for seconds on every call.
+        if options.get("retry") is not None:
+            sentinel_kwargs.setdefault("retry", options["retry"])
         make: Any = Sentinel
         self._sentinel: Any = make(
             nodes,

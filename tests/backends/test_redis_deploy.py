@@ -127,15 +127,15 @@ def test_a_bad_url_or_option_is_a_configuration_error(
 @pytest.mark.parametrize(
     "url",
     [
-        "sentinel://:s3cret@h1:26379/0;sentinel://:s3cret@h2:26379/0",
-        "sentinel://user:s3cret@h1:26379/0;sentinel://h2:26379/0",
-        "redis+cluster://user:s3cret@h1:7000,h2:7001/0",
-        "rediss+cluster://:s3cret@h1:7000/0",
+        "sentinel://:s3cret@127.0.0.1:1/0;sentinel://:s3cret@127.0.0.1:2/0",
+        "sentinel://user:s3cret@127.0.0.1:1/0;sentinel://127.0.0.1:2/0",
+        "redis+cluster://user:s3cret@127.0.0.1:1,127.0.0.1:2/0",
+        "rediss+cluster://:s3cret@127.0.0.1:1/0",
     ],
 )
 def test_passwords_never_appear_in_reprs_or_errors(url: str) -> None:
     """The password of every URL form is masked in the backend's repr and its errors."""
-    # Given a backend on a URL with a password, whose servers do not exist
+    # Given a backend on a URL with a password, where no server listens
     options: dict[str, object] = {"socket_connect_timeout": 0.2}
     if url.startswith("sentinel"):
         options["master_name"] = "m"
