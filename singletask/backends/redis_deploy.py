@@ -311,12 +311,19 @@ class RedisClusterBackend(_Deployed):
         asking = False
         for _ in range(MAX_REDIRECTS):
             connection = cluster.get_redis_connection(node)
-            with connection.pipeline(transaction=False) as pipe:
-                if asking:
-                    pipe.execute_command("ASKING")
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-                pipe.execute_command(*wait.command)
-                reply, acks = pipe.execute(raise_on_error=False)[-2:]
+            try:
+                with connection.pipeline(transaction=False) as pipe:
+                    if asking:
+                        pipe.execute_command("ASKING")
+                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+                    pipe.execute_command(*wait.command)
+                    reply, acks = pipe.execute(raise_on_error=False)[-2:]
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                # The node may be gone (a failover): re-read the topology for the next call,
+                # as the cluster client does on its own path.
+                with contextlib.suppress(*_DRIVER_ERRORS):
+                    cluster.nodes_manager.initialize()
+                raise
             asking = False
             if isinstance(reply, redis.exceptions.MovedError):
                 cluster.nodes_manager.move_slot(reply)

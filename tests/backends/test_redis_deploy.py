@@ -471,3 +471,46 @@ def test_a_lock_not_yet_replicated_is_lost_in_a_failover(sentinel: SentinelDeplo
     assert second.fence > first.fence
     plain.close()
     waiting.close()
+
+
+def test_a_killed_cluster_master_is_replaced_and_locks_go_on(cluster: ClusterDeployment) -> None:
+    """A master is killed (SIGKILL): the cluster promotes its replica after the node timeout.
+    A lock that the replica confirmed (replica wait) survives it; calls in between fail with
+    BackendUnavailable, never a raw error; afterwards locks of that slot are taken on the new
+    master, except with the replica wait, which now has no replica to confirm them."""
+    # Given a lock taken with the replica wait, so its master's replica has it
+    key = f"killed:{uuid.uuid4().hex[:8]}"
+    plain = backend_from_url(cluster.url)
+    waiting = backend_from_url(cluster.url, transport_options={"wait_replicas": 1})
+    assert waiting.acquire(key, "owner", LEASE).acquired
+    with contextlib.closing(cluster.client()) as client:
+        master = client.get_node_from_key(key).port
+    replica = cluster.replica_of(master)
+    # When its master is killed
+    node = next(n for n in cluster.nodes if n.port == master)
+    assert node.process is not None
+    node.process.kill()
+    node.process.wait()
+    # Then, within the failover time, new locks of that slot are taken again
+    errors: list[Exception] = []
+
+    def taken() -> bool:
+        try:
+            return plain.acquire(f"{{{key}}}:new", "n", LEASE).acquired
+        except BackendError as exc:
+            errors.append(exc)
+            return False
+
+    wait_until(taken, "a lock taken after the failover", 60)
+    assert all(isinstance(e, BackendUnavailable) for e in errors), errors
+    with contextlib.closing(redis.Redis(port=replica)) as promoted:
+        assert promoted.info("replication")["role"] == "master"
+    # And the confirmed lock is still the owner's
+    holder = plain.holder(key)
+    assert holder is not None
+    assert holder.token == "owner"
+    # But the replica wait refuses new locks there now: the new master has no replica
+    with pytest.raises(BackendUnavailable):
+        waiting.acquire(f"{{{key}}}:waited", "w", LEASE)
+    plain.close()
+    waiting.close()
