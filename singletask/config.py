@@ -162,7 +162,8 @@ class Settings:
     lock_on_backend_error: str
     lock_backend_retry_max: int
     #: ``singletask_backend_transport_options``: Sentinel master name, TLS, the replica wait...
-    backend_transport_options: Mapping[str, Any] = field(default_factory=dict)
+    #: (kept out of the repr: ``sentinel_kwargs`` may hold a password)
+    backend_transport_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_app(cls, app: Celery) -> Settings:

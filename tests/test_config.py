@@ -444,3 +444,22 @@ def test_task_policy_beats_app_policy(app: celery.Celery) -> None:
     with pytest.raises(TaskLocked):
         app_policy()
     assert isinstance(task_policy(), Skipped)
+
+
+def test_transport_options_are_read_checked_and_kept_out_of_the_repr() -> None:
+    """``singletask_backend_transport_options`` is a dict of options (default empty); anything
+    else is refused; its values (a sentinel password, say) never appear in the settings' repr."""
+    # Given an app with transport options holding a password
+    app = celery.Celery("t", set_as_current=False)
+    app.conf.singletask_backend_url = "sentinel://127.0.0.1:26379/0"
+    options = {"master_name": "m", "sentinel_kwargs": {"password": "s3cret"}}
+    app.conf.singletask_backend_transport_options = options
+    # Then the settings carry them, without showing them
+    settings = Settings.from_app(app)
+    assert settings.backend_transport_options == options
+    assert "s3cret" not in repr(settings)
+    # And a value that is not a dict is refused
+    app.conf.singletask_backend_transport_options = ["master_name"]
+    with pytest.raises(ConfigurationError, match="singletask_backend_transport_options"):
+        Settings.from_app(app)
+    app.close()
