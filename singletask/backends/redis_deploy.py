@@ -45,6 +45,7 @@ from .redis_options import (
     mask,
     socket_options,
     tls_options,
+    to_bool,
     url_address,
     url_credentials,
     url_db,
@@ -282,7 +283,9 @@ class RedisClusterBackend(_Deployed):
         elif any(name in options for name in TLS_OPTIONS):
             raise ConfigurationError(f"{where}: TLS options need a rediss+cluster:// URL")
         if "dynamic_startup_nodes" in self._transport:
-            options["dynamic_startup_nodes"] = bool(self._transport["dynamic_startup_nodes"])
+            options["dynamic_startup_nodes"] = to_bool(
+                self._transport["dynamic_startup_nodes"], f"{where}: option dynamic_startup_nodes"
+            )
         return nodes, options
 
     def _connect(self, options: dict[str, Any]) -> redis.Redis:

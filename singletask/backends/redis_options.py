@@ -25,6 +25,7 @@ __all__ = [
     "connection_options",
     "mask",
     "tls_options",
+    "to_bool",
     "url_address",
     "url_credentials",
     "url_db",
@@ -73,7 +74,8 @@ def mask(url: str) -> str:
     return _PASSWORD.sub(r"\g<head>**@", url)
 
 
-def _bool(value: object, where: str) -> bool:
+def to_bool(value: object, where: str) -> bool:
+    """``value`` as a bool: True/False, or one of the usual strings; else ConfigurationError."""
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
@@ -118,7 +120,7 @@ def tls_options(values: Mapping[str, Any], where: str) -> dict[str, Any]:
                     f"{what}: expected 'required', 'optional' or 'none', got {value!r}"
                 )
         elif name == "ssl_check_hostname":
-            out[name] = _bool(value, what)
+            out[name] = to_bool(value, what)
         elif not isinstance(value, str) or not value:
             raise ConfigurationError(f"{what}: expected a file path, got {value!r}")
         else:
@@ -133,7 +135,7 @@ def socket_options(values: Mapping[str, Any], where: str) -> dict[str, Any]:
         if name in values:
             what = f"{where}: option {name}"
             value = values[name]
-            out[name] = _bool(value, what) if kind is bool else _number(value, kind, what)
+            out[name] = to_bool(value, what) if kind is bool else _number(value, kind, what)
     return out
 
 

@@ -109,6 +109,8 @@ def raw_errors(outcomes: list[object]) -> list[object]:
         ("redis+cluster://h:7000?ssl_cert_reqs=required", {}, r"rediss\+cluster"),
         ("rediss+cluster://h:7000?ssl_cert_reqs=maybe", {}, "ssl_cert_reqs"),
         ("redis+cluster://h:7000", {"master_name": "m"}, "unknown option 'master_name'"),
+        ("redis+cluster://h:7000", {"dynamic_startup_nodes": "maybe"}, "dynamic_startup_nodes"),
+        ("redis+cluster://h:7000", {"socket_timeout": "soon"}, "socket_timeout"),
         ("redis://h:6379/0", {"master_name": "m"}, "needs a sentinel:// URL"),
         ("redis://h:6379/0", {"wait_replicas": 1}, r"sentinel:// and redis\+cluster://"),
         ("redis://h:6379/0", {"ssl_ca_certs": "/ca.pem"}, "rediss://"),
