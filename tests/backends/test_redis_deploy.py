@@ -516,3 +516,39 @@ def test_a_killed_cluster_master_is_replaced_and_locks_go_on(cluster: ClusterDep
         waiting.acquire(f"{{{key}}}:waited", "w", LEASE)
     plain.close()
     waiting.close()
+
+
+def _use_in_child(backend: Any, key: str, parent_client: int, out: Any) -> None:
+    try:
+        result = backend.acquire(key, "child", LEASE)
+        out.put((result.acquired, id(backend.client) != parent_client))
+    except Exception as exc:  # reported to the parent
+        out.put(repr(exc))
+
+
+# Python 3.12+ warns about fork() in a process with threads (pytest-xdist has some); the child
+# here only uses the backend, as a prefork pool process does.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+@pytest.mark.parametrize("kind", ["redis_cluster", "redis_sentinel"])
+def test_a_forked_process_builds_its_own_client(request: pytest.FixtureRequest, kind: str) -> None:
+    """The client is created lazily in each process: a child forked after the parent used the
+    backend builds its own (sharing the parent's sockets would mix their replies)."""
+    import multiprocessing
+
+    # Given a backend the parent has used
+    deployment = request.getfixturevalue(kind)
+    options = getattr(deployment, "transport_options", None)
+    backend = backend_from_url(deployment.url, transport_options=options)
+    key = f"fork:{uuid.uuid4().hex[:8]}"
+    assert backend.acquire(f"{key}:parent", "parent", LEASE).acquired
+    # When a forked child uses the same backend object
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    child = context.Process(target=_use_in_child, args=(backend, key, id(backend.client), out))
+    child.start()
+    reply = out.get(timeout=30)
+    child.join(30)
+    # Then it took its lock, with a client of its own
+    assert reply == (True, True)
+    assert backend.holder(key) is not None
+    backend.close()
