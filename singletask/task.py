@@ -11,14 +11,11 @@ worker process). See ``docs/lifecycle.rst`` for the table of which hook releases
 from __future__ import annotations
 
 import contextvars
-import inspect
 import logging
 import os
 import random
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NoReturn
 
 import celery
@@ -29,28 +26,17 @@ from celery.result import AsyncResult
 from celery.utils import uuid
 from celery.utils.nodenames import gethostname
 
-from .backends import backend_from_url
-from .config import (
-    Settings,
-    check_backend_error_policy,
-    check_bool,
-    check_count,
-    check_policy,
-    check_scope,
-    check_seconds,
-)
 from .enqueue import seconds_until, send_once
 from .exceptions import BackendError, BackendTimeout, BackendUnavailable, TaskLocked
-from .keys import KeySpec, run_signature
-from .lease import LockHandle, Renewer
+from .lease import LockHandle
+from .options import LockOptions, TaskOptions
 from .recovery import release_dead, watch_and_release
 from .result import Skipped
+from .runtime import app_state, lock_options
 from .signals import lock_conflict, lock_lost
 from .tokens import direct_token, execution_token, parse_token, process_state, reservation_token
 
 if TYPE_CHECKING:
-    from celery import Celery
-
     from .backends.base import Holder, LockBackend
 
 __all__ = ["SingletonTask"]
@@ -70,10 +56,6 @@ REDELIVERED_HEADER = "singletask_redelivered"
 #: Longest wait between those retries, in seconds (they back off 1, 2, 4, ... up to this).
 BACKEND_RETRY_CAP = 30.0
 
-#: A parent-side release for the same task id within this many seconds is a repeat (Celery
-#: reports a hard time limit through two hooks and two signals).
-_REPEAT_WINDOW = 10.0
-
 #: Celery before 5.5 pushes a blank request in ``Task.__call__`` (see SingletonTask.push_request).
 _PUSHES_BLANK_REQUEST = tuple(celery.VERSION[:2]) < (5, 5)
 
@@ -89,79 +71,6 @@ class _Frame(NamedTuple):
 _frames: contextvars.ContextVar[tuple[_Frame, ...]] = contextvars.ContextVar(
     "singletask_frames", default=()
 )
-
-
-@dataclass(frozen=True)
-class _Options:
-    """A task's lock options with the app's defaults filled in."""
-
-    prefix: str
-    policy: str
-    scope: str
-    queue_ttl: float
-    ttl: float
-    renew: bool
-    max_hold: float | None
-    retry_countdown: float
-    retry_max: int
-    on_backend_error: str
-    backend_retry_max: int
-
-
-class _AppState:
-    """Per app and per process: the validated settings and the backend, built on first use."""
-
-    def __init__(self, app: Celery) -> None:
-        self.app = app
-        self._mutex = threading.Lock()
-        self._settings: Settings | None = None
-        self._backend: LockBackend | None = None
-        self._renewer: Renewer | None = None
-        self._pid: int | None = None
-        self._released: dict[str, float] = {}
-
-    @property
-    def settings(self) -> Settings:
-        if self._settings is None:
-            self._settings = Settings.from_app(self.app)
-        return self._settings
-
-    @property
-    def backend(self) -> LockBackend:
-        pid = os.getpid()
-        if self._backend is None or self._pid != pid:
-            with self._mutex:
-                if self._backend is None or self._pid != pid:
-                    self._backend = backend_from_url(self.settings.backend_url)
-                    self._renewer = Renewer(self._backend)
-                    self._pid = pid
-        return self._backend
-
-    @property
-    def renewer(self) -> Renewer:
-        """The renewer of this process's backend."""
-        self.backend  # noqa: B018 - (re)creates backend and renewer in a new process
-        assert self._renewer is not None
-        return self._renewer
-
-    def first_release(self, task_id: str) -> bool:
-        """True the first time a parent-side release for ``task_id`` is asked for lately."""
-        now = time.monotonic()
-        with self._mutex:
-            for stale in [t for t, at in self._released.items() if now - at > _REPEAT_WINDOW]:
-                del self._released[stale]
-            if task_id in self._released:
-                return False
-            self._released[task_id] = now
-            return True
-
-
-def _app_state(app: Celery) -> _AppState:
-    state = app.__dict__.get("_singletask_state")
-    if state is None:
-        state = app.__dict__.setdefault("_singletask_state", _AppState(app))
-    assert isinstance(state, _AppState)
-    return state
 
 
 if TYPE_CHECKING:
@@ -212,81 +121,26 @@ class SingletonTask(_TaskBase):
     lock_on_backend_error: ClassVar[str | None] = None
     lock_backend_retry_max: ClassVar[int | None] = None
 
-    _singletask_spec: ClassVar[KeySpec]
+    _singletask_options: ClassVar[TaskOptions]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        name = cls.__dict__.get("name") or getattr(cls, "name", None) or cls.__qualname__
-        where = f"task {name!r} attribute"
-        checks: dict[str, Callable[[object, str], object]] = {
-            "lock_policy": check_policy,
-            "lock_scope": check_scope,
-            "lock_queue_ttl": check_seconds,
-            "lock_ttl": check_seconds,
-            "lock_renew": check_bool,
-            "lock_max_hold": check_seconds,
-            "lock_retry_countdown": lambda v, w: check_seconds(v, w, allow_zero=True),
-            "lock_retry_max": check_count,
-            "lock_on_backend_error": check_backend_error_policy,
-            "lock_backend_retry_max": check_count,
-        }
-        for attribute, check in checks.items():
-            value = getattr(cls, attribute)
-            if value is not None:
-                check(value, f"{where} {attribute}")
-        lock_key = inspect.getattr_static(cls, "lock_key")
-        if isinstance(lock_key, staticmethod | classmethod):
-            lock_key = lock_key.__get__(None, cls)
-        cls._singletask_spec = KeySpec(name, run_signature(cls), cls.lock_args, lock_key)
+        cls._singletask_options = TaskOptions.from_class(cls)
         # A locked-out execution failing with TaskLocked is an expected outcome: Celery logs
         # exceptions listed in ``throws`` at INFO, without a traceback.
         throws = tuple(getattr(cls, "throws", ()) or ())
         if TaskLocked not in throws:
             cls.throws = (*throws, TaskLocked)
-        time_limit = getattr(cls, "time_limit", None)
-        if cls.lock_renew is False and cls.lock_ttl and time_limit and cls.lock_ttl <= time_limit:
-            logger.warning(
-                "task %r: lock_ttl (%ss) is not longer than time_limit (%ss) and lock_renew is "
-                "False: the lock can expire while the task still runs",
-                name,
-                cls.lock_ttl,
-                time_limit,
-            )
 
     # -- configuration -------------------------------------------------------------------
 
-    def _options(self) -> _Options:
-        options = self.__dict__.get("_singletask_options")
-        if options is None:
-            settings = _app_state(self.app).settings
-
-            def pick(attribute: Any, default: Any) -> Any:
-                return default if attribute is None else attribute
-
-            options = _Options(
-                prefix=settings.key_prefix,
-                policy=pick(self.lock_policy, settings.lock_policy),
-                scope=pick(self.lock_scope, settings.lock_scope),
-                queue_ttl=float(pick(self.lock_queue_ttl, settings.lock_queue_ttl)),
-                ttl=float(pick(self.lock_ttl, settings.lock_ttl)),
-                renew=pick(self.lock_renew, settings.lock_renew),
-                max_hold=pick(self.lock_max_hold, settings.lock_max_hold),
-                retry_countdown=float(
-                    pick(self.lock_retry_countdown, settings.lock_retry_countdown)
-                ),
-                retry_max=pick(self.lock_retry_max, settings.lock_retry_max),
-                on_backend_error=pick(self.lock_on_backend_error, settings.lock_on_backend_error),
-                backend_retry_max=pick(
-                    self.lock_backend_retry_max, settings.lock_backend_retry_max
-                ),
-            )
-            self.__dict__["_singletask_options"] = options
-        return options
+    def _options(self) -> LockOptions:
+        return lock_options(self)
 
     @property
     def lock_backend(self) -> LockBackend:
         """This process's backend for this task's app (created on first use, per process)."""
-        return _app_state(self.app).backend
+        return app_state(self.app).backend
 
     def lock_key_for(
         self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
@@ -296,7 +150,7 @@ class SingletonTask(_TaskBase):
         Raises:
             LockKeyError: The key cannot be built from these arguments.
         """
-        return self._singletask_spec.key(self._options().prefix, self.name, args, kwargs or {})
+        return self._options().key(args, kwargs or {})
 
     @property
     def lock(self) -> LockHandle | None:
@@ -412,7 +266,7 @@ class SingletonTask(_TaskBase):
             # Re-entrant: the body of the execution holding this key calls the task directly.
             return super().__call__(*args, **kwargs)
 
-        state = _app_state(self.app)
+        state = app_state(self.app)
         backend = state.backend
         # ``attempt`` names one execution attempt of one message: a redelivered copy of the
         # message has the same one, the body's own retry the next one.
@@ -518,7 +372,7 @@ class SingletonTask(_TaskBase):
         key: str,
         token: str,
         retry: Retry | None,
-        options: _Options,
+        options: LockOptions,
         *,
         completed: str | None = None,
         meta: Mapping[str, str] | None = None,
@@ -571,7 +425,7 @@ class SingletonTask(_TaskBase):
         self,
         exc: BackendUnavailable | BackendTimeout,
         direct: bool,
-        options: _Options,
+        options: LockOptions,
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
     ) -> Any:
@@ -630,7 +484,7 @@ class SingletonTask(_TaskBase):
             raise Ignore()
         raise Retry(exc=reason, when=countdown, sig=signature)  # type: ignore[arg-type]
 
-    def _locked(self, key: str, holder: Holder | None, direct: bool, options: _Options) -> Any:
+    def _locked(self, key: str, holder: Holder | None, direct: bool, options: LockOptions) -> Any:
         """Apply the lock policy to an execution that found ``key`` held by someone else."""
         request = self.request
         holder_id = holder.task_id if holder else None
@@ -682,7 +536,7 @@ class SingletonTask(_TaskBase):
                 self.name, task_id, key, exc_info=True,
             )  # fmt: skip
 
-    def _wait_as_follow_up(self, key: str, holder: Holder | None, options: _Options) -> None:
+    def _wait_as_follow_up(self, key: str, holder: Holder | None, options: LockOptions) -> None:
         """Coalescing: the key's one pending follow-up waits for the run in progress to end.
 
         Returns (so the lock policy applies) when another execution is already the follow-up.
@@ -703,7 +557,7 @@ class SingletonTask(_TaskBase):
         )  # fmt: skip
         self._republish(request, countdown, {}, None, quietly=True)
 
-    def _held_by_same_task(self, key: str, holder: Holder, options: _Options) -> NoReturn:
+    def _held_by_same_task(self, key: str, holder: Holder, options: LockOptions) -> NoReturn:
         """The lock is held under this task id: by another delivery of this very message (a
         broker redelivery), or by a newer attempt of the task (this copy is stale).
 
@@ -800,7 +654,7 @@ class SingletonTask(_TaskBase):
             True if the lock was released now; False if there was nothing to release, or the
             release was left to the watcher or to the lease.
         """
-        state = _app_state(self.app)
+        state = app_state(self.app)
         if not state.first_release(task_id):
             return False
         try:
