@@ -20,22 +20,17 @@ module, so the whole lifecycle reads top to bottom here:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import celery
 from celery import Task
 from celery.app.task import Context
-from celery.utils import uuid
 
-from . import lifecycle, messages, policies
-from .enqueue import send_once
-from .exceptions import BackendError, TaskLocked
+from . import enqueue, lifecycle, messages, policies, recovery
+from .exceptions import TaskLocked
 from .options import TaskOptions
-from .recovery import release_dead, watch_and_release
 from .runtime import app_state, lock_options
-from .tokens import process_state, reservation_token
 
 if TYPE_CHECKING:
     from celery.result import AsyncResult
@@ -44,8 +39,6 @@ if TYPE_CHECKING:
     from .lease import LockHandle
 
 __all__ = ["SingletonTask"]
-
-logger = logging.getLogger("singletask")
 
 #: Message header counting the lock retries of a task id (the task's own ``retries`` stays
 #: untouched, so lock retries never spend ``max_retries``).
@@ -168,7 +161,7 @@ class SingletonTask(_TaskBase):
         applies.
         """
 
-        def send(task_id: str | None) -> AsyncResult[Any]:
+        def publish(task_id: str | None) -> AsyncResult[Any]:
             return super(SingletonTask, self).apply_async(
                 tuple(args) if args is not None else None,
                 dict(kwargs) if kwargs is not None else None,
@@ -180,46 +173,10 @@ class SingletonTask(_TaskBase):
                 **options,
             )
 
-        settings = lock_options(self)
-        # Canvas parts, frozen signatures (``freeze()`` sets ``reply_to``: a chord's callback, for
-        # one, carries nothing else before Celery 5.6), and messages a worker sends for a task it
-        # finished (a chain's next link, with ``chain=[]`` for the last one; a link callback,
-        # with ``parent_id``) or replaced (Task.replace): their callers already hold this task
-        # id's AsyncResult, so the message must be published; the execution-time lock alone
-        # applies to them.
-        if (
-            settings.scope == "execution"
-            or self.app.conf.task_always_eager
-            or "retries" in options  # republished for an execution (Task.retry and ours)
-            or link
-            or link_error
-            or any(options.get(name) for name in ("chord", "group_id"))
-            or any(
-                name in options
-                for name in ("chain", "parent_id", "reply_to", "replaced_task_nesting")
-            )
-        ):
-            return send(task_id)
-        task_id = task_id or uuid()
-        try:
-            return send_once(
-                self,
-                send,
-                task_id,
-                args or (),
-                kwargs or {},
-                scope=settings.scope,
-                policy=settings.policy,
-                queue_ttl=settings.queue_ttl,
-                options=options,
-            )
-        except BackendError as exc:
-            logger.warning(
-                "Task %s[%s] sent without deduplication: the lock store is unreachable (%s); "
-                "the execution-time lock still applies",
-                self.name, task_id, exc,
-            )  # fmt: skip
-            return send(task_id)
+        return enqueue.send(
+            self, lock_options(self), publish, task_id, args, kwargs,
+            linked=bool(link or link_error), send_options=options,
+        )  # fmt: skip
 
     # -- execution -------------------------------------------------------------------------
 
@@ -291,33 +248,7 @@ class SingletonTask(_TaskBase):
             True if the lock was released now; False if there was nothing to release, or the
             release was left to the watcher or to the lease.
         """
-        state = app_state(self.app)
-        if not state.first_release(task_id):
-            return False
-        try:
-            key = self.lock_key_for(args or (), kwargs or {})
-            backend = state.backend
-            holder = backend.holder(key)
-        except Exception:
-            logger.exception(
-                "Task %s[%s]: could not look up its lock after %s; it expires by itself",
-                self.name, task_id, reason,
-            )  # fmt: skip
-            return False
-        if holder is None or holder.task_id != task_id:
-            return False
-        process = process_state(holder.token)
-        if process == "gone":
-            return release_dead(self.name, backend, key, holder.token, task_id, reason)
-        if process == "alive":
-            watch_and_release(self.name, backend, key, holder.token, task_id, reason)
-            return False
-        logger.info(
-            "Task %s[%s]: after %s, lock %r is left to its lease (its holder's process cannot "
-            "be checked from here)",
-            self.name, task_id, reason, key,
-        )  # fmt: skip
-        return False
+        return recovery.release_for(self, task_id, args, kwargs, reason=reason)
 
     def release_reservation(
         self,
@@ -330,26 +261,4 @@ class SingletonTask(_TaskBase):
 
         Never raises; returns whether a reservation was released.
         """
-        try:
-            key = self.lock_key_for(args or (), kwargs or {})
-            backend = self.lock_backend
-            released = backend.release(key, reservation_token(task_id, retries))
-            # A follow-up that will not run frees its slot, so the next call can take it.
-            freed = lock_options(self).scope == "coalesce" and backend.clear_next(key, task_id)
-        except Exception:
-            logger.exception(
-                "Task %s[%s]: could not release its reservation; it expires by itself",
-                self.name, task_id,
-            )  # fmt: skip
-            return False
-        if released:
-            logger.info(
-                "Task %s[%s] will not run (revoked or expired): reservation of %r released",
-                self.name, task_id, key,
-            )  # fmt: skip
-        if freed:
-            logger.info(
-                "Task %s[%s] will not run (revoked or expired): follow-up slot of %r freed",
-                self.name, task_id, key,
-            )  # fmt: skip
-        return released
+        return recovery.release_reservation(self, task_id, retries, args, kwargs)
