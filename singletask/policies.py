@@ -65,7 +65,8 @@ __all__ = [
 
 logger = logging.getLogger("singletask")
 
-#: Longest wait between those retries, in seconds (they back off 1, 2, 4, ... up to this).
+#: Longest wait, in seconds, between two retries of an execution that could not reach the lock
+#: store (they back off 1, 2, 4, ... up to this).
 BACKEND_RETRY_CAP = 30.0
 
 
