@@ -25,7 +25,7 @@ from .signals import lock_conflict
 from .tokens import reservation_token
 
 if TYPE_CHECKING:
-    from celery import Task
+    from celery import Celery, Task
     from celery.result import AsyncResult
 
     from .backends.base import LockBackend
@@ -40,11 +40,12 @@ _PUBLISHED_AS_IS = ("chain", "parent_id", "reply_to", "replaced_task_nesting")
 
 
 def deduplicates(
-    options: LockOptions, eager: bool, linked: bool, send_options: Mapping[str, Any]
+    options: LockOptions, app: Celery, linked: bool, send_options: Mapping[str, Any]
 ) -> bool:
     """Whether a message sent with ``send_options`` is deduplicated before it is published.
 
-    Only with ``lock_scope`` "queue" or "coalesce", never in eager mode, and never for messages
+    Only with ``lock_scope`` "queue" or "coalesce", never in eager mode (``app``'s
+    ``task_always_eager``, read only when the scope asks for it), and never for messages
     whose callers already hold their ``AsyncResult``: messages republished for an execution
     (``retries`` given: ``Task.retry`` and singletask's own), canvas parts (links, chords,
     groups), frozen signatures (``freeze()`` sets ``reply_to``: a chord's callback, for one,
@@ -54,7 +55,7 @@ def deduplicates(
     """
     return not (
         options.scope == "execution"
-        or eager
+        or app.conf.task_always_eager
         or "retries" in send_options
         or linked
         or any(send_options.get(name) for name in ("chord", "group_id"))
@@ -79,8 +80,8 @@ def send(
     execution-time lock still applies). Raises ``TaskLocked`` for a duplicate under the
     "raise" policy.
     """
-    if not deduplicates(options, task.app.conf.task_always_eager, linked, send_options):
-        return publish(task_id)
+    if options.scope == "execution" or not deduplicates(options, task.app, linked, send_options):
+        return publish(task_id)  # the common case first: no lookup in the app's settings
     task_id = task_id or uuid()
     try:
         backend = app_state(task.app).backend

@@ -260,9 +260,9 @@ def _end(
     The reservation is the lock under a token only the retried attempt (same task id,
     ``retries + 1``) takes over; it lasts the retry's countdown plus one lease. Never raises.
     """
-    request = task.request
     try:
         if retry is not None:
+            request = task.request
             reserve = seconds_until(getattr(retry, "when", None)) + options.ttl
             retries = int(request.retries or 0)
             reserved = backend.acquire(
@@ -282,13 +282,13 @@ def _end(
             logger.warning(
                 "Task %s[%s]: lock %r was no longer held when the task ended (its lease "
                 "ran out, or the worker released it for this task)",
-                task.name, request.id, key,
+                task.name, task.request.id, key,
             )  # fmt: skip
     except Exception:
         # Never let release break the task's outcome; the lease ends by itself.
         logger.exception(
             "Task %s[%s]: could not release lock %r; it expires by itself within %.0fs",
-            task.name, request.id, key, options.ttl,
+            task.name, task.request.id, key, options.ttl,
         )  # fmt: skip
 
 

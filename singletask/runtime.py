@@ -111,12 +111,11 @@ def lock_options(task: Task[Any, Any]) -> LockOptions:
         ConfigurationError: The app's settings are invalid.
         TypeError: ``task`` is not a singleton task.
     """
-    options = task.__dict__.get("_singletask_lock_options")
+    options: LockOptions | None = task.__dict__.get("_singletask_lock_options")
     if options is None:
         declared = getattr(task, "_singletask_options", None)
         if not isinstance(declared, TaskOptions):
             raise TypeError(f"task {task.name!r} is not a singleton task")
         options = declared.resolve(task.name, app_state(task.app).settings)
         task.__dict__["_singletask_lock_options"] = options
-    assert isinstance(options, LockOptions)
     return options
