@@ -1,9 +1,9 @@
-"""Turn ``results.json`` into tables (Markdown and reStructuredText); the plot is in plot.py."""
+"""Turn ``results.json`` into tables and the Markdown report; publish.py lays them out for the
+docs page, plot.py draws them."""
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -267,57 +267,6 @@ def tables(results: dict[str, Any]) -> list[Table]:
     return out
 
 
-#: The docs' page is narrow: these tables are published there (``rst``) as several, each with
-#: the variant column and some of the others, by the title's start: (part's name, its columns).
-#: The Markdown tables stay whole.
-PAGE_PARTS: dict[str, list[tuple[str, list[str]]]] = {
-    "Lock overhead per execution": [
-        ("time", ["lock taken at", "µs per execution", "added µs over plain"]),
-        ("requests", ["round trips", "commands sent", "commands run in scripts"]),
-    ],
-    "Throughput of a prefork worker": [
-        ("rate", ["tasks/s", "of plain"]),
-        ("cost per task", ["µs per task in the pool process", "µs to publish one"]),
-    ],
-    "Duplicates of one key": [
-        (
-            "turned away in process",
-            ["µs to turn a duplicate away", "round trips", "duplicate raises"],
-        ),
-        (
-            "on a real worker",
-            [
-                "max overlap via delay() (bodies run of published)",
-                "max overlap via send_task() (bodies run of published)",
-            ],
-        ),
-    ],
-    "Scale": [
-        ("memory", ["bytes per held lock", "keys per held lock", "left per released lock"]),
-        ("speed", ["acquire+release /s while held", "same, empty database", "ratio"]),
-    ],
-}
-
-
-def page_parts(table: Table) -> list[Table]:
-    """``table`` as the docs' page shows it: whole, or in the parts :data:`PAGE_PARTS` says."""
-    title, header, rows = table
-    for start, parts in PAGE_PARTS.items():
-        if title.startswith(start):
-            out: list[Table] = []
-            for name, columns in parts:
-                picked = [0, *(header.index(column) for column in columns)]
-                out.append(
-                    (
-                        f"{title}: {name}",
-                        [header[i] for i in picked],
-                        [[row[i] for i in picked] for row in rows],
-                    )
-                )
-            return out
-    return [table]
-
-
 def summary_lines(results: dict[str, Any]) -> list[str]:
     """The target checks, as sentences."""
     lines = []
@@ -374,23 +323,6 @@ def _md_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) 
     return "\n".join(lines) + "\n"
 
 
-def _unbroken(text: str) -> str:
-    """``text`` with each figure kept on one line with its range and unit: a no-break space
-    before "(" and "%"/"s", a word joiner after the range's dash."""
-    text = re.sub(r"(\d) \((\d)", "\\1\u00a0(\\2", text)
-    text = re.sub(r"(\d)\u2013(\d)", "\\1\u2013\u2060\\2", text)
-    return re.sub(r"([\d)]) (%|s\b)", "\\1\u00a0\\2", text)
-
-
-def _rst_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = [f".. list-table:: {title}", "   :header-rows: 1", ""]
-    for row in [header, *rows]:
-        for index, cell in enumerate(row):
-            text = _unbroken(cell.replace("*", "\\*").replace("`", "\\`")) or " "
-            lines.append(f"   {'* -' if index == 0 else '  -'} {text}")
-    return "\n".join(lines) + "\n"
-
-
 def environment_lines(results: dict[str, Any]) -> list[str]:
     env = results["environment"]
     load = env["load_before"]
@@ -415,13 +347,4 @@ def markdown(results: dict[str, Any]) -> str:
         f"Cells show the median over rounds, with the interquartile range (p25{DASH}p75) in "
         f"parentheses, or the full range (min{DASH}max) when there are fewer than four rounds."
     )
-    return "\n".join(parts) + "\n"
-
-
-def rst(results: dict[str, Any]) -> str:
-    parts = [f"* {line}" for line in environment_lines(results)]
-    parts += [f"* {line}" for line in summary_lines(results)]
-    parts.append("")
-    for table in tables(results):
-        parts += [_rst_table(*part) for part in page_parts(table)]
     return "\n".join(parts) + "\n"
