@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Generic, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from ..exceptions import BackendTimeout, ConfigurationError
 from .base import Holder
@@ -43,6 +43,7 @@ __all__ = [
     "FENCE_RETENTION",
     "RECLAIM_BATCH",
     "RECLAIM_INTERVAL",
+    "TABLE_SCHEMES",
     "Pool",
     "SQLOptions",
     "check_table",
@@ -51,6 +52,11 @@ __all__ = [
     "load_holder",
     "split_url",
 ]
+
+#: URL schemes of the stores that keep locks in a table (setting ``singletask_backend_table``).
+TABLE_SCHEMES = frozenset(
+    {"postgresql", "postgres", "postgresql+psycopg", "mysql", "mariadb", "mysql+pymysql"}
+)
 
 #: The table used unless the ``table`` option (setting ``singletask_backend_table``) names one.
 DEFAULT_TABLE = "singletask_locks"
@@ -137,7 +143,7 @@ def split_url(url: str, options: Mapping[str, object]) -> tuple[str, SQLOptions]
             f"a SQL lock store takes {', '.join(_OWN_OPTIONS)}"
         )
     own.update(options)
-    return urlunsplit(parts._replace(query=urlencode(rest))), SQLOptions(**own)  # type: ignore[arg-type]
+    return urlunsplit(parts._replace(query=urlencode(rest, quote_via=quote))), SQLOptions(**own)  # type: ignore[arg-type]
 
 
 def dump_meta(meta: Mapping[str, str] | None) -> tuple[str, str | None]:
@@ -182,12 +188,16 @@ class Pool(Generic[C]):
         self._mutex = threading.Lock()
         self._pid = os.getpid()
         self._idle: list[C] = []
+        self._inherited: list[C] = []
         self._slots = threading.BoundedSemaphore(size)
         self.generation = 0  # bumped whenever the process (or close()) drops every connection
 
     def _own(self) -> None:
-        if self._pid != os.getpid():  # forked: forget the parent's connections
+        if self._pid != os.getpid():  # forked: leave the parent's connections alone
             self._pid = os.getpid()
+            # Kept referenced, never used: a driver finalising them here could end (or warn
+            # about) sessions that belong to the parent.
+            self._inherited.extend(self._idle)
             self._idle = []
             self._slots = threading.BoundedSemaphore(self._size)
             self._mutex = threading.Lock()

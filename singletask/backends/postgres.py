@@ -192,8 +192,9 @@ class PostgresBackend(LockBackend):
         params.setdefault("connect_timeout", max(2, round(options.timeout)))
         params.setdefault("application_name", "singletask")
         ms = int(options.timeout * 1000)
-        if "options" not in params:
-            params["options"] = f"-c statement_timeout={ms} -c lock_timeout={ms}"
+        # Bounded waits; the URL's own options come after, so they win.
+        own = f"-c statement_timeout={ms} -c lock_timeout={ms}"
+        params["options"] = f"{own} {params.get('options') or ''}".strip()
         self._conninfo = make_conninfo("", **params)
         self.table = options.table
         self.timeout = options.timeout
@@ -244,6 +245,8 @@ class PostgresBackend(LockBackend):
                     self._ready = (os.getpid(), self._pool.generation)
                 with conn.cursor() as cursor:
                     yield cursor
+                    if self._reclaimer.due():
+                        cursor.execute(self._q["reclaim"], {"limit": _sql.RECLAIM_BATCH})
         except psycopg.Error as exc:
             if isinstance(exc, psycopg.OperationalError):
                 self._pool.clear()  # the server went away: its other connections are dead too
@@ -257,10 +260,6 @@ class PostgresBackend(LockBackend):
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (lock_name,))
             conn.execute(self._q["schema"])
             conn.execute(self._q["index"])
-
-    def _reclaim(self, cursor: psycopg.Cursor[Any]) -> None:
-        if self._reclaimer.due():
-            cursor.execute(self._q["reclaim"], {"limit": _sql.RECLAIM_BATCH})
 
     def acquire(
         self,
@@ -278,7 +277,6 @@ class PostgresBackend(LockBackend):
                 {"key": key, "token": token, "task_id": task_id, "meta": stored, "ttl": ttl,
                  "keep": _sql.FENCE_RETENTION, "prefix": takeover_prefix or ""},
             ).fetchone()  # fmt: skip
-            self._reclaim(cursor)
         assert row is not None  # an upsert always returns its row
         holder, meta_text, fence, done, left = row
         if holder == token:
