@@ -2,8 +2,10 @@
 
 URL: ``postgresql://user:password@host:5432/dbname`` (also ``postgres://`` and
 ``postgresql+psycopg://``), with libpq's query options (``sslmode``, ``connect_timeout``, ...)
-and singletask's own: ``table`` (default ``singletask_locks``), ``pool_size`` (4) and
-``timeout`` (5 seconds). Needs ``pip install "singletask[postgres]"`` (psycopg 3).
+and singletask's own: ``table`` (default ``singletask_locks``), ``pool_size`` (4),
+``timeout`` (5 seconds) and ``prepare_threshold`` (psycopg's, default 5; ``none`` behind a
+PgBouncer in transaction mode older than 1.21).
+Needs ``pip install "singletask[postgres]"`` (psycopg 3).
 
 How it holds its guarantees (the table layout is in :mod:`singletask.backends._sql`):
 
@@ -26,6 +28,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
 from kombu.utils.url import maybe_sanitize_url
@@ -174,6 +177,8 @@ class PostgresBackend(LockBackend):
         pool_size: Most connections one process opens.
         timeout: Seconds allowed to connect, per statement (``statement_timeout``,
             ``lock_timeout``), and to wait for a free pooled connection.
+        prepare_threshold: psycopg's: executions of a statement before it is prepared on the
+            server; None never prepares (for PgBouncer in transaction mode before 1.21).
     """
 
     def __init__(
@@ -183,8 +188,10 @@ class PostgresBackend(LockBackend):
         table: str = _sql.DEFAULT_TABLE,
         pool_size: int = 4,
         timeout: float = 5.0,
+        prepare_threshold: int | None = 5,
     ) -> None:
         options = _sql.SQLOptions(table=table, pool_size=pool_size, timeout=timeout)
+        self._prepare_threshold = prepare_threshold
         try:
             params = conninfo_to_dict(conninfo)
         except psycopg.ProgrammingError as exc:
@@ -227,13 +234,32 @@ class PostgresBackend(LockBackend):
                 "postgresql://user:password@host:5432/dbname"
             )
         plain, own = _sql.split_url(f"postgresql://{rest}", options)
-        return cls(plain, table=own.table, pool_size=own.pool_size, timeout=own.timeout)
+        # psycopg's prepare_threshold is no libpq parameter: take it out of the query.
+        parts = urlsplit(plain)
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        given = [value for name, value in query if name == "prepare_threshold"]
+        rest_query = urlencode([q for q in query if q[0] != "prepare_threshold"], quote_via=quote)
+        threshold: int | None = 5
+        if given and given[-1].lower() == "none":
+            threshold = None
+        elif given and given[-1].isdigit():
+            threshold = int(given[-1])
+        elif given:
+            raise ConfigurationError(
+                f"URL option prepare_threshold={given[-1]!r}: expected a number or 'none'"
+            )
+        return cls(
+            urlunsplit(parts._replace(query=rest_query)), table=own.table,
+            pool_size=own.pool_size, timeout=own.timeout, prepare_threshold=threshold,
+        )  # fmt: skip
 
     def __repr__(self) -> str:
         return f"<PostgresBackend {self._display} table={self.table}>"
 
     def _connect(self) -> psycopg.Connection[Any]:
-        return psycopg.connect(self._conninfo, autocommit=True)
+        conn = psycopg.connect(self._conninfo, autocommit=True)
+        conn.prepare_threshold = self._prepare_threshold
+        return conn
 
     @contextmanager
     def _cursor(self, operation: str, key: str) -> Iterator[psycopg.Cursor[Any]]:
