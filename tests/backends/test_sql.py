@@ -9,6 +9,7 @@ or read-only, and the operator primitives (iter_locks, release_held_by, force_re
 from __future__ import annotations
 
 import multiprocessing
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -87,6 +88,39 @@ def test_urls_name_the_table_pool_and_timeout(sql_store: SqlStore, kind: str) ->
 def test_bad_options_are_refused_at_once(sql_store: SqlStore, option: dict[str, Any]) -> None:
     with pytest.raises(ConfigurationError):
         backend_from_url(sql_store[0], **option)
+
+
+def test_a_missing_driver_names_the_extra_to_install(
+    sql_store: SqlStore, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without its driver, a store fails at once with the pip command that installs it."""
+    # Given the driver cannot be imported (and the store's module is not loaded yet)
+    driver, module, extra = {
+        "postgresql": ("psycopg", "singletask.backends.postgres", "postgres"),
+        "mysql": ("pymysql", "singletask.backends.mysql", "mysql"),
+    }[kind]
+    monkeypatch.setitem(sys.modules, driver, None)
+    monkeypatch.delitem(sys.modules, module)
+
+    # When a backend is built / Then the error names the extra
+    with pytest.raises(ConfigurationError, match=rf"pip install 'singletask\[{extra}\]'"):
+        backend_from_url(sql_store[0])
+
+
+def test_postgres_prepare_threshold_option(sql_store: SqlStore, kind: str) -> None:
+    """prepare_threshold=none (for an old PgBouncer in transaction mode) is psycopg's, not
+    libpq's: it is taken out of the connection string and set on each connection."""
+    if kind != "postgresql":
+        pytest.skip("a PostgreSQL option")
+    url, table = sql_store
+    backend = backend_from_url(f"{url}?prepare_threshold=none", table=table)
+    for _ in range(8):  # more executions than psycopg's default threshold
+        assert backend.acquire("k", "t", 30).acquired
+    with backend._pool.connection() as conn:
+        assert conn.prepare_threshold is None
+    backend.close()
+    with pytest.raises(ConfigurationError, match="prepare_threshold"):
+        backend_from_url(f"{url}?prepare_threshold=often")
 
 
 def test_a_password_never_shows_in_errors_or_repr(sql_store: SqlStore, kind: str) -> None:
