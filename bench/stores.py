@@ -65,6 +65,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 STORES = ("redis", "postgresql", "postgresql-async", "mysql", "sqlite")
 
+#: The Redis database of the second (empty) Redis store of measurement 4.
+OTHER_DB = 3
+
 #: Stores whose backend takes no pool_size option.
 SERVERLESS = ("redis", "sqlite")
 
@@ -103,8 +106,17 @@ def _batch(run: Callable[[int], Any], first: int, count: int) -> float:
     return (time.perf_counter() - start) / count * 1e6
 
 
-def store_urls(server: RedisServer, workdir: Path, table: str) -> tuple[dict[str, str], dict]:
-    urls = {"redis": server.url(LOCK_DB), "sqlite": f"sqlite:///{workdir}/locks.db"}
+def store_urls(
+    server: RedisServer, workdir: Path, table: str, suffix: str = ""
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The URL of each store that answers, and why the others are left out.
+
+    ``suffix`` names a second, separate set of stores (another table, database or file).
+    """
+    urls = {
+        "redis": server.url(LOCK_DB if not suffix else OTHER_DB),
+        "sqlite": f"sqlite:///{workdir}/locks{suffix}.db",
+    }
     missing: dict[str, str] = {}
     for kind in ("postgresql", "mysql"):
         problem = sql_problem(kind)
@@ -112,10 +124,18 @@ def store_urls(server: RedisServer, workdir: Path, table: str) -> tuple[dict[str
             missing[kind] = problem
             log(f"stores: leaving out {kind}: {problem}")
         else:
-            urls[kind] = f"{SQL_URLS[kind]}?table={table}"
+            urls[kind] = f"{SQL_URLS[kind]}?table={table}{suffix}"
     if "postgresql" in urls:
-        urls["postgresql-async"] = f"{urls['postgresql']}&{ASYNC_COMMIT}"
+        urls["postgresql-async"] = (
+            f"{SQL_URLS['postgresql']}?table={table}_a{suffix}&{ASYNC_COMMIT}"
+        )
     return {k: urls[k] for k in STORES if k in urls}, missing
+
+
+def tables(table: str) -> list[tuple[str, str]]:
+    """Every ``(server, table)`` store_urls() may have named, for the clean-up."""
+    names = [f"{table}{suffix}" for suffix in ("", "_e", "_a", "_a_e")]
+    return [("postgresql", name) for name in names] + [("mysql", table), ("mysql", f"{table}_e")]
 
 
 def overhead(server: RedisServer, urls: dict[str, str], cfg: dict[str, Any]) -> dict[str, Any]:
@@ -210,43 +230,43 @@ def _hold(backend: Any, prefix: str, meta: dict[str, str], i: int) -> None:
     backend.acquire(f"{prefix}{i}", "h", 3600.0, meta=meta)
 
 
-def held_locks(urls: dict[str, str], cfg: dict[str, Any]) -> dict[str, Any]:
-    """Measurement 4: acquire+release of fresh keys, empty store vs ``held`` locks held."""
+def held_locks(
+    urls: dict[str, str], empty_urls: dict[str, str], cfg: dict[str, Any]
+) -> dict[str, Any]:
+    """Measurement 4: acquire of fresh keys, in a store holding ``held`` locks and in an empty
+    store of the same kind, alternately (so that both see the same moments of the machine)."""
     out: dict[str, Any] = {}
     run = uuid.uuid4().hex[:8]
+    meta = {"task_id": "bench", "task": "bench.held", "hostname": "bench", "pid": "1"}
     for kind, url in urls.items():
-        backend = backend_from_url(url)
-        meta = {"task_id": "bench", "task": "bench.held", "hostname": "bench", "pid": "1"}
-
-        def cycle(
-            i: int, backend: Any = backend, meta: dict[str, str] = meta, kind: str = kind
-        ) -> float:
-            key, token = f"bench:{kind}:{run}:free:{i}", f"t{i}"
-            start = time.perf_counter()
-            backend.acquire(key, token, 60.0, meta=meta)
-            acquired = time.perf_counter()
-            backend.release(key, token)
-            return (acquired - start) * 1e6
-
-        cycle(-1)
-        empty = [cycle(i) for i in range(cfg["cycles"])]
+        held_store, empty_store = backend_from_url(url), backend_from_url(empty_urls[kind])
         # Filled by 8 threads (the SQL stores commit each acquire: 8 at once share a flush).
-        filler = backend_from_url(url, pool_size=8) if kind not in SERVERLESS else backend
+        filler = backend_from_url(url, pool_size=8) if kind not in SERVERLESS else held_store
         start = time.perf_counter()
         with ThreadPoolExecutor(8) as pool:
             prefix = f"bench:{kind}:{run}:held:"
             list(pool.map(partial(_hold, filler, prefix, meta), range(cfg["held"])))
         fill_rate = cfg["held"] / (time.perf_counter() - start)
-        held = [cycle(i) for i in range(cfg["cycles"], 2 * cfg["cycles"])]
-        # The held locks stay: the Redis server is stopped and the SQL table dropped at the end.
-        if filler is not backend:
+        if filler is not held_store:
             filler.close()
-        backend.close()
+        timings: dict[str, list[float]] = {"empty": [], "held": []}
+        for i in range(-1, cfg["cycles"]):
+            for name, backend in (("empty", empty_store), ("held", held_store)):
+                key, token = f"bench:{kind}:{run}:free:{i}", f"t{i}"
+                begin = time.perf_counter()
+                backend.acquire(key, token, 60.0, meta=meta)
+                if i >= 0:  # the first cycle connects and creates the table
+                    timings[name].append((time.perf_counter() - begin) * 1e6)
+                backend.release(key, token)
+        # The held locks stay: the Redis server is stopped and the SQL tables dropped at the end.
+        held_store.close()
+        empty_store.close()
+        empty, held = timings["empty"], timings["held"]
         out[kind] = {
             "acquire_us_empty": quantile(empty, 0.5),
             "acquire_us_held": quantile(held, 0.5),
             "acquire_us_held_p90": quantile(held, 0.9),
-            "held_vs_empty": quantile(held, 0.5) / quantile(empty, 0.5),
+            "held_vs_empty": summary(h / e for h, e in zip(held, empty, strict=True)),
             "acquires_per_second_filling": fill_rate,
         }
         log(f"stores: {kind}: acquire {out[kind]['acquire_us_empty']:.0f}us empty, "
@@ -304,13 +324,13 @@ def main(argv: list[str]) -> int:
                 "machine": {"cpus": os.cpu_count(), "load": os.getloadavg()},
                 "overhead": overhead(server, urls, cfg),
                 "throughput": worker_throughput(server, urls, cfg, workdir),
-                "held": held_locks(urls, cfg),
+                "held": held_locks(urls, store_urls(server, workdir, table, "_e")[0], cfg),
             }
         finally:
             server.stop()
-            for kind in ("postgresql", "mysql"):
+            for kind, name in tables(table):
                 if kind in urls:
-                    drop_sql_table(kind, table)
+                    drop_sql_table(kind, name)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "stores.json").write_text(json.dumps(results, indent=2) + "\n")
     (args.out / "stores.rst").write_text(rst(results))

@@ -304,6 +304,28 @@ def test_an_acquire_is_committed_when_it_returns(
     assert (token.decode() if isinstance(token, bytes) else token) == "tok"
 
 
+def test_sessions_are_autocommit_and_read_committed(kind: str, store: Any) -> None:
+    """The isolation level and commit mode the docs state are the ones the sessions run."""
+    import pymysql
+
+    assert store.acquire("k", "t", 30).acquired
+    with store._pool.connection() as conn:
+        if kind == "postgresql":
+            assert conn.autocommit is True
+            level = conn.execute("SHOW transaction_isolation").fetchone()[0]
+        else:
+            assert conn.get_autocommit() is True
+            with conn.cursor() as cursor:
+                # MySQL 8 and MariaDB 11.1+ call it transaction_isolation, older MariaDB only
+                # tx_isolation.
+                try:
+                    cursor.execute("SELECT @@session.transaction_isolation")
+                except pymysql.MySQLError:
+                    cursor.execute("SELECT @@session.tx_isolation")
+                level = cursor.fetchone()[0]
+    assert level.lower().replace("-", " ") == "read committed"
+
+
 def test_leases_follow_the_database_clock_not_the_workers(store: Any) -> None:
     """Two workers whose clocks are an hour apart (either way) still exclude each other, and
     each sees the lease the database counts."""
