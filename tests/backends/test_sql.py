@@ -107,22 +107,6 @@ def test_a_missing_driver_names_the_extra_to_install(
         backend_from_url(sql_store[0])
 
 
-def test_postgres_prepare_threshold_option(sql_store: SqlStore, kind: str) -> None:
-    """prepare_threshold=none (for an old PgBouncer in transaction mode) is psycopg's, not
-    libpq's: it is taken out of the connection string and set on each connection."""
-    if kind != "postgresql":
-        pytest.skip("a PostgreSQL option")
-    url, table = sql_store
-    backend = backend_from_url(f"{url}?prepare_threshold=none", table=table)
-    for _ in range(8):  # more executions than psycopg's default threshold
-        assert backend.acquire("k", "t", 30).acquired
-    with backend._pool.connection() as conn:
-        assert conn.prepare_threshold is None
-    backend.close()
-    with pytest.raises(ConfigurationError, match="prepare_threshold"):
-        backend_from_url(f"{url}?prepare_threshold=often")
-
-
 def test_a_password_never_shows_in_errors_or_repr(sql_store: SqlStore, kind: str) -> None:
     """A server that does not answer is BackendUnavailable, the driver error chained, the
     password masked."""
