@@ -205,7 +205,14 @@ class Pool(Generic[C]):
 
     @contextmanager
     def connection(self) -> Iterator[C]:
-        """Lend a connection for one operation.
+        """Lend a connection for one operation (see :meth:`checkout`)."""
+        with self.checkout() as (conn, _):
+            yield conn
+
+    @contextmanager
+    def checkout(self) -> Iterator[tuple[C, bool]]:
+        """Lend a connection for one operation, and whether it was used before (an idle
+        connection can have been closed by the server meanwhile; a new one cannot).
 
         Raises:
             BackendTimeout: Every connection stayed busy for ``timeout`` seconds.
@@ -220,10 +227,11 @@ class Pool(Generic[C]):
         try:
             with self._mutex:
                 conn = self._idle.pop() if self._idle else None
+            reused = conn is not None
             if conn is None:
                 conn = self._connect()
             try:
-                yield conn
+                yield conn, reused
             except BaseException:
                 self._discard(conn)
                 raise

@@ -288,22 +288,31 @@ class MySQLBackend(LockBackend):
         return conn
 
     def _run(self, operation: str, key: str, work: Callable[[pymysql.cursors.Cursor], T]) -> T:
-        """Run ``work`` on a pooled connection; driver errors become singletask's here."""
-        for attempt in range(_RETRIES):
+        """Run ``work`` on a pooled connection: the boundary where driver errors become
+        singletask's. A script InnoDB aborted as a deadlock victim committed nothing and is sent
+        again; a pooled connection that turns out to be dead (the server closed it while it was
+        idle, ``wait_timeout``, or restarted) is replaced and ``work`` runs once more: every
+        operation is safe to repeat (see the docs)."""
+        deadlocks, stale_retried = 0, False
+        while True:
+            reused = False
             try:
-                with self._pool.connection() as conn, conn.cursor() as cursor:
+                with self._pool.checkout() as (conn, reused), conn.cursor() as cursor:
                     result = work(cursor)
                     if self._reclaimer.due():
                         cursor.execute(self._q["reclaim"], {"limit": _sql.RECLAIM_BATCH})
                     return result
             except pymysql.MySQLError as exc:
-                if exc.args and exc.args[0] == _DEADLOCK and attempt + 1 < _RETRIES:
+                if exc.args and exc.args[0] == _DEADLOCK and deadlocks + 1 < _RETRIES:
+                    deadlocks += 1
                     continue  # rolled back whole: nothing of it was committed
                 error = _error_class(exc)
                 if error is BackendUnavailable:
                     self._pool.clear()  # the server went away: its other connections are dead
+                    if reused and not stale_retried:
+                        stale_retried = True
+                        continue
                 raise error(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
-        raise AssertionError("unreachable")  # pragma: no cover
 
     def acquire(
         self,

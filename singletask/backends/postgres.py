@@ -25,9 +25,8 @@ How it holds its guarantees (the table layout is in :mod:`singletask.backends._s
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
@@ -40,6 +39,8 @@ from . import _sql
 from .base import AcquireResult, Holder, LockBackend
 
 __all__ = ["PostgresBackend"]
+
+T = TypeVar("T")
 
 #: Created on first use. ``key`` sorts bytewise (COLLATE "C") so prefix scans use its index.
 _SCHEMA = """
@@ -261,22 +262,33 @@ class PostgresBackend(LockBackend):
         conn.prepare_threshold = self._prepare_threshold
         return conn
 
-    @contextmanager
-    def _cursor(self, operation: str, key: str) -> Iterator[psycopg.Cursor[Any]]:
-        """A cursor on a pooled connection; driver errors become singletask's here."""
-        try:
-            with self._pool.connection() as conn:
-                if self._ready != (os.getpid(), self._pool.generation):
-                    self._create_table(conn)
-                    self._ready = (os.getpid(), self._pool.generation)
-                with conn.cursor() as cursor:
-                    yield cursor
-                    if self._reclaimer.due():
-                        cursor.execute(self._q["reclaim"], {"limit": _sql.RECLAIM_BATCH})
-        except psycopg.Error as exc:
-            if isinstance(exc, psycopg.OperationalError):
-                self._pool.clear()  # the server went away: its other connections are dead too
-            raise _error_class(exc)(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
+    def _run(self, operation: str, key: str, work: Callable[[psycopg.Cursor[Any]], T]) -> T:
+        """Run ``work`` with a cursor of a pooled connection: the boundary where driver errors
+        become singletask's. A pooled connection that turns out to be dead (the server closed
+        it while it was idle, or restarted) is replaced and ``work`` runs once more: every
+        operation is safe to repeat (see the docs)."""
+        for attempt in (1, 2):
+            try:
+                with self._pool.checkout() as (conn, reused):
+                    try:
+                        if self._ready != (os.getpid(), self._pool.generation):
+                            self._create_table(conn)
+                            self._ready = (os.getpid(), self._pool.generation)
+                        with conn.cursor() as cursor:
+                            result = work(cursor)
+                            if self._reclaimer.due():
+                                cursor.execute(self._q["reclaim"], {"limit": _sql.RECLAIM_BATCH})
+                            return result
+                    except psycopg.Error as exc:
+                        error = _error_class(exc)
+                        if error is BackendUnavailable:
+                            self._pool.clear()  # the server went away: the others are dead too
+                            if reused and attempt == 1:
+                                continue
+                        raise error(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
+            except psycopg.Error as exc:  # connecting failed
+                raise _error_class(exc)(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _create_table(self, conn: psycopg.Connection[Any]) -> None:
         # CREATE TABLE IF NOT EXISTS alone can fail when two sessions race to create the same
@@ -297,12 +309,11 @@ class PostgresBackend(LockBackend):
         takeover_prefix: str | None = None,
     ) -> AcquireResult:
         stored, task_id = _sql.dump_meta(meta)
-        with self._cursor("acquire", key) as cursor:
-            row = cursor.execute(
-                self._q["acquire"],
-                {"key": key, "token": token, "task_id": task_id, "meta": stored, "ttl": ttl,
-                 "keep": _sql.FENCE_RETENTION, "prefix": takeover_prefix or ""},
-            ).fetchone()  # fmt: skip
+        args = {
+            "key": key, "token": token, "task_id": task_id, "meta": stored, "ttl": ttl,
+            "keep": _sql.FENCE_RETENTION, "prefix": takeover_prefix or "",
+        }  # fmt: skip
+        row = self._run("acquire", key, lambda c: c.execute(self._q["acquire"], args).fetchone())
         assert row is not None  # an upsert always returns its row
         holder, meta_text, fence, done, left = row
         if holder == token:
@@ -310,53 +321,46 @@ class PostgresBackend(LockBackend):
         return AcquireResult(False, _sql.load_holder(holder, meta_text, left, fence))
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
-        with self._cursor("release", key) as cursor:
-            cursor.execute(self._q["release"], {"key": key, "token": token, "done": completed})
-            return cursor.rowcount > 0
+        args = {"key": key, "token": token, "done": completed}
+        return self._run("release", key, lambda c: c.execute(self._q["release"], args).rowcount > 0)
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
-        with self._cursor("extend", key) as cursor:
-            cursor.execute(
-                self._q["extend"],
-                {"key": key, "token": token, "ttl": ttl, "keep": _sql.FENCE_RETENTION},
-            )
-            return cursor.rowcount > 0
+        args = {"key": key, "token": token, "ttl": ttl, "keep": _sql.FENCE_RETENTION}
+        return self._run("extend", key, lambda c: c.execute(self._q["extend"], args).rowcount > 0)
 
     def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool]:
         if not leases:
             return []
         keys, tokens, ttls = (list(column) for column in zip(*leases, strict=True))
-        with self._cursor("extend", f"{len(leases)} locks") as cursor:
-            renewed = set(
-                cursor.execute(
-                    self._q["extend_many"],
-                    {
-                        "keys": keys,
-                        "tokens": tokens,
-                        "ttls": [float(t) for t in ttls],
-                        "keep": _sql.FENCE_RETENTION,
-                    },
-                ).fetchall()
-            )
+        args = {
+            "keys": keys, "tokens": tokens, "ttls": [float(t) for t in ttls],
+            "keep": _sql.FENCE_RETENTION,
+        }  # fmt: skip
+        rows = self._run(
+            "extend", f"{len(leases)} locks",
+            lambda c: c.execute(self._q["extend_many"], args).fetchall(),
+        )  # fmt: skip
+        renewed = set(rows)
         return [(key, token) in renewed for key, token, _ in leases]
 
     def claim_next(self, key: str, task_id: str, ttl: float) -> str:
-        with self._cursor("claim_next", key) as cursor:
-            row = cursor.execute(
-                self._q["claim_next"],
-                {"key": key, "task_id": task_id, "ttl": ttl, "keep": _sql.FENCE_RETENTION},
-            ).fetchone()
+        args = {"key": key, "task_id": task_id, "ttl": ttl, "keep": _sql.FENCE_RETENTION}
+        row = self._run(
+            "claim_next", key, lambda c: c.execute(self._q["claim_next"], args).fetchone()
+        )
         assert row is not None
         return str(row[0])
 
     def clear_next(self, key: str, task_id: str) -> bool:
-        with self._cursor("clear_next", key) as cursor:
-            cursor.execute(self._q["clear_next"], {"key": key, "task_id": task_id})
-            return cursor.rowcount > 0
+        args = {"key": key, "task_id": task_id}
+        return self._run(
+            "clear_next", key, lambda c: c.execute(self._q["clear_next"], args).rowcount > 0
+        )
 
     def holder(self, key: str) -> Holder | None:
-        with self._cursor("inspect", key) as cursor:
-            row = cursor.execute(self._q["holder"], {"key": key}).fetchone()
+        row = self._run(
+            "inspect", key, lambda c: c.execute(self._q["holder"], {"key": key}).fetchone()
+        )
         return None if row is None else _sql.load_holder(row[0], row[1], row[3], row[2])
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
@@ -364,11 +368,12 @@ class PostgresBackend(LockBackend):
         order (each page one indexed range scan)."""
         after = ""
         while True:
-            with self._cursor("list", prefix) as cursor:
-                rows = cursor.execute(
-                    self._q["iter"],
-                    {"pattern": _sql.like_prefix(prefix), "after": after, "limit": page_size},
-                ).fetchall()
+            args = {"pattern": _sql.like_prefix(prefix), "after": after, "limit": page_size}
+
+            def page(cursor: psycopg.Cursor[Any], args: dict[str, Any] = args) -> list[Any]:
+                return cursor.execute(self._q["iter"], args).fetchall()
+
+            rows = self._run("list", prefix, page)
             for key, token, meta, fence, left in rows:
                 yield key, _sql.load_holder(token, meta, left, fence)
             if len(rows) < page_size:
@@ -382,10 +387,10 @@ class PostgresBackend(LockBackend):
         return self._release_holder("force_release", key, None)
 
     def _release_holder(self, operation: str, key: str, task_id: str | None) -> Holder | None:
-        with self._cursor(operation, key) as cursor:
-            row = cursor.execute(
-                self._q["release_holder"], {"key": key, "task_id": task_id}
-            ).fetchone()
+        args = {"key": key, "task_id": task_id}
+        row = self._run(
+            operation, key, lambda c: c.execute(self._q["release_holder"], args).fetchone()
+        )
         return None if row is None else _sql.load_holder(row[0], row[1], row[3], row[2])
 
     def close(self) -> None:

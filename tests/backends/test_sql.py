@@ -345,6 +345,27 @@ def test_a_forked_process_opens_its_own_connections(sql_store: SqlStore, store: 
     assert store.extend("parent", "p", 30)
 
 
+def test_a_pooled_connection_the_server_closed_is_replaced_without_an_error(
+    kind: str, store: Any
+) -> None:
+    """A server that ends an idle session (MySQL ``wait_timeout``, a restart, an idle-session
+    killer) does not fail the next operation: the dead connection is replaced once."""
+    # Given a backend whose pooled connection the server has ended while it was idle
+    assert store.acquire("k", "t", 30).acquired
+    with store._pool.connection() as conn:
+        session = conn.info.backend_pid if kind == "postgresql" else conn.thread_id()
+    if kind == "postgresql":
+        run_sql(kind, f"SELECT pg_terminate_backend({session})")
+    else:
+        run_sql(kind, f"KILL {session}")
+    time.sleep(0.2)
+
+    # When it is used again / Then the operation succeeds, on a new session
+    assert store.extend("k", "t", 30)
+    with store._pool.connection() as conn:
+        assert (conn.info.backend_pid if kind == "postgresql" else conn.thread_id()) != session
+
+
 def test_a_read_only_database_gives_backend_error(
     sql_store: SqlStore, kind: str, store: Any
 ) -> None:
