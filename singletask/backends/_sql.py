@@ -259,17 +259,19 @@ class Pool(Generic[C]):
 
 
 class Reclaimer:
-    """Decides when this process deletes a batch of expired rows: at most every ``interval``."""
+    """Decides when this process deletes a batch of expired rows: at most every ``interval``.
+
+    No lock: two threads may both sweep now and then, which is harmless, and a forked child
+    can never inherit a lock held by a thread of its parent.
+    """
 
     def __init__(self, interval: float = RECLAIM_INTERVAL) -> None:
         self._interval = interval
         self._next = 0.0
-        self._mutex = threading.Lock()
 
     def due(self) -> bool:
         now = time.monotonic()
-        with self._mutex:
-            if now < self._next:
-                return False
-            self._next = now + self._interval
-            return True
+        if now < self._next:
+            return False
+        self._next = now + self._interval
+        return True
