@@ -26,6 +26,7 @@ How it holds its guarantees (the table layout is in :mod:`singletask.backends._s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -41,6 +42,8 @@ from .base import AcquireResult, Holder, LockBackend
 __all__ = ["MySQLBackend"]
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS {table} (
@@ -279,9 +282,17 @@ class MySQLBackend(LockBackend):
         try:
             with conn.cursor() as cursor:
                 _script(cursor, _SESSION, {"wait": max(1, round(self.timeout))})
-                # Created on a connection's first use: cheap when it exists, and MySQL's
-                # metadata lock makes racing CREATE TABLE IF NOT EXISTS safe.
-                _script(cursor, self._q["schema"], {})
+                # Created on a connection's first use, if missing (looked up first: CREATE
+                # TABLE IF NOT EXISTS needs the CREATE privilege even when the table exists).
+                # MySQL's metadata lock makes racing CREATE TABLE IF NOT EXISTS safe.
+                schema, _, name = self.table.rpartition(".")
+                cursor.execute(
+                    "SELECT 1 FROM information_schema.tables "
+                    "WHERE table_schema = COALESCE(%s, DATABASE()) AND table_name = %s",
+                    (schema or None, name),
+                )
+                if cursor.fetchone() is None:
+                    _script(cursor, self._q["schema"], {})
         except BaseException:
             conn.close()
             raise
@@ -300,7 +311,7 @@ class MySQLBackend(LockBackend):
                 with self._pool.checkout() as (conn, reused), conn.cursor() as cursor:
                     result = work(cursor)
                     if self._reclaimer.due():
-                        cursor.execute(self._q["reclaim"], {"limit": _sql.RECLAIM_BATCH})
+                        self._reclaim(cursor)
                     return result
             except pymysql.MySQLError as exc:
                 if exc.args and exc.args[0] == _DEADLOCK and deadlocks + 1 < _RETRIES:
@@ -313,6 +324,14 @@ class MySQLBackend(LockBackend):
                         stale_retried = True
                         continue
                 raise error(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
+
+    def _reclaim(self, cursor: pymysql.cursors.Cursor) -> None:
+        """Delete a batch of expired rows; a failure (a read-only database) only logs: the
+        operation it follows has succeeded."""
+        try:
+            cursor.execute(self._q["reclaim"], {"limit": _sql.RECLAIM_BATCH})
+        except pymysql.MySQLError as exc:
+            logger.warning("%r: could not delete expired rows: %s", self, exc)
 
     def acquire(
         self,

@@ -24,6 +24,7 @@ How it holds its guarantees (the table layout is in :mod:`singletask.backends._s
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
@@ -41,6 +42,8 @@ from .base import AcquireResult, Holder, LockBackend
 __all__ = ["PostgresBackend"]
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 #: Created on first use. ``key`` sorts bytewise (COLLATE "C") so prefix scans use its index.
 _SCHEMA = """
@@ -277,7 +280,7 @@ class PostgresBackend(LockBackend):
                         with conn.cursor() as cursor:
                             result = work(cursor)
                             if self._reclaimer.due():
-                                cursor.execute(self._q["reclaim"], {"limit": _sql.RECLAIM_BATCH})
+                                self._reclaim(cursor)
                             return result
                     except psycopg.Error as exc:
                         error = _error_class(exc)
@@ -291,6 +294,10 @@ class PostgresBackend(LockBackend):
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _create_table(self, conn: psycopg.Connection[Any]) -> None:
+        # Looked up first: CREATE ... IF NOT EXISTS needs the CREATE privilege even when the
+        # table exists, and a user may have only been given the table.
+        if conn.execute("SELECT to_regclass(%s) IS NOT NULL", (self.table,)).fetchone() == (True,):
+            return
         # CREATE TABLE IF NOT EXISTS alone can fail when two sessions race to create the same
         # table (a unique violation in the catalog): an advisory lock serialises them.
         with conn.transaction():
@@ -298,6 +305,14 @@ class PostgresBackend(LockBackend):
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (lock_name,))
             conn.execute(self._q["schema"])
             conn.execute(self._q["index"])
+
+    def _reclaim(self, cursor: psycopg.Cursor[Any]) -> None:
+        """Delete a batch of expired rows; a failure (a read-only database) only logs: the
+        operation it follows has succeeded."""
+        try:
+            cursor.execute(self._q["reclaim"], {"limit": _sql.RECLAIM_BATCH})
+        except psycopg.Error as exc:
+            logger.warning("%r: could not delete expired rows: %s", self, exc)
 
     def acquire(
         self,

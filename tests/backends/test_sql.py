@@ -382,6 +382,12 @@ def test_a_read_only_database_gives_backend_error(
         read_only = backend_from_url(url, table=table)
         read_only._connect_args["init_command"] = "SET SESSION TRANSACTION READ ONLY"
 
+    # When the lock made before is read there, Then it is found (the table exists, so nothing
+    # tries to create it: a read-only user or replica can inspect locks)
+    held = read_only.holder("k")
+    assert held is not None
+    assert held.token == "t"
+
     # When a lock is acquired there
     with pytest.raises(BackendError) as info:
         read_only.acquire("other", "t", 30)
