@@ -3,7 +3,8 @@
 URL: ``mysql://user:password@host:3306/dbname`` (also ``mariadb://`` and ``mysql+pymysql://``),
 with the query options ``unix_socket``, ``ssl_ca``, ``ssl_cert``, ``ssl_key`` and singletask's
 own: ``table`` (default ``singletask_locks``), ``pool_size`` (4) and ``timeout`` (5 seconds).
-Needs ``pip install "singletask[mysql]"`` (PyMySQL). Runs on MySQL 8 and MariaDB 10.5+.
+Needs ``pip install "singletask[mysql]"`` (PyMySQL). Written for MySQL 5.7+ and MariaDB
+10.3+ (InnoDB); tested on MariaDB.
 
 How it holds its guarantees (the table layout is in :mod:`singletask.backends._sql`):
 
