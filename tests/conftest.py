@@ -15,7 +15,7 @@ from singletask.backends.memory import MemoryBackend
 from singletask.backends.redis import RedisBackend
 from singletask.backends.sqlite import SQLiteBackend
 
-from .servers import SQL_URLS, drop_sql_table, private_redis, sql_problem, sql_table, unavailable
+from .servers import SQL_URLS, private_redis, sql_test_table, unavailable
 
 _redis_failure: list[str] = []
 
@@ -60,13 +60,8 @@ def key_prefix() -> str:
 def sql_store(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
     """``(url, table)`` of a fresh table of the SQL server named by the test's parameter
     (``postgresql`` or ``mysql``), dropped after the test."""
-    kind = request.param
-    problem = sql_problem(kind)
-    if problem:
-        unavailable(problem)
-    table = sql_table()
-    yield SQL_URLS[kind], table
-    drop_sql_table(kind, table)
+    with sql_test_table(request.param) as table:
+        yield SQL_URLS[request.param], table
 
 
 @pytest.fixture(params=["memory", "redis", "redis-client", "sqlite", "postgresql", "mysql"])
@@ -79,14 +74,10 @@ def backend(request: pytest.FixtureRequest) -> Iterator[LockBackend]:
     """
     client: redis.Redis | None = None
     if request.param in SQL_URLS:
-        problem = sql_problem(request.param)
-        if problem:
-            unavailable(problem)
-        table = sql_table()
-        instance = backend_from_url(SQL_URLS[request.param], table=table)
-        yield instance
-        instance.close()
-        drop_sql_table(request.param, table)
+        with sql_test_table(request.param) as table:
+            instance = backend_from_url(SQL_URLS[request.param], table=table)
+            yield instance
+            instance.close()
         return
     if request.param == "memory":
         instance: LockBackend = MemoryBackend()

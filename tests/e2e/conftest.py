@@ -28,7 +28,7 @@ import pytest
 import redis
 from celery import Celery
 
-from ..servers import SQL_URLS, amqp_url, drop_sql_table, sql_problem, sql_table, unavailable
+from ..servers import SQL_URLS, amqp_url, sql_test_table, unavailable
 from .app import TASK_MODULES, make_app
 from .probe import PROBE_URL_ENV, Probe
 
@@ -40,14 +40,8 @@ CONCURRENCY = 2
 @contextlib.contextmanager
 def sql_lock_store(kind: str) -> Iterator[str]:
     """The URL of a table of its own on the machine's ``kind`` SQL server, dropped after."""
-    problem = sql_problem(kind)
-    if problem:
-        unavailable(problem)
-    table = sql_table()
-    try:
+    with sql_test_table(kind) as table:
         yield f"{SQL_URLS[kind]}?table={table}"
-    finally:
-        drop_sql_table(kind, table)
 
 
 #: The lock stores besides Redis that test_stores.py runs its end-to-end scenarios on: name ->
