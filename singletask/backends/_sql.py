@@ -102,11 +102,11 @@ class SQLOptions:
 
     def __init__(self, *, table: str = DEFAULT_TABLE, pool_size: int = 4, timeout: float = 5.0):
         self.table = check_table(table)
-        if not isinstance(pool_size, int) or pool_size < 1:
+        if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
             raise ConfigurationError(
                 f"option pool_size: expected an integer >= 1, got {pool_size!r}"
             )
-        if not isinstance(timeout, int | float) or not timeout > 0:
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             raise ConfigurationError(f"option timeout: expected seconds > 0, got {timeout!r}")
         self.pool_size = pool_size
         self.timeout = float(timeout)
