@@ -7,6 +7,7 @@ task attribute of the same name without the prefix; a task attribute always wins
 setting                              default               meaning
 ===================================  ====================  ====================================
 ``singletask_backend_url``           the broker, if Redis  where locks live
+``singletask_backend_table``         ``None``              table of a SQL lock store
 ``singletask_key_prefix``            ``"singletask:"``     prefix of every lock key
 ``singletask_lock_policy``           ``"skip"``            ``"skip"``, ``"retry"``, ``"raise"``
 ``singletask_lock_scope``            ``"execution"``       also ``"queue"`` or ``"coalesce"``
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from kombu.utils.url import maybe_sanitize_url
 
+from .backends._sql import TABLE_SCHEMES, check_table
 from .exceptions import ConfigurationError
 
 if TYPE_CHECKING:
@@ -67,6 +69,7 @@ BACKEND_ERROR_POLICIES: Final = ("retry", "run")
 #: Library defaults of the settings, by setting name.
 DEFAULTS: Final[dict[str, Any]] = {
     "singletask_backend_url": None,
+    "singletask_backend_table": None,
     "singletask_key_prefix": "singletask:",
     "singletask_lock_policy": "skip",
     "singletask_lock_scope": "execution",
@@ -157,6 +160,11 @@ class Settings:
     lock_retry_max: int
     lock_on_backend_error: str
     lock_backend_retry_max: int
+    backend_table: str | None = None
+
+    def backend_options(self) -> dict[str, Any]:
+        """Keyword options for :func:`~singletask.backends.backend_from_url` from the settings."""
+        return {} if self.backend_table is None else {"table": self.backend_table}
 
     @classmethod
     def from_app(cls, app: Celery) -> Settings:
@@ -174,8 +182,9 @@ class Settings:
             raise ConfigurationError(
                 f"setting singletask_key_prefix: expected a string, got {prefix!r}"
             )
+        backend_url = _backend_url(app)
         return cls(
-            backend_url=_backend_url(app),
+            backend_url=backend_url,
             key_prefix=prefix,
             lock_policy=setting("singletask_lock_policy", check_policy),
             lock_scope=setting("singletask_lock_scope", check_scope),
@@ -194,7 +203,21 @@ class Settings:
                 "singletask_lock_on_backend_error", check_backend_error_policy
             ),
             lock_backend_retry_max=setting("singletask_lock_backend_retry_max", check_count),
+            backend_table=_backend_table(app, backend_url),
         )
+
+
+def _backend_table(app: Celery, backend_url: str) -> str | None:
+    table = _lookup(app, "singletask_backend_table")
+    if table is None:
+        return None
+    scheme = backend_url.split("://", 1)[0].lower()
+    if scheme not in TABLE_SCHEMES:
+        raise ConfigurationError(
+            f"setting singletask_backend_table: the lock store {scheme}:// has no table; the "
+            f"setting applies to {', '.join(f'{s}://' for s in sorted(TABLE_SCHEMES))} only"
+        )
+    return check_table(table, "setting singletask_backend_table")
 
 
 def _backend_url(app: Celery) -> str:

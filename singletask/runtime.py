@@ -62,7 +62,10 @@ class AppState:
         if self._backend is None or self._pid != pid:
             with self._mutex:
                 if self._backend is None or self._pid != pid:
-                    self._backend = backend_from_url(self.settings.backend_url)
+                    settings = self.settings
+                    self._backend = backend_from_url(
+                        settings.backend_url, **settings.backend_options()
+                    )
                     self._renewer = Renewer(self._backend)
                     self._pid = pid
         return self._backend

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import redis
 
+from singletask.backends import backend_from_url
 from singletask.backends.base import LockBackend
 from singletask.backends.memory import MemoryBackend
 from singletask.backends.redis import RedisBackend
 from singletask.backends.sqlite import SQLiteBackend
 
-from .servers import private_redis, unavailable
+from .servers import SQL_URLS, private_redis, sql_test_table, unavailable
 
 _redis_failure: list[str] = []
 
@@ -55,14 +56,29 @@ def key_prefix() -> str:
     return f"test:{uuid.uuid4().hex[:12]}:"
 
 
-@pytest.fixture(params=["memory", "redis", "redis-client", "sqlite"])
+@pytest.fixture
+def sql_store(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    """``(url, table)`` of a fresh table of the SQL server named by the test's parameter
+    (``postgresql`` or ``mysql``), dropped after the test."""
+    with sql_test_table(request.param) as table:
+        yield SQL_URLS[request.param], table
+
+
+@pytest.fixture(params=["memory", "redis", "redis-client", "sqlite", "postgresql", "mysql"])
 def backend(request: pytest.FixtureRequest) -> Iterator[LockBackend]:
     """Every backend, for the contract suite.
 
     ``redis`` is built from a URL (it sends its scripts on connections of its own);
-    ``redis-client`` is given a ready client (it calls that client's methods).
+    ``redis-client`` is given a ready client (it calls that client's methods);
+    ``postgresql`` and ``mysql`` use a table of their own on the machine's servers.
     """
     client: redis.Redis | None = None
+    if request.param in SQL_URLS:
+        with sql_test_table(request.param) as table:
+            instance = backend_from_url(SQL_URLS[request.param], table=table)
+            yield instance
+            instance.close()
+        return
     if request.param == "memory":
         instance: LockBackend = MemoryBackend()
     elif request.param == "sqlite":

@@ -131,3 +131,80 @@ def private_redis(workdir: Path) -> Iterator[str]:
 
 def amqp_url() -> str | None:
     return os.environ.get("SINGLETASK_TEST_AMQP_URL") or None
+
+
+#: The SQL servers of this machine and CI (override with SINGLETASK_TEST_POSTGRES_URL /
+#: SINGLETASK_TEST_MYSQL_URL). Tests use tables of their own there, and drop only those.
+SQL_URLS = {
+    "postgresql": os.environ.get(
+        "SINGLETASK_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
+    ),
+    "mysql": os.environ.get("SINGLETASK_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test"),
+}
+
+
+def sql_problem(kind: str) -> str | None:
+    """Why the ``kind`` SQL server ("postgresql" or "mysql") cannot be used, or None if it can."""
+    url = SQL_URLS[kind]
+    try:
+        if kind == "postgresql":
+            import psycopg
+
+            psycopg.connect(url, connect_timeout=3).close()
+        else:
+            import pymysql
+
+            from singletask.backends.mysql import MySQLBackend
+
+            args = MySQLBackend.from_url(url)._connect_args
+            pymysql.connect(**{k: v for k, v in args.items() if k != "client_flag"}).close()
+    except ImportError as exc:
+        return f"the {kind} driver is not installed: {exc}"
+    except Exception as exc:
+        return f"{kind} server at {url} does not answer: {exc}"
+    return None
+
+
+def sql_table() -> str:
+    """A table name no other test uses."""
+    import uuid
+
+    return f"st_test_{uuid.uuid4().hex[:12]}"
+
+
+@contextlib.contextmanager
+def sql_test_table(kind: str) -> Iterator[str]:
+    """A table name of its own on the ``kind`` SQL server, dropped after the block (the server
+    missing: skipped locally, failed in CI)."""
+    problem = sql_problem(kind)
+    if problem:
+        unavailable(problem)
+    table = sql_table()
+    try:
+        yield table
+    finally:
+        drop_sql_table(kind, table)
+
+
+def drop_sql_table(kind: str, table: str) -> None:
+    """Drop ``table`` (one that a test created) from the ``kind`` SQL server."""
+    if not table.startswith("st_"):
+        raise ValueError(f"refusing to drop {table!r}: not a test table")
+    statement = f"DROP TABLE IF EXISTS {table}"
+    if kind == "postgresql":
+        import psycopg
+
+        with psycopg.connect(SQL_URLS[kind], autocommit=True) as conn:
+            conn.execute(statement)  # type: ignore[arg-type]
+    else:
+        import pymysql
+
+        from singletask.backends.mysql import MySQLBackend
+
+        args = MySQLBackend.from_url(SQL_URLS[kind])._connect_args
+        conn = pymysql.connect(**{k: v for k, v in args.items() if k != "client_flag"})
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(statement)
+        finally:
+            conn.close()
