@@ -47,6 +47,7 @@ from .recovery import release_dead, watch_and_release
 from .result import Skipped
 from .signals import lock_conflict, lock_lost
 from .tokens import direct_token, execution_token, parse_token, process_state, reservation_token
+from .worker import CheckLockStore
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -252,6 +253,12 @@ class SingletonTask(_TaskBase):
                 cls.lock_ttl,
                 time_limit,
             )
+
+    @classmethod
+    def on_bound(cls, app: Celery) -> None:
+        """Make the app's workers check the lock store at start (see :mod:`singletask.worker`)."""
+        super().on_bound(app)
+        app.steps["worker"].add(CheckLockStore)
 
     # -- configuration -------------------------------------------------------------------
 

@@ -1,7 +1,10 @@
 """Lock backends, chosen by the scheme of ``singletask_backend_url``.
 
 Built in: ``redis://``, ``rediss://``, ``unix://``
-(:class:`~singletask.backends.redis.RedisBackend`) and ``memory://``
+(:class:`~singletask.backends.redis.RedisBackend`), ``sqlite://``
+(:class:`~singletask.backends.sqlite.SQLiteBackend`), ``memcached://``
+(:class:`~singletask.backends.memcached.MemcachedBackend`), ``django://``
+(:class:`~singletask.backends.django.DjangoCacheBackend`) and ``memory://``
 (:class:`~singletask.backends.memory.MemoryBackend`). A third-party package adds a scheme
 through the ``singletask.backends`` entry-point group::
 
@@ -38,6 +41,8 @@ BACKEND_ALIASES: dict[str, str] = {
     "unix": "singletask.backends.redis:RedisBackend",
     "memory": "singletask.backends.memory:MemoryBackend",
     "sqlite": "singletask.backends.sqlite:SQLiteBackend",
+    "memcached": "singletask.backends.memcached:MemcachedBackend",
+    "django": "singletask.backends.django:DjangoCacheBackend",
 }
 
 ENTRY_POINT_GROUP = "singletask.backends"
