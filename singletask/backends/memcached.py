@@ -39,13 +39,12 @@ import hashlib
 import json
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
-
-from kombu.utils.url import maybe_sanitize_url
 
 from ..exceptions import (
     BackendError,
@@ -91,7 +90,7 @@ def parse_servers(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     Raises:
         ConfigurationError: The URL is not a memcached URL or an option is invalid.
     """
-    shown = maybe_sanitize_url(url)
+    shown = re.sub(r"(?<=//)[^/@;,]*@", "", url)  # memcached has no passwords: drop any user info
     parts = urlsplit(url)
     if parts.scheme != "memcached":
         raise ConfigurationError(f"{shown!r} is not a memcached:// URL")
