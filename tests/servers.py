@@ -178,9 +178,8 @@ class MemcachedServer:
             self.process.stderr.close()
 
 
-@contextlib.contextmanager
-def private_memcached(memory_mb: int = 64) -> Iterator[MemcachedServer]:
-    """A started memcached server of our own, stopped at the end.
+def start_memcached(memory_mb: int = 64) -> MemcachedServer:
+    """Start a memcached server of our own (the caller stops it).
 
     Raises:
         RuntimeError: No ``memcached`` on PATH, or it did not start.
@@ -192,6 +191,13 @@ def private_memcached(memory_mb: int = 64) -> Iterator[MemcachedServer]:
         )
     server = MemcachedServer(binary, memory_mb=memory_mb)
     server.start()
+    return server
+
+
+@contextlib.contextmanager
+def private_memcached(memory_mb: int = 64) -> Iterator[MemcachedServer]:
+    """A started memcached server of our own, stopped at the end (see :func:`start_memcached`)."""
+    server = start_memcached(memory_mb)
     try:
         yield server
     finally:

@@ -8,6 +8,7 @@ them, so every e2e test runs once per broker. Databases of the private Redis ser
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import os
@@ -16,7 +17,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,13 +28,34 @@ import pytest
 import redis
 from celery import Celery
 
-from ..servers import amqp_url, unavailable
+from ..servers import amqp_url, start_memcached, unavailable
 from .app import TASK_MODULES, make_app
 from .probe import PROBE_URL_ENV, Probe
 
 ROOT = Path(__file__).resolve().parents[2]
 BROKERS = ["redis", "amqp"] if amqp_url() else ["redis"]
 CONCURRENCY = 2
+
+
+@contextlib.contextmanager
+def memcached_lock_store() -> Iterator[str]:
+    """The URL of a memcached server of the test's own, stopped after."""
+    try:
+        server = start_memcached()
+    except RuntimeError as exc:
+        unavailable(f"cannot start a private memcached: {exc}")
+        raise
+    try:
+        yield f"{server.url}?connect_timeout=2"
+    finally:
+        server.stop()
+
+
+#: The lock stores besides Redis that test_stores.py runs its end-to-end scenarios on: name ->
+#: a context manager that yields a store URL for one test and cleans up after it.
+LOCK_STORES: dict[str, Callable[[], AbstractContextManager[str]]] = {
+    "memcached": memcached_lock_store,
+}
 
 for _module in TASK_MODULES:  # register the shared tasks before any app is built
     importlib.import_module(_module)
