@@ -13,23 +13,13 @@ the step is decided again on the new record. Fencing tokens come from a counter 
 (``incr``, seeded with ``add``). A pending follow-up is one item (``add``; cleared by a ``cas``
 with a negative expiry, memcached's delete-if-unchanged).
 
-What differs from Redis (see the guarantees page):
-
-* memcached's own expiry ends a lease, in whole seconds of the server's clock: a lease lasts at
-  least the seconds asked for and at most about three more. The ``ttl`` reported for a holder is
-  derived from the deadline stored in the record by the host that wrote it, so it depends on
-  the clocks of both hosts; it is None when the reading host finds the deadline already passed.
-* memcached may evict any item under memory pressure, a live lock included: a second execution
-  can then acquire the lock while the first still runs. A restart of the server loses every lock.
-* If the fence counter is evicted, lost or expired (after 30 days), it restarts from the current
-  time in microseconds of the acquiring host, and never below the fence still in the lock
-  record; across hosts whose clocks disagree by more than the time since the loss, fencing
-  tokens can then go backwards.
-* memcached cannot list its keys: :meth:`MemcachedBackend.iter_locks` raises
-  :class:`~singletask.exceptions.UnsupportedOperation`.
-* Each key lives on one server, picked by hashing the lock key (all items of a lock on the same
-  server). A server that does not answer makes its locks unavailable
-  (:class:`~singletask.exceptions.BackendUnavailable`); its keys never move to another server.
+What differs from Redis (the guarantees page has the details): memcached's own expiry ends a
+lease, in whole seconds of its clock, and the lease time reported is derived from a deadline the
+writing host stored; memcached may evict a live lock, and loses every lock when it restarts; a
+lost fence counter restarts from the acquiring host's clock; keys cannot be listed
+(:meth:`MemcachedBackend.iter_locks` raises :class:`~singletask.exceptions.UnsupportedOperation`).
+Each lock lives on the one server its key hashes to, and never moves: a server that does not
+answer makes its locks unavailable (:class:`~singletask.exceptions.BackendUnavailable`).
 """
 
 from __future__ import annotations
@@ -311,15 +301,8 @@ class MemcachedBackend(LockBackend):
                     floor = int(record["f"]) if record and "f" in record else None
                     fence = self._next_fence(client, key, floor)
                 done = record.get("c") if record else None
-                new = _encode(
-                    {
-                        "t": token,
-                        "f": fence,
-                        "d": time.time() + ttl,
-                        "m": dict(meta or {}),
-                        "c": done,
-                    }
-                )
+                fields = {"t": token, "f": fence, "d": time.time() + ttl, "m": dict(meta or {})}
+                new = _encode({**fields, "c": done})
                 if record is None:
                     stored = client.add(item, new, expire=exptime)
                 else:
@@ -340,7 +323,7 @@ class MemcachedBackend(LockBackend):
         """Turn the lock into a free record if ``held_by`` (a token) or ``task_id`` holds it.
 
         With neither, whoever holds it. Returns the holder removed, or None.
-        """  # fmt: skip
+        """
         item = _item_key(key)
         with self._translate(operation, key):
             client = self._client(key)
