@@ -1,11 +1,12 @@
-"""A worker's start: build the lock store of the app once, so that a wrong store stops the start.
+"""A worker's start: a lock store that refuses its configuration stops the start.
 
 :class:`~singletask.SingletonTask` adds :class:`CheckLockStore` to the worker blueprint of every
-app it is bound to. It reads the settings and builds the backend from its URL, then closes it:
-an invalid setting, an unknown scheme or a store singletask refuses (such as a ``django://`` alias
-of a process-local cache) raises :class:`~singletask.exceptions.ConfigurationError` there, and the
-worker does not start, instead of failing each task later. It does not connect to the store: a
-store that is down at start is the lock-time error policy's business.
+app it is bound to. When the worker starts, it builds the app's lock store from its URL, without
+connecting to it, and closes it again. A store that refuses its configuration raises
+:class:`~singletask.exceptions.ConfigurationError` there, and the worker does not start: for
+example ``django://`` naming a process-local Django cache, which would give no exclusion at all
+between the worker's processes. Settings that cannot be read, or a URL of no known scheme, are
+left to the first execution (which fails with the same error).
 """
 
 from __future__ import annotations
@@ -14,17 +15,23 @@ from typing import Any
 
 from celery import bootsteps
 
-from .backends import backend_from_url
+from .backends import backend_class
 from .config import Settings
+from .exceptions import ConfigurationError
 
 __all__ = ["CheckLockStore"]
 
 
 class CheckLockStore(bootsteps.Step):
-    """Worker bootstep: raise ConfigurationError at start when the lock store is misconfigured."""
+    """Worker bootstep: build the app's lock store once; its ConfigurationError stops the start."""
 
     name = "singletask.CheckLockStore"
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
-        backend_from_url(Settings.from_app(parent.app).backend_url).close()
+        try:
+            url = Settings.from_app(parent.app).backend_url
+            store = backend_class(url)
+        except ConfigurationError:
+            return  # not the store's refusal: each execution reports it
+        store.from_url(url).close()
