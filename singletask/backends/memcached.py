@@ -444,8 +444,8 @@ class MemcachedBackend(LockBackend):
             UnsupportedOperation: on the first step of the iteration, always.
         """
         return _unsupported(
-            f"{self!r}: listing locks is not supported on memcached, which cannot list its keys; "
-            "look a lock up by its key instead"
+            "listing locks is not supported on memcached: it cannot list its keys "
+            "(a lock can still be looked up, released or force-released by its key)"
         )
 
     def close(self) -> None:
