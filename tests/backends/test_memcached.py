@@ -28,6 +28,7 @@ from singletask.exceptions import (
 )
 
 from ..servers import MemcachedServer, private_memcached, unavailable
+from .memcached_records import memcached_records
 
 LEASE = 60.0
 
@@ -174,6 +175,30 @@ def test_operator_releases_keep_the_fence_and_the_marker(store: MemcachedBackend
     assert forced is not None
     assert forced.token == "token-b"
     assert store.force_release(key) is None
+
+
+def test_every_item_the_store_writes_expires(
+    store: MemcachedBackend, memcached_server: MemcachedServer, key: str
+) -> None:
+    """Lock records, free records, fence counters and follow-up slots all carry an expiry, none
+    beyond memcached's 30 days (read from the server's own dump of its items)."""
+    # Given every kind of write: acquire, renewal, follow-up claim, release with a marker, and a
+    # key acquired and then force-released
+    assert store.acquire(key, "token-a", LEASE).acquired
+    assert store.extend(key, "token-a", LEASE)
+    assert store.claim_next(key, "next-id", LEASE) == "next-id"
+    assert store.release(key, "token-a", completed="done")
+    assert store.acquire(f"{key}:2", "token-b", LEASE).acquired
+    assert store.force_release(f"{key}:2") is not None
+
+    # When the server lists its items of those keys
+    records = memcached_records(memcached_server.port, key)
+
+    # Then there are the records, counters and the slot, each with an expiry within 30 days
+    assert set(records) == {key, f"{key}|fence", f"{key}|next", f"{key}:2", f"{key}:2|fence"}
+    for name, left in records.items():
+        assert left is not None, f"{name} never expires"
+        assert 0 < left <= MAX_RELATIVE_EXPIRY + 2, (name, left)
 
 
 def test_keys_memcached_cannot_take_as_they_are_still_work(store: MemcachedBackend) -> None:
