@@ -252,14 +252,19 @@ class MemcachedBackend(LockBackend):
 
     # -- fencing ---------------------------------------------------------------------------------
 
-    def _next_fence(self, client: Any, key: str, floor: int | None) -> int:
-        """A fencing token greater than every one issued before (and than ``floor``)."""
+    def _next_fence(self, client: Any, key: str, floor: int | None, *, fresh: bool) -> int:
+        """A fencing token greater than every one issued before (and than ``floor``).
+
+        A missing counter (new key, or evicted / expired / lost in a restart) is seeded with the
+        time, so that the fence keeps growing as long as the hosts' clocks do. With ``fresh``
+        (the key has no record) the counter is most likely missing too: seeding is tried first.
+        """
         counter = _item_key(f"{key}|fence")
+        seed = max(int(time.time() * 1_000_000), (floor or 0) + 1)
+        if fresh and client.add(counter, str(seed).encode(), expire=FENCE_EXPIRY):
+            return seed
         value = client.incr(counter, 1)
         if value is None:
-            # No counter (new key, or evicted / expired / server restarted): seed it with the
-            # time, so that the fence keeps growing as long as the hosts' clocks do.
-            seed = max(int(time.time() * 1_000_000), (floor or 0) + 1)
             if client.add(counter, str(seed).encode(), expire=FENCE_EXPIRY):
                 return seed
             value = client.incr(counter, 1)
@@ -299,7 +304,7 @@ class MemcachedBackend(LockBackend):
                     fence = int(record["f"])
                 else:
                     floor = int(record["f"]) if record and "f" in record else None
-                    fence = self._next_fence(client, key, floor)
+                    fence = self._next_fence(client, key, floor, fresh=record is None)
                 done = record.get("c") if record else None
                 fields = {"t": token, "f": fence, "d": time.time() + ttl, "m": dict(meta or {})}
                 new = _encode({**fields, "c": done})
