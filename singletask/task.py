@@ -31,8 +31,10 @@ from . import enqueue, lifecycle, messages, policies, recovery
 from .exceptions import TaskLocked
 from .options import TaskOptions
 from .runtime import app_state, lock_options
+from .worker import CheckLockStore
 
 if TYPE_CHECKING:
+    from celery import Celery
     from celery.result import AsyncResult
 
     from .backends.base import LockBackend
@@ -112,6 +114,12 @@ class SingletonTask(_TaskBase):
         throws = tuple(getattr(cls, "throws", ()) or ())
         if TaskLocked not in throws:
             cls.throws = (*throws, TaskLocked)
+
+    @classmethod
+    def on_bound(cls, app: Celery) -> None:
+        """Make the app's workers check the lock store at start (see :mod:`singletask.worker`)."""
+        super().on_bound(app)
+        app.steps["worker"].add(CheckLockStore)
 
     # -- the lock, for callers and the task body -------------------------------------------
 

@@ -15,9 +15,17 @@ from singletask.backends.memory import MemoryBackend
 from singletask.backends.redis import RedisBackend
 from singletask.backends.sqlite import SQLiteBackend
 
-from .servers import SQL_URLS, private_redis, sql_test_table, unavailable
+from .servers import (
+    SQL_URLS,
+    MemcachedServer,
+    private_memcached,
+    private_redis,
+    sql_test_table,
+    unavailable,
+)
 
 _redis_failure: list[str] = []
+_memcached_failure: list[str] = []
 
 
 @pytest.fixture(scope="session")
@@ -50,6 +58,62 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     client.close()
 
 
+@pytest.fixture(scope="session")
+def memcached_server() -> Iterator[MemcachedServer]:
+    """The session's private memcached server (64 MB); tests must not stop it."""
+    if _memcached_failure:
+        unavailable(_memcached_failure[0])
+    try:
+        with private_memcached() as server:
+            yield server
+    except RuntimeError as exc:
+        _memcached_failure.append(f"cannot start a private memcached: {exc}")
+        unavailable(_memcached_failure[0])
+
+
+@pytest.fixture(scope="session")
+def memcached_url(memcached_server: MemcachedServer) -> str:
+    return memcached_server.url
+
+
+@pytest.fixture(scope="session")
+def django_caches(request: pytest.FixtureRequest) -> dict[str, dict[str, object]]:
+    """Django settings for this process, with a cache alias per kind of cache the tests use.
+
+    ``memcached`` and ``redis`` point at the session's private servers (present only when that
+    server is); the others are the caches singletask refuses.
+    """
+    from django.conf import settings
+
+    caches: dict[str, dict[str, object]] = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "locmem": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "dummy": {"BACKEND": "django.core.cache.backends.dummy.DummyCache"},
+        "files": {
+            "BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
+            "LOCATION": str(Path(request.getfixturevalue("tmp_path_factory").mktemp("django"))),
+        },
+        "database": {
+            "BACKEND": "django.core.cache.backends.db.DatabaseCache",
+            "LOCATION": "singletask_cache",
+        },
+    }
+    servers = {
+        "memcached": ("memcached_url", "django.core.cache.backends.memcached.PyMemcacheCache"),
+        "redis": ("redis_url", "django.core.cache.backends.redis.RedisCache"),
+    }
+    for alias, (fixture, backend) in servers.items():
+        try:
+            url = request.getfixturevalue(fixture)
+        except (pytest.skip.Exception, pytest.fail.Exception):
+            continue  # the tests of that alias skip / fail on the same fixture themselves
+        location = url.removeprefix("memcached://") if alias == "memcached" else url
+        caches[alias] = {"BACKEND": backend, "LOCATION": location}
+    if not settings.configured:
+        settings.configure(CACHES=caches, USE_TZ=True)
+    return caches
+
+
 @pytest.fixture
 def key_prefix() -> str:
     """A key prefix no other test uses, so tests never need to flush anything."""
@@ -64,13 +128,27 @@ def sql_store(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
         yield SQL_URLS[request.param], table
 
 
-@pytest.fixture(params=["memory", "redis", "redis-client", "sqlite", "postgresql", "mysql"])
+@pytest.fixture(
+    params=[
+        "memory",
+        "redis",
+        "redis-client",
+        "sqlite",
+        "postgresql",
+        "mysql",
+        "memcached",
+        "django-memcached",
+        "django-redis",
+    ]
+)
 def backend(request: pytest.FixtureRequest) -> Iterator[LockBackend]:
     """Every backend, for the contract suite.
 
     ``redis`` is built from a URL (it sends its scripts on connections of its own);
     ``redis-client`` is given a ready client (it calls that client's methods);
     ``postgresql`` and ``mysql`` use a table of their own on the machine's servers.
+    ``django-memcached`` and ``django-redis`` are ``django://`` stores over Django caches of
+    the session's memcached and Redis servers.
     """
     client: redis.Redis | None = None
     if request.param in SQL_URLS:
@@ -79,8 +157,15 @@ def backend(request: pytest.FixtureRequest) -> Iterator[LockBackend]:
             yield instance
             instance.close()
         return
-    if request.param == "memory":
-        instance: LockBackend = MemoryBackend()
+    if request.param == "memcached":
+        instance: LockBackend = backend_from_url(request.getfixturevalue("memcached_url"))
+    elif request.param.startswith("django-"):
+        alias = request.param.removeprefix("django-")
+        request.getfixturevalue(f"{alias}_url")  # fails / skips when the server is missing
+        request.getfixturevalue("django_caches")
+        instance = backend_from_url(f"django://{alias}")
+    elif request.param == "memory":
+        instance = MemoryBackend()
     elif request.param == "sqlite":
         tmp_path = request.getfixturevalue("tmp_path")
         instance = SQLiteBackend.from_url(f"sqlite:///{tmp_path}/locks.db")

@@ -5,7 +5,10 @@ Built in: ``redis://``, ``rediss://``, ``unix://``
 (:class:`~singletask.backends.sqlite.SQLiteBackend`), ``postgresql://``, ``postgres://``
 (:class:`~singletask.backends.postgres.PostgresBackend`, extra ``singletask[postgres]``),
 ``mysql://``, ``mariadb://`` (:class:`~singletask.backends.mysql.MySQLBackend`, extra
-``singletask[mysql]``) and ``memory://`` (:class:`~singletask.backends.memory.MemoryBackend`).
+``singletask[mysql]``), ``memcached://`` (:class:`~singletask.backends.memcached.MemcachedBackend`,
+extra ``singletask[memcached]``), ``django://``
+(:class:`~singletask.backends.django.DjangoCacheBackend`, extra ``singletask[django]``) and
+``memory://`` (:class:`~singletask.backends.memory.MemoryBackend`).
 A third-party package adds a scheme through the ``singletask.backends`` entry-point group::
 
     [project.entry-points."singletask.backends"]
@@ -47,6 +50,8 @@ BACKEND_ALIASES: dict[str, str] = {
     "mysql": "singletask.backends.mysql:MySQLBackend",
     "mariadb": "singletask.backends.mysql:MySQLBackend",
     "mysql+pymysql": "singletask.backends.mysql:MySQLBackend",
+    "memcached": "singletask.backends.memcached:MemcachedBackend",
+    "django": "singletask.backends.django:DjangoCacheBackend",
 }
 
 #: Module of a built-in backend -> the extra that installs its driver.

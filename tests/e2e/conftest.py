@@ -28,7 +28,7 @@ import pytest
 import redis
 from celery import Celery
 
-from ..servers import SQL_URLS, amqp_url, sql_test_table, unavailable
+from ..servers import SQL_URLS, amqp_url, sql_test_table, start_memcached, unavailable
 from .app import TASK_MODULES, make_app
 from .probe import PROBE_URL_ENV, Probe
 
@@ -44,11 +44,26 @@ def sql_lock_store(kind: str) -> Iterator[str]:
         yield f"{SQL_URLS[kind]}?table={table}"
 
 
+@contextlib.contextmanager
+def memcached_lock_store() -> Iterator[str]:
+    """The URL of a memcached server of the test's own, stopped after."""
+    try:
+        server = start_memcached()
+    except RuntimeError as exc:
+        unavailable(f"cannot start a private memcached: {exc}")
+        raise
+    try:
+        yield f"{server.url}?connect_timeout=2"
+    finally:
+        server.stop()
+
+
 #: The lock stores besides Redis that test_stores.py runs its end-to-end scenarios on: name ->
 #: a context manager that yields a store URL for one test and cleans up after it.
 LOCK_STORES: dict[str, Callable[[], AbstractContextManager[str]]] = {
     "postgresql": lambda: sql_lock_store("postgresql"),
     "mysql": lambda: sql_lock_store("mysql"),
+    "memcached": memcached_lock_store,
 }
 
 for _module in TASK_MODULES:  # register the shared tasks before any app is built
