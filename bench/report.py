@@ -1,10 +1,10 @@
-"""Turn ``results.json`` into tables (Markdown and reStructuredText) and a plot."""
+"""Turn ``results.json`` into tables and the Markdown report; publish.py lays them out for the
+docs page, plot.py draws them."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from .app import LOCK_SIDE, LOCK_TTL
@@ -323,15 +323,6 @@ def _md_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) 
     return "\n".join(lines) + "\n"
 
 
-def _rst_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = [f".. list-table:: {title}", "   :header-rows: 1", ""]
-    for row in [header, *rows]:
-        for index, cell in enumerate(row):
-            text = cell.replace("*", "\\*").replace("`", "\\`") or " "
-            lines.append(f"   {'* -' if index == 0 else '  -'} {text}")
-    return "\n".join(lines) + "\n"
-
-
 def environment_lines(results: dict[str, Any]) -> list[str]:
     env = results["environment"]
     load = env["load_before"]
@@ -357,153 +348,3 @@ def markdown(results: dict[str, Any]) -> str:
         f"parentheses, or the full range (min{DASH}max) when there are fewer than four rounds."
     )
     return "\n".join(parts) + "\n"
-
-
-def rst(results: dict[str, Any]) -> str:
-    parts = [f"* {line}" for line in environment_lines(results)]
-    parts += [f"* {line}" for line in summary_lines(results)]
-    parts.append("")
-    for title, header, rows in tables(results):
-        parts.append(_rst_table(title, header, rows))
-    return "\n".join(parts) + "\n"
-
-
-def plot(results: dict[str, Any], path: Path) -> bool:
-    """Draw the four panels into ``path``; False when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    variants = results["variants"]
-    fig, axes = plt.subplots(3, 2, figsize=(15, 15))
-    names = {v: label(results, v) for v in variants}
-
-    def bars(ax: Any, items: list[tuple[str, dict[str, Any] | None]], scale: float = 1.0) -> None:
-        shown = [(n, s) for n, s in items if s and s.get("median") is not None]
-        y = list(range(len(shown)))
-        medians = [s["median"] * scale for _, s in shown]
-        low = [
-            max(0.0, (s["median"] - s["p25" if s["n"] >= 4 else "min"]) * scale) for _, s in shown
-        ]
-        high = [
-            max(0.0, (s["p75" if s["n"] >= 4 else "max"] - s["median"]) * scale) for _, s in shown
-        ]
-        colors = ["tab:green" if n.startswith("singletask") else "tab:gray" for n, _ in shown]
-        ax.barh(y, medians, xerr=[low, high], color=colors, capsize=3)
-        ax.set_yticks(y, [n for n, _ in shown])
-        ax.invert_yaxis()
-
-    overhead = (results.get("overhead") or {}).get("variants", {})
-    if overhead:
-        ax = axes[0][0]
-        bars(
-            ax,
-            [(names.get(v, v), overhead[v]["us_per_execution"]) for v in variants if v in overhead],
-        )
-        ax.set_xscale("log")
-        ax.set_xlabel(f"µs per execution (log scale), median and p25{DASH}p75")
-        ax.set_title("1. Empty task, in process")
-        if "plain" in overhead and "PING" in overhead:
-            ref = (
-                overhead["plain"]["us_per_execution"]["median"]
-                + 2 * (overhead["PING"]["us_per_execution"]["median"])
-            )
-            ax.axvline(ref, color="tab:red", linestyle="--", label="plain + two PINGs")
-            ax.legend(loc="lower right")
-    throughput = (results.get("throughput") or {}).get("variants", {})
-    if throughput:
-        ax = axes[0][1]
-        bars(
-            ax, [(names[v], throughput[v]["vs_plain"]) for v in variants if v in throughput], 100.0
-        )
-        ax.axvline(90, color="tab:red", linestyle="--", label="90 % of plain")
-        ax.set_xlabel("worker throughput, % of the plain task (same round)")
-        ax.set_title("2. Distinct keys through a prefork worker")
-        ax.legend(loc="lower right")
-    contention = results.get("contention") or {}
-    reject = contention.get("reject") or {}
-    if reject:
-        ax = axes[1][0]
-        bars(
-            ax,
-            [(names[v], reject[v].get("us_per_duplicate")) for v in variants if v in reject],
-        )
-        ax.set_xscale("log")
-        ax.set_xlabel("µs to turn a duplicate away while the key is held (log scale)")
-        ax.set_title("3. Duplicates: cost of a rejection, in process")
-    overlap = contention.get("overlap") or {}
-    if overlap:
-        ax = axes[1][1]
-        shown = [v for v in variants if v in overlap]
-        for index, via in enumerate(("delay", "send_task")):
-            ax.barh(
-                [i + index * 0.4 for i in range(len(shown))],
-                [overlap[v][via]["max_overlap"] or 0 for v in shown],
-                height=0.4,
-                label=f"sent with {via}()",
-            )
-        ax.set_yticks([i + 0.2 for i in range(len(shown))], [names[v] for v in shown])
-        ax.invert_yaxis()
-        ax.axvline(1, color="tab:red", linestyle="--")
-        ax.set_xlabel(
-            f"most bodies of one key at once ({contention.get('duplicates')} duplicates, "
-            f"-c {contention.get('concurrency')})"
-        )
-        ax.set_title("3. Duplicates: observed overlap on a real worker")
-        ax.legend(loc="lower right")
-    recovery = (results.get("recovery") or {}).get("variants", {})
-    if recovery:
-        ax = axes[2][0]
-        window = results["recovery"]["window"]
-        faults = [("sigkill", "SIGKILL"), ("time-limit", "hard time limit"), ("revoke", "revoke")]
-        shown = [v for v in variants if v in recovery]
-        height = 0.8 / len(faults)
-        for index, (fault, title) in enumerate(faults):
-            values, hatches = [], []
-            for v in shown:
-                cell = recovery[v][fault]
-                never = cell["never"] or cell["seconds"]["median"] is None
-                values.append(window if never else max(cell["seconds"]["median"], 0.01))
-                hatches.append("//" if never else "")
-            y = [i + index * height for i in range(len(shown))]
-            drawn = ax.barh(y, values, height=height, label=title)
-            for patch, hatch in zip(drawn, hatches, strict=True):
-                patch.set_hatch(hatch)
-        ax.set_yticks([i + height for i in range(len(shown))], [names[v] for v in shown])
-        ax.invert_yaxis()
-        ax.set_xscale("log")
-        ax.set_xlabel(
-            f"seconds until the key runs again (log; under 0.01 s drawn at 0.01); "
-            f"hatched: not within {window:.0f} s"
-        )
-        ax.set_title("4. Recovery after the holder dies")
-        ax.legend(loc="best", framealpha=0.9)
-    scale = (results.get("scale") or {}).get("variants", {})
-    if scale:
-        ax = axes[2][1]
-        shown = [v for v in variants if v in scale]
-        values = [scale[v]["bytes_per_held_lock"] for v in shown]
-        ax.barh(
-            range(len(shown)),
-            values,
-            color=["tab:green" if v.startswith("singletask") else "tab:gray" for v in shown],
-        )
-        ax.set_yticks(range(len(shown)), [names[v] for v in shown])
-        ax.invert_yaxis()
-        ax.set_xlabel(f"Redis bytes per held lock ({results['scale']['holds']:,} held)")
-        ax.set_title("5. Memory per held lock")
-    for row in axes:
-        for ax in row:
-            if not ax.has_data():
-                ax.set_visible(False)
-    fig.suptitle(
-        "singletask vs alternatives, one run on one machine "
-        f"({results['environment']['cpus']} CPUs; {'quick' if results['quick'] else 'full'})"
-    )
-    fig.tight_layout(rect=(0, 0, 1, 0.98))
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return True

@@ -144,7 +144,7 @@ def main(argv: list[str]) -> int:
         os.execv(str(python), [str(python), str(Path(__file__).resolve()), *argv])
 
     from bench import app as bench_app
-    from bench import contention, overhead, recovery, report, scale, throughput
+    from bench import contention, overhead, plot, publish, recovery, report, scale, throughput
     from bench.common import BROKER_DB, LOCK_DB, PROBE_DB, RedisServer, log, machine_load
 
     # In this process the eager executions log every duplicate they turn away: keep it quiet.
@@ -289,8 +289,8 @@ def main(argv: list[str]) -> int:
         server.stop()
         (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     (out / "results.md").write_text(report.markdown(results))
-    (out / "results.rst").write_text(report.rst(results))
-    plotted = report.plot(results, out / "plot.png")
+    (out / "results.rst").write_text(publish.rst(results))
+    plotted = plot.draw(results, out / "plot.png")
     if not plotted:
         log("matplotlib is not installed here: no plot.png")
     if args.publish_docs:

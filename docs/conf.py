@@ -51,4 +51,5 @@ myst_heading_anchors = 2
 # -- HTML ----------------------------------------------------------------------------------
 html_theme = "furo"
 html_title = f"singletask {release}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]

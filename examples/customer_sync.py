@@ -16,7 +16,7 @@ import time
 from celery import Celery
 
 from singletask import SingletonTask
-from singletask.demo.local import configure, run_example
+from singletask.demo.example import configure, run_example
 
 app = Celery("customer_sync")
 configure(app)  # broker, results and locks: the embedded ones, or the --redis-url database

@@ -17,7 +17,7 @@ import time
 from celery import Celery
 
 from singletask import SingletonTask
-from singletask.demo.local import configure, run_example
+from singletask.demo.example import configure, run_example
 
 app = Celery("periodic_sync")
 configure(app)  # broker, results and locks: the embedded ones, or the --redis-url database

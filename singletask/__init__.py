@@ -20,6 +20,7 @@ from .exceptions import (
     SingletaskError,
     TaskLocked,
     UnknownBackendError,
+    UnsupportedOperation,
 )
 from .lease import LockHandle
 from .result import Skipped
@@ -40,5 +41,6 @@ __all__ = [
     "Skipped",
     "TaskLocked",
     "UnknownBackendError",
+    "UnsupportedOperation",
     "__version__",
 ]

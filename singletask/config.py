@@ -7,6 +7,7 @@ task attribute of the same name without the prefix; a task attribute always wins
 setting                              default               meaning
 ===================================  ====================  ====================================
 ``singletask_backend_url``           the broker, if Redis  where locks live
+``singletask_backend_table``         ``None``              table of a SQL lock store
 ``singletask_key_prefix``            ``"singletask:"``     prefix of every lock key
 ``singletask_lock_policy``           ``"skip"``            ``"skip"``, ``"retry"``, ``"raise"``
 ``singletask_lock_scope``            ``"execution"``       also ``"queue"`` or ``"coalesce"``
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from kombu.utils.url import maybe_sanitize_url
 
+from .backends._sql import TABLE_SCHEMES, check_table
 from .exceptions import ConfigurationError
 
 if TYPE_CHECKING:
@@ -71,6 +73,7 @@ BACKEND_ERROR_POLICIES: Final = ("retry", "run")
 DEFAULTS: Final[dict[str, Any]] = {
     "singletask_backend_url": None,
     "singletask_backend_transport_options": None,
+    "singletask_backend_table": None,
     "singletask_key_prefix": "singletask:",
     "singletask_lock_policy": "skip",
     "singletask_lock_scope": "execution",
@@ -164,6 +167,16 @@ class Settings:
     #: ``singletask_backend_transport_options``: Sentinel master name, TLS, the replica wait...
     #: (kept out of the repr: ``sentinel_kwargs`` may hold a password)
     backend_transport_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    backend_table: str | None = None
+
+    def backend_options(self) -> dict[str, Any]:
+        """Keyword options for :func:`~singletask.backends.backend_from_url` from the settings."""
+        options: dict[str, Any] = {}
+        if self.backend_table is not None:
+            options["table"] = self.backend_table
+        if self.backend_transport_options:
+            options["transport_options"] = self.backend_transport_options
+        return options
 
     @classmethod
     def from_app(cls, app: Celery) -> Settings:
@@ -181,8 +194,9 @@ class Settings:
             raise ConfigurationError(
                 f"setting singletask_key_prefix: expected a string, got {prefix!r}"
             )
+        backend_url = _backend_url(app)
         return cls(
-            backend_url=_backend_url(app),
+            backend_url=backend_url,
             key_prefix=prefix,
             lock_policy=setting("singletask_lock_policy", check_policy),
             lock_scope=setting("singletask_lock_scope", check_scope),
@@ -204,6 +218,7 @@ class Settings:
             backend_transport_options=setting(
                 "singletask_backend_transport_options", _check_options
             ),
+            backend_table=_backend_table(app, backend_url),
         )
 
 
@@ -215,6 +230,19 @@ def _check_options(value: object, where: str) -> Mapping[str, Any]:
             f"{where}: expected a dict of option names to values, got {value!r}"
         )
     return dict(value)
+
+
+def _backend_table(app: Celery, backend_url: str) -> str | None:
+    table = _lookup(app, "singletask_backend_table")
+    if table is None:
+        return None
+    scheme = backend_url.split("://", 1)[0].lower()
+    if scheme not in TABLE_SCHEMES:
+        raise ConfigurationError(
+            f"setting singletask_backend_table: the lock store {scheme}:// has no table; the "
+            f"setting applies to {', '.join(f'{s}://' for s in sorted(TABLE_SCHEMES))} only"
+        )
+    return check_table(table, "setting singletask_backend_table")
 
 
 def _backend_url(app: Celery) -> str:

@@ -1,9 +1,10 @@
 """Deduplication when a task is sent (``lock_scope`` "queue" and "coalesce").
 
-``SingletonTask.apply_async`` reserves the key for the new message before publishing it; the
-worker's execution of that message then takes the reservation over as its lock. A duplicate sent
-meanwhile is answered here, without a message: it gets the holder's ``AsyncResult`` (or, when
-coalescing, the pending follow-up's), or ``TaskLocked``.
+``SingletonTask.apply_async`` hands every message to :func:`send`. When the message is to be
+deduplicated (:func:`deduplicates`), :func:`send_once` reserves the key for it before publishing
+it; the worker's execution of that message then takes the reservation over as its lock. A
+duplicate sent meanwhile is answered here, without a message: it gets the holder's
+``AsyncResult`` (or, when coalescing, the pending follow-up's), or ``TaskLocked``.
 """
 
 from __future__ import annotations
@@ -11,66 +12,129 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+from celery.utils import uuid
 from celery.utils.time import maybe_iso8601
 
-from .exceptions import TaskLocked
+from .exceptions import BackendError, TaskLocked
+from .messages import seconds_until
+from .policies import POLICIES
+from .runtime import app_state
 from .signals import lock_conflict
 from .tokens import reservation_token
 
 if TYPE_CHECKING:
+    from celery import Celery, Task
     from celery.result import AsyncResult
 
-    from .task import SingletonTask
+    from .backends.base import LockBackend
+    from .options import LockOptions
 
-__all__ = ["queue_lease", "seconds_until", "send_once"]
+__all__ = ["deduplicates", "queue_lease", "send", "send_once"]
 
 logger = logging.getLogger("singletask")
 
+#: Send options of messages that must be published as they are (see :func:`deduplicates`).
+_PUBLISHED_AS_IS = ("chain", "parent_id", "reply_to", "replaced_task_nesting")
+
+
+def deduplicates(
+    options: LockOptions, app: Celery, linked: bool, send_options: Mapping[str, Any]
+) -> bool:
+    """Whether a message sent with ``send_options`` is deduplicated before it is published.
+
+    Only with ``lock_scope`` "queue" or "coalesce", never in eager mode (``app``'s
+    ``task_always_eager``, read only when the scope asks for it), and never for messages
+    whose callers already hold their ``AsyncResult``: messages republished for an execution
+    (``retries`` given: ``Task.retry`` and singletask's own), canvas parts (links, chords,
+    groups), frozen signatures (``freeze()`` sets ``reply_to``: a chord's callback, for one,
+    carries nothing else before Celery 5.6), and messages a worker sends for a task it finished
+    (a chain's next link, with ``chain=[]`` for the last one; a link callback, with
+    ``parent_id``) or replaced (``Task.replace``). The execution-time lock alone applies to them.
+    """
+    return not (
+        options.scope == "execution"
+        or app.conf.task_always_eager
+        or "retries" in send_options
+        or linked
+        or any(send_options.get(name) for name in ("chord", "group_id"))
+        or any(name in send_options for name in _PUBLISHED_AS_IS)
+    )
+
+
+def send(
+    task: Task[Any, Any],
+    options: LockOptions,
+    publish: Callable[[str | None], AsyncResult[Any]],
+    task_id: str | None,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    *,
+    linked: bool,
+    send_options: Mapping[str, Any],
+) -> AsyncResult[Any]:
+    """Publish a message of ``task`` with ``publish``; deduplicate it first if it should be.
+
+    If the lock store cannot be reached, the message is published without the check (the
+    execution-time lock still applies). Raises ``TaskLocked`` for a duplicate under the
+    "raise" policy.
+    """
+    if options.scope == "execution" or not deduplicates(options, task.app, linked, send_options):
+        return publish(task_id)  # the common case first: no lookup in the app's settings
+    task_id = task_id or uuid()
+    try:
+        backend = app_state(task.app).backend
+        return send_once(
+            task, options, backend, publish, task_id, args or (), kwargs or {}, send_options
+        )
+    except BackendError as exc:
+        logger.warning(
+            "Task %s[%s] sent without deduplication: the lock store is unreachable (%s); "
+            "the execution-time lock still applies",
+            task.name, task_id, exc,
+        )  # fmt: skip
+        return publish(task_id)
+
 
 def send_once(
-    task: SingletonTask,
-    send: Callable[[str], AsyncResult[Any]],
+    task: Task[Any, Any],
+    options: LockOptions,
+    backend: LockBackend,
+    publish: Callable[[str], AsyncResult[Any]],
     task_id: str,
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
-    *,
-    scope: str,
-    policy: str,
-    queue_ttl: float,
-    options: Mapping[str, Any],
+    send_options: Mapping[str, Any],
 ) -> AsyncResult[Any]:
-    """Reserve the key for message ``task_id`` and ``send`` it, or answer a duplicate.
+    """Reserve the key for message ``task_id`` and ``publish`` it, or answer a duplicate.
 
     Returns the new message's ``AsyncResult``, or the holder's (or pending follow-up's) for a
     duplicate. Raises ``TaskLocked`` for a duplicate under the "raise" policy, and
     ``BackendError`` when the lock store fails.
     """
-    backend = task.lock_backend
-    key = task.lock_key_for(args, kwargs)
-    ttl = queue_lease(queue_ttl, options)
+    key = options.key(args, kwargs)
+    ttl = queue_lease(options.queue_ttl, send_options)
     token = reservation_token(task_id, 0)
     meta = {"task_id": task_id, "task": task.name, "since": f"{time.time():.3f}"}
     reserved = backend.acquire(key, token, ttl, meta=meta)
     if reserved.acquired:
         try:
-            return send(task_id)
+            return publish(task_id)
         except BaseException:
             backend.release(key, token)  # the message never left: nothing will run it
             raise
     holder = reserved.holder
     if holder is None or holder.task_id is None:
-        return send(task_id)  # held by a direct call: leave it to the execution-time lock
+        return publish(task_id)  # held by a direct call: leave it to the execution-time lock
     holder_id = holder.task_id
     queued = holder.token == reservation_token(holder_id, 0)
     follow_up = holder_id
-    if scope == "coalesce" and not queued:
+    if options.scope == "coalesce" and not queued:
         follow_up = backend.claim_next(key, task_id, ttl)
         action = "follow" if follow_up == task_id else "join"
     else:
-        action = "raise" if policy == "raise" else "dedupe"
+        action = POLICIES[options.policy].at_send
     lock_conflict.send(
         sender=task, key=key, holder=holder_id, ttl=holder.ttl, task_id=task_id, action=action
     )
@@ -79,7 +143,7 @@ def send_once(
             "Task %s[%s] sent as the follow-up of the run in progress on %r (%s)",
             task.name, task_id, key, holder_id,
         )  # fmt: skip
-        return send(task_id)
+        return publish(task_id)
     if action == "join":
         logger.info(
             "Task %s not sent: it joins the pending follow-up %s of %r",
@@ -115,13 +179,3 @@ def queue_lease(queue_ttl: float, options: Mapping[str, Any]) -> float:
     elif expires is not None:
         lease = min(lease, max(0.001, seconds_until(maybe_iso8601(expires))))
     return lease
-
-
-def seconds_until(when: object) -> float:
-    """The delay of a ``Retry.when`` (seconds or an ETA), never negative."""
-    if isinstance(when, int | float):
-        return max(0.0, float(when))
-    if isinstance(when, datetime):
-        now = datetime.now(when.tzinfo or timezone.utc) if when.tzinfo else datetime.now()
-        return max(0.0, (when - now).total_seconds())
-    return 0.0

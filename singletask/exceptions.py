@@ -8,9 +8,10 @@
     ├── LockKeyError(TypeError)          a lock key cannot be built from the arguments
     ├── TaskLocked                       the lock is held by another execution
     ├── LockLost                         a running execution's lock expired or was taken
-    └── BackendError                     the lock store failed (driver error chained)
-        ├── BackendUnavailable           cannot connect / connection lost
-        └── BackendTimeout               a socket or command timed out
+    ├── BackendError                     the lock store failed (driver error chained)
+    │   ├── BackendUnavailable           cannot connect / connection lost
+    │   └── BackendTimeout               a socket or command timed out
+    └── UnsupportedOperation             the lock store cannot do this (e.g. list its keys)
 
 Exceptions that travel through Celery's result backend (:class:`TaskLocked`) keep all of
 their fields in ``args``, so they survive pickling and the JSON result serializer.
@@ -28,6 +29,7 @@ __all__ = [
     "SingletaskError",
     "TaskLocked",
     "UnknownBackendError",
+    "UnsupportedOperation",
 ]
 
 
@@ -103,3 +105,7 @@ class BackendUnavailable(BackendError):
 
 class BackendTimeout(BackendError):
     """A lock backend operation timed out."""
+
+
+class UnsupportedOperation(SingletaskError):
+    """The lock store cannot do this operation (for example, memcached cannot list its keys)."""

@@ -1,10 +1,16 @@
 """Releases the worker's main process makes for executions that cannot make their own.
 
 A pool process that is killed, hard-time-limited or revoked with terminate may never reach
-``SingletonTask.__call__``'s ``finally``. Celery tells the worker's main process through
-signals (and, on Celery 5.7, hooks called there); singletask then releases the lock for that
-task id, but only once the holding process has ended, so that no other execution can start
-beside a body that is still running.
+the ``finally`` of :func:`singletask.lifecycle.execute`. Celery tells the worker's main process
+through signals (received here) and, on Celery 5.7, through task hooks called there (which
+``SingletonTask`` hands to :func:`release_for`); singletask then releases the lock for that task
+id, but only once the holding process has ended, so that no other execution can start beside a
+body that is still running. A message revoked or expired before it started gives up the key
+reserved for it (:func:`release_reservation`).
+
+Everything here works from a task's :class:`~singletask.options.LockOptions` and its app's
+lock store (:mod:`singletask.runtime`); the receivers recognise a singleton task by its
+declared options.
 """
 
 from __future__ import annotations
@@ -13,17 +19,27 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import signals as celery_signals
 
-from .tokens import process_state
+from .runtime import app_state, is_singleton, lock_options
+from .tokens import process_state, reservation_token
 
 if TYPE_CHECKING:
+    from celery import Task
+
     from .backends.base import LockBackend
 
-__all__ = ["release_dead", "release_when_gone", "watch_and_release"]
+__all__ = [
+    "release_dead",
+    "release_for",
+    "release_reservation",
+    "release_when_gone",
+    "watch_and_release",
+]
 
 logger = logging.getLogger("singletask")
 
@@ -79,10 +95,84 @@ def release_when_gone(
     release_dead(task_name, backend, key, token, task_id, reason)
 
 
-def _is_singleton(task: Any) -> bool:
-    from .task import SingletonTask
+def release_for(
+    task: Task[Any, Any],
+    task_id: str,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    *,
+    reason: str,
+) -> bool:
+    """Release the lock of execution ``task_id`` for a process that cannot release it.
 
-    return isinstance(task, SingletonTask)
+    What :meth:`SingletonTask.release_for <singletask.SingletonTask.release_for>` does (see
+    there). Never raises.
+    """
+    name, state = task.name, app_state(task.app)
+    if not state.first_release(task_id):
+        return False
+    try:
+        key = lock_options(task).key(args or (), kwargs or {})
+        backend = state.backend
+        holder = backend.holder(key)
+    except Exception:
+        logger.exception(
+            "Task %s[%s]: could not look up its lock after %s; it expires by itself",
+            name, task_id, reason,
+        )  # fmt: skip
+        return False
+    if holder is None or holder.task_id != task_id:
+        return False
+    process = process_state(holder.token)
+    if process == "gone":
+        return release_dead(name, backend, key, holder.token, task_id, reason)
+    if process == "alive":
+        watch_and_release(name, backend, key, holder.token, task_id, reason)
+        return False
+    logger.info(
+        "Task %s[%s]: after %s, lock %r is left to its lease (its holder's process cannot "
+        "be checked from here)",
+        name, task_id, reason, key,
+    )  # fmt: skip
+    return False
+
+
+def release_reservation(
+    task: Task[Any, Any],
+    task_id: str,
+    retries: int,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+) -> bool:
+    """Release the key reserved for a message that will not run (revoked or expired).
+
+    Never raises; returns whether a reservation was released.
+    """
+    name = task.name
+    try:
+        options = lock_options(task)
+        key = options.key(args or (), kwargs or {})
+        backend = app_state(task.app).backend
+        released = backend.release(key, reservation_token(task_id, retries))
+        # A follow-up that will not run frees its slot, so the next call can take it.
+        freed = options.scope == "coalesce" and backend.clear_next(key, task_id)
+    except Exception:
+        logger.exception(
+            "Task %s[%s]: could not release its reservation; it expires by itself",
+            name, task_id,
+        )  # fmt: skip
+        return False
+    if released:
+        logger.info(
+            "Task %s[%s] will not run (revoked or expired): reservation of %r released",
+            name, task_id, key,
+        )  # fmt: skip
+    if freed:
+        logger.info(
+            "Task %s[%s] will not run (revoked or expired): follow-up slot of %r freed",
+            name, task_id, key,
+        )  # fmt: skip
+    return released
 
 
 # Endings where no task hook runs in the executing process: the worker's main process gets a
@@ -97,14 +187,14 @@ def _release_after_failure(
     kwargs: Any = None,
     **_: Any,
 ) -> None:
-    if not _is_singleton(sender) or task_id is None:
+    if not is_singleton(sender) or task_id is None:
         return
     if isinstance(exception, WorkerLostError):
         # The executing process is gone: nothing can still be running under this lock.
-        sender.release_for(task_id, args, kwargs, reason="its worker process was lost")
+        release_for(sender, task_id, args, kwargs, reason="its worker process was lost")
     elif isinstance(exception, TimeLimitExceeded):
         # Celery < 5.7 calls no task hook on a hard time limit; this signal is all there is.
-        sender.release_for(task_id, args, kwargs, reason="a hard time limit")
+        release_for(sender, task_id, args, kwargs, reason="a hard time limit")
 
 
 #: In the worker's main process: the requests of singleton tasks it has received and not yet
@@ -114,14 +204,14 @@ _received: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
 def _remember_request(sender: Any = None, request: Any = None, **_: Any) -> None:
-    if _is_singleton(getattr(request, "task", None)):
+    if is_singleton(getattr(request, "task", None)):
         _received[request.id] = request
 
 
 def _release_after_revoke(
     sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
 ) -> None:
-    if not (_is_singleton(sender) and request is not None and request.id):
+    if not (is_singleton(sender) and request is not None and request.id):
         return
     task_id = request.id
     args, kwargs = getattr(request, "args", None), getattr(request, "kwargs", None)
@@ -129,10 +219,10 @@ def _release_after_revoke(
     if args is None and received is not None:
         args, kwargs = received.args, received.kwargs
     if terminated:
-        sender.release_for(task_id, args, kwargs, reason="revoke with terminate")
+        release_for(sender, task_id, args, kwargs, reason="revoke with terminate")
     else:
         # Revoked or expired before it started: it will never run, so its reservation goes.
-        sender.release_reservation(task_id, int(request.retries or 0), args, kwargs)
+        release_reservation(sender, task_id, int(request.retries or 0), args, kwargs)
 
 
 celery_signals.task_failure.connect(_release_after_failure, weak=False)

@@ -26,9 +26,17 @@ from .deployments import (
     default_binary,
     tls_redis_binary,
 )
-from .servers import private_redis, unavailable
+from .servers import (
+    SQL_URLS,
+    MemcachedServer,
+    private_memcached,
+    private_redis,
+    sql_test_table,
+    unavailable,
+)
 
 _redis_failure: list[str] = []
+_memcached_failure: list[str] = []
 _deployment_failures: dict[str, str] = {}
 
 
@@ -112,6 +120,62 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     client.close()
 
 
+@pytest.fixture(scope="session")
+def memcached_server() -> Iterator[MemcachedServer]:
+    """The session's private memcached server (64 MB); tests must not stop it."""
+    if _memcached_failure:
+        unavailable(_memcached_failure[0])
+    try:
+        with private_memcached() as server:
+            yield server
+    except RuntimeError as exc:
+        _memcached_failure.append(f"cannot start a private memcached: {exc}")
+        unavailable(_memcached_failure[0])
+
+
+@pytest.fixture(scope="session")
+def memcached_url(memcached_server: MemcachedServer) -> str:
+    return memcached_server.url
+
+
+@pytest.fixture(scope="session")
+def django_caches(request: pytest.FixtureRequest) -> dict[str, dict[str, object]]:
+    """Django settings for this process, with a cache alias per kind of cache the tests use.
+
+    ``memcached`` and ``redis`` point at the session's private servers (present only when that
+    server is); the others are the caches singletask refuses.
+    """
+    from django.conf import settings
+
+    caches: dict[str, dict[str, object]] = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "locmem": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "dummy": {"BACKEND": "django.core.cache.backends.dummy.DummyCache"},
+        "files": {
+            "BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
+            "LOCATION": str(Path(request.getfixturevalue("tmp_path_factory").mktemp("django"))),
+        },
+        "database": {
+            "BACKEND": "django.core.cache.backends.db.DatabaseCache",
+            "LOCATION": "singletask_cache",
+        },
+    }
+    servers = {
+        "memcached": ("memcached_url", "django.core.cache.backends.memcached.PyMemcacheCache"),
+        "redis": ("redis_url", "django.core.cache.backends.redis.RedisCache"),
+    }
+    for alias, (fixture, backend) in servers.items():
+        try:
+            url = request.getfixturevalue(fixture)
+        except (pytest.skip.Exception, pytest.fail.Exception):
+            continue  # the tests of that alias skip / fail on the same fixture themselves
+        location = url.removeprefix("memcached://") if alias == "memcached" else url
+        caches[alias] = {"BACKEND": backend, "LOCATION": location}
+    if not settings.configured:
+        settings.configure(CACHES=caches, USE_TZ=True)
+    return caches
+
+
 @pytest.fixture
 def key_prefix() -> str:
     """A key prefix no other test uses, so tests never need to flush anything."""
@@ -133,12 +197,31 @@ def redis_tls_cluster(
     yield from _deployment("redis-tls-cluster", make, tmp_path_factory)
 
 
+@pytest.fixture
+def sql_store(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    """``(url, table)`` of a fresh table of the SQL server named by the test's parameter
+    (``postgresql`` or ``mysql``), dropped after the test."""
+    with sql_test_table(request.param) as table:
+        yield SQL_URLS[request.param], table
+
+
 @pytest.fixture(
     params=[
-        "memory", "redis", "redis-client", "sqlite",
-        "redis-cluster", "redis-sentinel", "rediss", "rediss-cluster",
+        "memory",
+        "redis",
+        "redis-client",
+        "sqlite",
+        "redis-cluster",
+        "redis-sentinel",
+        "rediss",
+        "rediss-cluster",
+        "postgresql",
+        "mysql",
+        "memcached",
+        "django-memcached",
+        "django-redis",
     ]
-)  # fmt: skip
+)
 def backend(request: pytest.FixtureRequest) -> Iterator[LockBackend]:
     """Every backend, for the contract suite.
 
@@ -147,8 +230,17 @@ def backend(request: pytest.FixtureRequest) -> Iterator[LockBackend]:
     ``redis-cluster``, ``redis-sentinel``, ``rediss`` and ``rediss-cluster`` are real
     deployments of the session (a 6-node cluster, a master with a replica behind 3 sentinels, a
     TLS-only server, a TLS-only cluster of 3 masters).
+    ``postgresql`` and ``mysql`` use a table of their own on the machine's servers.
+    ``django-memcached`` and ``django-redis`` are ``django://`` stores over Django caches of
+    the session's memcached and Redis servers.
     """
     client: redis.Redis | None = None
+    if request.param in SQL_URLS:
+        with sql_test_table(request.param) as table:
+            instance = backend_from_url(SQL_URLS[request.param], table=table)
+            yield instance
+            instance.close()
+        return
     if request.param == "redis-cluster":
         instance: LockBackend = backend_from_url(request.getfixturevalue("redis_cluster").url)
     elif request.param == "redis-sentinel":
@@ -158,6 +250,13 @@ def backend(request: pytest.FixtureRequest) -> Iterator[LockBackend]:
         instance = backend_from_url(request.getfixturevalue("redis_tls_cluster").url)
     elif request.param == "rediss":
         instance = backend_from_url(request.getfixturevalue("redis_tls").url())
+    elif request.param == "memcached":
+        instance = backend_from_url(request.getfixturevalue("memcached_url"))
+    elif request.param.startswith("django-"):
+        alias = request.param.removeprefix("django-")
+        request.getfixturevalue(f"{alias}_url")  # fails / skips when the server is missing
+        request.getfixturevalue("django_caches")
+        instance = backend_from_url(f"django://{alias}")
     elif request.param == "memory":
         instance = MemoryBackend()
     elif request.param == "sqlite":

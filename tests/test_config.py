@@ -369,6 +369,8 @@ def test_an_amqp_broker_without_backend_url_fails_at_first_use_without_the_passw
         ("singletask_key_prefix", 5),
         ("singletask_backend_url", "localhost:6379"),
         ("singletask_backend_url", 6379),
+        ("singletask_backend_table", "Locks; DROP"),
+        ("singletask_backend_table", "locks"),  # memory:// has no table
     ],
 )
 def test_an_invalid_app_setting_is_a_configuration_error_naming_it(
@@ -386,6 +388,23 @@ def test_an_invalid_app_setting_is_a_configuration_error_naming_it(
         uses_settings()
     with pytest.raises(ConfigurationError, match=setting):
         Settings.from_app(app)
+
+
+def test_the_backend_table_setting_reaches_a_sql_store() -> None:
+    """singletask_backend_table names the table of a postgresql:// or mysql:// lock store."""
+    # Given an app whose lock store is PostgreSQL, with a table of its own
+    app = celery.Celery("t", set_as_current=False)
+    app.conf.singletask_backend_url = "postgresql://postgres@127.0.0.1:5432/test"
+    app.conf.singletask_backend_table = "myapp_locks"
+
+    # When the settings are read / Then the table is passed to the store
+    settings = Settings.from_app(app)
+    assert settings.backend_table == "myapp_locks"
+    assert settings.backend_options() == {"table": "myapp_locks"}
+    # And without the setting nothing is passed (the store's default table)
+    app.conf.singletask_backend_table = None
+    assert Settings.from_app(app).backend_options() == {}
+    app.close()
 
 
 # -- precedence ---------------------------------------------------------------------------------

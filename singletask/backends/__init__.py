@@ -3,8 +3,14 @@
 Built in: ``redis://``, ``rediss://``, ``unix://``
 (:class:`~singletask.backends.redis.RedisBackend`), ``sentinel://``
 (:class:`~singletask.backends.redis_deploy.RedisSentinelBackend`), ``redis+cluster://`` and
-``rediss+cluster://`` (:class:`~singletask.backends.redis_deploy.RedisClusterBackend`),
-``sqlite://`` and ``memory://`` (:class:`~singletask.backends.memory.MemoryBackend`).
+``rediss+cluster://`` (:class:`~singletask.backends.redis_deploy.RedisClusterBackend`), ``sqlite://``
+(:class:`~singletask.backends.sqlite.SQLiteBackend`), ``postgresql://``, ``postgres://``
+(:class:`~singletask.backends.postgres.PostgresBackend`, extra ``singletask[postgres]``),
+``mysql://``, ``mariadb://`` (:class:`~singletask.backends.mysql.MySQLBackend`, extra
+``singletask[mysql]``), ``memcached://`` (:class:`~singletask.backends.memcached.MemcachedBackend`,
+extra ``singletask[memcached]``), ``django://``
+(:class:`~singletask.backends.django.DjangoCacheBackend`, extra ``singletask[django]``) and
+``memory://`` (:class:`~singletask.backends.memory.MemoryBackend`).
 A third-party package adds a scheme through the ``singletask.backends`` entry-point group::
 
     [project.entry-points."singletask.backends"]
@@ -45,6 +51,20 @@ BACKEND_ALIASES: dict[str, str] = {
     "rediss+cluster": "singletask.backends.redis_deploy:RedisClusterBackend",
     "memory": "singletask.backends.memory:MemoryBackend",
     "sqlite": "singletask.backends.sqlite:SQLiteBackend",
+    "postgresql": "singletask.backends.postgres:PostgresBackend",
+    "postgres": "singletask.backends.postgres:PostgresBackend",
+    "postgresql+psycopg": "singletask.backends.postgres:PostgresBackend",
+    "mysql": "singletask.backends.mysql:MySQLBackend",
+    "mariadb": "singletask.backends.mysql:MySQLBackend",
+    "mysql+pymysql": "singletask.backends.mysql:MySQLBackend",
+    "memcached": "singletask.backends.memcached:MemcachedBackend",
+    "django": "singletask.backends.django:DjangoCacheBackend",
+}
+
+#: Module of a built-in backend -> the extra that installs its driver.
+EXTRAS: dict[str, str] = {
+    "singletask.backends.postgres": "postgres",
+    "singletask.backends.mysql": "mysql",
 }
 
 ENTRY_POINT_GROUP = "singletask.backends"
@@ -64,6 +84,7 @@ def backend_class(url: str) -> type[LockBackend]:
 
     Raises:
         UnknownBackendError: No backend is registered for the URL's scheme.
+        ConfigurationError: The driver of that backend is not installed.
     """
     scheme = urlsplit(url).scheme.lower()
     target = BACKEND_ALIASES.get(scheme) or _plugins().get(scheme)
@@ -72,7 +93,16 @@ def backend_class(url: str) -> type[LockBackend]:
             f"no singletask backend for {maybe_sanitize_url(url)!r}: unknown scheme "
             f"{scheme!r}; known schemes: {', '.join(known_schemes())}"
         )
-    cls = symbol_by_name(target)
+    try:
+        cls = symbol_by_name(target)
+    except ImportError as exc:
+        extra = EXTRAS.get(target.partition(":")[0])
+        if extra is None:
+            raise
+        raise ConfigurationError(
+            f"the {scheme}:// lock store needs its driver: pip install 'singletask[{extra}]' "
+            f"({exc})"
+        ) from exc
     if not (isinstance(cls, type) and issubclass(cls, LockBackend)):
         raise ConfigurationError(f"{target!r} (scheme {scheme!r}) is not a LockBackend subclass")
     return cls

@@ -1,7 +1,9 @@
 """``singletask demo`` and the machinery it shares with the programs in ``examples/``.
 
-* :mod:`~singletask.demo.local`: run a Celery app and a prefork worker on this machine, with
-  embedded parts (filesystem broker, file results, SQLite locks) or servers.
+* :mod:`~singletask.demo.local`: a Celery app on this machine, with embedded parts (filesystem
+  broker, file results, SQLite locks) or servers.
+* :mod:`~singletask.demo.worker`: a real prefork worker for it, as a subprocess.
+* :mod:`~singletask.demo.example`: what the programs in ``examples/`` are built on.
 * :mod:`~singletask.demo.events`: the event log worker processes append to.
 * :mod:`~singletask.demo.app`, :mod:`~singletask.demo.tasks`: the demo's app and tasks.
 * :mod:`~singletask.demo.scenarios`: what the demo sends, and when.

@@ -30,16 +30,10 @@ from ..exceptions import SingletaskError, TaskLocked
 from ..result import Skipped
 from .display import LiveDisplay, PlainDisplay, clock, short
 from .events import EventLog
-from .local import (
-    DemoError,
-    Setup,
-    WorkerProcess,
-    configure,
-    interrupt_on_sigterm,
-    tidy_up_servers,
-)
+from .local import DemoError, Setup, configure
 from .scenarios import Call, Scenario, scenarios
 from .timeline import Board, Style, max_overlap, summary_table
+from .worker import WorkerProcess, interrupt_on_sigterm, tidy_up_servers
 
 __all__ = ["DemoOptions", "run_demo"]
 

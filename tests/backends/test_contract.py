@@ -1,7 +1,9 @@
 """The contract of the lock backend primitives, run against every backend.
 
-Every backend (the ``backend`` fixture: memory, the private Redis and SQLite) must pass this suite
-unchanged; the semantics are those documented in :mod:`singletask.backends.base`.
+Every backend (the ``backend`` fixture: memory, the private Redis, SQLite, the private memcached
+and Django caches over both servers) must pass this suite unchanged; the semantics are those
+documented in :mod:`singletask.backends.base`. A lease is only ever asserted to end *within* a
+generous wait, never at an exact time: memcached ends leases in whole seconds of its own clock.
 """
 
 from __future__ import annotations
@@ -438,7 +440,7 @@ def test_every_new_acquisition_gets_a_greater_fence(backend: LockBackend, key: s
     assert backend.release(key, "token-a")
     second = backend.acquire(key, "token-b", LEASE)
     third = backend.acquire(key, "token-c", SHORT, takeover_prefix="token-b")
-    time.sleep(SHORT + 0.2)
+    assert wait_until_free(backend, key)
     fourth = backend.acquire(key, "token-d", LEASE)
 
     # Then each fence is greater than the one before
@@ -506,13 +508,13 @@ def test_extend_many_renews_only_the_leases_still_held(
         ]
     )
 
-    # Then only the held ones were extended, and the others are unchanged
+    # Then only the held ones were extended, and the others are unchanged: the other token's
+    # short lease runs out (waited for: memcached ends leases in whole seconds, see its module)
     assert results == [True, True, False, False]
-    time.sleep(SHORT + 0.2)
+    assert wait_until_free(backend, other)
     assert backend.holder(held_a) is not None
     assert backend.holder(held_b) is not None
     assert backend.holder(gone) is None
-    assert backend.holder(other) is None  # its own short lease ran out
 
 
 def test_extend_many_of_nothing_is_nothing(backend: LockBackend) -> None:

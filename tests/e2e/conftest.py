@@ -8,6 +8,7 @@ them, so every e2e test runs once per broker. Databases of the private Redis ser
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import json
@@ -17,7 +18,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ import pytest
 import redis
 from celery import Celery
 
-from ..servers import amqp_url, unavailable
+from ..servers import SQL_URLS, amqp_url, sql_test_table, start_memcached, unavailable
 from .app import LOCK_OPTIONS_ENV, TASK_MODULES, make_app
 from .probe import PROBE_URL_ENV, Probe
 
@@ -41,6 +43,36 @@ BROKERS = ["redis", "amqp"] if amqp_url() else ["redis"]
 STORES = [s.strip() for s in os.environ.get("SINGLETASK_E2E_STORES", "").split(",") if s.strip()]
 CLUSTER_PARAMS = [f"redis@{store}" for store in STORES] if STORES else BROKERS
 CONCURRENCY = 2
+
+
+@contextlib.contextmanager
+def sql_lock_store(kind: str) -> Iterator[str]:
+    """The URL of a table of its own on the machine's ``kind`` SQL server, dropped after."""
+    with sql_test_table(kind) as table:
+        yield f"{SQL_URLS[kind]}?table={table}"
+
+
+@contextlib.contextmanager
+def memcached_lock_store() -> Iterator[str]:
+    """The URL of a memcached server of the test's own, stopped after."""
+    try:
+        server = start_memcached()
+    except RuntimeError as exc:
+        unavailable(f"cannot start a private memcached: {exc}")
+        raise
+    try:
+        yield f"{server.url}?connect_timeout=2"
+    finally:
+        server.stop()
+
+
+#: The lock stores besides Redis that test_stores.py runs its end-to-end scenarios on: name ->
+#: a context manager that yields a store URL for one test and cleans up after it.
+LOCK_STORES: dict[str, Callable[[], AbstractContextManager[str]]] = {
+    "postgresql": lambda: sql_lock_store("postgresql"),
+    "mysql": lambda: sql_lock_store("mysql"),
+    "memcached": memcached_lock_store,
+}
 
 for _module in TASK_MODULES:  # register the shared tasks before any app is built
     importlib.import_module(_module)

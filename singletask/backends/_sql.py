@@ -1,0 +1,277 @@
+"""What the PostgreSQL and MySQL lock stores share: the table layout, URL options, the pool.
+
+The SQL itself lives in each store's module (:mod:`~singletask.backends.postgres`,
+:mod:`~singletask.backends.mysql`); this module holds only what is the same for both.
+
+One row per lock key, in one table (``singletask_locks`` unless a setting names another)::
+
+    key            the lock key (primary key: every operation finds its row through it)
+    token          owner token of the holder, NULL once released
+    task_id        the holder's task id (release_held_by compares it in SQL)
+    meta           the holder's metadata, a JSON object
+    lease_expires  end of the holder's lease; the lock is held while token is set and this is
+                   later than the database's clock
+    fence          the last fencing token issued for the key (kept when the lock is released)
+    done           the completion marker of the key's last normal release
+    next_task      pending follow-up task id (coalescing), with next_expires
+    expires_at     when the whole row may be deleted: never earlier than FENCE_RETENTION after
+                   its last lease, nor than its follow-up claim
+
+The row outlives its lock on purpose: it keeps the fence, so a later acquisition gets a greater
+token. Rows past ``expires_at`` are deleted in batches by whichever worker process notices they
+are due (at most once per RECLAIM_INTERVAL per process), through the index on ``expires_at``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Generic, TypeVar
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+
+from ..exceptions import BackendTimeout, ConfigurationError
+from .base import Holder
+
+__all__ = [
+    "DEFAULT_TABLE",
+    "FENCE_RETENTION",
+    "RECLAIM_BATCH",
+    "RECLAIM_INTERVAL",
+    "TABLE_SCHEMES",
+    "Pool",
+    "SQLOptions",
+    "check_table",
+    "dump_meta",
+    "like_prefix",
+    "load_holder",
+    "split_url",
+]
+
+#: URL schemes of the stores that keep locks in a table (setting ``singletask_backend_table``).
+TABLE_SCHEMES = frozenset(
+    {"postgresql", "postgres", "postgresql+psycopg", "mysql", "mariadb", "mysql+pymysql"}
+)
+
+#: The table used unless the ``table`` option (setting ``singletask_backend_table``) names one.
+DEFAULT_TABLE = "singletask_locks"
+
+#: How long a key's row (last fencing token, completion marker) outlives its last lease.
+FENCE_RETENTION = 7 * 24 * 3600.0
+
+#: Seconds between two sweeps of expired rows by one process, and rows deleted per sweep.
+RECLAIM_INTERVAL = 60.0
+RECLAIM_BATCH = 1000
+
+_TABLE_NAME = re.compile(r"(?:[a-z_][a-z0-9_]{0,47}\.)?[a-z_][a-z0-9_]{0,47}")
+
+C = TypeVar("C")
+
+
+def check_table(name: object, where: str = "option table") -> str:
+    """Return ``name`` if it is a usable table name (``table`` or ``schema.table``).
+
+    Lower-case letters, digits and underscores only (at most 48 of them per part), so the name
+    means the same unquoted in PostgreSQL and MySQL, on every filesystem.
+
+    Raises:
+        ConfigurationError: It is not.
+    """
+    if not isinstance(name, str) or not _TABLE_NAME.fullmatch(name):
+        raise ConfigurationError(
+            f"{where}: expected a table name such as 'singletask_locks' or 'myschema.locks' "
+            f"(lower-case letters, digits and '_', at most 48 per part), got {name!r}"
+        )
+    return name
+
+
+class SQLOptions:
+    """The options of a SQL lock store that are not the driver's own.
+
+    Args:
+        table: The lock table (``table`` or ``schema.table``).
+        pool_size: Most connections one process keeps open at once.
+        timeout: Seconds allowed to connect, to run one statement, and to wait for a pooled
+            connection.
+    """
+
+    def __init__(self, *, table: str = DEFAULT_TABLE, pool_size: int = 4, timeout: float = 5.0):
+        self.table = check_table(table)
+        if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
+            raise ConfigurationError(
+                f"option pool_size: expected an integer >= 1, got {pool_size!r}"
+            )
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ConfigurationError(f"option timeout: expected seconds > 0, got {timeout!r}")
+        self.pool_size = pool_size
+        self.timeout = float(timeout)
+
+
+_OWN_OPTIONS = {"table": str, "pool_size": int, "timeout": float}
+
+
+def split_url(url: str, options: Mapping[str, object]) -> tuple[str, SQLOptions]:
+    """Separate singletask's options (``table``, ``pool_size``, ``timeout``) from ``url``.
+
+    They may be given in the URL's query string or as keyword options (which win). Returns the
+    URL without them (every other query option is the driver's) and the options.
+
+    Raises:
+        ConfigurationError: An option is invalid or unknown.
+    """
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    own: dict[str, object] = {}
+    rest = []
+    for name, value in query:
+        if name in _OWN_OPTIONS:
+            try:
+                own[name] = _OWN_OPTIONS[name](value)
+            except ValueError:
+                raise ConfigurationError(f"URL option {name}={value!r} is invalid") from None
+        else:
+            rest.append((name, value))
+    unknown = set(options) - set(_OWN_OPTIONS)
+    if unknown:
+        raise ConfigurationError(
+            f"unknown option(s) {', '.join(sorted(unknown))}; "
+            f"a SQL lock store takes {', '.join(_OWN_OPTIONS)}"
+        )
+    own.update(options)
+    return urlunsplit(parts._replace(query=urlencode(rest, quote_via=quote))), SQLOptions(**own)  # type: ignore[arg-type]
+
+
+def dump_meta(meta: Mapping[str, str] | None) -> tuple[str, str | None]:
+    """The ``meta`` and ``task_id`` column values for a holder's metadata."""
+    fields = dict(meta or {})
+    return json.dumps(fields, separators=(",", ":")), fields.get("task_id")
+
+
+def load_holder(token: str, meta: str | None, ttl: float | None, fence: int | None) -> Holder:
+    """A :class:`Holder` from the columns of a row."""
+    fields: dict[str, str] = json.loads(meta) if meta else {}
+    return Holder(token, fields.get("task_id"), ttl, fields, fence)
+
+
+def like_prefix(prefix: str) -> str:
+    """A LIKE pattern (escape character ``!``) matching the strings that start with ``prefix``."""
+    return prefix.replace("!", "!!").replace("%", "!%").replace("_", "!_") + "%"
+
+
+class Pool(Generic[C]):
+    """At most ``size`` connections of the current process, opened when first needed.
+
+    A process forked from the one that opened them never uses (nor closes: that would end the
+    parent's sessions) the parent's connections; it opens its own. A connection that saw an
+    error is closed, not reused: after a driver error its state is unknown.
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], C],
+        close: Callable[[C], None],
+        *,
+        size: int,
+        timeout: float,
+        describe: str,
+    ) -> None:
+        self._connect = connect
+        self._close = close
+        self._size = size
+        self._timeout = timeout
+        self._describe = describe
+        self._mutex = threading.Lock()
+        self._pid = os.getpid()
+        self._idle: list[C] = []
+        self._inherited: list[C] = []
+        self._slots = threading.BoundedSemaphore(size)
+        self.generation = 0  # bumped whenever the process (or close()) drops every connection
+
+    def _own(self) -> None:
+        if self._pid != os.getpid():  # forked: leave the parent's connections alone
+            self._pid = os.getpid()
+            # Kept referenced, never used: a driver finalising them here could end (or warn
+            # about) sessions that belong to the parent.
+            self._inherited.extend(self._idle)
+            self._idle = []
+            self._slots = threading.BoundedSemaphore(self._size)
+            self._mutex = threading.Lock()
+            self.generation += 1
+
+    @contextmanager
+    def connection(self) -> Iterator[C]:
+        """Lend a connection for one operation (see :meth:`checkout`)."""
+        with self.checkout() as (conn, _):
+            yield conn
+
+    @contextmanager
+    def checkout(self) -> Iterator[tuple[C, bool]]:
+        """Lend a connection for one operation, and whether it was used before (an idle
+        connection can have been closed by the server meanwhile; a new one cannot).
+
+        Raises:
+            BackendTimeout: Every connection stayed busy for ``timeout`` seconds.
+        """
+        self._own()
+        slots = self._slots
+        if not slots.acquire(timeout=self._timeout):
+            raise BackendTimeout(
+                f"{self._describe}: no free connection within {self._timeout}s "
+                f"(pool_size {self._size})"
+            )
+        try:
+            with self._mutex:
+                conn = self._idle.pop() if self._idle else None
+            reused = conn is not None
+            if conn is None:
+                conn = self._connect()
+            try:
+                yield conn, reused
+            except BaseException:
+                self._discard(conn)
+                raise
+            with self._mutex:
+                if slots is self._slots:
+                    self._idle.append(conn)
+                else:  # close() ran meanwhile
+                    self._discard(conn)
+        finally:
+            slots.release()
+
+    def _discard(self, conn: C) -> None:
+        with contextlib.suppress(Exception):  # best effort: it may be broken already
+            self._close(conn)
+
+    def clear(self) -> None:
+        """Close every idle connection of this process (connections in use close on return)."""
+        self._own()
+        with self._mutex:
+            idle, self._idle = self._idle, []
+            self._slots = threading.BoundedSemaphore(self._size)
+            self.generation += 1
+        for conn in idle:
+            self._discard(conn)
+
+
+class Reclaimer:
+    """Decides when this process deletes a batch of expired rows: at most every ``interval``.
+
+    No lock: two threads may both sweep now and then, which is harmless, and a forked child
+    can never inherit a lock held by a thread of its parent.
+    """
+
+    def __init__(self, interval: float = RECLAIM_INTERVAL) -> None:
+        self._interval = interval
+        self._next = 0.0
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self._interval
+        return True

@@ -1,0 +1,461 @@
+"""The memcached lock store: every state change is one ``add`` or one ``cas``.
+
+URLs: ``memcached://host:11211`` and, for several servers, ``memcached://h1:11211;h2:11211``
+(``,`` works too). Query options: ``timeout`` and ``connect_timeout`` (seconds) and
+``max_pool_size``. Needs ``pip install singletask[memcached]`` (pymemcache).
+
+A lock is one item at the lock key holding a small JSON record: the owner token, its fencing token,
+the metadata, the deadline of the lease and the key's last completion marker. A released lock
+becomes a *free record* (no token) that keeps the last fencing token and completion marker, so
+a release and its marker are one ``cas``. Every change reads the record with ``gets`` and writes it
+with ``cas`` (or ``add`` where there is no item), so a concurrent change makes the write fail and
+the step is decided again on the new record. Fencing tokens come from a counter item per lock
+(``incr``, seeded with ``add``). A pending follow-up is one item (``add``; cleared by a ``cas``
+with a negative expiry, memcached's delete-if-unchanged).
+
+What differs from Redis (the guarantees page has the details): memcached's own expiry ends a
+lease, in whole seconds of its clock, and the lease time reported is derived from a deadline the
+writing host stored; memcached may evict a live lock, and loses every lock when it restarts; a
+lost fence counter restarts from the acquiring host's clock; keys cannot be listed
+(:meth:`MemcachedBackend.iter_locks` raises :class:`~singletask.exceptions.UnsupportedOperation`).
+Each lock lives on the one server its key hashes to, and never moves: a server that does not
+answer makes its locks unavailable (:class:`~singletask.exceptions.BackendUnavailable`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from ..exceptions import (
+    BackendError,
+    BackendTimeout,
+    BackendUnavailable,
+    ConfigurationError,
+    UnsupportedOperation,
+)
+from .base import AcquireResult, Holder, LockBackend
+
+try:
+    from pymemcache.client.base import PooledClient
+    from pymemcache.exceptions import MemcacheError, MemcacheUnexpectedCloseError
+except ImportError:  # pragma: no cover - the extra is not installed
+    PooledClient = None
+
+__all__ = ["MAX_RELATIVE_EXPIRY", "MemcachedBackend", "parse_servers"]
+
+#: memcached reads an expiry above 30 days as an absolute Unix time, not as seconds from now.
+MAX_RELATIVE_EXPIRY = 30 * 24 * 3600
+
+#: How long a free record (last fence, last completion marker) outlives the release.
+RECORD_RETENTION = 7 * 24 * 3600
+
+#: How long a fence counter lives; ``incr`` does not renew it, the time seed covers its end.
+FENCE_EXPIRY = MAX_RELATIVE_EXPIRY
+
+#: How often a step is decided again when the record keeps changing under it.
+CAS_ATTEMPTS = 50
+
+#: Client defaults; URL query options and ``from_url`` options win.
+CLIENT_DEFAULTS: dict[str, Any] = {"connect_timeout": 5.0, "timeout": 5.0}
+
+_OPTION_TYPES: dict[str, type] = {"connect_timeout": float, "timeout": float, "max_pool_size": int}
+
+#: memcached's key limit is 250 bytes of printable, non-space ASCII.
+_MAX_KEY = 250
+
+
+def parse_servers(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    """The ``(host, port)`` servers and the client options of a ``memcached://`` URL.
+
+    Raises:
+        ConfigurationError: The URL is not a memcached URL or an option is invalid.
+    """
+    shown = re.sub(r"(?<=//)[^/@;,]*@", "", url)  # memcached has no passwords: drop any user info
+    parts = urlsplit(url)
+    if parts.scheme != "memcached":
+        raise ConfigurationError(f"{shown!r} is not a memcached:// URL")
+    where = parts.netloc.replace(",", ";") + parts.path.rstrip("/").replace(",", ";")
+    servers: list[tuple[str, int]] = []
+    for item in filter(None, (part.strip() for part in where.split(";"))):
+        item = item.removeprefix("memcached://").rsplit("@", 1)[-1]
+        host, _, port = item.rpartition(":") if item.count(":") == 1 else (item, "", "")
+        try:
+            servers.append((unquote(host or item), int(port or 11211)))
+        except ValueError as exc:
+            raise ConfigurationError(f"{shown!r}: bad memcached server {item!r}") from exc
+    if not servers:
+        raise ConfigurationError(
+            f"{shown!r}: no server; expected memcached://host:11211 or memcached://h1:11211;h2:11211"
+        )
+    options: dict[str, Any] = {}
+    for name, value in parse_qsl(parts.query):
+        if name not in _OPTION_TYPES:
+            raise ConfigurationError(
+                f"{shown!r}: unknown option {name!r}; known: {', '.join(sorted(_OPTION_TYPES))}"
+            )
+        try:
+            options[name] = _OPTION_TYPES[name](value)
+        except ValueError as exc:
+            raise ConfigurationError(f"{shown!r}: option {name}={value!r} is invalid") from exc
+    return servers, options
+
+
+def expiry(seconds: float) -> int:
+    """memcached's expiry for an item that must live at least ``seconds`` from now.
+
+    memcached counts in whole seconds of a clock that ticks once a second, so an item can expire
+    up to a second before ``expiry`` seconds have passed: one more second makes up for it.
+
+    Raises:
+        ConfigurationError: ``seconds`` is over memcached's 30 days of relative expiry (a larger
+            value would be read as an absolute Unix time, and expire at once).
+    """
+    exptime = max(math.ceil(seconds), 0) + 1
+    if exptime > MAX_RELATIVE_EXPIRY:
+        raise ConfigurationError(
+            f"memcached cannot keep a lock for {seconds:.0f}s: its longest relative expiry is "
+            f"{MAX_RELATIVE_EXPIRY}s (30 days) minus one second; use a shorter lease"
+        )
+    return exptime
+
+
+def _item_key(key: str) -> bytes:
+    raw = key.encode()
+    if len(raw) <= _MAX_KEY and all(32 < byte < 127 for byte in raw):
+        return raw
+    # Too long, or with spaces / control / non-ASCII characters: memcached cannot take it as is.
+    return b"singletask:sha256:" + hashlib.sha256(raw).hexdigest().encode()
+
+
+def _encode(record: Mapping[str, Any]) -> bytes:
+    return json.dumps(record, separators=(",", ":")).encode()
+
+
+def _decode(value: bytes | str | None, key: str) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    try:
+        record = json.loads(value)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        raise BackendError(f"memcached item {key!r} is not a singletask lock record: {value!r}")
+    return record
+
+
+def _holder(record: Mapping[str, Any], *, full: bool = True) -> Holder:
+    meta: dict[str, str] = dict(record.get("m") or {})
+    left = float(record["d"]) - time.time()
+    return Holder(
+        str(record["t"]),
+        meta.get("task_id"),
+        left if left > 0 else None,
+        meta if full else {},
+        int(record["f"]),
+    )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _unsupported(message: str) -> Iterator[tuple[str, Holder]]:
+    raise UnsupportedOperation(message)
+    yield  # a generator: the error comes with the first step of the iteration
+
+
+class MemcachedBackend(LockBackend):
+    """Locks in one or more memcached servers.
+
+    Args:
+        servers: ``(host, port)`` pairs (a host starting with ``/`` is a Unix socket path).
+        options: ``connect_timeout``, ``timeout`` (seconds), ``max_pool_size`` per server, and
+            ``tls_context`` (an :class:`ssl.SSLContext`).
+    """
+
+    def __init__(self, servers: Sequence[tuple[str, int]], **options: Any) -> None:
+        if not servers:
+            raise ConfigurationError("MemcachedBackend needs at least one server")
+        if PooledClient is None:  # pragma: no cover - the extra is not installed
+            raise ConfigurationError(
+                "the memcached:// lock store needs pymemcache: pip install 'singletask[memcached]'"
+            )
+        unknown = set(options) - {*_OPTION_TYPES, "tls_context"}
+        if unknown:
+            raise ConfigurationError(f"MemcachedBackend: unknown options {sorted(unknown)}")
+        self.servers = [(str(host), int(port)) for host, port in servers]
+        self._options = {**CLIENT_DEFAULTS, **options}
+        self._mutex = threading.Lock()
+        self._clients: dict[tuple[str, int], Any] = {}
+        self._pid: int | None = None
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> MemcachedBackend:
+        servers, query = parse_servers(url)
+        return cls(servers, **{**query, **options})
+
+    def __repr__(self) -> str:
+        return f"<MemcachedBackend {';'.join(f'{h}:{p}' for h, p in self.servers)}>"
+
+    # -- connections and errors ------------------------------------------------------------------
+
+    def _server(self, key: str) -> tuple[str, int]:
+        """The server of ``key``'s items: rendezvous hashing over the fixed server list."""
+        if len(self.servers) == 1:
+            return self.servers[0]
+        return max(
+            self.servers, key=lambda s: hashlib.blake2b(f"{s[0]}:{s[1]}\0{key}".encode()).digest()
+        )
+
+    def _client(self, key: str) -> Any:
+        """The pooled client of ``key``'s server, created on first use in each process."""
+        server = self._server(key)
+        pid = os.getpid()
+        with self._mutex:
+            if self._pid != pid:  # a forked child drops (never uses) its parent's sockets
+                self._clients, self._pid = {}, pid
+            client = self._clients.get(server)
+            if client is None:
+                spec: Any = server[0] if server[0].startswith("/") else server
+                # default_noreply=False: otherwise add/set answer True without waiting for the
+                # server, and every acquire would seem to succeed.
+                client = PooledClient(spec, default_noreply=False, **self._options)
+                self._clients[server] = client
+        return client
+
+    @contextlib.contextmanager
+    def _translate(self, operation: str, key: str) -> Iterator[None]:
+        """pymemcache's and the socket's errors, raised inside, as singletask's."""
+        try:
+            yield
+        except TimeoutError as exc:
+            raise BackendTimeout(f"{self!r}: {operation} {key!r} timed out: {exc}") from exc
+        except (OSError, MemcacheUnexpectedCloseError) as exc:
+            raise BackendUnavailable(f"{self!r}: {operation} {key!r} failed: {exc!r}") from exc
+        except MemcacheError as exc:
+            raise BackendError(f"{self!r}: {operation} {key!r} failed: {exc!r}") from exc
+
+    def _changing(self, operation: str, key: str) -> BackendError:
+        return BackendError(
+            f"{self!r}: {operation} {key!r}: the record changed under each of {CAS_ATTEMPTS} tries"
+        )
+
+    # -- fencing ---------------------------------------------------------------------------------
+
+    def _next_fence(self, client: Any, key: str, floor: int | None, *, fresh: bool) -> int:
+        """A fencing token greater than every one issued before (and than ``floor``).
+
+        A missing counter (new key, or evicted / expired / lost in a restart) is seeded with the
+        time, so that the fence keeps growing as long as the hosts' clocks do. With ``fresh``
+        (the key has no record) the counter is most likely missing too: seeding is tried first.
+        """
+        counter = _item_key(f"{key}|fence")
+        seed = max(int(time.time() * 1_000_000), (floor or 0) + 1)
+        if fresh and client.add(counter, str(seed).encode(), expire=FENCE_EXPIRY):
+            return seed
+        value = client.incr(counter, 1)
+        if value is None:
+            if client.add(counter, str(seed).encode(), expire=FENCE_EXPIRY):
+                return seed
+            value = client.incr(counter, 1)
+            if value is None:
+                raise BackendError(f"{self!r}: the fence counter of {key!r} vanished twice")
+        if floor is not None and int(value) <= floor:
+            value = client.incr(counter, floor + 1 - int(value))
+        return int(value)
+
+    # -- the primitives --------------------------------------------------------------------------
+
+    def acquire(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        *,
+        meta: Mapping[str, str] | None = None,
+        takeover_prefix: str | None = None,
+    ) -> AcquireResult:
+        exptime = expiry(ttl)
+        item = _item_key(key)
+        with self._translate("acquire", key):
+            client = self._client(key)
+            for _ in range(CAS_ATTEMPTS):
+                value, cas = client.gets(item)
+                record = _decode(value, key)
+                current = record.get("t") if record else None
+                if (
+                    record is not None
+                    and current is not None
+                    and current != token
+                    and not (takeover_prefix and str(current).startswith(takeover_prefix))
+                ):
+                    return AcquireResult(False, _holder(record, full=False))
+                if record is not None and current == token:
+                    fence = int(record["f"])
+                else:
+                    floor = int(record["f"]) if record and "f" in record else None
+                    fence = self._next_fence(client, key, floor, fresh=record is None)
+                done = record.get("c") if record else None
+                fields = {"t": token, "f": fence, "d": time.time() + ttl, "m": dict(meta or {})}
+                new = _encode({**fields, "c": done})
+                if record is None:
+                    stored = client.add(item, new, expire=exptime)
+                else:
+                    stored = client.cas(item, new, cas, expire=exptime)
+                if stored:
+                    return AcquireResult(True, fence=fence, completed=done)
+        raise self._changing("acquire", key)
+
+    def _free(
+        self,
+        key: str,
+        operation: str,
+        held_by: str | None,
+        *,
+        task_id: str | None = None,
+        completed: str | None = None,
+    ) -> Holder | None:
+        """Turn the lock into a free record if ``held_by`` (a token) or ``task_id`` holds it.
+
+        With neither, whoever holds it. Returns the holder removed, or None.
+        """
+        item = _item_key(key)
+        with self._translate(operation, key):
+            client = self._client(key)
+            for _ in range(CAS_ATTEMPTS):
+                value, cas = client.gets(item)
+                record = _decode(value, key)
+                if record is None or record.get("t") is None:
+                    return None
+                holder = _holder(record)
+                if held_by is not None and holder.token != held_by:
+                    return None
+                if task_id is not None and holder.task_id != task_id:
+                    return None
+                done = completed if completed is not None else record.get("c")
+                free = _encode({"f": record["f"], "c": done})
+                stored = client.cas(item, free, cas, expire=RECORD_RETENTION)
+                if stored:
+                    return holder
+                if stored is None:  # the item is gone: its lease ran out meanwhile
+                    return None
+        raise self._changing(operation, key)
+
+    def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
+        return self._free(key, "release", token, completed=completed) is not None
+
+    def release_held_by(self, key: str, task_id: str) -> Holder | None:
+        return self._free(key, "release", None, task_id=task_id)
+
+    def force_release(self, key: str) -> Holder | None:
+        return self._free(key, "release", None)
+
+    def _extend(self, client: Any, key: str, token: str, ttl: float, seen: Any) -> bool:
+        """Extend from an already read ``(value, cas)``; read again while the record changes."""
+        item = _item_key(key)
+        exptime = expiry(ttl)
+        value, cas = seen
+        for _ in range(CAS_ATTEMPTS):
+            record = _decode(value, key)
+            if record is None or record.get("t") != token:
+                return False
+            record["d"] = time.time() + ttl
+            stored = client.cas(item, _encode(record), cas, expire=exptime)
+            if stored is not None:
+                if stored:
+                    return True
+                value, cas = client.gets(item)
+            else:
+                return False
+        raise self._changing("extend", key)
+
+    def extend(self, key: str, token: str, ttl: float) -> bool:
+        with self._translate("extend", key):
+            client = self._client(key)
+            return self._extend(client, key, token, ttl, client.gets(_item_key(key)))
+
+    def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool]:
+        """One ``gets`` of many keys per server, then one ``cas`` per lease still held."""
+        if not leases:
+            return []
+        by_server: dict[tuple[str, int], list[str]] = {}
+        for key, _, _ in leases:
+            by_server.setdefault(self._server(key), []).append(key)
+        seen: dict[bytes, Any] = {}
+        with self._translate("extend", leases[0][0]):
+            for keys in by_server.values():
+                seen.update(self._client(keys[0]).gets_many([_item_key(k) for k in keys]))
+            return [
+                self._extend(
+                    self._client(key), key, token, ttl, seen.get(_item_key(key), (None, None))
+                )
+                for key, token, ttl in leases
+            ]
+
+    def claim_next(self, key: str, task_id: str, ttl: float) -> str:
+        item = _item_key(f"{key}|next")
+        exptime = expiry(ttl)
+        with self._translate("claim_next", key):
+            client = self._client(key)
+            for _ in range(CAS_ATTEMPTS):
+                if client.add(item, task_id.encode(), expire=exptime):
+                    return task_id
+                pending = client.get(item)
+                if pending is not None:
+                    return _text(pending)
+        raise self._changing("claim_next", key)
+
+    def clear_next(self, key: str, task_id: str) -> bool:
+        item = _item_key(f"{key}|next")
+        with self._translate("clear_next", key):
+            client = self._client(key)
+            for _ in range(CAS_ATTEMPTS):
+                value, cas = client.gets(item)
+                if (
+                    value is None
+                    or (value.decode() if isinstance(value, bytes) else value) != task_id
+                ):
+                    return False
+                # A negative expiry ends the item at once: memcached's delete-if-unchanged.
+                stored = client.cas(item, value, cas, expire=-1)
+                if stored is not None:
+                    if stored:
+                        return True
+                else:
+                    return False
+        raise self._changing("clear_next", key)
+
+    def holder(self, key: str) -> Holder | None:
+        with self._translate("inspect", key):
+            record = _decode(self._client(key).get(_item_key(key)), key)
+        if record is None or record.get("t") is None:
+            return None
+        return _holder(record)
+
+    def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
+        """Not supported: memcached cannot list its keys.
+
+        Raises:
+            UnsupportedOperation: on the first step of the iteration, always.
+        """
+        return _unsupported(
+            "listing locks is not supported on memcached: it cannot list its keys "
+            "(a lock can still be looked up, released or force-released by its key)"
+        )
+
+    def close(self) -> None:
+        with self._mutex:
+            clients, self._clients = (self._clients, {}) if self._pid == os.getpid() else ({}, {})
+        for client in clients.values():
+            with contextlib.suppress(Exception):
+                client.close()

@@ -1,0 +1,436 @@
+"""The MySQL / MariaDB lock store: one row per lock key, every operation one round trip.
+
+URL: ``mysql://user:password@host:3306/dbname`` (also ``mariadb://`` and ``mysql+pymysql://``),
+with the query options ``unix_socket``, ``ssl_ca``, ``ssl_cert``, ``ssl_key`` and singletask's
+own: ``table`` (default ``singletask_locks``), ``pool_size`` (4) and ``timeout`` (5 seconds).
+Needs ``pip install "singletask[mysql]"`` (PyMySQL). Written for MySQL 5.7+ and MariaDB
+10.3+ (InnoDB); tested on MariaDB.
+
+How it holds its guarantees (the table layout is in :mod:`singletask.backends._sql`):
+
+* MySQL has no ``RETURNING`` and evaluates the assignments of an UPDATE left to right, so an
+  operation that must decide and report in one step is a short script sent as *one* request
+  (``CLIENT.MULTI_STATEMENTS``): ``START TRANSACTION``, a row-locking upsert, one conditional
+  UPDATE (its WHERE decides; it is evaluated before any assignment), a SELECT of the row as it
+  now is, ``COMMIT``. The other operations are single statements in autocommit mode. Sessions
+  run READ COMMITTED, strict SQL mode, and ``CLIENT.FOUND_ROWS`` (an UPDATE counts the rows it
+  matched). A script that fails midway is rolled back: its connection is closed, never reused.
+* Leases are judged by the database's clock: ``UTC_TIMESTAMP(6)`` into ``DATETIME(6)`` columns,
+  taken once per script (``@st_now``), never the worker's clock nor the session time zone.
+* Keys, tokens and task ids are ``VARBINARY``: compared byte for byte, never case-folded or
+  padded by a collation.
+* A new fencing token is ``GREATEST(last + 1, database time in microseconds)``; the row keeps
+  the last one after release, so tokens of a key strictly increase (the Redis store's rule).
+* InnoDB may abort a transaction as a deadlock victim when workers race for a key that does
+  not exist yet; nothing of it was committed, so the script is sent again (up to 3 times).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import pymysql
+from kombu.utils.url import maybe_sanitize_url
+from pymysql.constants import CLIENT
+
+from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
+from . import _sql
+from .base import AcquireResult, Holder, LockBackend
+
+__all__ = ["MySQLBackend"]
+
+T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS {table} (
+    `key` VARBINARY(1024) NOT NULL PRIMARY KEY,
+    token VARBINARY(255) NULL,
+    task_id VARBINARY(255) NULL,
+    meta TEXT NULL,
+    lease_expires DATETIME(6) NOT NULL,
+    fence BIGINT NOT NULL,
+    done TEXT NULL,
+    next_task VARBINARY(255) NULL,
+    next_expires DATETIME(6) NULL,
+    expires_at DATETIME(6) NOT NULL,
+    INDEX {index} (expires_at)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"""
+
+#: Run once on every new connection.
+_SESSION = (
+    "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED; "
+    "SET SESSION sql_mode = 'STRICT_ALL_TABLES,NO_ENGINE_SUBSTITUTION', "
+    "innodb_lock_wait_timeout = %(wait)s"
+)
+
+_CLOCK_US = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01', @st_now)"
+
+# Insert the caller's row if the key has none (else just lock the row), then take it where the
+# WHERE allows: free, expired, the caller's token, or a holder starting with the takeover prefix.
+# The fence is assigned before token and lease_expires, so it tests their old values. The final
+# SELECT returns the row as it now is: the caller holds the lock iff its token is the holder's.
+_ACQUIRE = f"""
+SET @st_now = UTC_TIMESTAMP(6);
+START TRANSACTION;
+INSERT INTO {{table}} (`key`, token, task_id, meta, lease_expires, fence, expires_at)
+VALUES (%(key)s, %(token)s, %(task_id)s, %(meta)s, @st_now + INTERVAL %(lease_us)s MICROSECOND,
+        {_CLOCK_US}, @st_now + INTERVAL %(row_us)s MICROSECOND)
+ON DUPLICATE KEY UPDATE `key` = `key`;
+UPDATE {{table}} SET
+    fence = IF(token <=> %(token)s AND lease_expires > @st_now, fence,
+               GREATEST(fence + 1, {_CLOCK_US})),
+    task_id = %(task_id)s,
+    meta = %(meta)s,
+    expires_at = GREATEST(expires_at, @st_now + INTERVAL %(row_us)s MICROSECOND),
+    lease_expires = @st_now + INTERVAL %(lease_us)s MICROSECOND,
+    token = %(token)s
+WHERE `key` = %(key)s AND (token IS NULL OR lease_expires <= @st_now OR token = %(token)s
+    OR (%(prefix)s <> '' AND LEFT(token, LENGTH(%(prefix)s)) = %(prefix)s));
+SELECT token, meta, fence, done, TIMESTAMPDIFF(MICROSECOND, @st_now, lease_expires)
+FROM {{table}} WHERE `key` = %(key)s;
+COMMIT"""
+
+_LIVE = "token IS NOT NULL AND lease_expires > UTC_TIMESTAMP(6)"
+
+_RELEASE = f"""
+UPDATE {{table}} SET done = COALESCE(%(done)s, done), token = NULL, task_id = NULL, meta = NULL,
+    lease_expires = UTC_TIMESTAMP(6)
+WHERE `key` = %(key)s AND token = %(token)s AND {_LIVE}"""
+
+_EXTEND = f"""
+UPDATE {{table}} SET
+    expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL %(row_us)s MICROSECOND),
+    lease_expires = UTC_TIMESTAMP(6) + INTERVAL %(lease_us)s MICROSECOND
+WHERE `key` = %(key)s AND token = %(token)s AND {_LIVE}"""
+
+# Lock the row (inserting a free one if the key has none), then set the follow-up unless a live
+# one is pending; return the pending one.
+_CLAIM_NEXT = """
+SET @st_now = UTC_TIMESTAMP(6);
+START TRANSACTION;
+INSERT INTO {table} (`key`, lease_expires, fence, expires_at)
+VALUES (%(key)s, @st_now, 0, @st_now + INTERVAL %(row_us)s MICROSECOND)
+ON DUPLICATE KEY UPDATE `key` = `key`;
+UPDATE {table} SET next_task = %(task_id)s,
+    expires_at = GREATEST(expires_at, @st_now + INTERVAL %(row_us)s MICROSECOND),
+    next_expires = @st_now + INTERVAL %(ttl_us)s MICROSECOND
+WHERE `key` = %(key)s AND (next_task IS NULL OR next_expires <= @st_now);
+SELECT next_task FROM {table} WHERE `key` = %(key)s;
+COMMIT"""
+
+_CLEAR_NEXT = """
+UPDATE {table} SET next_task = NULL, next_expires = NULL
+WHERE `key` = %(key)s AND next_task = %(task_id)s"""
+
+_HOLDER = f"""
+SELECT token, meta, fence, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), lease_expires)
+FROM {{table}} WHERE `key` = %(key)s AND {_LIVE}"""
+
+_ITER = f"""
+SELECT `key`, token, meta, fence, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), lease_expires)
+FROM {{table}} WHERE `key` LIKE %(pattern)s ESCAPE '!' AND `key` > %(after)s AND {_LIVE}
+ORDER BY `key` LIMIT %(limit)s"""
+
+# Lock and read the live holder (of task_id, when given), then free the row; same clock for both.
+_RELEASE_HOLDER = """
+SET @st_now = UTC_TIMESTAMP(6);
+START TRANSACTION;
+SELECT token, meta, fence, TIMESTAMPDIFF(MICROSECOND, @st_now, lease_expires)
+FROM {table} WHERE `key` = %(key)s AND token IS NOT NULL AND lease_expires > @st_now
+    AND (%(task_id)s IS NULL OR task_id = %(task_id)s) FOR UPDATE;
+UPDATE {table} SET token = NULL, task_id = NULL, meta = NULL, lease_expires = @st_now
+WHERE `key` = %(key)s AND token IS NOT NULL AND lease_expires > @st_now
+    AND (%(task_id)s IS NULL OR task_id = %(task_id)s);
+COMMIT"""
+
+_RECLAIM = """
+DELETE FROM {table} WHERE expires_at < UTC_TIMESTAMP(6) ORDER BY expires_at LIMIT %(limit)s"""
+
+#: Server error codes: deadlock victim (retried), and waits that timed out.
+_DEADLOCK = 1213
+_TIMEOUTS = {1205, 1969, 3024}  # lock wait timeout, MariaDB / MySQL statement time limits
+_RETRIES = 3
+
+_URL_OPTIONS = {"unix_socket", "ssl_ca", "ssl_cert", "ssl_key"}
+
+
+def _error_class(exc: pymysql.MySQLError) -> type[BackendError]:
+    code = exc.args[0] if exc.args and isinstance(exc.args[0], int) else 0
+    if code in _TIMEOUTS or "timed out" in str(exc):
+        return BackendTimeout
+    if isinstance(exc, pymysql.err.InterfaceError) or code in {2003, 2006, 2013, 2055}:
+        return BackendUnavailable
+    return BackendError
+
+
+def _text(value: bytes | str | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _us(seconds: float) -> int:
+    return max(1, int(seconds * 1_000_000))
+
+
+def _script(cursor: pymysql.cursors.Cursor, text: str, args: Mapping[str, Any]) -> list[Any]:
+    """Send the statements of ``text`` as one request; return the rows each one returned."""
+    cursor.execute(text, args)
+    results = [cursor.fetchall()]
+    while cursor.nextset():
+        results.append(cursor.fetchall())
+    return results
+
+
+def _holder(row: Sequence[Any]) -> Holder:
+    token, meta, fence, left_us = row[:4]
+    return _sql.load_holder(
+        _text(token) or "", meta, None if left_us is None else left_us / 1e6, fence
+    )
+
+
+class MySQLBackend(LockBackend):
+    """Locks in a MySQL or MariaDB table (InnoDB); see the module docstring.
+
+    Args:
+        connect_args: Keyword arguments of :func:`pymysql.connect` (host, port, user, ...).
+        table: The lock table, ``name`` or ``database.name``; created when missing.
+        pool_size: Most connections one process opens.
+        timeout: Seconds allowed to connect, to read or write a reply, to wait for a row lock,
+            and to wait for a free pooled connection.
+    """
+
+    def __init__(
+        self,
+        connect_args: Mapping[str, Any],
+        *,
+        table: str = _sql.DEFAULT_TABLE,
+        pool_size: int = 4,
+        timeout: float = 5.0,
+        display: str = "MySQL",
+    ) -> None:
+        options = _sql.SQLOptions(table=table, pool_size=pool_size, timeout=timeout)
+        self._connect_args = {
+            **connect_args,
+            "charset": "utf8mb4",
+            "autocommit": True,
+            "client_flag": CLIENT.MULTI_STATEMENTS | CLIENT.FOUND_ROWS,
+            "connect_timeout": options.timeout,
+            "read_timeout": options.timeout,
+            "write_timeout": options.timeout,
+        }
+        self.table = options.table
+        self.timeout = options.timeout
+        self._display = display
+        quoted = ".".join(f"`{part}`" for part in options.table.split("."))
+        index = f"`{options.table.split('.')[-1]}_expires_at`"
+        self._q = {
+            name: text.format(table=quoted, index=index)
+            for name, text in {
+                "schema": _SCHEMA, "acquire": _ACQUIRE, "release": _RELEASE, "extend": _EXTEND,
+                "claim_next": _CLAIM_NEXT, "clear_next": _CLEAR_NEXT, "holder": _HOLDER,
+                "iter": _ITER, "release_holder": _RELEASE_HOLDER, "reclaim": _RECLAIM,
+            }.items()
+        }  # fmt: skip
+        self._pool: _sql.Pool[pymysql.connections.Connection[Any]] = _sql.Pool(
+            self._connect, lambda conn: conn.close(), size=options.pool_size,
+            timeout=options.timeout, describe=repr(self),
+        )  # fmt: skip
+        self._reclaimer = _sql.Reclaimer()
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> MySQLBackend:
+        scheme = url.partition("://")[0].lower()
+        if scheme not in ("mysql", "mariadb", "mysql+pymysql") or "://" not in url:
+            raise ConfigurationError(
+                f"{maybe_sanitize_url(url)!r}: a MySQL lock URL looks like "
+                "mysql://user:password@host:3306/dbname"
+            )
+        plain, own = _sql.split_url(url, options)
+        parts = urlsplit(plain)
+        database = unquote(parts.path.lstrip("/"))
+        if not database:
+            raise ConfigurationError(
+                f"{maybe_sanitize_url(url)!r}: name the database, as in mysql://host:3306/dbname"
+            )
+        args: dict[str, Any] = {
+            "host": parts.hostname or "localhost",
+            "port": parts.port or 3306,
+            "user": unquote(parts.username) if parts.username else None,
+            "password": unquote(parts.password) if parts.password else "",
+            "database": database,
+        }
+        for name, value in parse_qsl(parts.query):
+            if name not in _URL_OPTIONS:
+                raise ConfigurationError(
+                    f"{maybe_sanitize_url(url)!r}: unknown URL option {name!r}; "
+                    f"known: {', '.join(sorted({*_URL_OPTIONS, 'table', 'pool_size', 'timeout'}))}"
+                )
+            args[name] = value
+        return cls(
+            args, table=own.table, pool_size=own.pool_size, timeout=own.timeout,
+            display=maybe_sanitize_url(url).split("?")[0],
+        )  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"<MySQLBackend {self._display} table={self.table}>"
+
+    def _connect(self) -> pymysql.connections.Connection[Any]:
+        conn = pymysql.connect(**self._connect_args)
+        try:
+            with conn.cursor() as cursor:
+                _script(cursor, _SESSION, {"wait": max(1, round(self.timeout))})
+                # Created on a connection's first use, if missing (looked up first: CREATE
+                # TABLE IF NOT EXISTS needs the CREATE privilege even when the table exists).
+                # MySQL's metadata lock makes racing CREATE TABLE IF NOT EXISTS safe.
+                schema, _, name = self.table.rpartition(".")
+                cursor.execute(
+                    "SELECT 1 FROM information_schema.tables "
+                    "WHERE table_schema = COALESCE(%s, DATABASE()) AND table_name = %s",
+                    (schema or None, name),
+                )
+                if cursor.fetchone() is None:
+                    _script(cursor, self._q["schema"], {})
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _run(self, operation: str, key: str, work: Callable[[pymysql.cursors.Cursor], T]) -> T:
+        """Run ``work`` on a pooled connection: the boundary where driver errors become
+        singletask's. A script InnoDB aborted as a deadlock victim committed nothing and is sent
+        again; a pooled connection that turns out to be dead (the server closed it while it was
+        idle, ``wait_timeout``, or restarted) is replaced and ``work`` runs once more: every
+        operation is safe to repeat (see the docs)."""
+        deadlocks, stale_retried = 0, False
+        while True:
+            reused = False
+            try:
+                with self._pool.checkout() as (conn, reused), conn.cursor() as cursor:
+                    result = work(cursor)
+                    if self._reclaimer.due():
+                        self._reclaim(cursor)
+                    return result
+            except pymysql.MySQLError as exc:
+                if exc.args and exc.args[0] == _DEADLOCK and deadlocks + 1 < _RETRIES:
+                    deadlocks += 1
+                    continue  # rolled back whole: nothing of it was committed
+                error = _error_class(exc)
+                if error is BackendUnavailable:
+                    self._pool.clear()  # the server went away: its other connections are dead
+                    if reused and not stale_retried:
+                        stale_retried = True
+                        continue
+                raise error(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
+
+    def _reclaim(self, cursor: pymysql.cursors.Cursor) -> None:
+        """Delete a batch of expired rows; a failure (a read-only database) only logs: the
+        operation it follows has succeeded."""
+        try:
+            cursor.execute(self._q["reclaim"], {"limit": _sql.RECLAIM_BATCH})
+        except pymysql.MySQLError as exc:
+            logger.warning("%r: could not delete expired rows: %s", self, exc)
+
+    def acquire(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        *,
+        meta: Mapping[str, str] | None = None,
+        takeover_prefix: str | None = None,
+    ) -> AcquireResult:
+        stored, task_id = _sql.dump_meta(meta)
+        args = {
+            "key": key, "token": token, "task_id": task_id, "meta": stored,
+            "lease_us": _us(ttl), "row_us": _us(ttl + _sql.FENCE_RETENTION),
+            "prefix": takeover_prefix or "",
+        }  # fmt: skip
+        rows = self._run("acquire", key, lambda c: _script(c, self._q["acquire"], args)[4])
+        token_now, meta_now, fence, done, left_us = rows[0]
+        if _text(token_now) == token:
+            return AcquireResult(True, fence=fence, completed=done)
+        return AcquireResult(False, _holder((token_now, meta_now, fence, left_us)))
+
+    def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
+        args = {"key": key, "token": token, "done": completed}
+        return self._run("release", key, lambda c: c.execute(self._q["release"], args) > 0)
+
+    def extend(self, key: str, token: str, ttl: float) -> bool:
+        return self.extend_many([(key, token, ttl)])[0]
+
+    def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool]:
+        if not leases:
+            return []
+
+        def work(cursor: pymysql.cursors.Cursor) -> list[bool]:
+            # One request with one UPDATE per lease; each reports the rows it matched.
+            text = ";\n".join(
+                self._q["extend"].replace("%(", f"%({i}_") for i in range(len(leases))
+            )
+            args: dict[str, Any] = {}
+            for i, (key, token, ttl) in enumerate(leases):
+                args.update({f"{i}_key": key, f"{i}_token": token, f"{i}_lease_us": _us(ttl),
+                             f"{i}_row_us": _us(ttl + _sql.FENCE_RETENTION)})  # fmt: skip
+            cursor.execute(text, args)
+            counts = [cursor.rowcount]
+            while cursor.nextset():
+                counts.append(cursor.rowcount)
+            return [count > 0 for count in counts]
+
+        return self._run("extend", leases[0][0] if len(leases) == 1 else "locks", work)
+
+    def claim_next(self, key: str, task_id: str, ttl: float) -> str:
+        args = {
+            "key": key, "task_id": task_id, "ttl_us": _us(ttl),
+            "row_us": _us(max(ttl, _sql.FENCE_RETENTION)),
+        }  # fmt: skip
+        rows = self._run("claim_next", key, lambda c: _script(c, self._q["claim_next"], args)[4])
+        return _text(rows[0][0]) or task_id
+
+    def clear_next(self, key: str, task_id: str) -> bool:
+        args = {"key": key, "task_id": task_id}
+        return self._run("clear_next", key, lambda c: c.execute(self._q["clear_next"], args) > 0)
+
+    def holder(self, key: str) -> Holder | None:
+        def work(cursor: pymysql.cursors.Cursor) -> Holder | None:
+            cursor.execute(self._q["holder"], {"key": key})
+            row = cursor.fetchone()
+            return None if row is None else _holder(row)
+
+        return self._run("inspect", key, work)
+
+    def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
+        """Yield every live lock under ``prefix``, reading pages of ``page_size`` keys in key
+        order (each page one primary-key range scan)."""
+        after = ""
+        while True:
+            args = {"pattern": _sql.like_prefix(prefix), "after": after, "limit": page_size}
+
+            def work(cursor: pymysql.cursors.Cursor, args: dict[str, Any] = args) -> Any:
+                cursor.execute(self._q["iter"], args)
+                return cursor.fetchall()
+
+            rows = self._run("list", prefix, work)
+            for row in rows:
+                yield _text(row[0]) or "", _holder(row[1:])
+            if len(rows) < page_size:
+                return
+            after = _text(rows[-1][0]) or ""
+
+    def release_held_by(self, key: str, task_id: str) -> Holder | None:
+        return self._release_holder("release_held_by", key, task_id)
+
+    def force_release(self, key: str) -> Holder | None:
+        return self._release_holder("force_release", key, None)
+
+    def _release_holder(self, operation: str, key: str, task_id: str | None) -> Holder | None:
+        args = {"key": key, "task_id": task_id}
+        rows = self._run(operation, key, lambda c: _script(c, self._q["release_holder"], args)[2])
+        return _holder(rows[0]) if rows else None
+
+    def close(self) -> None:
+        self._pool.clear()

@@ -1,0 +1,413 @@
+"""The PostgreSQL lock store: one row per lock key, every operation one SQL statement.
+
+URL: ``postgresql://user:password@host:5432/dbname`` (also ``postgres://`` and
+``postgresql+psycopg://``), with libpq's query options (``sslmode``, ``connect_timeout``, ...)
+and singletask's own: ``table`` (default ``singletask_locks``), ``pool_size`` (4),
+``timeout`` (5 seconds) and ``prepare_threshold`` (psycopg's, default 5; ``none`` behind a
+PgBouncer in transaction mode older than 1.21).
+Needs ``pip install "singletask[postgres]"`` (psycopg 3).
+
+How it holds its guarantees (the table layout is in :mod:`singletask.backends._sql`):
+
+* Every operation is a single statement in autocommit mode, so it is its own READ COMMITTED
+  transaction, committed before the call returns: an acquire is never left uncommitted, and no
+  open transaction ages the clock. Acquire is ``INSERT ... ON CONFLICT DO UPDATE`` whose every
+  assignment is conditional on the old row, and ``RETURNING`` the row as it now is, so the winner
+  and, on a conflict, the holder come from one atomic step.
+* Leases are judged by the database's clock, ``statement_timestamp()`` in ``timestamptz``
+  columns: the workers' clocks (and their time zones) never matter.
+* A new fencing token is ``greatest(last + 1, database time in microseconds)``; the row keeps
+  the last one after release, so tokens of a key strictly increase (the Redis store's rule).
+* The table and its index on ``expires_at`` are created on a process's first use, serialised by
+  a transaction-level advisory lock, so many workers starting at once do not trip over each other.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+
+import psycopg
+from kombu.utils.url import maybe_sanitize_url
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
+from . import _sql
+from .base import AcquireResult, Holder, LockBackend
+
+__all__ = ["PostgresBackend"]
+
+T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+#: Created on first use. ``key`` sorts bytewise (COLLATE "C") so prefix scans use its index.
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS {table} (
+    key text COLLATE "C" PRIMARY KEY,
+    token text,
+    task_id text,
+    meta text,
+    lease_expires timestamptz NOT NULL,
+    fence bigint NOT NULL,
+    done text,
+    next_task text,
+    next_expires timestamptz,
+    expires_at timestamptz NOT NULL
+)"""
+_INDEX = "CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at)"
+
+#: True when the old row ``l`` may be taken by the caller: free, expired, the caller's own token,
+#: or a holder whose token starts with the (non-empty) takeover prefix.
+_TAKE = (
+    "(l.token IS NULL OR l.lease_expires <= statement_timestamp() OR l.token = EXCLUDED.token "
+    "OR (%(prefix)s <> '' AND starts_with(l.token, %(prefix)s)))"
+)
+
+# Insert the caller's row, or rewrite the existing one only where _TAKE holds (PostgreSQL
+# evaluates every SET expression against the old row). Returns the row as it now is: the caller
+# holds the lock iff its token is the holder's. The fence stays for a re-acquire by the live
+# holder, else becomes max(last + 1, clock in microseconds).
+_ACQUIRE = f"""
+INSERT INTO {{table}} AS l
+    (key, token, task_id, meta, lease_expires, fence, expires_at)
+VALUES (%(key)s, %(token)s, %(task_id)s, %(meta)s,
+        statement_timestamp() + %(ttl)s * interval '1 second',
+        (extract(epoch FROM statement_timestamp()) * 1000000)::bigint,
+        statement_timestamp() + (%(ttl)s + %(keep)s) * interval '1 second')
+ON CONFLICT (key) DO UPDATE SET
+    fence = CASE
+        WHEN l.token = EXCLUDED.token AND l.lease_expires > statement_timestamp() THEN l.fence
+        WHEN {_TAKE} THEN greatest(l.fence + 1, EXCLUDED.fence)
+        ELSE l.fence END,
+    token = CASE WHEN {_TAKE} THEN EXCLUDED.token ELSE l.token END,
+    task_id = CASE WHEN {_TAKE} THEN EXCLUDED.task_id ELSE l.task_id END,
+    meta = CASE WHEN {_TAKE} THEN EXCLUDED.meta ELSE l.meta END,
+    lease_expires = CASE WHEN {_TAKE} THEN EXCLUDED.lease_expires ELSE l.lease_expires END,
+    expires_at = CASE WHEN {_TAKE} THEN greatest(l.expires_at, EXCLUDED.expires_at)
+        ELSE l.expires_at END
+RETURNING token, meta, fence, done,
+    extract(epoch FROM lease_expires - statement_timestamp())::float8"""
+
+_LIVE = "token IS NOT NULL AND lease_expires > statement_timestamp()"
+
+# Frees the row (keeping fence and follow-up) if the token holds it; records the marker if given.
+_RELEASE = """
+UPDATE {table} SET token = NULL, task_id = NULL, meta = NULL,
+    lease_expires = statement_timestamp(), done = coalesce(%(done)s, done)
+WHERE key = %(key)s AND token = %(token)s AND lease_expires > statement_timestamp()"""
+
+_EXTEND = f"""
+UPDATE {{table}} SET lease_expires = statement_timestamp() + %(ttl)s * interval '1 second',
+    expires_at = greatest(expires_at,
+        statement_timestamp() + (%(ttl)s + %(keep)s) * interval '1 second')
+WHERE key = %(key)s AND token = %(token)s AND {_LIVE}"""
+
+# One statement for every lease: returns the (key, token) pairs renewed.
+_EXTEND_MANY = """
+UPDATE {table} AS l SET lease_expires = statement_timestamp() + v.ttl * interval '1 second',
+    expires_at = greatest(l.expires_at,
+        statement_timestamp() + (v.ttl + %(keep)s) * interval '1 second')
+FROM unnest(%(keys)s::text[], %(tokens)s::text[], %(ttls)s::float8[]) AS v(key, token, ttl)
+WHERE l.key = v.key AND l.token = v.token AND l.lease_expires > statement_timestamp()
+RETURNING l.key, l.token"""
+
+# Makes task_id the pending follow-up unless a live one is pending; returns the pending one.
+_CLAIM_NEXT = """
+INSERT INTO {table} AS l (key, lease_expires, fence, next_task, next_expires, expires_at)
+VALUES (%(key)s, statement_timestamp(), 0, %(task_id)s,
+        statement_timestamp() + %(ttl)s * interval '1 second',
+        statement_timestamp() + greatest(%(ttl)s, %(keep)s) * interval '1 second')
+ON CONFLICT (key) DO UPDATE SET
+    next_task = CASE WHEN l.next_task IS NOT NULL AND l.next_expires > statement_timestamp()
+        THEN l.next_task ELSE EXCLUDED.next_task END,
+    next_expires = CASE WHEN l.next_task IS NOT NULL AND l.next_expires > statement_timestamp()
+        THEN l.next_expires ELSE EXCLUDED.next_expires END,
+    expires_at = greatest(l.expires_at, EXCLUDED.expires_at)
+RETURNING next_task"""
+
+_CLEAR_NEXT = """
+UPDATE {table} SET next_task = NULL, next_expires = NULL
+WHERE key = %(key)s AND next_task = %(task_id)s"""
+
+_HOLDER = f"""
+SELECT token, meta, fence, extract(epoch FROM lease_expires - statement_timestamp())::float8
+FROM {{table}} WHERE key = %(key)s AND {_LIVE}"""
+
+# One page of live locks under a prefix, after the last key of the previous page.
+_ITER = f"""
+SELECT key, token, meta, fence, extract(epoch FROM lease_expires - statement_timestamp())::float8
+FROM {{table}} WHERE key LIKE %(pattern)s ESCAPE '!' AND key > %(after)s AND {_LIVE}
+ORDER BY key LIMIT %(limit)s"""
+
+# Frees a live lock (if held by task_id, when given) and returns the holder it removed; the row
+# is locked first so the returned holder is the one the update removed.
+_RELEASE_HOLDER = f"""
+WITH old AS (
+    SELECT key, token, meta, fence,
+        extract(epoch FROM lease_expires - statement_timestamp())::float8 AS ttl
+    FROM {{table}} WHERE key = %(key)s AND {_LIVE}
+        AND (%(task_id)s::text IS NULL OR task_id = %(task_id)s::text)
+    FOR UPDATE)
+UPDATE {{table}} AS l SET token = NULL, task_id = NULL, meta = NULL,
+    lease_expires = statement_timestamp()
+FROM old WHERE l.key = old.key
+RETURNING old.token, old.meta, old.fence, old.ttl"""
+
+_RECLAIM = """
+DELETE FROM {table} WHERE key IN (
+    SELECT key FROM {table} WHERE expires_at < statement_timestamp()
+    ORDER BY expires_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED)"""
+
+
+def _error_class(exc: psycopg.Error) -> type[BackendError]:
+    if isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable):
+        return BackendTimeout
+    if isinstance(exc, psycopg.OperationalError):
+        return BackendUnavailable
+    return BackendError
+
+
+class PostgresBackend(LockBackend):
+    """Locks in a PostgreSQL table; see the module docstring.
+
+    Args:
+        conninfo: A libpq connection string or ``postgresql://`` URL.
+        table: The lock table, ``name`` or ``schema.name``; created when missing.
+        pool_size: Most connections one process opens.
+        timeout: Seconds allowed to connect, per statement (``statement_timeout``,
+            ``lock_timeout``), and to wait for a free pooled connection.
+        prepare_threshold: psycopg's: executions of a statement before it is prepared on the
+            server; None never prepares (for PgBouncer in transaction mode before 1.21).
+    """
+
+    def __init__(
+        self,
+        conninfo: str,
+        *,
+        table: str = _sql.DEFAULT_TABLE,
+        pool_size: int = 4,
+        timeout: float = 5.0,
+        prepare_threshold: int | None = 5,
+    ) -> None:
+        options = _sql.SQLOptions(table=table, pool_size=pool_size, timeout=timeout)
+        self._prepare_threshold = prepare_threshold
+        try:
+            params = conninfo_to_dict(conninfo)
+        except psycopg.ProgrammingError as exc:
+            raise ConfigurationError(f"invalid PostgreSQL URL or conninfo: {exc}") from None
+        params.setdefault("connect_timeout", max(2, round(options.timeout)))
+        params.setdefault("application_name", "singletask")
+        ms = int(options.timeout * 1000)
+        # Bounded waits; the URL's own options come after, so they win.
+        own = f"-c statement_timeout={ms} -c lock_timeout={ms}"
+        params["options"] = f"{own} {params.get('options') or ''}".strip()
+        self._conninfo = make_conninfo("", **params)
+        self.table = options.table
+        self.timeout = options.timeout
+        self._display = maybe_sanitize_url(conninfo) if "://" in conninfo else "PostgreSQL"
+        names = options.table.split(".")
+        # An index is created in its table's schema; its name is never qualified.
+        fmt = {"table": sql.Identifier(*names), "index": sql.Identifier(f"{names[-1]}_expires_at")}
+        self._q = {
+            name: sql.SQL(text).format(**fmt)
+            for name, text in {
+                "schema": _SCHEMA, "index": _INDEX, "acquire": _ACQUIRE, "release": _RELEASE,
+                "extend": _EXTEND, "extend_many": _EXTEND_MANY, "claim_next": _CLAIM_NEXT,
+                "clear_next": _CLEAR_NEXT, "holder": _HOLDER, "iter": _ITER,
+                "release_holder": _RELEASE_HOLDER, "reclaim": _RECLAIM,
+            }.items()
+        }  # fmt: skip
+        self._pool: _sql.Pool[psycopg.Connection[Any]] = _sql.Pool(
+            self._connect, lambda conn: conn.close(), size=options.pool_size,
+            timeout=options.timeout, describe=repr(self),
+        )  # fmt: skip
+        self._ready: tuple[int, int] | None = None  # (pid, pool generation) the table was checked
+        self._reclaimer = _sql.Reclaimer()
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> PostgresBackend:
+        scheme, sep, rest = url.partition("://")
+        if scheme.lower() not in ("postgresql", "postgres", "postgresql+psycopg") or not sep:
+            raise ConfigurationError(
+                f"{maybe_sanitize_url(url)!r}: a PostgreSQL lock URL looks like "
+                "postgresql://user:password@host:5432/dbname"
+            )
+        plain, own = _sql.split_url(f"postgresql://{rest}", options)
+        # psycopg's prepare_threshold is no libpq parameter: take it out of the query.
+        parts = urlsplit(plain)
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        given = [value for name, value in query if name == "prepare_threshold"]
+        rest_query = urlencode([q for q in query if q[0] != "prepare_threshold"], quote_via=quote)
+        threshold: int | None = 5
+        if given and given[-1].lower() == "none":
+            threshold = None
+        elif given and given[-1].isdigit():
+            threshold = int(given[-1])
+        elif given:
+            raise ConfigurationError(
+                f"URL option prepare_threshold={given[-1]!r}: expected a number or 'none'"
+            )
+        return cls(
+            urlunsplit(parts._replace(query=rest_query)), table=own.table,
+            pool_size=own.pool_size, timeout=own.timeout, prepare_threshold=threshold,
+        )  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"<PostgresBackend {self._display} table={self.table}>"
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn = psycopg.connect(self._conninfo, autocommit=True)
+        conn.prepare_threshold = self._prepare_threshold
+        return conn
+
+    def _run(self, operation: str, key: str, work: Callable[[psycopg.Cursor[Any]], T]) -> T:
+        """Run ``work`` with a cursor of a pooled connection: the boundary where driver errors
+        become singletask's. A pooled connection that turns out to be dead (the server closed
+        it while it was idle, or restarted) is replaced and ``work`` runs once more: every
+        operation is safe to repeat (see the docs)."""
+        for attempt in (1, 2):
+            try:
+                with self._pool.checkout() as (conn, reused):
+                    try:
+                        if self._ready != (os.getpid(), self._pool.generation):
+                            self._create_table(conn)
+                            self._ready = (os.getpid(), self._pool.generation)
+                        with conn.cursor() as cursor:
+                            result = work(cursor)
+                            if self._reclaimer.due():
+                                self._reclaim(cursor)
+                            return result
+                    except psycopg.Error as exc:
+                        error = _error_class(exc)
+                        if error is BackendUnavailable:
+                            self._pool.clear()  # the server went away: the others are dead too
+                            if reused and attempt == 1:
+                                continue
+                        raise error(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
+            except psycopg.Error as exc:  # connecting failed
+                raise _error_class(exc)(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _create_table(self, conn: psycopg.Connection[Any]) -> None:
+        # Looked up first: CREATE ... IF NOT EXISTS needs the CREATE privilege even when the
+        # table exists, and a user may have only been given the table.
+        if conn.execute("SELECT to_regclass(%s) IS NOT NULL", (self.table,)).fetchone() == (True,):
+            return
+        # CREATE TABLE IF NOT EXISTS alone can fail when two sessions race to create the same
+        # table (a unique violation in the catalog): an advisory lock serialises them.
+        with conn.transaction():
+            lock_name = f"singletask:{self.table}"
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (lock_name,))
+            conn.execute(self._q["schema"])
+            conn.execute(self._q["index"])
+
+    def _reclaim(self, cursor: psycopg.Cursor[Any]) -> None:
+        """Delete a batch of expired rows; a failure (a read-only database) only logs: the
+        operation it follows has succeeded."""
+        try:
+            cursor.execute(self._q["reclaim"], {"limit": _sql.RECLAIM_BATCH})
+        except psycopg.Error as exc:
+            logger.warning("%r: could not delete expired rows: %s", self, exc)
+
+    def acquire(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        *,
+        meta: Mapping[str, str] | None = None,
+        takeover_prefix: str | None = None,
+    ) -> AcquireResult:
+        stored, task_id = _sql.dump_meta(meta)
+        args = {
+            "key": key, "token": token, "task_id": task_id, "meta": stored, "ttl": ttl,
+            "keep": _sql.FENCE_RETENTION, "prefix": takeover_prefix or "",
+        }  # fmt: skip
+        row = self._run("acquire", key, lambda c: c.execute(self._q["acquire"], args).fetchone())
+        assert row is not None  # an upsert always returns its row
+        holder, meta_text, fence, done, left = row
+        if holder == token:
+            return AcquireResult(True, fence=fence, completed=done)
+        return AcquireResult(False, _sql.load_holder(holder, meta_text, left, fence))
+
+    def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
+        args = {"key": key, "token": token, "done": completed}
+        return self._run("release", key, lambda c: c.execute(self._q["release"], args).rowcount > 0)
+
+    def extend(self, key: str, token: str, ttl: float) -> bool:
+        args = {"key": key, "token": token, "ttl": ttl, "keep": _sql.FENCE_RETENTION}
+        return self._run("extend", key, lambda c: c.execute(self._q["extend"], args).rowcount > 0)
+
+    def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool]:
+        if not leases:
+            return []
+        keys, tokens, ttls = (list(column) for column in zip(*leases, strict=True))
+        args = {
+            "keys": keys, "tokens": tokens, "ttls": [float(t) for t in ttls],
+            "keep": _sql.FENCE_RETENTION,
+        }  # fmt: skip
+        rows = self._run(
+            "extend", f"{len(leases)} locks",
+            lambda c: c.execute(self._q["extend_many"], args).fetchall(),
+        )  # fmt: skip
+        renewed = set(rows)
+        return [(key, token) in renewed for key, token, _ in leases]
+
+    def claim_next(self, key: str, task_id: str, ttl: float) -> str:
+        args = {"key": key, "task_id": task_id, "ttl": ttl, "keep": _sql.FENCE_RETENTION}
+        row = self._run(
+            "claim_next", key, lambda c: c.execute(self._q["claim_next"], args).fetchone()
+        )
+        assert row is not None
+        return str(row[0])
+
+    def clear_next(self, key: str, task_id: str) -> bool:
+        args = {"key": key, "task_id": task_id}
+        return self._run(
+            "clear_next", key, lambda c: c.execute(self._q["clear_next"], args).rowcount > 0
+        )
+
+    def holder(self, key: str) -> Holder | None:
+        row = self._run(
+            "inspect", key, lambda c: c.execute(self._q["holder"], {"key": key}).fetchone()
+        )
+        return None if row is None else _sql.load_holder(row[0], row[1], row[3], row[2])
+
+    def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
+        """Yield every live lock under ``prefix``, reading pages of ``page_size`` keys in key
+        order (each page one indexed range scan)."""
+        after = ""
+        while True:
+            args = {"pattern": _sql.like_prefix(prefix), "after": after, "limit": page_size}
+
+            def page(cursor: psycopg.Cursor[Any], args: dict[str, Any] = args) -> list[Any]:
+                return cursor.execute(self._q["iter"], args).fetchall()
+
+            rows = self._run("list", prefix, page)
+            for key, token, meta, fence, left in rows:
+                yield key, _sql.load_holder(token, meta, left, fence)
+            if len(rows) < page_size:
+                return
+            after = rows[-1][0]
+
+    def release_held_by(self, key: str, task_id: str) -> Holder | None:
+        return self._release_holder("release_held_by", key, task_id)
+
+    def force_release(self, key: str) -> Holder | None:
+        return self._release_holder("force_release", key, None)
+
+    def _release_holder(self, operation: str, key: str, task_id: str | None) -> Holder | None:
+        args = {"key": key, "task_id": task_id}
+        row = self._run(
+            operation, key, lambda c: c.execute(self._q["release_holder"], args).fetchone()
+        )
+        return None if row is None else _sql.load_holder(row[0], row[1], row[3], row[2])
+
+    def close(self) -> None:
+        self._pool.clear()
+        self._ready = None

@@ -1,0 +1,313 @@
+"""The lock lifecycle of one execution: acquire before the body, renew while it runs, release once.
+
+:func:`execute` is what :meth:`SingletonTask.__call__ <singletask.SingletonTask>` does, in this
+order (``docs/lifecycle.rst`` tells the same story for users):
+
+1. **Who is running.** A worker or eager execution has a task id and ``retries``: its owner
+   token names that *attempt* and its process, and it may take over the reservation made for
+   that attempt (by ``apply_async`` with ``lock_scope`` "queue"/"coalesce", or by the previous
+   attempt's body retry). A direct call ``task(...)`` has neither. A direct call from inside the
+   execution that holds the same key is re-entrant: it runs the body and takes nothing.
+2. **Acquire**, in one atomic step of the store. If the holder's process is gone (same host),
+   take the lock over at once. An unreachable store goes to
+   :func:`~singletask.policies.store_unreachable`; a held key to
+   :func:`~singletask.policies.locked_out`. Neither ever releases: they hold nothing.
+3. **Run the body**, the lease renewed by the process's renewer, the
+   :class:`~singletask.LockHandle` reachable as ``self.lock``. A lease found lost is logged and
+   sent as :data:`~singletask.signals.lock_lost`, once.
+4. **End the hold exactly once**, in the ``finally`` around the body, whatever the ending: stop
+   renewing, then act as :data:`ENDINGS` says for the way the body ended.
+
+The endings the ``finally`` tells apart (rows of the table "Which hook releases on which ending"
+in ``docs/lifecycle.rst``; the endings where this process never gets there are the worker main
+process's, in :mod:`singletask.recovery`):
+
+==================  ====================================================  ========  =========
+ending              the body                                              the lock  completed
+==================  ====================================================  ========  =========
+``returned``        returned                                              released  yes
+``raised``          raised an exception (none of the ones below)          released  yes
+``rejected``        raised ``Reject(requeue=False)``                      released  yes
+``requeued``        raised ``Reject(requeue=True)``                       released  no
+``ignored``         raised ``Ignore`` (so did ``self.replace()``)         released  no
+``retried``         retried itself on a worker: ``self.retry()``          reserved  no
+``retried-inline``  retried itself in eager mode (Celery runs it again    released  no
+                    at once) or in a direct call (nothing runs it again)
+``stopped``         was unwound by ``SystemExit``, ``KeyboardInterrupt``  released  no
+==================  ====================================================  ========  =========
+
+*Released* is an owner-checked release; *reserved* turns the lock into a reservation only the
+retried attempt takes over (for the retry's countdown plus one lease). *Completed* releases
+record the attempt as the key's completion marker, so a redelivered copy of a message that ran
+to completion is dropped instead of running again.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
+
+from celery.exceptions import Ignore, Reject, Retry
+from celery.utils.nodenames import gethostname
+
+from .exceptions import BackendError, BackendTimeout, BackendUnavailable
+from .lease import LockHandle
+from .messages import is_redelivery, seconds_until
+from .policies import Conflict, locked_out, store_unreachable
+from .runtime import app_state
+from .signals import lock_lost
+from .tokens import direct_token, execution_token, process_state, reservation_token
+
+if TYPE_CHECKING:
+    from celery import Task
+
+    from .backends.base import LockBackend
+    from .options import LockOptions
+
+__all__ = ["ENDINGS", "Ending", "current_lock", "ending_of", "execute"]
+
+logger = logging.getLogger("singletask")
+
+
+class Ending(NamedTuple):
+    """What the end of a hold does, for one way a body can end."""
+
+    #: Keep the lock as a reservation for the retried attempt instead of releasing it.
+    reserve: bool
+    #: Record the attempt as the key's completion marker (the message is done with).
+    completed: bool
+
+
+#: The way a body ended -> what its hold's end does (see the table above).
+ENDINGS: Final[Mapping[str, Ending]] = {
+    "returned": Ending(reserve=False, completed=True),
+    "raised": Ending(reserve=False, completed=True),
+    "rejected": Ending(reserve=False, completed=True),
+    "requeued": Ending(reserve=False, completed=False),
+    "ignored": Ending(reserve=False, completed=False),
+    "retried": Ending(reserve=True, completed=False),
+    "retried-inline": Ending(reserve=False, completed=False),
+    "stopped": Ending(reserve=False, completed=False),
+}
+
+
+def ending_of(exc: BaseException, *, worker: bool) -> str:
+    """The :data:`ENDINGS` row of a body that raised ``exc``; ``worker``: neither a direct call
+    nor eager mode (only a worker execution's retry is published for later)."""
+    if isinstance(exc, Retry):
+        return "retried" if worker and getattr(exc, "sig", None) is not None else "retried-inline"
+    if isinstance(exc, Reject):
+        return "requeued" if getattr(exc, "requeue", False) else "rejected"
+    if isinstance(exc, Ignore):
+        return "ignored"
+    if isinstance(exc, Exception):
+        return "raised"
+    return "stopped"
+
+
+class _Frame(NamedTuple):
+    """One execution in progress in the current thread / greenlet."""
+
+    task: str
+    request_id: str | None
+    handle: LockHandle
+
+
+_frames: contextvars.ContextVar[tuple[_Frame, ...]] = contextvars.ContextVar(
+    "singletask_frames", default=()
+)
+
+
+def current_lock(task_name: str) -> LockHandle | None:
+    """The lock held by the innermost execution of ``task_name`` in this thread, if any."""
+    for frame in reversed(_frames.get()):
+        if frame.task == task_name:
+            return frame.handle
+    return None
+
+
+def execute(
+    task: Task[Any, Any],
+    options: LockOptions,
+    body: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> Any:
+    """Run ``body(*args, **kwargs)`` as an execution of ``task`` holding its lock (see above)."""
+    # 1. Who is running.
+    request = task.request
+    frames = _frames.get()
+    task_id: str | None = request.id
+    # A call from inside a running execution of this same task inherits its request.
+    nested = any(f.task == task.name and f.request_id == task_id for f in frames)
+    direct = bool(request.called_directly) or task_id is None or nested
+    key = options.key(args, kwargs)
+    if direct and any(f.handle.key == key for f in frames):
+        # Re-entrant: the body of the execution holding this key calls the task directly.
+        return body(*args, **kwargs)
+    state = app_state(task.app)
+    backend = state.backend
+    # ``attempt`` names one execution attempt of one message: a redelivered copy of the
+    # message has the same one, the body's own retry the next one.
+    attempt: str | None = None
+    if direct:
+        token, takeover = direct_token(), None
+    else:
+        retries = int(request.retries or 0)
+        attempt = f"{task_id}:{retries}"
+        token = execution_token(str(task_id), retries)
+        # Take over the reservation made for this attempt: by apply_async when the message
+        # was sent (lock_scope "queue" / "coalesce"), or by the previous attempt when it
+        # ended with a retry (see _end); never a running attempt itself.
+        takeover = reservation_token(str(task_id), retries)
+    meta = {
+        "task": task.name,
+        "hostname": request.hostname or gethostname(),  # Celery's, memoized
+        "pid": str(os.getpid()),
+        "since": f"{time.time():.3f}",
+    }
+    if attempt is not None:
+        meta["task_id"] = str(task_id)
+
+    # 2. Acquire.
+    try:
+        result = backend.acquire(key, token, options.ttl, meta=meta, takeover_prefix=takeover)
+        holder = result.holder
+        if holder is not None and attempt is not None and process_state(holder.token) == "gone":
+            # Same host, and the holder's process is gone: no need to wait for its lease.
+            result = backend.acquire(
+                key, token, options.ttl, meta=meta, takeover_prefix=holder.token
+            )
+            if result.acquired:
+                logger.warning(
+                    "Task %s[%s] took over lock %r from %s, whose process is gone",
+                    task.name, task_id, key, holder.task_id,
+                )  # fmt: skip
+    except (BackendUnavailable, BackendTimeout) as exc:
+        return store_unreachable(task, options, exc, direct, body, args, kwargs)
+    if not result.acquired:
+        return locked_out(Conflict(task, options, backend, key, result.holder, direct))
+
+    if attempt is not None and result.completed == attempt and is_redelivery(request):
+        # This very message already ran to completion: a redelivered copy must not run.
+        _end(task, options, backend, key, token, None)
+        logger.warning(
+            "Task %s[%s] dropped: this message already ran to completion under lock %r "
+            "(a redelivered copy)",
+            task.name, task_id, key,
+        )  # fmt: skip
+        raise Ignore()
+    if options.scope == "coalesce" and attempt is not None:
+        _clear_follow_up(task, backend, key, str(task_id))
+
+    # 3. Run the body, renewed.
+    handle = LockHandle(
+        key,
+        token,
+        None if direct else task_id,
+        result.fence,
+        options.ttl,
+        max_hold=options.max_hold,
+        on_lost=functools.partial(_lease_lost, task),
+    )
+    if options.renew:
+        state.renewer.add(handle)
+    reset = _frames.set((*frames, _Frame(task.name, None if direct else task_id, handle)))
+    ending = "returned"
+    raised: BaseException | None = None
+    try:
+        return body(*args, **kwargs)
+    except BaseException as exc:
+        ending = ending_of(exc, worker=not direct and not request.is_eager)
+        raised = exc
+        raise
+    finally:
+        # 4. End the hold, exactly once.
+        _frames.reset(reset)
+        handle.lost  # noqa: B018 - reports a lease that ran out unnoticed by the body
+        state.renewer.remove(handle)  # before the release: no renewal starts after this
+        row = ENDINGS[ending]
+        _end(
+            task,
+            options,
+            backend,
+            key,
+            token,
+            raised if row.reserve else None,
+            completed=attempt if row.completed else None,
+            meta=meta,
+        )
+
+
+def _end(
+    task: Task[Any, Any],
+    options: LockOptions,
+    backend: LockBackend,
+    key: str,
+    token: str,
+    retry: BaseException | None,
+    *,
+    completed: str | None = None,
+    meta: Mapping[str, str] | None = None,
+) -> None:
+    """End the execution's hold: release, or turn it into a reservation for the body's retry.
+
+    The reservation is the lock under a token only the retried attempt (same task id,
+    ``retries + 1``) takes over; it lasts the retry's countdown plus one lease. Never raises.
+    """
+    try:
+        if retry is not None:
+            request = task.request
+            reserve = seconds_until(getattr(retry, "when", None)) + options.ttl
+            retries = int(request.retries or 0)
+            reserved = backend.acquire(
+                key,
+                reservation_token(str(request.id), retries + 1),
+                reserve,
+                meta=meta,
+                takeover_prefix=token,
+            )
+            if reserved.acquired:
+                logger.info(
+                    "Task %s[%s] retries: lock %r stays reserved for the retry (%.0fs at most)",
+                    task.name, request.id, key, reserve,
+                )  # fmt: skip
+            return
+        if not backend.release(key, token, completed=completed):
+            logger.warning(
+                "Task %s[%s]: lock %r was no longer held when the task ended (its lease "
+                "ran out, or the worker released it for this task)",
+                task.name, task.request.id, key,
+            )  # fmt: skip
+    except Exception:
+        # Never let release break the task's outcome; the lease ends by itself.
+        logger.exception(
+            "Task %s[%s]: could not release lock %r; it expires by itself within %.0fs",
+            task.name, task.request.id, key, options.ttl,
+        )  # fmt: skip
+
+
+def _clear_follow_up(task: Task[Any, Any], backend: LockBackend, key: str, task_id: str) -> None:
+    """The follow-up started: later submissions form the next follow-up."""
+    try:
+        backend.clear_next(key, task_id)
+    except BackendError:
+        logger.warning(
+            "Task %s[%s]: could not clear its follow-up claim on %r; it expires by itself",
+            task.name, task_id, key, exc_info=True,
+        )  # fmt: skip
+
+
+def _lease_lost(task: Task[Any, Any], handle: LockHandle, reason: str) -> None:
+    """Called (from the renewer thread) when a running execution's lock is lost."""
+    logger.error(
+        "Task %s[%s]: lock %r lost while the task runs: %s. Another execution may start; "
+        "self.lock.check() now raises LockLost",
+        task.name, handle.task_id, handle.key, reason,
+    )  # fmt: skip
+    lock_lost.send(sender=task, key=handle.key, task_id=handle.task_id, reason=reason)

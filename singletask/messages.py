@@ -1,0 +1,92 @@
+"""The messages singletask republishes for an execution, the headers it reads back, and delays.
+
+An execution that must run later (a lock retry, a wait for the store, a copy deferred behind
+another delivery of its message) is sent again under the same task id and ``retries``, with a
+header of singletask's own counting what it has spent, so that the task's ``max_retries`` is
+never touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from celery.exceptions import Ignore, Reject, Retry
+
+if TYPE_CHECKING:
+    from celery import Task
+
+__all__ = [
+    "BACKEND_RETRIES_HEADER",
+    "LOCK_RETRIES_HEADER",
+    "REDELIVERED_HEADER",
+    "header_count",
+    "is_redelivery",
+    "republish",
+    "seconds_until",
+]
+
+#: Message header counting the lock retries of a task id (the task's own ``retries`` stays
+#: untouched, so lock retries never spend ``max_retries``).
+LOCK_RETRIES_HEADER = "singletask_lock_retries"
+
+#: Message header counting the retries made because the lock store could not be reached.
+BACKEND_RETRIES_HEADER = "singletask_backend_retries"
+
+#: Message header marking a copy deferred because another delivery of it held the lock.
+REDELIVERED_HEADER = "singletask_redelivered"
+
+
+def header_count(request: Any, header: str) -> int:
+    """A counter this library keeps in the message headers (0 when absent)."""
+    value = getattr(request, header, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(header)
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def is_redelivery(request: Any) -> bool:
+    """Whether the broker delivered this message before (or singletask deferred such a copy)."""
+    if (getattr(request, "delivery_info", None) or {}).get("redelivered"):
+        return True
+    return bool(header_count(request, REDELIVERED_HEADER))
+
+
+def republish(
+    task: Task[Any, Any],
+    countdown: float,
+    headers: Mapping[str, Any],
+    reason: Exception | None,
+    *,
+    quietly: bool = False,
+) -> NoReturn:
+    """Send the running message again (same id and ``retries``) after ``countdown``; end this one.
+
+    Like ``Task.retry()`` but without touching ``retries``: it raises ``Retry`` (state
+    RETRY), or with ``quietly`` ``Ignore`` (nothing stored). A failed publish raises
+    ``Reject``, as ``Task.retry()`` does.
+    """
+    request = task.request
+    merged = {**(request.headers or {}), **headers}
+    signature = task.signature_from_request(request, countdown=countdown, headers=merged)
+    try:
+        signature.apply_async()
+    except Exception as exc:
+        raise Reject(exc, requeue=False) from exc
+    if quietly:
+        raise Ignore()
+    raise Retry(exc=reason, when=countdown, sig=signature)  # type: ignore[arg-type]
+
+
+def seconds_until(when: object) -> float:
+    """The delay of a ``Retry.when`` or a message's ETA (seconds or a datetime), never negative."""
+    if isinstance(when, int | float):
+        return max(0.0, float(when))
+    if isinstance(when, datetime):
+        now = datetime.now(when.tzinfo or timezone.utc) if when.tzinfo else datetime.now()
+        return max(0.0, (when - now).total_seconds())
+    return 0.0

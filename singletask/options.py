@@ -1,0 +1,178 @@
+"""A task's lock options: declared on the task class, validated once, completed by the app.
+
+:class:`TaskOptions` is built once, when a :class:`~singletask.SingletonTask` subclass is created
+(at ``@app.task`` time). It reads the ``lock_*`` attributes, checks every one that is set and
+builds the task's :class:`~singletask.keys.KeySpec`; a bad value raises
+:class:`~singletask.ConfigurationError` naming the task and the attribute. An attribute left
+``None`` means "use the app's setting". The checks are the validators of :mod:`singletask.config`,
+the same ones the app's ``singletask_*`` settings go through, so each kind of value is checked,
+and worded, in one place.
+
+When a task first needs its lock in a process, :meth:`TaskOptions.resolve` fills the attributes
+left unset from the app's validated :class:`~singletask.config.Settings`, giving the task's
+:class:`LockOptions`: the one value the execution lifecycle, the policies, send-time
+deduplication and the main-process recovery read.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from .config import (
+    Settings,
+    check_backend_error_policy,
+    check_bool,
+    check_count,
+    check_policy,
+    check_scope,
+    check_seconds,
+)
+from .keys import KeySpec, run_signature
+
+__all__ = ["ATTRIBUTE_CHECKS", "LockOptions", "TaskOptions"]
+
+logger = logging.getLogger("singletask")
+
+
+def _check_countdown(value: object, where: str) -> float:
+    return check_seconds(value, where, allow_zero=True)
+
+
+#: The check of each ``lock_*`` task attribute that takes a plain value (``lock_args`` and
+#: ``lock_key`` are checked by :class:`~singletask.keys.KeySpec` against the task's signature).
+ATTRIBUTE_CHECKS: Final[dict[str, Callable[[object, str], object]]] = {
+    "lock_policy": check_policy,
+    "lock_scope": check_scope,
+    "lock_queue_ttl": check_seconds,
+    "lock_ttl": check_seconds,
+    "lock_renew": check_bool,
+    "lock_max_hold": check_seconds,
+    "lock_retry_countdown": _check_countdown,
+    "lock_retry_max": check_count,
+    "lock_on_backend_error": check_backend_error_policy,
+    "lock_backend_retry_max": check_count,
+}
+
+
+@dataclass(frozen=True)
+class LockOptions:
+    """A task's lock options in effect for its app: every value filled in.
+
+    Attributes:
+        name: The task's registered name (part of every key).
+        prefix: The app's key prefix.
+        keys: How a call's arguments become the key's suffix.
+        policy: ``"skip"``, ``"retry"`` or ``"raise"``.
+        scope: ``"execution"``, ``"queue"`` or ``"coalesce"``.
+        queue_ttl: Seconds a sent message keeps its key reserved.
+        ttl: The lease, in seconds.
+        renew: Whether the lease is renewed while the body runs.
+        max_hold: Seconds after which renewal stops (None: no cap).
+        retry_countdown: Seconds between lock retries (plus jitter).
+        retry_max: Lock retries before ``TaskLocked``.
+        on_backend_error: ``"retry"`` or ``"run"`` when the store is unreachable at start.
+        backend_retry_max: Retries while the store is unreachable.
+    """
+
+    name: str
+    prefix: str
+    keys: KeySpec
+    policy: str
+    scope: str
+    queue_ttl: float
+    ttl: float
+    renew: bool
+    max_hold: float | None
+    retry_countdown: float
+    retry_max: int
+    on_backend_error: str
+    backend_retry_max: int
+
+    def key(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+        """The lock key of a call with these arguments.
+
+        Raises:
+            LockKeyError: The key cannot be built from these arguments.
+        """
+        return self.keys.key(self.prefix, self.name, args, kwargs)
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    """The lock options declared on a task class, validated; ``None`` means "the app's setting".
+
+    Build it with :meth:`from_class`; the field ``x`` holds the task attribute ``lock_x``.
+    """
+
+    name: str
+    keys: KeySpec
+    policy: str | None = None
+    scope: str | None = None
+    queue_ttl: float | None = None
+    ttl: float | None = None
+    renew: bool | None = None
+    max_hold: float | None = None
+    retry_countdown: float | None = None
+    retry_max: int | None = None
+    on_backend_error: str | None = None
+    backend_retry_max: int | None = None
+
+    @classmethod
+    def from_class(cls, task_cls: type[Any]) -> TaskOptions:
+        """Read and check the ``lock_*`` attributes of a task class.
+
+        Raises:
+            ConfigurationError: An attribute is invalid; the message names the task and it.
+        """
+        name = task_cls.__dict__.get("name") or getattr(task_cls, "name", None)
+        name = str(name or task_cls.__qualname__)
+        where = f"task {name!r} attribute"
+        declared: dict[str, Any] = {}
+        for attribute, check in ATTRIBUTE_CHECKS.items():
+            value = getattr(task_cls, attribute)
+            if value is not None:
+                check(value, f"{where} {attribute}")
+            declared[attribute.removeprefix("lock_")] = value
+        lock_key = inspect.getattr_static(task_cls, "lock_key")
+        if isinstance(lock_key, staticmethod | classmethod):
+            lock_key = lock_key.__get__(None, task_cls)
+        keys = KeySpec(name, run_signature(task_cls), task_cls.lock_args, lock_key)
+        options = cls(name=name, keys=keys, **declared)
+        options._warn_about_time_limit(getattr(task_cls, "time_limit", None))
+        return options
+
+    def _warn_about_time_limit(self, time_limit: float | None) -> None:
+        if self.renew is False and self.ttl and time_limit and self.ttl <= time_limit:
+            logger.warning(
+                "task %r: lock_ttl (%ss) is not longer than time_limit (%ss) and lock_renew is "
+                "False: the lock can expire while the task still runs",
+                self.name,
+                self.ttl,
+                time_limit,
+            )
+
+    def resolve(self, name: str, settings: Settings) -> LockOptions:
+        """These options for task ``name`` (its registered name), unset ones from ``settings``."""
+
+        def pick(declared: Any, default: Any) -> Any:
+            return default if declared is None else declared
+
+        return LockOptions(
+            name=name,
+            prefix=settings.key_prefix,
+            keys=self.keys,
+            policy=pick(self.policy, settings.lock_policy),
+            scope=pick(self.scope, settings.lock_scope),
+            queue_ttl=float(pick(self.queue_ttl, settings.lock_queue_ttl)),
+            ttl=float(pick(self.ttl, settings.lock_ttl)),
+            renew=pick(self.renew, settings.lock_renew),
+            max_hold=pick(self.max_hold, settings.lock_max_hold),
+            retry_countdown=float(pick(self.retry_countdown, settings.lock_retry_countdown)),
+            retry_max=pick(self.retry_max, settings.lock_retry_max),
+            on_backend_error=pick(self.on_backend_error, settings.lock_on_backend_error),
+            backend_retry_max=pick(self.backend_retry_max, settings.lock_backend_retry_max),
+        )

@@ -1,0 +1,124 @@
+"""What singletask keeps per Celery app and per process, built on first use.
+
+For each app (in an attribute of the app object, so two apps never share anything): the app's
+validated :class:`~singletask.config.Settings`, and, per process, the lock store client and its
+:class:`~singletask.lease.Renewer`, both made again in a forked child. For each singleton task
+(on the task object): its :class:`~singletask.options.LockOptions`, the task's declared options
+completed by its app's settings. Nothing is kept in module globals, so no app's configuration
+is pinned for another.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from .backends import backend_from_url
+from .config import Settings
+from .lease import Renewer
+from .options import LockOptions, TaskOptions
+
+if TYPE_CHECKING:
+    from celery import Celery, Task
+
+    from .backends.base import LockBackend
+
+__all__ = ["AppState", "app_state", "is_singleton", "lock_options"]
+
+#: A main-process release for the same task id within this many seconds is a repeat (Celery
+#: reports a hard time limit through two hooks and two signals).
+REPEAT_WINDOW = 10.0
+
+
+class AppState:
+    """Per app and per process: the validated settings and the backend, built on first use."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self._mutex = threading.Lock()
+        self._settings: Settings | None = None
+        self._backend: LockBackend | None = None
+        self._renewer: Renewer | None = None
+        self._pid: int | None = None
+        self._released: dict[str, float] = {}
+
+    @property
+    def settings(self) -> Settings:
+        """The app's settings, read and validated on first use.
+
+        Raises:
+            ConfigurationError: A setting is invalid, or no backend URL can be found.
+        """
+        if self._settings is None:
+            self._settings = Settings.from_app(self.app)
+        return self._settings
+
+    @property
+    def backend(self) -> LockBackend:
+        """This process's lock store client (a forked child makes its own)."""
+        pid = os.getpid()
+        if self._backend is None or self._pid != pid:
+            with self._mutex:
+                if self._backend is None or self._pid != pid:
+                    settings = self.settings
+                    self._backend = backend_from_url(
+                        settings.backend_url, **settings.backend_options()
+                    )
+                    self._renewer = Renewer(self._backend)
+                    self._pid = pid
+        return self._backend
+
+    @property
+    def renewer(self) -> Renewer:
+        """The renewer of this process's backend."""
+        self.backend  # noqa: B018 - (re)creates backend and renewer in a new process
+        assert self._renewer is not None
+        return self._renewer
+
+    def first_release(self, task_id: str) -> bool:
+        """True the first time a main-process release for ``task_id`` is asked for lately."""
+        now = time.monotonic()
+        with self._mutex:
+            for stale in [t for t, at in self._released.items() if now - at > REPEAT_WINDOW]:
+                del self._released[stale]
+            if task_id in self._released:
+                return False
+            self._released[task_id] = now
+            return True
+
+
+def app_state(app: Celery) -> AppState:
+    """The :class:`AppState` of ``app`` (made on first use)."""
+    state = app.__dict__.get("_singletask_state")
+    if state is None:
+        state = app.__dict__.setdefault("_singletask_state", AppState(app))
+    assert isinstance(state, AppState)
+    return state
+
+
+def is_singleton(task: object) -> bool:
+    """Whether ``task`` is a singleton task: its class declared :class:`TaskOptions`."""
+    return isinstance(getattr(task, "_singletask_options", None), TaskOptions)
+
+
+def lock_options(task: Task[Any, Any]) -> LockOptions:
+    """The lock options in effect for the singleton task ``task``.
+
+    A singleton task class carries its declared :class:`~singletask.options.TaskOptions` as
+    ``_singletask_options``; they are completed from the app's settings on first use and kept
+    on the task object.
+
+    Raises:
+        ConfigurationError: The app's settings are invalid.
+        TypeError: ``task`` is not a singleton task.
+    """
+    options: LockOptions | None = task.__dict__.get("_singletask_lock_options")
+    if options is None:
+        declared = getattr(task, "_singletask_options", None)
+        if not isinstance(declared, TaskOptions):
+            raise TypeError(f"task {task.name!r} is not a singleton task")
+        options = declared.resolve(task.name, app_state(task.app).settings)
+        task.__dict__["_singletask_lock_options"] = options
+    return options

@@ -1,0 +1,37 @@
+"""A worker's start: a lock store that refuses its configuration stops the start.
+
+:class:`~singletask.SingletonTask` adds :class:`CheckLockStore` to the worker blueprint of every
+app it is bound to. When the worker starts, it builds the app's lock store from its URL, without
+connecting to it, and closes it again. A store that refuses its configuration raises
+:class:`~singletask.exceptions.ConfigurationError` there, and the worker does not start: for
+example ``django://`` naming a process-local Django cache, which would give no exclusion at all
+between the worker's processes. Settings that cannot be read, or a URL of no known scheme, are
+left to the first execution (which fails with the same error).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import bootsteps
+
+from .backends import backend_class
+from .config import Settings
+from .exceptions import ConfigurationError
+
+__all__ = ["CheckLockStore"]
+
+
+class CheckLockStore(bootsteps.Step):
+    """Worker bootstep: build the app's lock store once; its ConfigurationError stops the start."""
+
+    name = "singletask.CheckLockStore"
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        try:
+            settings = Settings.from_app(parent.app)
+            store = backend_class(settings.backend_url)
+        except ConfigurationError:
+            return  # not the store's refusal: each execution reports it
+        store.from_url(settings.backend_url, **settings.backend_options()).close()
