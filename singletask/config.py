@@ -179,8 +179,15 @@ class Settings:
         return options
 
     @classmethod
-    def from_app(cls, app: Celery) -> Settings:
+    def from_app(cls, app: Celery, *, backend_url: str | None = None) -> Settings:
         """Read and validate the settings of ``app``.
+
+        Args:
+            app: The Celery app.
+            backend_url: Report this as the lock store's URL instead of looking one up: the
+                store is given by other means, as in :mod:`singletask.testing`. The settings
+                of the store itself (``singletask_backend_url``, ``singletask_backend_table``)
+                are then not read.
 
         Raises:
             ConfigurationError: A setting is invalid, or no backend URL can be found.
@@ -194,7 +201,8 @@ class Settings:
             raise ConfigurationError(
                 f"setting singletask_key_prefix: expected a string, got {prefix!r}"
             )
-        backend_url = _backend_url(app)
+        given = backend_url is not None
+        backend_url = backend_url if backend_url is not None else _backend_url(app)
         return cls(
             backend_url=backend_url,
             key_prefix=prefix,
@@ -218,7 +226,7 @@ class Settings:
             backend_transport_options=setting(
                 "singletask_backend_transport_options", _check_options
             ),
-            backend_table=_backend_table(app, backend_url),
+            backend_table=None if given else _backend_table(app, backend_url),
         )
 
 

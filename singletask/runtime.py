@@ -31,6 +31,10 @@ __all__ = ["AppState", "app_state", "is_singleton", "lock_options"]
 #: reports a hard time limit through two hooks and two signals).
 REPEAT_WINDOW = 10.0
 
+#: What the settings report as ``backend_url`` while a store is given by
+#: :func:`~singletask.task.override_lock_backend`.
+OVERRIDE_URL = "override://"
+
 
 class AppState:
     """Per app and per process: the validated settings and the backend, built on first use."""
@@ -43,6 +47,10 @@ class AppState:
         self._renewer: Renewer | None = None
         self._pid: int | None = None
         self._released: dict[str, float] = {}
+        # Set by override(). The last override's renewer is kept after it ends, so a suite
+        # that installs the same store object for each test starts one renewer thread.
+        self._override: LockBackend | None = None
+        self._override_renewer: tuple[LockBackend, Renewer] | None = None
 
     @property
     def settings(self) -> Settings:
@@ -52,12 +60,25 @@ class AppState:
             ConfigurationError: A setting is invalid, or no backend URL can be found.
         """
         if self._settings is None:
-            self._settings = Settings.from_app(self.app)
+            given = OVERRIDE_URL if self._override is not None else None
+            self._settings = Settings.from_app(self.app, backend_url=given)
         return self._settings
+
+    def override(self, backend: LockBackend | None) -> None:
+        """Use ``backend`` in this process instead of the configured store (None: stop)."""
+        with self._mutex:
+            kept = self._override_renewer
+            if backend is not None and (kept is None or kept[0] is not backend):
+                self._override_renewer = (backend, Renewer(backend))
+            self._override = backend
+            self._settings = None  # read again: with an override, no backend URL is needed
 
     @property
     def backend(self) -> LockBackend:
         """This process's lock store client (a forked child makes its own)."""
+        override = self._override
+        if override is not None:
+            return override
         pid = os.getpid()
         if self._backend is None or self._pid != pid:
             with self._mutex:
@@ -73,6 +94,9 @@ class AppState:
     @property
     def renewer(self) -> Renewer:
         """The renewer of this process's backend."""
+        if self._override is not None:
+            assert self._override_renewer is not None
+            return self._override_renewer[1]
         self.backend  # noqa: B018 - (re)creates backend and renewer in a new process
         assert self._renewer is not None
         return self._renewer

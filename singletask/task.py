@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .backends.base import LockBackend
     from .lease import LockHandle
 
-__all__ = ["SingletonTask"]
+__all__ = ["SingletonTask", "override_lock_backend"]
 
 #: Message header counting the lock retries of a task id (the task's own ``retries`` stays
 #: untouched, so lock retries never spend ``max_retries``).
@@ -270,3 +270,13 @@ class SingletonTask(_TaskBase):
         Never raises; returns whether a reservation was released.
         """
         return recovery.release_reservation(self, task_id, retries, args, kwargs)
+
+
+def override_lock_backend(app: Celery, backend: LockBackend | None) -> None:
+    """Make every SingletonTask of ``app`` use ``backend`` in this process; None undoes it.
+
+    For test suites (:mod:`singletask.testing` installs its stores with it): while it is set,
+    the app needs no ``singletask_backend_url`` (none is read) and the store built from the
+    settings, if any, is left alone. The other settings still apply and are validated.
+    """
+    app_state(app).override(backend)
