@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import celery
 import pytest
-from celery.contrib.testing.worker import TestWorkController
 
 from singletask import LockKeyError, SingletonTask, Skipped, TaskLocked
 from singletask.testing import (
@@ -26,6 +25,9 @@ from singletask.testing import (
     locks_disabled,
 )
 
+if TYPE_CHECKING:  # a test module must not import a class named Test*: pytest collects it
+    from celery.contrib.testing.worker import TestWorkController
+
 app = celery.Celery("usersuite", set_as_current=False)
 app.conf.update(
     # Production settings: no such server exists, and the tests never need one.
@@ -34,6 +36,7 @@ app.conf.update(
     result_backend="cache+memory://",
     task_default_queue="usersuite",  # kombu's memory queues are shared by the whole process
 )
+
 ran: list[tuple[str, Any]] = []
 entered = threading.Event()
 leave = threading.Event()

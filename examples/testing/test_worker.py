@@ -7,15 +7,19 @@ worker shares the test's in-process lock store.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import celery.contrib.testing.tasks  # noqa: F401 - registers celery.ping, which celery_worker sends
 import pytest
 from celery import Celery
-from celery.contrib.testing.worker import TestWorkController
 
 from singletask import Skipped
 from singletask.testing import IsolatedLocks, hold_lock
 
 import shop
+
+if TYPE_CHECKING:  # a test module must not import a class named Test*: pytest collects it
+    from celery.contrib.testing.worker import TestWorkController
 
 
 @pytest.fixture
@@ -27,6 +31,7 @@ def celery_app() -> Celery:
 def test_a_duplicate_is_skipped_on_the_worker(
     celery_worker: TestWorkController, singletask_locks: IsolatedLocks
 ) -> None:
+
     # Given another execution syncing customer 42
     with hold_lock(shop.sync_customer, 42, holder_id="sync-in-progress") as held:
         # When the worker runs the task for that customer
