@@ -312,7 +312,7 @@ def celery_worker_parameters() -> Mapping[str, Any]:
 
 
 def test_the_worker_shares_the_tests_store(
-    celery_worker: TestWorkController, singletask_locks: IsolatedLocks
+    singletask_locks: IsolatedLocks, celery_worker: TestWorkController
 ) -> None:
     """A task running on the in-process worker (a thread pool here) holds its lock in the
     test's store, and the test sees it."""
@@ -337,7 +337,7 @@ def test_the_worker_shares_the_tests_store(
 
 
 def test_on_the_worker_skip_raise_and_retry_are_recorded(
-    celery_worker: TestWorkController, singletask_locks: IsolatedLocks
+    singletask_locks: IsolatedLocks, celery_worker: TestWorkController
 ) -> None:
     """The worker skips, raises, and retries with the task's countdown (plus jitter)."""
     with hold_lock(sync, 8), hold_lock(charge, 9), hold_lock(rebuild) as held:

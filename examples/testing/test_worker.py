@@ -2,7 +2,8 @@
 
 Celery's ``celery_worker`` fixture (from ``celery.contrib.pytest``) starts a worker for the
 ``celery_app`` fixture in a thread; here ``celery_app`` is the application under test. The
-worker shares the test's in-process lock store.
+worker shares the test's in-process lock store. ``singletask_locks`` comes before
+``celery_worker`` in each test's arguments, so the worker stops before the store goes away.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def celery_app() -> Celery:
 
 
 def test_a_duplicate_is_skipped_on_the_worker(
-    celery_worker: TestWorkController, singletask_locks: IsolatedLocks
+    singletask_locks: IsolatedLocks, celery_worker: TestWorkController
 ) -> None:
 
     # Given another execution syncing customer 42
@@ -44,7 +45,7 @@ def test_a_duplicate_is_skipped_on_the_worker(
 
 
 def test_a_duplicate_rebuild_is_retried_in_5_seconds(
-    celery_worker: TestWorkController, singletask_locks: IsolatedLocks
+    singletask_locks: IsolatedLocks, celery_worker: TestWorkController
 ) -> None:
     # Given a rebuild in progress
     with hold_lock(shop.rebuild_search_index) as held:
