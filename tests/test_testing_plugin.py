@@ -15,7 +15,7 @@ import celery
 import pytest
 import redis
 
-from singletask import ConfigurationError, SingletonTask, Skipped
+from singletask import BackendUnavailable, ConfigurationError, SingletonTask, Skipped
 from singletask.testing import hold_lock, isolated_locks, lock_key_for, locks_disabled
 
 
@@ -92,6 +92,22 @@ def test_each_isolation_starts_empty(bare: celery.Celery) -> None:
     with isolated_locks(bare) as locks:
         locks.assert_free(left)
         assert work.delay(1).get() == 1
+
+
+def test_a_hold_outliving_its_isolation_never_reaches_the_configured_store() -> None:
+    """A hold released after its isolation ended is not released in the app's own store."""
+    # Given a hold taken inside an isolation, and the app's own store holding the same key
+    app = make_app(singletask_backend_url="memory://")
+    work = singleton(app)
+    with isolated_locks(app):
+        held = hold_lock(work, 1).acquire()
+    assert work.lock_backend.acquire(held.key, held.token, 30).acquired  # same token, even
+
+    # When it is released afterwards / Then that fails, naming why, and the lock stays
+    with pytest.raises(BackendUnavailable, match="the test's lock store is gone"):
+        held.release()
+    assert work.lock_backend.holder(held.key) is not None
+    app.close()
 
 
 def test_isolations_do_not_nest_and_tell_why(bare: celery.Celery) -> None:

@@ -6,13 +6,16 @@ import inspect
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from celery.canvas import Signature
 
 from ..exceptions import TaskLocked
 from ..task import SingletonTask
 from ..tokens import execution_token
+
+if TYPE_CHECKING:
+    from ..backends.base import LockBackend
 
 __all__ = [
     "DEFAULT_HOLDER_ID",
@@ -91,6 +94,11 @@ class HeldLock:
         self.holder_id = holder_id
         self.lease = float(lease)
         self.token = execution_token(holder_id, 0)
+        self._backend: LockBackend | None = None  # where it was taken
+
+    @property
+    def _store(self) -> LockBackend:
+        return self._backend if self._backend is not None else self.task.lock_backend
 
     def __repr__(self) -> str:
         return f"<HeldLock {self.key!r} by {self.holder_id!r}>"
@@ -102,7 +110,7 @@ class HeldLock:
             TaskLocked: Someone else holds it.
             RuntimeError: The app's locks are switched off (:func:`locks_disabled`).
         """
-        backend = self.task.lock_backend
+        backend = self._backend = self.task.lock_backend
         meta = {
             "task_id": self.holder_id,
             "task": self.task.name,
@@ -126,12 +134,12 @@ class HeldLock:
 
     def release(self) -> bool:
         """Release the lock, if this hold still has it. Returns whether it did."""
-        return self.task.lock_backend.release(self.key, self.token)
+        return self._store.release(self.key, self.token)
 
     @property
     def held(self) -> bool:
         """Whether this hold still has the lock (its lease has not run out)."""
-        holder = self.task.lock_backend.holder(self.key)
+        holder = self._store.holder(self.key)
         return holder is not None and holder.token == self.token
 
     def __enter__(self) -> HeldLock:
