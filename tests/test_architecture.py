@@ -20,11 +20,14 @@ PACKAGE = Path(singletask.__file__).parent
 #: The package's face (``singletask`` and ``singletask.task``) and what is built on it. The
 #: core, every other module, may import none of them.
 ABOVE_THE_CORE = ("singletask", "singletask.task", "singletask.__main__", "singletask.cli")
-DEMO = "singletask.demo"
+#: Packages built on the face: the demo, and the test helpers with their pytest plugin.
+BUILT_ON_TOP = ("singletask.demo", "singletask.testing")
 
 
 def above_the_core(name: str) -> bool:
-    return name in ABOVE_THE_CORE or name == DEMO or name.startswith(DEMO + ".")
+    return name in ABOVE_THE_CORE or any(
+        name == package or name.startswith(package + ".") for package in BUILT_ON_TOP
+    )
 
 
 def module_name(path: Path) -> str:
