@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from celery import Celery
 
-import shop
+import webshop
 
 # No server in the tests: an in-memory broker and result backend (for the worker tests), set
 # before anything is sent. The lock store is the singletask_locks fixture's.
-shop.app.conf.update(
+webshop.app.conf.update(
     broker_url="memory://",
     result_backend="cache+memory://",
     task_default_queue="shop-tests",
@@ -19,10 +19,10 @@ shop.app.conf.update(
 @pytest.fixture
 def singletask_app() -> Celery:
     """The app whose singleton tasks the ``singletask_locks`` fixture isolates."""
-    return shop.app
+    return webshop.app
 
 
 @pytest.fixture(autouse=True)
 def _forget() -> None:
-    shop.synced.clear()
-    shop.charged.clear()
+    webshop.synced.clear()
+    webshop.charged.clear()

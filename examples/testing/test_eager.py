@@ -9,35 +9,35 @@ import pytest
 from singletask import Skipped, TaskLocked
 from singletask.testing import IsolatedLocks, hold_lock, lock_key_for
 
-import shop
+import webshop
 
 
 @pytest.fixture(autouse=True)
 def eager() -> Iterator[None]:
-    shop.app.conf.task_always_eager = True
+    webshop.app.conf.task_always_eager = True
     yield
-    shop.app.conf.task_always_eager = False
+    webshop.app.conf.task_always_eager = False
 
 
 def test_a_duplicate_sync_is_skipped(singletask_locks: IsolatedLocks) -> None:
     # Given another execution syncing customer 42
-    with hold_lock(shop.sync_customer, 42, holder_id="sync-in-progress") as held:
+    with hold_lock(webshop.sync_customer, 42, holder_id="sync-in-progress") as held:
         # When the task is called again for that customer
-        value = shop.sync_customer.delay(42).get()
+        value = webshop.sync_customer.delay(42).get()
 
     # Then it was skipped without running, and says who held the lock
     assert isinstance(value, Skipped)
     assert value.holder == "sync-in-progress"
-    assert shop.synced == []
+    assert webshop.synced == []
     singletask_locks.assert_skipped(held)
     singletask_locks.assert_free(held)
 
 
 def test_other_customers_are_not_blocked(singletask_locks: IsolatedLocks) -> None:
     # Given a sync of customer 42 in progress
-    with hold_lock(shop.sync_customer, 42):
+    with hold_lock(webshop.sync_customer, 42):
         # When customer 7 is synced
-        value = shop.sync_customer.delay(7).get()
+        value = webshop.sync_customer.delay(7).get()
 
     # Then it ran
     assert value == "synced 7"
@@ -46,40 +46,42 @@ def test_other_customers_are_not_blocked(singletask_locks: IsolatedLocks) -> Non
 
 def test_which_calls_share_a_lock() -> None:
     # The lock is per customer: `full` is not part of the key
-    assert lock_key_for(shop.sync_customer, 42) == lock_key_for(shop.sync_customer, 42, full=True)
-    assert lock_key_for(shop.sync_customer, 42) != lock_key_for(shop.sync_customer, 7)
+    assert lock_key_for(webshop.sync_customer, 42) == lock_key_for(
+        webshop.sync_customer, 42, full=True
+    )
+    assert lock_key_for(webshop.sync_customer, 42) != lock_key_for(webshop.sync_customer, 7)
     # ... and a signature names the same call
-    same_call = shop.sync_customer.s(customer_id=42)
-    assert lock_key_for(same_call) == lock_key_for(shop.sync_customer, 42)
+    same_call = webshop.sync_customer.s(customer_id=42)
+    assert lock_key_for(same_call) == lock_key_for(webshop.sync_customer, 42)
 
 
 def test_a_second_charge_of_an_order_fails(singletask_locks: IsolatedLocks) -> None:
     # Given a charge of order 1001 in progress
-    with hold_lock(shop.charge, 1001, 500):
+    with hold_lock(webshop.charge, 1001, 500):
         # When the order is charged again
-        result = shop.charge.delay(1001, 500)
+        result = webshop.charge.delay(1001, 500)
 
     # Then that execution failed with TaskLocked, and nothing was charged twice
     assert isinstance(result.result, TaskLocked)
-    assert shop.charged == []
-    singletask_locks.assert_raised(shop.charge.s(1001, 500))
+    assert webshop.charged == []
+    singletask_locks.assert_raised(webshop.charge.s(1001, 500))
 
 
 def test_in_eager_mode_a_retry_policy_raises(singletask_locks: IsolatedLocks) -> None:
     # Eager mode cannot wait for a countdown: a "retry" policy raises TaskLocked there
     # (see test_worker.py for the retry itself)
-    shop.app.conf.task_eager_propagates = True
+    webshop.app.conf.task_eager_propagates = True
     try:
-        with hold_lock(shop.rebuild_search_index), pytest.raises(TaskLocked):
-            shop.rebuild_search_index.delay()
+        with hold_lock(webshop.rebuild_search_index), pytest.raises(TaskLocked):
+            webshop.rebuild_search_index.delay()
     finally:
-        shop.app.conf.task_eager_propagates = False
-    singletask_locks.assert_raised(shop.rebuild_search_index.s())
+        webshop.app.conf.task_eager_propagates = False
+    singletask_locks.assert_raised(webshop.rebuild_search_index.s())
 
 
 @pytest.mark.usefixtures("singletask_locks_disabled")
 def test_without_locks_every_duplicate_runs() -> None:
     # With locking switched off, nothing is held: both calls run
-    shop.sync_customer.delay(42).get()
-    shop.sync_customer.delay(42).get()
-    assert shop.synced == [42, 42]
+    webshop.sync_customer.delay(42).get()
+    webshop.sync_customer.delay(42).get()
+    assert webshop.synced == [42, 42]

@@ -17,7 +17,7 @@ from celery import Celery
 from singletask import Skipped
 from singletask.testing import IsolatedLocks, hold_lock
 
-import shop
+import webshop
 
 if TYPE_CHECKING:  # a test module must not import a class named Test*: pytest collects it
     from celery.contrib.testing.worker import TestWorkController
@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # a test module must not import a class named Test*: pytest c
 @pytest.fixture
 def celery_app() -> Celery:
     """Celery's worker fixture runs the app under test (conftest.py gives it a memory broker)."""
-    return shop.app
+    return webshop.app
 
 
 def test_a_duplicate_is_skipped_on_the_worker(
@@ -34,9 +34,9 @@ def test_a_duplicate_is_skipped_on_the_worker(
 ) -> None:
 
     # Given another execution syncing customer 42
-    with hold_lock(shop.sync_customer, 42, holder_id="sync-in-progress") as held:
+    with hold_lock(webshop.sync_customer, 42, holder_id="sync-in-progress") as held:
         # When the worker runs the task for that customer
-        value = shop.sync_customer.delay(42).get(timeout=10)
+        value = webshop.sync_customer.delay(42).get(timeout=10)
 
     # Then it was skipped
     assert isinstance(value, Skipped)
@@ -48,9 +48,9 @@ def test_a_duplicate_rebuild_is_retried_in_5_seconds(
     singletask_locks: IsolatedLocks, celery_worker: TestWorkController
 ) -> None:
     # Given a rebuild in progress
-    with hold_lock(shop.rebuild_search_index) as held:
+    with hold_lock(webshop.rebuild_search_index) as held:
         # When another rebuild reaches the worker
-        shop.rebuild_search_index.delay()
+        webshop.rebuild_search_index.delay()
 
         # Then the worker sends it again for 5 seconds later (plus up to 25% jitter)
         retry = singletask_locks.assert_retried(held, countdown=5, timeout=10)

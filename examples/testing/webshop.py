@@ -10,7 +10,7 @@ from celery import Celery
 
 from singletask import SingletonTask
 
-app = Celery("shop", broker="redis://redis.internal:6379/0")
+app = Celery("webshop", broker="redis://redis.internal:6379/0")
 app.conf.singletask_backend_url = "redis://redis.internal:6379/1"
 
 synced: list[int] = []  # what the tasks did, for the tests to look at
