@@ -7,6 +7,7 @@ Redis.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -171,7 +172,8 @@ def test_a_real_store_keeps_each_isolation_under_its_own_namespace(
         hold_lock(work_first, 1) as held,
     ):
         # Then the lock is on the server, under a namespace, and only the first app sees it
-        stored = [k.decode() for k in redis_client.scan_iter(match=f"*{held.key}")]
+        pattern = "*" + re.sub(r"([*?\[\]\\])", r"\\\1", held.key)  # the key, glob-escaped
+        stored = [k.decode() for k in redis_client.scan_iter(match=pattern)]
         assert len(stored) == 1
         assert stored[0].startswith("singletask-test:")
         assert stored[0].endswith(held.key)
