@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from . import startup  # noqa: F401 - connects the worker start-up checks
 from .exceptions import (
     BackendError,
     BackendTimeout,

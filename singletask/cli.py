@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from . import __version__
+from .urls import mask_url
 
 __all__ = ["main", "singletask"]
 
@@ -31,13 +32,13 @@ def singletask() -> None:
 def _scheme(value: str, what: str) -> str:
     scheme, sep, _ = value.partition("://")
     if not sep or not scheme:
-        raise click.BadParameter(f"expected a URL such as {what}, got {value!r}")
+        raise click.BadParameter(f"expected a URL such as {what}, got {mask_url(value)!r}")
     return scheme.lower()
 
 
 def _in_process_only(value: str) -> click.BadParameter:
     return click.BadParameter(
-        f"{value!r} lives inside one process; the demo's worker is another process"
+        f"{mask_url(value)!r} lives inside one process; the demo's worker is another process"
     )
 
 
@@ -52,7 +53,7 @@ def _broker(ctx: click.Context, param: click.Parameter, value: str | None) -> st
     try:
         resolve_transport(scheme)
     except (KeyError, ImportError) as exc:
-        raise click.BadParameter(f"no kombu transport for {value!r}: {exc}") from None
+        raise click.BadParameter(f"no kombu transport for {mask_url(value)!r}: {exc}") from None
     return value
 
 
@@ -67,7 +68,9 @@ def _backend(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     try:
         by_url(value)
     except Exception as exc:  # Celery raises several kinds for an unusable URL
-        raise click.BadParameter(f"no Celery result backend for {value!r}: {exc}") from None
+        raise click.BadParameter(
+            f"no Celery result backend for {mask_url(value)!r}: {mask_url(str(exc))}"
+        ) from None
     return value
 
 

@@ -37,10 +37,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from kombu.utils.url import maybe_sanitize_url
-
+from .backends import check_url
 from .backends._sql import TABLE_SCHEMES, check_table
 from .exceptions import ConfigurationError
+from .urls import mask_url
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 __all__ = [
     "BACKEND_ERROR_POLICIES",
     "DEFAULTS",
+    "MAX_COUNT",
+    "MAX_SECONDS",
     "POLICIES",
     "SCOPES",
     "Settings",
@@ -68,6 +70,14 @@ SCOPES: Final = ("execution", "queue", "coalesce")
 
 #: What an execution does when the lock store cannot be reached as it starts.
 BACKEND_ERROR_POLICIES: Final = ("retry", "run")
+
+#: The largest number of seconds any duration option or setting takes (30 days): far longer
+#: than a lease, a reservation or a retry delay should be, and far inside what every lock store
+#: can represent as an expiry.
+MAX_SECONDS: Final = 30 * 24 * 3600
+
+#: The largest retry count any option or setting takes.
+MAX_COUNT: Final = 1000
 
 #: Library defaults of the settings, by setting name.
 DEFAULTS: Final[dict[str, Any]] = {
@@ -122,20 +132,53 @@ def check_bool(value: object, where: str) -> bool:
     return value
 
 
-def check_seconds(value: object, where: str, *, allow_zero: bool = False) -> float:
-    """Return ``value`` as float seconds: a finite number > 0 (or >= 0 with ``allow_zero``)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigurationError(f"{where}: expected a number of seconds, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = "zero or more" if allow_zero else "more than zero"
-        raise ConfigurationError(f"{where}: must be {bound} seconds, got {value!r}")
+def check_seconds(
+    value: object, where: str, *, allow_zero: bool = False, maximum: float = MAX_SECONDS
+) -> float:
+    """Return ``value`` as float seconds: a finite number > 0 (or >= 0 with ``allow_zero``)
+    and at most ``maximum``.
+
+    Raises:
+        ConfigurationError: It is not; the message names ``where`` and the bounds.
+    """
+    low = "0" if allow_zero else "more than 0"
+    bounds = f"from {low} to {maximum:.0f} seconds ({maximum / 86400:g} days)"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigurationError(f"{where}: expected a number of seconds {bounds}, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ConfigurationError(f"{where}: must be {bounds}, got {value!r}")
+    if value > maximum:
+        raise ConfigurationError(
+            f"{where}: must be at most {maximum:.0f} seconds ({maximum / 86400:g} days), "
+            f"got {value!r}"
+        )
     return float(value)
 
 
-def check_count(value: object, where: str) -> int:
-    """Return ``value`` if it is a whole number >= 0."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigurationError(f"{where}: expected a whole number >= 0, got {value!r}")
+def check_count(value: object, where: str, *, maximum: int = MAX_COUNT) -> int:
+    """Return ``value`` if it is a whole number from 0 to ``maximum``.
+
+    Raises:
+        ConfigurationError: It is not; the message names ``where`` and the bounds.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= maximum:
+        raise ConfigurationError(
+            f"{where}: expected a whole number from 0 to {maximum} (at most {maximum}), "
+            f"got {value!r}"
+        )
+    return value
+
+
+def check_key_prefix(value: object, where: str) -> str:
+    """Return ``value`` if it is a string that can be part of a key (valid UTF-8 text)."""
+    if not isinstance(value, str):
+        raise ConfigurationError(f"{where}: expected a string, got {value!r}")
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise ConfigurationError(
+            f"{where}: {value!r} cannot be part of a key ({exc.reason}); use valid text"
+        ) from exc
     return value
 
 
@@ -150,9 +193,13 @@ def _lookup(app: Celery, name: str) -> Any:
 
 @dataclass(frozen=True)
 class Settings:
-    """The app-wide singletask settings, validated. Build with :meth:`from_app`."""
+    """The app-wide singletask settings, validated. Build with :meth:`from_app`.
 
-    backend_url: str
+    The lock store's URL is found and checked only when :attr:`backend_url` is read, that is
+    when a process first needs the lock store: a producer that never touches it (the default
+    ``"execution"`` scope) needs no lock store configured.
+    """
+
     key_prefix: str
     lock_policy: str
     lock_scope: str
@@ -167,20 +214,75 @@ class Settings:
     #: ``singletask_backend_transport_options``: Sentinel master name, TLS, the replica wait...
     #: (kept out of the repr: ``sentinel_kwargs`` may hold a password)
     backend_transport_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    #: The table of a SQL lock store, checked as a name (``singletask_backend_table``).
     backend_table: str | None = None
+    #: The lock store's URL as configured (unchecked), or None when not set. (Not in the repr:
+    #: it may hold a password.)
+    backend_setting: object = field(default=None, repr=False)
+    #: The broker URL setting, the default lock store when it is Redis.
+    broker_setting: object = field(default=None, repr=False)
+    #: A lock store URL given to :meth:`from_app` (the store is given by other means).
+    given_backend_url: str | None = field(default=None, repr=False)
 
     def backend_options(self) -> dict[str, Any]:
-        """Keyword options for :func:`~singletask.backends.backend_from_url` from the settings."""
+        """Keyword options for :func:`~singletask.backends.backend_from_url` from the settings.
+
+        Raises:
+            ConfigurationError: ``singletask_backend_table`` is set for a store without tables
+                (or the lock store's URL is not usable, see :attr:`backend_url`).
+        """
         options: dict[str, Any] = {}
         if self.backend_table is not None:
+            scheme = self.backend_url.split("://", 1)[0].lower()
+            if scheme not in TABLE_SCHEMES:
+                raise ConfigurationError(
+                    f"setting singletask_backend_table: the lock store {scheme}:// has no "
+                    "table; the setting applies to "
+                    f"{', '.join(f'{s}://' for s in sorted(TABLE_SCHEMES))} only"
+                )
             options["table"] = self.backend_table
         if self.backend_transport_options:
             options["transport_options"] = self.backend_transport_options
         return options
 
+    @property
+    def backend_url(self) -> str:
+        """The lock store's URL: the one given to :meth:`from_app`, else
+        ``singletask_backend_url``, else a Redis broker's URL.
+
+        Raises:
+            ConfigurationError: Neither gives a usable URL; the message names the setting, says
+                what is wrong with it and masks any password.
+        """
+        if self.given_backend_url is not None:
+            return self.given_backend_url
+        if self.backend_setting is not None:
+            url, where = self.backend_setting, "setting singletask_backend_url"
+            if not isinstance(url, str) or "://" not in url:
+                raise ConfigurationError(
+                    f"{where}: {mask_url(url)!r} is not a URL (no '://'); write one such as "
+                    "'redis://localhost:6379/1'"
+                )
+        else:
+            url = _redis_broker(self.broker_setting)
+            where = "setting broker_url (the lock store, as singletask_backend_url is not set)"
+            if url is None:
+                shown = mask_url(_first_broker(self.broker_setting))
+                raise ConfigurationError(
+                    "setting singletask_backend_url is not set and the broker "
+                    f"({shown}) is not Redis: set app.conf.singletask_backend_url, e.g. to "
+                    "'redis://localhost:6379/1'"
+                )
+        try:
+            check_url(url)
+        except ConfigurationError as exc:
+            raise type(exc)(f"{where}: {exc}") from exc
+        return url
+
     @classmethod
     def from_app(cls, app: Celery, *, backend_url: str | None = None) -> Settings:
-        """Read and validate the settings of ``app``.
+        """Read and validate the settings of ``app`` (the lock store's URL is checked only when
+        :attr:`backend_url` is read).
 
         Args:
             app: The Celery app.
@@ -190,22 +292,15 @@ class Settings:
                 are then not read.
 
         Raises:
-            ConfigurationError: A setting is invalid, or no backend URL can be found.
+            ConfigurationError: A setting is invalid.
         """
 
         def setting(name: str, check: Callable[[object, str], Any]) -> Any:
             return check(_lookup(app, name), f"setting {name}")
 
-        prefix = _lookup(app, "singletask_key_prefix")
-        if not isinstance(prefix, str):
-            raise ConfigurationError(
-                f"setting singletask_key_prefix: expected a string, got {prefix!r}"
-            )
         given = backend_url is not None
-        backend_url = backend_url if backend_url is not None else _backend_url(app)
         return cls(
-            backend_url=backend_url,
-            key_prefix=prefix,
+            key_prefix=setting("singletask_key_prefix", check_key_prefix),
             lock_policy=setting("singletask_lock_policy", check_policy),
             lock_scope=setting("singletask_lock_scope", check_scope),
             lock_queue_ttl=setting("singletask_lock_queue_ttl", check_seconds),
@@ -226,7 +321,10 @@ class Settings:
             backend_transport_options=setting(
                 "singletask_backend_transport_options", _check_options
             ),
-            backend_table=None if given else _backend_table(app, backend_url),
+            backend_table=None if given else _backend_table(app),
+            backend_setting=None if given else _lookup(app, "singletask_backend_url"),
+            broker_setting=app.conf.get("broker_url") or app.conf.get("BROKER_URL"),
+            given_backend_url=backend_url,
         )
 
 
@@ -234,42 +332,26 @@ def _check_options(value: object, where: str) -> Mapping[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        # (the value itself is not shown: it may hold a password)
         raise ConfigurationError(
-            f"{where}: expected a dict of option names to values, got {value!r}"
+            f"{where}: expected a dict of option names to values, got a {type(value).__name__}"
         )
     return dict(value)
 
 
-def _backend_table(app: Celery, backend_url: str) -> str | None:
+def _backend_table(app: Celery) -> str | None:
     table = _lookup(app, "singletask_backend_table")
-    if table is None:
-        return None
-    scheme = backend_url.split("://", 1)[0].lower()
-    if scheme not in TABLE_SCHEMES:
-        raise ConfigurationError(
-            f"setting singletask_backend_table: the lock store {scheme}:// has no table; the "
-            f"setting applies to {', '.join(f'{s}://' for s in sorted(TABLE_SCHEMES))} only"
-        )
-    return check_table(table, "setting singletask_backend_table")
+    return None if table is None else check_table(table, "setting singletask_backend_table")
 
 
-def _backend_url(app: Celery) -> str:
-    url = _lookup(app, "singletask_backend_url")
-    if url is not None:
-        if not isinstance(url, str) or "://" not in url:
-            raise ConfigurationError(
-                f"setting singletask_backend_url: expected a URL such as "
-                f"'redis://localhost:6379/1', got {url!r}"
-            )
-        return url
-    broker = app.conf.get("broker_url") or app.conf.get("BROKER_URL")
+def _first_broker(broker: object) -> object:
     first = broker[0] if isinstance(broker, list | tuple) and broker else broker
-    if isinstance(first, str):
-        first = first.split(";")[0].strip()
-        if first.split("://", 1)[0].lower() in ("redis", "rediss"):
-            return first
-    raise ConfigurationError(
-        "setting singletask_backend_url is not set and the broker "
-        f"({maybe_sanitize_url(first) if isinstance(first, str) else first!r}) is not Redis: "
-        "set app.conf.singletask_backend_url, e.g. to 'redis://localhost:6379/1'"
-    )
+    return first.split(";")[0].strip() if isinstance(first, str) else first
+
+
+def _redis_broker(broker: object) -> str | None:
+    """The first broker URL if it is a Redis one, else None."""
+    first = _first_broker(broker)
+    if isinstance(first, str) and first.split("://", 1)[0].lower() in ("redis", "rediss"):
+        return first
+    return None

@@ -8,6 +8,11 @@
   Argument values never appear in the key.
 * ``lock_key``: a format string over parameter names (``"feed:{url}"``) or a callable called
   with the task's arguments; its text replaces the hash: ``<prefix><task name>:<text>``.
+
+The parts are encoded so that no two (task name, suffix) pairs share a key: in the task name,
+``%``, ``:``, ``{`` and ``}`` are percent-escaped (``%25``, ``%3A``, ``%7B``, ``%7D``), so the
+first ``:`` after the prefix always ends the name; in the suffix, ``%``, ``{`` and ``}`` are,
+so no key part but the prefix can form a Redis Cluster hash tag.
 """
 
 from __future__ import annotations
@@ -22,10 +27,28 @@ from kombu.utils import json as kombu_json
 
 from .exceptions import ConfigurationError, LockKeyError
 
-__all__ = ["KeySpec", "canonical_json", "digest", "run_signature"]
+__all__ = ["KeySpec", "canonical_json", "digest", "escape_name", "escape_suffix", "run_signature"]
 
 #: The value of ``lock_args`` that selects every parameter.
 ALL_ARGS = "*"
+
+
+#: What the task name and the suffix of a key escape (see the module's docstring).
+_NAME_ESCAPES = str.maketrans({"%": "%25", ":": "%3A", "{": "%7B", "}": "%7D"})
+_SUFFIX_ESCAPES = str.maketrans({"%": "%25", "{": "%7B", "}": "%7D"})
+
+#: The conversions ``str.format`` knows (``{value!r}``).
+_CONVERSIONS = (None, "r", "s", "a")
+
+
+def escape_name(task_name: str) -> str:
+    """The task name as it appears in a key: ``%``, ``:``, ``{`` and ``}`` percent-escaped."""
+    return task_name.translate(_NAME_ESCAPES)
+
+
+def escape_suffix(suffix: str) -> str:
+    """A key's suffix as it appears in the key: ``%``, ``{`` and ``}`` percent-escaped."""
+    return suffix.translate(_SUFFIX_ESCAPES)
 
 
 #: kombu's JSON encoder as ``kombu.utils.json.dumps(value, sort_keys=True, separators=(",", ":"),
@@ -61,7 +84,9 @@ def digest(arguments: Mapping[str, Any], *, where: str) -> str:
                     f"{where}: argument {name!r} cannot be part of a lock key: {inner}"
                 ) from inner
         raise LockKeyError(f"{where}: arguments cannot be part of a lock key: {exc}") from exc
-    return hashlib.sha256(text.encode()).hexdigest()
+    # "surrogatepass": a lone surrogate in a str argument hashes (to its own key) instead of
+    # failing; the text is only hashed, never stored.
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def run_signature(task_cls: type) -> inspect.Signature | None:
@@ -114,6 +139,12 @@ class KeySpec:
         self.lock_key = lock_key
         self._where = where = f"task {task_name!r}"
         self._simple = _simple_parameters(signature)
+        try:
+            task_name.encode()
+        except UnicodeEncodeError as exc:
+            raise ConfigurationError(
+                f"{where}: the task name cannot be part of a lock key: {exc.reason}"
+            ) from exc
         if lock_args is not None and lock_key is not None:
             raise ConfigurationError(
                 f"{where}: set lock_key or lock_args, not both "
@@ -164,20 +195,41 @@ class KeySpec:
 
     @staticmethod
     def _check_format(template: str, params: set[str] | None, where: str) -> None:
+        """Check what can be checked of a ``lock_key`` template without a call: its syntax,
+        conversions, and that every field (also in a nested format spec) names a parameter.
+        What depends on the values (attributes, indexes, format specs) is checked per call."""
+        shown = f"{where}: lock_key {template!r}"
         try:
-            fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
-        except ValueError as exc:
-            raise ConfigurationError(f"{where}: lock_key {template!r} is not valid: {exc}") from exc
+            template.encode()
+        except UnicodeEncodeError as exc:
+            raise ConfigurationError(f"{shown} is not valid text: {exc.reason}") from exc
+        pending, fields = [template], []
+        while pending:
+            try:
+                parsed = list(string.Formatter().parse(pending.pop()))
+            except ValueError as exc:
+                raise ConfigurationError(f"{shown} is not valid: {exc}") from exc
+            for _, field, spec, conversion in parsed:
+                if field is None:
+                    continue
+                if conversion not in _CONVERSIONS:
+                    raise ConfigurationError(
+                        f"{shown}: field {{{field}!{conversion}}} has an unknown conversion "
+                        f"{conversion!r}; use !r, !s or !a, or none"
+                    )
+                fields.append(field)
+                if spec and "{" in spec:
+                    pending.append(spec)
         for field in fields:
             base = field.split(".", 1)[0].split("[", 1)[0]
             if not base or base.isdigit():
                 raise ConfigurationError(
-                    f"{where}: lock_key {template!r} uses a positional field; "
+                    f"{shown} uses a positional field; "
                     "name parameters instead, e.g. '{customer_id}'"
                 )
             if params is not None and base not in params:
                 raise ConfigurationError(
-                    f"{where}: lock_key {template!r} uses field {base!r}, which is not a "
+                    f"{shown} uses field {base!r}, which is not a "
                     f"parameter of the task (parameters: {', '.join(sorted(params)) or 'none'})"
                 )
 
@@ -216,15 +268,23 @@ class KeySpec:
         where = self._where
         if self.lock_key is not None:
             if callable(self.lock_key):
-                text = self.lock_key(*args, **kwargs)
+                try:
+                    text = self.lock_key(*args, **kwargs)
+                except LockKeyError:
+                    raise
+                except Exception as exc:
+                    raise LockKeyError(
+                        f"{where}: lock_key callable {_name_of(self.lock_key)} raised "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
                 if not isinstance(text, str) or not text:
                     raise LockKeyError(
                         f"{where}: lock_key callable must return a non-empty str, got {text!r}"
                     )
-                return text
+                return _checked_text(text, f"{where}: the text lock_key callable returned")
             if self.signature is None:
-                return self.lock_key.format(*args, **kwargs)
-            return self.lock_key.format(**self._bind(args, kwargs))
+                return self._format(args, kwargs)
+            return self._format((), self._bind(args, kwargs))
         if self.lock_args is None:
             return None
         if self.lock_args == ALL_ARGS:
@@ -234,17 +294,70 @@ class KeySpec:
         arguments = self._bind(args, kwargs)
         return digest({name: arguments[name] for name in self.lock_args}, where=where)
 
+    def _format(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+        """The ``lock_key`` template formatted with a call's arguments.
+
+        Raises:
+            LockKeyError: A value does not fit the template (a missing attribute or item, a
+                format spec its type rejects, text that is not valid UTF-8); the message names
+                the task, the template and the argument, and the error is chained.
+        """
+        template = self.lock_key
+        assert isinstance(template, str)
+        try:
+            return _checked_text(template.format(*args, **kwargs), "")
+        except Exception as exc:
+            culprit = _culprit(template, args, kwargs)
+            cause = exc.__cause__ if isinstance(exc, LockKeyError) else exc
+            raise LockKeyError(
+                f"{self._where}: lock_key {template!r} cannot be formatted with "
+                f"{culprit}: {type(cause).__name__}: {cause}. Make the template fit every value "
+                "the argument can take, or use a lock_key callable"
+            ) from cause
+
     def key(
         self, prefix: str, task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> str:
-        """The full lock key for one call: ``<prefix><task name>[:<suffix>]``.
+        """The full lock key for one call: ``<prefix><task name>[:<suffix>]``, with the task
+        name and the suffix escaped (see :func:`escape_name` and :func:`escape_suffix`).
 
         Raises:
             LockKeyError: The key cannot be built from these arguments.
         """
         suffix = self.suffix(args, kwargs)
-        base = f"{prefix}{task_name}"
-        return base if suffix is None else f"{base}:{suffix}"
+        base = f"{prefix}{escape_name(task_name)}"
+        return base if suffix is None else f"{base}:{escape_suffix(suffix)}"
+
+
+def _checked_text(text: str, what: str) -> str:
+    """``text`` if it is valid UTF-8 text (no lone surrogates), else LockKeyError."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise LockKeyError(
+            f"{what}: {exc.reason} at position {exc.start}; a lock key must be valid text"
+        ) from exc
+    return text
+
+
+def _name_of(function: Callable[..., Any]) -> str:
+    return getattr(function, "__qualname__", None) or repr(function)
+
+
+def _culprit(template: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    """Which argument of a call breaks ``template`` (each field formatted on its own)."""
+    for _, field, spec, conversion in string.Formatter().parse(template):
+        if field is None:
+            continue
+        one = "{" + field + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+        try:
+            one.format(*args, **kwargs).encode()
+        except Exception:
+            base = field.split(".", 1)[0].split("[", 1)[0]
+            value = kwargs.get(base) if base in kwargs else None
+            kind = f" (type {type(value).__name__})" if base in kwargs else ""
+            return f"argument {base!r}{kind} in field {{{field}}}"
+    return "these arguments"
 
 
 def _simple_parameters(

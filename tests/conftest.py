@@ -18,6 +18,7 @@ from singletask.backends.memory import MemoryBackend
 from singletask.backends.redis import RedisBackend
 from singletask.backends.sqlite import SQLiteBackend
 
+from .backends.expiry import INSPECTORS
 from .deployments import (
     ClusterDeployment,
     SentinelDeployment,
@@ -274,3 +275,16 @@ def backend(request: pytest.FixtureRequest) -> Iterator[LockBackend]:
     instance.close()
     if client is not None:
         client.close()  # the backend leaves a client it was given open
+
+
+@pytest.fixture
+def backend_records(
+    request: pytest.FixtureRequest, backend: LockBackend
+) -> Callable[[str], dict[str, float | None]]:
+    """``records(match)``: what the ``backend`` under test stores for keys containing ``match``,
+    read from the store itself, as ``{record: seconds left}`` (``None``: no expiry).
+
+    A new store adds its inspector to ``tests/backends/expiry.py`` under its ``backend`` param.
+    """
+    inspect = INSPECTORS[request.node.callspec.params["backend"]]
+    return lambda match: inspect(backend, request, match)

@@ -11,6 +11,7 @@ fail again, in every app finalized later in the session.
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -107,6 +108,78 @@ def test_an_invalid_task_attribute_fails_at_definition_naming_task_and_attribute
     message = str(caught.value)
     assert "cfg.sync_customer" in message
     assert attribute in message
+
+
+@pytest.mark.parametrize(
+    ("attribute", "value", "bound"),
+    [
+        ("lock_ttl", 1e16, "2592000"),
+        ("lock_queue_ttl", 1e16, "2592000"),
+        ("lock_max_hold", 1e16, "2592000"),
+        ("lock_retry_countdown", 1e12, "2592000"),
+        ("lock_ttl", 2592000.5, "2592000"),
+        ("lock_retry_max", 10**6, "1000"),
+        ("lock_backend_retry_max", 1025, "1000"),
+    ],
+)
+def test_a_number_above_its_bound_fails_at_definition_naming_task_attribute_and_bound(
+    app: celery.Celery, attribute: str, value: float, bound: str
+) -> None:
+    """Every numeric option has an upper bound, checked when the task is defined.
+
+    A lease of about 1e16 seconds used to reach the lock store (where Redis cannot set such an
+    expiry), and a retry countdown of 1e12 seconds ended in an OverflowError at run time.
+    """
+    # When a task is defined with a number above the option's bound
+    with pytest.raises(ConfigurationError) as caught:
+
+        @singleton(app, name="cfg.huge", **{attribute: value})
+        def huge() -> None: ...
+
+    # Then the message names the task, the attribute and the bound
+    message = str(caught.value)
+    assert "cfg.huge" in message
+    assert attribute in message
+    assert f"at most {bound}" in message
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("singletask_lock_ttl", 1e16),
+        ("singletask_lock_queue_ttl", 1e16),
+        ("singletask_lock_max_hold", 1e16),
+        ("singletask_lock_retry_countdown", 1e12),
+        ("singletask_lock_retry_max", 10**6),
+        ("singletask_lock_backend_retry_max", 10**4),
+    ],
+)
+def test_a_setting_above_its_bound_is_refused_naming_it(
+    app: celery.Celery, setting: str, value: float
+) -> None:
+    """The app settings have the same bounds as the task options."""
+    app.conf[setting] = value
+
+    with pytest.raises(ConfigurationError, match=f"setting {setting}: .*at most"):
+        Settings.from_app(app)
+
+
+def test_the_largest_allowed_numbers_are_accepted(app: celery.Celery) -> None:
+    """The bounds themselves are allowed."""
+
+    @singleton(
+        app,
+        name="cfg.largest",
+        lock_ttl=30 * 86400,
+        lock_queue_ttl=30 * 86400,
+        lock_max_hold=30 * 86400,
+        lock_retry_countdown=30 * 86400,
+        lock_retry_max=1000,
+        lock_backend_retry_max=1000,
+    )
+    def largest() -> None: ...
+
+    assert largest.lock_ttl == 30 * 86400
 
 
 @pytest.mark.parametrize("template", ["customer:{0}", "customer:{}", "{0.id}"])
@@ -212,8 +285,9 @@ def test_library_defaults(app: celery.Celery) -> None:
     """With only a backend URL set, every other setting has its documented default."""
     settings = Settings.from_app(app)
 
+    assert settings.backend_url == "memory://"
     assert settings == Settings(
-        backend_url="memory://",
+        backend_setting="memory://",
         key_prefix="singletask:",
         lock_policy="skip",
         lock_scope="execution",
@@ -225,6 +299,7 @@ def test_library_defaults(app: celery.Celery) -> None:
         lock_retry_max=30,
         lock_on_backend_error="retry",
         lock_backend_retry_max=10,
+        broker_setting=app.conf.broker_url,
     )
     assert DEFAULTS["singletask_lock_policy"] == "skip"
 
@@ -248,8 +323,9 @@ def test_settings_from_conf_update(app: celery.Celery) -> None:
 
     settings = Settings.from_app(app)
 
+    assert settings.backend_url == "memory://other"
     assert settings == Settings(
-        backend_url="memory://other",
+        backend_setting="memory://other",
         key_prefix="locks/",
         lock_policy="raise",
         lock_scope="queue",
@@ -261,6 +337,7 @@ def test_settings_from_conf_update(app: celery.Celery) -> None:
         lock_retry_max=3,
         lock_on_backend_error="run",
         lock_backend_retry_max=2,
+        broker_setting=app.conf.broker_url,
     )
 
 
@@ -387,7 +464,7 @@ def test_an_invalid_app_setting_is_a_configuration_error_naming_it(
     with pytest.raises(ConfigurationError, match=setting):
         uses_settings()
     with pytest.raises(ConfigurationError, match=setting):
-        Settings.from_app(app)
+        Settings.from_app(app).backend_url  # noqa: B018 - the URL is checked when read
 
 
 def test_the_backend_table_setting_reaches_a_sql_store() -> None:
@@ -481,4 +558,30 @@ def test_transport_options_are_read_checked_and_kept_out_of_the_repr() -> None:
     app.conf.singletask_backend_transport_options = ["master_name"]
     with pytest.raises(ConfigurationError, match="singletask_backend_transport_options"):
         Settings.from_app(app)
+    app.close()
+
+
+def test_a_producer_of_an_execution_scope_task_needs_no_lock_store() -> None:
+    """delay() of a task with the default "execution" scope never touches the lock store, so
+    it needs none configured, even with a broker that is not Redis.
+
+    It used to raise ConfigurationError at send time.
+    """
+    # Given a producer app on a broker that is not Redis, with no singletask_backend_url
+    app = celery.Celery("t", set_as_current=False, broker="memory://")
+    app.conf.task_default_queue = f"cfg-producer-{uuid.uuid4().hex}"
+
+    @singleton(app, name="cfg.producer_only")
+    def producer_only(n: int) -> int:
+        return n
+
+    # When it sends the task / Then the message is sent
+    result = producer_only.delay(1)
+    assert result.id
+    with app.connection_for_read() as connection:
+        queue = connection.SimpleQueue(app.conf.task_default_queue)
+        message = queue.get(timeout=5)
+        assert message.headers["id"] == result.id
+        message.ack()
+        queue.close()
     app.close()

@@ -19,7 +19,7 @@ import celery
 import pytest
 from kombu.utils import json as kombu_json
 
-from singletask import LockKeyError, SingletonTask
+from singletask import ConfigurationError, LockKeyError, SingletonTask
 from singletask.keys import canonical_json
 
 SECRET = "hunter2-card-4111111111111111"
@@ -367,3 +367,146 @@ def test_class_based_tasks_key_on_run_parameters(app: celery.Celery) -> None:
         hashlib.sha256(b'{"url":"https://a.example"}').hexdigest()
     )
     assert fetch_format.lock_key_for(("u",), {}) == "singletask:keys.fetch_format:url:u"
+
+
+# -- bad lock_key templates and values ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("template", "complaint"),
+    [
+        ("{a!z}", "unknown conversion 'z'"),
+        ("{a:{width}}", "field 'width', which is not a parameter"),
+        ("day:\ud800{a}", "not valid text"),
+    ],
+    ids=["bad-conversion", "nested-field-not-a-parameter", "lone-surrogate-in-template"],
+)
+def test_what_a_template_shows_by_itself_is_refused_at_definition(
+    app: celery.Celery, template: str, complaint: str
+) -> None:
+    """A template whose fault needs no call (a conversion other than !r/!s/!a, a field in a
+    nested format spec that is not a parameter, text that is not valid) is a ConfigurationError
+    when the task is defined, naming the task and the template."""
+    # When a task is defined with such a template
+    with pytest.raises(ConfigurationError) as caught:
+
+        @singleton(app, name="keys.bad_template", lock_key=template)
+        def bad_template(a: int) -> None: ...
+
+    # Then the message names the task, the template and the fault
+    message = str(caught.value)
+    assert "keys.bad_template" in message
+    assert repr(template) in message
+    assert complaint in message
+
+
+@pytest.mark.parametrize(
+    ("template", "value", "cause"),
+    [
+        ("{a:>>>}", 7, ValueError),
+        ("{a.nope}", 7, AttributeError),
+        ("{a[3]}", [1], IndexError),
+        ("{a[k]}", {}, KeyError),
+        ("{a}", "\ud800", UnicodeEncodeError),
+    ],
+    ids=["bad-format-spec", "missing-attribute", "missing-index", "missing-item", "surrogate"],
+)
+def test_a_value_that_does_not_fit_the_template_is_a_lock_key_error_naming_it(
+    app: celery.Celery, template: str, value: object, cause: type[Exception]
+) -> None:
+    """What depends on the values is checked per call: LockKeyError naming the task, the
+    template and the argument, chained (``from``) to the error str.format raised."""
+
+    # Given a task whose template is valid by itself
+    @singleton(app, name="keys.by_value", lock_key=template)
+    def by_value(a: Any) -> None: ...
+
+    # When the key is built for a value that does not fit it
+    with pytest.raises(LockKeyError) as caught:
+        by_value.lock_key_for((value,), {})
+
+    # Then singletask's own error names the task, the template and the argument
+    message = str(caught.value)
+    assert "keys.by_value" in message
+    assert repr(template) in message
+    assert "argument 'a'" in message
+    # And the original error is chained
+    assert isinstance(caught.value.__cause__, cause)
+
+
+def test_a_failing_lock_key_callable_is_a_chained_lock_key_error(app: celery.Celery) -> None:
+    """An exception raised by a lock_key callable becomes LockKeyError, chained to it."""
+
+    def broken(a: int) -> str:
+        raise KeyError("tenant")
+
+    @singleton(app, name="keys.broken_callable", lock_key=broken)
+    def broken_callable(a: int) -> None: ...
+
+    with pytest.raises(LockKeyError, match=r"keys\.broken_callable.*broken.*KeyError") as caught:
+        broken_callable.lock_key_for((1,), {})
+    assert isinstance(caught.value.__cause__, KeyError)
+
+
+def test_a_lone_surrogate_in_lock_args_still_gets_a_key_of_its_own(app: celery.Celery) -> None:
+    """lock_args hashes its values: a lone surrogate hashes like any other text."""
+
+    @singleton(app, name="keys.surrogate", lock_args=("a",))
+    def surrogate(a: str) -> None: ...
+
+    key = surrogate.lock_key_for(("\ud800",), {})
+    assert key != surrogate.lock_key_for(("\ud801",), {})
+    key.encode()  # a key is always valid text
+
+
+# -- an unambiguous encoding --------------------------------------------------------------------
+
+
+def test_two_tasks_never_share_a_key_even_when_name_and_key_text_line_up(
+    app: celery.Celery,
+) -> None:
+    """Task "reports" with lock_key "daily:{day}" and task "reports:daily" with lock_key "{day}"
+    once both made the key "singletask:reports:daily:<day>": one skipped the other."""
+
+    # Given the two tasks of the issue
+    @singleton(app, name="reports", lock_key="daily:{day}")
+    def reports(day: str) -> None: ...
+
+    @singleton(app, name="reports:daily", lock_key="{day}")
+    def reports_daily(day: str) -> None: ...
+
+    # When both compute the key for the same day
+    first = reports.lock_key_for(("mon",), {})
+    second = reports_daily.lock_key_for(("mon",), {})
+
+    # Then the keys differ: the ':' of a task name is escaped
+    assert first != second
+    assert first == "singletask:reports:daily:mon"
+    assert second == "singletask:reports%3Adaily:mon"
+
+
+def test_a_global_key_and_a_keyed_one_never_meet(app: celery.Celery) -> None:
+    """Task "a:b" (one lock) and task "a" with lock_key "b" have different keys."""
+
+    @singleton(app, name="a:b")
+    def whole() -> None: ...
+
+    @singleton(app, name="a", lock_key="b")
+    def keyed() -> None: ...
+
+    assert whole.lock_key_for() != keyed.lock_key_for()
+
+
+def test_escaping_keeps_every_key_distinct_and_free_of_braces(app: celery.Celery) -> None:
+    """Escaped texts never collide with texts that look like their escapes, and no part but
+    the prefix can make a Redis Cluster hash tag."""
+
+    @singleton(app, name="keys.raw", lock_key="{text}")
+    def raw(text: str) -> None: ...
+
+    texts = ["a{b}", "a%7Bb%7D", "a%257Bb", "50%", "x:y"]
+    keys = [raw.lock_key_for((text,), {}) for text in texts]
+
+    assert len(set(keys)) == len(texts)
+    assert all("{" not in key and "}" not in key for key in keys)
+    assert keys[0] == "singletask:keys.raw:a%7Bb%7D"

@@ -26,9 +26,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kombu.utils.imports import symbol_by_name
-from kombu.utils.url import maybe_sanitize_url
 
 from ..exceptions import ConfigurationError, UnknownBackendError
+from ..urls import mask_url
 from .base import AcquireResult, Holder, LockBackend
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "LockBackend",
     "backend_class",
     "backend_from_url",
+    "check_url",
     "known_schemes",
 ]
 
@@ -86,12 +87,13 @@ def backend_class(url: str) -> type[LockBackend]:
         UnknownBackendError: No backend is registered for the URL's scheme.
         ConfigurationError: The driver of that backend is not installed.
     """
-    scheme = urlsplit(url).scheme.lower()
+    scheme = urlsplit(url).scheme.lower() if "://" in url else ""
     target = BACKEND_ALIASES.get(scheme) or _plugins().get(scheme)
     if target is None:
+        what = f"unknown scheme {scheme!r}" if scheme else "it is not a URL (no '://')"
         raise UnknownBackendError(
-            f"no singletask backend for {maybe_sanitize_url(url)!r}: unknown scheme "
-            f"{scheme!r}; known schemes: {', '.join(known_schemes())}"
+            f"no singletask backend for {mask_url(url)!r}: {what}; known schemes: "
+            f"{', '.join(known_schemes())}"
         )
     try:
         cls = symbol_by_name(target)
@@ -125,7 +127,17 @@ def backend_from_url(
         if "transport_options" not in inspect.signature(cls.from_url).parameters:
             raise ConfigurationError(
                 f"setting singletask_backend_transport_options: {cls.__name__} "
-                f"({maybe_sanitize_url(url)!r}) takes no transport options"
+                f"({mask_url(url)!r}) takes no transport options"
             )
         return cls.from_url(url, transport_options=transport_options, **options)
     return cls.from_url(url, **options)
+
+
+def check_url(url: str) -> None:
+    """Check ``url`` as its backend would, without building the backend or connecting.
+
+    Raises:
+        UnknownBackendError: No backend is registered for the URL's scheme.
+        ConfigurationError: The URL or one of its options is invalid.
+    """
+    backend_class(url).check_url(url)

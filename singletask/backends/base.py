@@ -5,7 +5,10 @@ Policy (which key, which token, what to do when a lock is held, when to release)
 
 * a lock is a *key* with an owner *token*, a lease (seconds) and a few metadata fields;
 * every operation is atomic, and release / extend only act for the owner token;
-* a lease always expires: there are no permanent locks;
+* a lease always expires: there are no permanent locks. Every record a backend writes (lock,
+  fence record, follow-up slot) carries an expiry, set in the same atomic step as the write; a
+  lease that is not a finite number of seconds in (0, :data:`MAX_LEASE`] is refused with
+  :class:`~singletask.ConfigurationError` before anything is written (see :func:`check_lease`);
 * every acquisition gets a fencing token, strictly increasing per key;
 * a release can leave a completion marker that later acquisitions of the key see;
 * a key can have one pending follow-up task id, claimed and cleared atomically.
@@ -17,11 +20,41 @@ A new backend subclasses :class:`LockBackend`, implements the abstract methods, 
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AcquireResult", "Holder", "LockBackend"]
+from ..exceptions import ConfigurationError
+
+__all__ = ["MAX_LEASE", "AcquireResult", "Holder", "LockBackend", "check_lease"]
+
+#: The longest lease, in seconds, any backend accepts (366 days). It is far above every lease
+#: the task options allow (each at most 30 days; a queue reservation adds the message's
+#: countdown, and is capped here), and far below what the stores can represent.
+MAX_LEASE = 366 * 24 * 3600.0
+
+
+def check_lease(ttl: object, operation: str = "lease") -> float:
+    """Return ``ttl`` as float seconds if it is a finite number in (0, MAX_LEASE].
+
+    Backends call it before they write anything, so no record is ever written without an
+    expiry the store can represent.
+
+    Raises:
+        ConfigurationError: ``ttl`` is not such a number; the message names the operation.
+    """
+    if (
+        isinstance(ttl, bool)
+        or not isinstance(ttl, int | float)
+        or not math.isfinite(ttl)
+        or not 0 < ttl <= MAX_LEASE
+    ):
+        raise ConfigurationError(
+            f"{operation}: a lease must be a finite number of seconds above 0 and at most "
+            f"{MAX_LEASE:.0f} (366 days), got {ttl!r}"
+        )
+    return float(ttl)
 
 
 @dataclass(frozen=True)
@@ -75,6 +108,18 @@ class LockBackend(abc.ABC):
             ConfigurationError: The URL or an option is invalid.
         """
 
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        """Check ``url`` without connecting to anything; :meth:`from_url` checks the same.
+
+        Lets the configuration refuse a bad URL before the first backend is built. The default
+        checks nothing; built-in backends check every part and query option.
+
+        Raises:
+            ConfigurationError: The URL is invalid; the message masks its password.
+        """
+        return None
+
     @abc.abstractmethod
     def acquire(
         self,
@@ -125,11 +170,14 @@ class LockBackend(abc.ABC):
     def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool]:
         """:meth:`extend` each ``(key, token, ttl)``; backends override it to use one round trip.
 
-        Returns one result per lease, in order.
+        Returns one result per lease, in order. When one lease is out of range, none is changed.
 
         Raises:
+            ConfigurationError: A lease is out of range (see :func:`check_lease`).
             BackendError: The store failed.
         """
+        for _, _, ttl in leases:
+            check_lease(ttl, "extend")  # all of them, before any lease changes
         return [self.extend(key, token, ttl) for key, token, ttl in leases]
 
     @abc.abstractmethod

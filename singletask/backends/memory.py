@@ -2,7 +2,11 @@
 
 Locks live in this process only: two worker processes never see each other's locks. Use it
 where that is what you want (``task_always_eager`` test suites), never for a real worker fleet.
-URL: ``memory://``.
+URL: ``memory://`` (a host name is ignored; a path or query options are refused).
+
+Like the other stores, it forgets a key's fence record (last fencing token, completion marker,
+pending follow-up) :data:`FENCE_RETENTION` seconds after the key's last acquisition, and every
+record it keeps has an expiry.
 """
 
 from __future__ import annotations
@@ -12,10 +16,16 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
-from .base import AcquireResult, Holder, LockBackend
+from ..exceptions import ConfigurationError
+from ..urls import mask_url
+from .base import AcquireResult, Holder, LockBackend, check_lease
 
 __all__ = ["MemoryBackend"]
+
+#: How long a key's fence record outlives its last acquisition (as in Redis and SQLite).
+FENCE_RETENTION = 7 * 24 * 3600.0
 
 
 @dataclass
@@ -26,19 +36,38 @@ class _Entry:
     fence: int
 
 
+@dataclass
+class _Fence:
+    """A key's last fencing token, completion marker and pending follow-up."""
+
+    fence: int
+    expires_at: float  # time.monotonic() deadline of the record
+    done: str | None = None
+    next: str | None = None
+    next_until: float = 0.0  # time.monotonic() deadline of the follow-up claim
+
+
 class MemoryBackend(LockBackend):
     """Locks in a dict guarded by a mutex; leases use the monotonic clock."""
 
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
-        self._fences: dict[str, int] = {}  # last fencing token per key; kept for the process's life
-        self._completed: dict[str, str] = {}
-        self._next: dict[str, tuple[str, float]] = {}  # key -> (task id, monotonic deadline)
+        self._fences: dict[str, _Fence] = {}
         self._mutex = threading.Lock()
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MemoryBackend:
+        cls.check_url(url)
         return cls()
+
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme.lower() != "memory" or parts.path.strip("/") or parts.query:
+            raise ConfigurationError(
+                f"{mask_url(url)!r}: the in-process lock store takes no path or query "
+                "options; write 'memory://'"
+            )
 
     def _live(self, key: str, now: float) -> _Entry | None:
         entry = self._entries.get(key)
@@ -46,6 +75,13 @@ class MemoryBackend(LockBackend):
             del self._entries[key]
             return None
         return entry
+
+    def _fence(self, key: str, now: float) -> _Fence | None:
+        record = self._fences.get(key)
+        if record is not None and record.expires_at <= now:
+            del self._fences[key]
+            return None
+        return record
 
     def acquire(
         self,
@@ -56,6 +92,7 @@ class MemoryBackend(LockBackend):
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
     ) -> AcquireResult:
+        ttl = check_lease(ttl, "acquire")
         now = time.monotonic()
         with self._mutex:
             entry = self._live(key, now)
@@ -68,12 +105,18 @@ class MemoryBackend(LockBackend):
                     entry.token, entry.meta.get("task_id"), entry.expires_at - now, {}, entry.fence
                 )
                 return AcquireResult(False, holder)
+            record = self._fence(key, now)
             if entry is not None and entry.token == token:
                 fence = entry.fence
             else:
-                fence = self._fences[key] = self._fences.get(key, 0) + 1
+                # Like Redis: grows while the record is kept, and with the clock after that.
+                last = record.fence if record is not None else 0
+                fence = max(last + 1, time.time_ns() // 1000)
+            if record is None:
+                record = self._fences[key] = _Fence(fence, now + FENCE_RETENTION)
+            record.fence, record.expires_at = fence, now + FENCE_RETENTION
             self._entries[key] = _Entry(token, now + ttl, dict(meta or {}), fence)
-            return AcquireResult(True, fence=fence, completed=self._completed.get(key))
+            return AcquireResult(True, fence=fence, completed=record.done)
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         with self._mutex:
@@ -81,11 +124,13 @@ class MemoryBackend(LockBackend):
             if entry is None or entry.token != token:
                 return False
             del self._entries[key]
-            if completed is not None:
-                self._completed[key] = completed
+            record = self._fence(key, time.monotonic())
+            if completed is not None and record is not None:
+                record.done = completed
             return True
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
+        ttl = check_lease(ttl, "extend")
         now = time.monotonic()
         with self._mutex:
             entry = self._live(key, now)
@@ -95,21 +140,26 @@ class MemoryBackend(LockBackend):
             return True
 
     def claim_next(self, key: str, task_id: str, ttl: float) -> str:
+        ttl = check_lease(ttl, "claim_next")
         now = time.monotonic()
         with self._mutex:
-            pending = self._next.get(key)
-            if pending is not None and pending[1] > now:
-                return pending[0]
-            self._next[key] = (task_id, now + ttl)
+            record = self._fence(key, now)
+            if record is not None and record.next is not None and record.next_until > now:
+                return record.next
+            if record is None:
+                record = self._fences[key] = _Fence(0, now + FENCE_RETENTION)
+            record.next, record.next_until = task_id, now + ttl
+            record.expires_at = max(record.expires_at, now + ttl)
             return task_id
 
     def clear_next(self, key: str, task_id: str) -> bool:
+        now = time.monotonic()
         with self._mutex:
-            pending = self._next.get(key)
-            if pending is None or pending[0] != task_id:
+            record = self._fence(key, now)
+            if record is None or record.next != task_id:
                 return False
-            del self._next[key]
-            return pending[1] > time.monotonic()
+            record.next = None
+            return record.next_until > now
 
     def holder(self, key: str) -> Holder | None:
         now = time.monotonic()

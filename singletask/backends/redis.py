@@ -6,7 +6,10 @@ the key's expiry. Acquire, release and extend are Lua scripts, run with EVALSHA,
 atomic and costs one round trip once the script is cached on the server.
 
 URLs: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` (TLS) and
-``unix:///path/to/socket?db=0``, with redis-py's query options (``socket_timeout``, ...).
+``unix:///path/to/socket?db=0``, with redis-py's query options (``socket_timeout``, ...),
+checked strictly when the backend is built (:func:`singletask.urls.parse_redis_url`). The
+scripts, and how they keep every key with an expiry, are in
+:mod:`singletask.backends.redis_scripts`.
 
 A backend built from a URL sends its scripts over redis-py connections it keeps itself, one
 per thread that uses it at once, with the command encoded here: the lock costs its two round
@@ -23,131 +26,27 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol, cast
 
 import redis
-from kombu.utils.url import maybe_sanitize_url
 from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
-from redis.connection import parse_url
 from redis.retry import Retry
 
 from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
-from .base import AcquireResult, Holder, LockBackend
+from ..urls import mask_url, parse_redis_url
+from .base import AcquireResult, Holder, LockBackend, check_lease
 from .redis_options import connection_options
+from .redis_scripts import (
+    ACQUIRE_SCRIPT,
+    CLAIM_NEXT_SCRIPT,
+    CLEAR_NEXT_SCRIPT,
+    EXTEND_MANY_SCRIPT,
+    EXTEND_SCRIPT,
+    RELEASE_SCRIPT,
+)
 
 __all__ = ["RedisBackend"]
 
 #: What redis-py raises; translated to singletask's errors at this module's boundary.
 _DRIVER_ERRORS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException)
-
-# KEYS[1]  lock key (a hash)
-# KEYS[2]  the lock's fence hash (same cluster slot): fields fence (last token issued), done
-# ARGV[1]  owner token
-# ARGV[2]  lease in milliseconds
-# ARGV[3]  token prefix whose holder may be taken over, or '' for none
-# ARGV[4]  how long the fence hash is kept after this acquisition, in milliseconds
-# ARGV[5…] holder metadata: field, value, field, value, …
-# Returns {1, fence, completion marker or false} when the caller holds the lock now (it was free,
-# already the caller's, or held by a token starting with ARGV[3]); otherwise
-# {0, holder token, holder task id, lease left in ms, holder fence}.
-# A new fence is max(last fence + 1, server time in microseconds): it grows while the fence hash
-# is kept, and after it is gone (or lost) it still grows as long as the server clock does.
-ACQUIRE_SCRIPT = """
-local cur = redis.call('HGET', KEYS[1], 'token')
-if cur and cur ~= ARGV[1] and (ARGV[3] == '' or string.sub(cur, 1, #ARGV[3]) ~= ARGV[3]) then
-  local held = redis.call('HMGET', KEYS[1], 'task_id', 'fence')
-  return {0, cur, held[1], redis.call('PTTL', KEYS[1]), held[2]}
-end
-local last = redis.call('HMGET', KEYS[2], 'fence', 'done')
-local fence
-if cur == ARGV[1] then
-  fence = redis.call('HGET', KEYS[1], 'fence')
-else
-  local now = redis.call('TIME')
-  fence = string.format('%.0f', math.max(tonumber(last[1] or '0') + 1, now[1] * 1000000 + now[2]))
-  redis.call('HSET', KEYS[2], 'fence', fence)
-end
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
-if cur then
-  redis.call('DEL', KEYS[1])
-end
-redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence, unpack(ARGV, 5))
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {1, fence, last[2]}
-"""
-
-# KEYS[1]  lock key
-# KEYS[2]  the lock's fence hash
-# ARGV[1]  owner token
-# ARGV[2]  completion marker to record, or '' for none
-# ARGV[3]  how long the fence hash is kept, in milliseconds, if this release creates it
-# Returns 1 when the lock was deleted, 0 when ARGV[1] does not hold it (free or another owner).
-# The fence hash always has an expiry (every script that writes it sets one); the acquisition
-# this release ends set it, so only a fence hash that has expired since is given one here.
-RELEASE_SCRIPT = """
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
-  return 0
-end
-redis.call('DEL', KEYS[1])
-if ARGV[2] ~= '' and redis.call('HSET', KEYS[2], 'done', ARGV[2]) == 1
-    and redis.call('PTTL', KEYS[2]) < 0 then
-  redis.call('PEXPIRE', KEYS[2], ARGV[3])
-end
-return 1
-"""
-
-# KEYS[1]  lock key
-# ARGV[1]  owner token
-# ARGV[2]  new lease in milliseconds (from now)
-# Returns 1 when the lease was set, 0 when ARGV[1] does not hold the lock.
-EXTEND_SCRIPT = """
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-
-# KEYS[1…n]  lock keys
-# ARGV[2i-1] owner token of KEYS[i]; ARGV[2i] its new lease in milliseconds
-# Returns a list with, for each key, 1 when its lease was set and 0 when that token does not
-# hold it. One round trip renews every lock a process holds.
-EXTEND_MANY_SCRIPT = """
-local out = {}
-for i = 1, #KEYS do
-  if redis.call('HGET', KEYS[i], 'token') == ARGV[2 * i - 1] then
-    out[i] = redis.call('PEXPIRE', KEYS[i], ARGV[2 * i])
-  else
-    out[i] = 0
-  end
-end
-return out
-"""
-
-# KEYS[1]  the lock's fence hash
-# ARGV[1]  task id claiming the follow-up slot
-# ARGV[2]  how long the claim lasts, in milliseconds
-# ARGV[3]  how long the fence hash is kept, in milliseconds
-# Returns the task id holding the slot now: ARGV[1] if its claim took, else the one pending.
-CLAIM_NEXT_SCRIPT = """
-local now = redis.call('TIME')
-local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-local pending = redis.call('HMGET', KEYS[1], 'next', 'next_until')
-if pending[1] and tonumber(pending[2] or '0') > now_ms then
-  return pending[1]
-end
-redis.call('HSET', KEYS[1], 'next', ARGV[1], 'next_until', string.format('%.0f', now_ms + ARGV[2]))
-redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[3]), tonumber(ARGV[2])))
-return ARGV[1]
-"""
-
-# KEYS[1]  the lock's fence hash
-# ARGV[1]  task id whose follow-up claim ends
-# Returns 1 when ARGV[1] was the pending follow-up (its claim is removed), else 0.
-CLEAR_NEXT_SCRIPT = """
-if redis.call('HGET', KEYS[1], 'next') == ARGV[1] then
-  redis.call('HDEL', KEYS[1], 'next', 'next_until')
-  return 1
-end
-return 0
-"""
 
 #: How long a lock's fence hash (last fencing token, last completion) outlives its last use.
 FENCE_RETENTION = 7 * 24 * 3600.0
@@ -185,8 +84,9 @@ class _Connection(Protocol):
     def disconnect(self) -> None: ...
 
 
-def _ms(seconds: float) -> int:
-    return max(1, int(seconds * 1000))
+def _ms(seconds: float, operation: str) -> int:
+    """``seconds`` in whole milliseconds (at least 1), once :func:`check_lease` accepts it."""
+    return max(1, int(check_lease(seconds, operation) * 1000))
 
 
 def _bulk(data: bytes) -> bytes:
@@ -244,7 +144,7 @@ class RedisBackend(LockBackend):
         if (client is None) == (url is None):
             raise ConfigurationError("RedisBackend takes exactly one of client= and url=")
         if url is not None:
-            self._check_url(url)
+            self._check_url(url)  # fail early, and strictly, on a bad URL
         self._url = url
         # Whether scripts go out on this backend's own connections (see _send), or through
         # the client's methods (a ready client, or a cluster client, which routes by key).
@@ -265,12 +165,13 @@ class RedisBackend(LockBackend):
             options = {**connection_options(transport_options, url), **options}
         return cls(url=url, **options)
 
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        parse_redis_url(url)
+
     def _check_url(self, url: str) -> None:
         """Raise ConfigurationError if ``url`` cannot be used: early, before any connection."""
-        try:
-            parse_url(url)  # type: ignore[no-untyped-call]
-        except ValueError as exc:
-            raise ConfigurationError(f"{maybe_sanitize_url(url)!r}: {exc}") from exc
+        type(self).check_url(url)
 
     def _connect(self, options: dict[str, Any]) -> redis.Redis:
         """A new client for this backend's URL (called once per process)."""
@@ -278,7 +179,7 @@ class RedisBackend(LockBackend):
         return redis.Redis.from_url(self._url, **options)
 
     def __repr__(self) -> str:
-        where = maybe_sanitize_url(self._url) if self._url else repr(self._client)
+        where = mask_url(self._url) if self._url else mask_url(repr(self._client))
         return f"<RedisBackend {where}>"
 
     @property
@@ -399,7 +300,12 @@ class RedisBackend(LockBackend):
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
     ) -> AcquireResult:
-        args: list[str | int] = [token, _ms(ttl), takeover_prefix or "", _ms(FENCE_RETENTION)]
+        args: list[str | int] = [
+            token,
+            _ms(ttl, "acquire"),
+            takeover_prefix or "",
+            _ms(FENCE_RETENTION, "acquire"),
+        ]
         if meta:
             for item in meta.items():
                 args += item
@@ -422,15 +328,17 @@ class RedisBackend(LockBackend):
         )
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
-        args = (token, completed or "", _ms(FENCE_RETENTION))
+        args = (token, completed or "", _ms(FENCE_RETENTION, "release"))
         return bool(self._call("release", _RELEASE, (key, fence_key(key)), args))
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
-        return bool(self._call("extend", _EXTEND, (key,), (token, _ms(ttl))))
+        return bool(self._call("extend", _EXTEND, (key,), (token, _ms(ttl, "extend"))))
 
     def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool]:
         if not leases:
             return []
+        for _, _, ttl in leases:
+            _ms(ttl, "extend")  # every lease checked before any is sent
         client = self.client
         if isinstance(client, RedisCluster):
             # A script's keys must share a slot (and cluster pipelines cannot run scripts):
@@ -450,11 +358,11 @@ class RedisBackend(LockBackend):
         keys = [key for key, _, _ in leases]
         args: list[str | int] = []
         for _, token, ttl in leases:
-            args += [token, _ms(ttl)]
+            args += [token, _ms(ttl, "extend")]
         return [bool(done) for done in self._call("extend", _EXTEND_MANY, keys, args)]
 
     def claim_next(self, key: str, task_id: str, ttl: float) -> str:
-        args = (task_id, _ms(ttl), _ms(FENCE_RETENTION))
+        args = (task_id, _ms(ttl, "claim_next"), _ms(FENCE_RETENTION, "claim_next"))
         return _text(self._call("claim_next", _CLAIM_NEXT, (fence_key(key),), args))
 
     def clear_next(self, key: str, task_id: str) -> bool:

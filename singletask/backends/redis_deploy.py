@@ -98,6 +98,18 @@ class _Deployed(RedisBackend):
     ) -> RedisBackend:
         return cls(url=url, transport_options=transport_options, **options)
 
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        """Nothing without the transport options: the URL is checked with them, when the
+        backend is built (see :meth:`_check_url`)."""
+
+    def _check_url(self, url: str) -> None:
+        self._target(url)
+
+    def _target(self, url: str) -> tuple[list[Any], dict[str, Any]]:
+        """The nodes to connect to, and the client options (checked)."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {mask(self._url or '')}>"
 
@@ -175,9 +187,6 @@ class RedisSentinelBackend(_Deployed):
     """
 
     EXTRA_OPTIONS = frozenset({"master_name", "sentinel_kwargs", "min_other_sentinels", "ssl"})
-
-    def _check_url(self, url: str) -> None:
-        self._target(url)
 
     def _target(self, url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
         """The sentinel addresses, and the master's connection options (checked)."""
@@ -259,9 +268,6 @@ class RedisClusterBackend(_Deployed):
     """
 
     EXTRA_OPTIONS = frozenset({"dynamic_startup_nodes"})
-
-    def _check_url(self, url: str) -> None:
-        self._target(url)
 
     def _target(self, url: str) -> tuple[list[Any], dict[str, Any]]:
         where = f"{mask(url)!r}"

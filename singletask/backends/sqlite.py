@@ -1,7 +1,8 @@
 """A lock store in one SQLite file: real cross-process locks for the workers of one host.
 
 URL: ``sqlite:///relative/path/locks.db`` or ``sqlite:////absolute/path/locks.db`` (the
-SQLAlchemy convention). Every operation is one ``BEGIN IMMEDIATE`` transaction, so writers are
+SQLAlchemy convention), with one optional query option, ``?timeout=<seconds>`` (default 5).
+Every operation is one ``BEGIN IMMEDIATE`` transaction, so writers are
 serialised by SQLite's file lock; the database runs in WAL mode with a busy timeout, so concurrent
 worker processes wait for each other instead of failing.
 
@@ -23,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ..exceptions import BackendError, BackendTimeout, ConfigurationError
-from .base import AcquireResult, Holder, LockBackend
+from ..urls import mask_url, query_options
+from .base import AcquireResult, Holder, LockBackend, check_lease
 
 __all__ = ["SQLiteBackend"]
 
@@ -66,20 +68,37 @@ _LIMITS = (
 
 
 def _path_from_url(url: str) -> Path:
+    shown = mask_url(url)
     if url.split("?", 1)[0] in ("sqlite:", "sqlite://"):
         url = "sqlite:///:memory:"  # SQLAlchemy's spelling of an in-memory database
     if not url.startswith("sqlite:///"):
         raise ConfigurationError(
-            f"{url!r}: a SQLite lock URL looks like sqlite:///relative/locks.db or "
+            f"{shown!r}: a SQLite lock URL looks like sqlite:///relative/locks.db or "
             f"sqlite:////absolute/locks.db ({_LIMITS})"
         )
     raw = url[len("sqlite:///") :].split("?", 1)[0]
     if raw in ("", ":memory:"):
         raise ConfigurationError(
-            f"{url!r}: an in-memory SQLite database is private to one process; {_LIMITS}. "
+            f"{shown!r}: an in-memory SQLite database is private to one process; {_LIMITS}. "
             "For in-process locks use memory://"
         )
     return Path(raw).expanduser()
+
+
+def _timeout_from_url(url: str) -> dict[str, float]:
+    """The ``timeout`` query option of a SQLite URL, checked, as keyword arguments."""
+    options = query_options(url, {"timeout"})
+    if "timeout" not in options:
+        return {}
+    try:
+        timeout = float(options["timeout"])
+    except ValueError:
+        timeout = -1.0
+    if not 0 < timeout <= 3600:
+        raise ConfigurationError(
+            f"{mask_url(url)!r}: timeout must be a number of seconds above 0 and at most 3600"
+        )
+    return {"timeout": timeout}
 
 
 def _filesystem_type(path: Path) -> str | None:
@@ -130,7 +149,12 @@ class SQLiteBackend(LockBackend):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> SQLiteBackend:
-        return cls(_path_from_url(url), **options)
+        return cls(_path_from_url(url), **{**_timeout_from_url(url), **options})
+
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        _path_from_url(url)
+        _timeout_from_url(url)
 
     def __repr__(self) -> str:
         return f"<SQLiteBackend {str(self.path)!r}>"
@@ -146,7 +170,8 @@ class SQLiteBackend(LockBackend):
             for statement in _SCHEMA:
                 conn.execute(statement)
             conn.execute(
-                "DELETE FROM singletask_fences WHERE touched < ?", (time.time() - FENCE_RETENTION,)
+                "DELETE FROM singletask_fences WHERE touched < ? AND coalesce(next_until, 0) < ?",
+                (time.time() - FENCE_RETENTION, time.time()),
             )
             self._conn, self._pid = conn, os.getpid()
         return self._conn
@@ -191,6 +216,7 @@ class SQLiteBackend(LockBackend):
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
     ) -> AcquireResult:
+        ttl = check_lease(ttl, "acquire")
         with self._transaction("acquire", key) as conn:
             now = time.time()
             row = self._row(conn, key, now)
@@ -237,6 +263,7 @@ class SQLiteBackend(LockBackend):
             return True
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
+        ttl = check_lease(ttl, "extend")
         with self._transaction("extend", key) as conn:
             now = time.time()
             row = self._row(conn, key, now)
@@ -248,6 +275,7 @@ class SQLiteBackend(LockBackend):
             return True
 
     def claim_next(self, key: str, task_id: str, ttl: float) -> str:
+        ttl = check_lease(ttl, "claim_next")
         with self._transaction("claim_next", key) as conn:
             now = time.time()
             row = conn.execute(

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from celery import signals as celery_signals
 
+from ..urls import mask_url
 from .local import DemoError, Setup, configure
 from .worker import WorkerProcess, interrupt_on_sigterm, tidy_up_servers
 
@@ -29,7 +30,7 @@ __all__ = ["configure", "run_example"]
 def _redis_url(value: str) -> str:
     if not re.match(r"(redis|rediss|unix)://", value):
         raise argparse.ArgumentTypeError(
-            f"expected a redis://, rediss:// or unix:// URL, got {value!r}"
+            f"expected a redis://, rediss:// or unix:// URL, got {mask_url(value)!r}"
         )
     return value
 

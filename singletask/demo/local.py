@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from celery import signals as celery_signals
 from kombu import Exchange, Queue
-from kombu.utils.url import maybe_sanitize_url
 
 from ..signals import lock_conflict
+from ..urls import mask_url
 from .events import EventLog
 
 if TYPE_CHECKING:
@@ -87,19 +87,15 @@ class Setup:
         return [
             (
                 "broker",
-                maybe_sanitize_url(self.broker)
-                if self.broker
-                else f"kombu's filesystem transport, {here}",
+                mask_url(self.broker) if self.broker else f"kombu's filesystem transport, {here}",
             ),
             (
                 "results",
-                maybe_sanitize_url(self.backend)
-                if self.backend
-                else f"Celery's file result backend, {here}",
+                mask_url(self.backend) if self.backend else f"Celery's file result backend, {here}",
             ),
             (
                 "locks",
-                maybe_sanitize_url(self.locks) if self.locks else f"SQLite (sqlite:///...), {here}",
+                mask_url(self.locks) if self.locks else f"SQLite (sqlite:///...), {here}",
             ),
         ]
 

@@ -1,20 +1,33 @@
 """The contract of the lock backend primitives, run against every backend.
 
-Every backend (the ``backend`` fixture: memory, the private Redis, SQLite, the private memcached
-and Django caches over both servers) must pass this suite unchanged; the semantics are those
-documented in :mod:`singletask.backends.base`. A lease is only ever asserted to end *within* a
-generous wait, never at an exact time: memcached ends leases in whole seconds of its own clock.
+Every backend (the ``backend`` fixture: memory, the private Redis, SQLite, PostgreSQL, MySQL,
+the private memcached and Django caches over both servers) must pass this suite unchanged; the
+semantics are those documented in :mod:`singletask.backends.base`. A lease is only ever asserted
+to end *within* a generous wait, never at an exact time: memcached ends leases in whole seconds of
+its own clock.
+
+After every backend operation of every test, and at the end of each test, the suite checks that
+no record of the test's keys is left without an expiry (``every_record_expires`` below). It reads
+the store through the ``backend_records`` fixture (``tests/conftest.py``, one inspector per store
+in ``tests/backends/expiry.py``; see ``tests/backends/README.md``).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
-from singletask.backends.base import AcquireResult, Holder, LockBackend
+from singletask import ConfigurationError
+from singletask.backends.base import MAX_LEASE, AcquireResult, Holder, LockBackend
+
+from .expiry import without_expiry
 
 LEASE = 30.0
 #: A lease short enough to watch it run out in a test ...
@@ -36,6 +49,55 @@ def wait_until_free(backend: LockBackend, key: str, timeout: float = EXPIRY_WAIT
 @pytest.fixture
 def key(key_prefix: str) -> str:
     return f"{key_prefix}lock"
+
+
+#: The backend operations after which every record must still have an expiry. (Operations a
+#: backend does not have are skipped; one that writes is added here.)
+OPERATIONS = (
+    "acquire",
+    "release",
+    "extend",
+    "extend_many",
+    "claim_next",
+    "clear_next",
+    "release_held_by",
+    "force_release",
+)
+
+
+@pytest.fixture(autouse=True)
+def every_record_expires(
+    backend: LockBackend,
+    backend_records: Callable[[str], dict[str, float | None]],
+    key_prefix: str,
+) -> Iterator[None]:
+    """Check, after each operation on ``backend`` and at the end of the test, that every record
+    the store holds for this test's keys has an expiry no later than MAX_LEASE from now.
+
+    ``backend_records(match)`` lists the store's records whose key contains ``match``, with the
+    seconds each has left (None: never expires); see tests/backends/README.md.
+    """
+
+    def check(after: str) -> None:
+        immortal = without_expiry(backend_records(key_prefix))
+        assert not immortal, f"after {after}: records without an expiry: {immortal}"
+
+    def checked(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            finally:
+                check(f"{name}{args!r}")
+
+        return call
+
+    for name in OPERATIONS:
+        method = getattr(backend, name, None)
+        if method is not None:
+            setattr(backend, name, checked(name, method))
+    yield
+    check("the test")
 
 
 # -- acquire ------------------------------------------------------------------------------------
@@ -519,3 +581,48 @@ def test_extend_many_renews_only_the_leases_still_held(
 
 def test_extend_many_of_nothing_is_nothing(backend: LockBackend) -> None:
     assert backend.extend_many([]) == []
+
+
+# -- leases out of range ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ttl", [0, -1.0, math.nan, math.inf, 1e16, MAX_LEASE * 2], ids=repr)
+def test_a_lease_out_of_range_is_refused_before_anything_is_written(
+    backend: LockBackend, key: str, ttl: float
+) -> None:
+    """A lease that is not a finite number of seconds in (0, MAX_LEASE] is refused with
+    ConfigurationError by every writing operation, and nothing is written or changed.
+
+    (Redis once wrote the lock hash and then failed on PEXPIRE: a lock without an expiry.)
+    """
+    # When a free key is acquired with such a lease / Then it is refused, and the key stays free
+    with pytest.raises(ConfigurationError, match="lease"):
+        backend.acquire(key, "token-a", ttl)
+    assert backend.holder(key) is None
+    with pytest.raises(ConfigurationError, match="lease"):
+        backend.claim_next(key, "task-a", ttl)
+
+    # Given the key held with a normal lease
+    assert backend.acquire(key, "token-a", LEASE).acquired
+
+    # When its owner extends it with such a lease, alone or among others
+    with pytest.raises(ConfigurationError, match="lease"):
+        backend.extend(key, "token-a", ttl)
+    with pytest.raises(ConfigurationError, match="lease"):
+        backend.extend_many([(key, "token-a", SHORT), (key, "token-a", ttl)])
+
+    # Then the lease is the one it had (not even the valid item of extend_many was applied)
+    holder = backend.holder(key)
+    assert holder is not None
+    assert holder.ttl is not None
+    assert LEASE / 2 < holder.ttl <= LEASE
+
+
+def test_the_longest_lease_is_accepted_and_expires(backend: LockBackend, key: str) -> None:
+    """MAX_LEASE itself is allowed; the lock then has that expiry (checked by the fixture)."""
+    assert backend.acquire(key, "token-a", MAX_LEASE).acquired
+    assert backend.claim_next(key, "task-b", MAX_LEASE) == "task-b"
+    holder = backend.holder(key)
+    assert holder is not None
+    assert holder.ttl is not None
+    assert MAX_LEASE - 60 < holder.ttl <= MAX_LEASE

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 
@@ -520,3 +522,142 @@ def test_the_fence_hash_shares_the_locks_cluster_slot(key: str, expected: str) -
 
     assert fence_key(key) == expected
     assert key_slot(fence_key(key).encode()) == key_slot(key.encode())
+
+
+# -- no key without an expiry, whatever a script is given ----------------------------------------
+
+
+@pytest.mark.parametrize("millis", ["10000000000000000000", "0", "-5", "1.5", "nan", "x"])
+def test_a_script_given_a_duration_out_of_range_writes_nothing(
+    redis_client: redis.Redis, key: str, millis: str
+) -> None:
+    """Each script checks its durations before its first write: called directly with one out of
+    range (bypassing the backend's own check), it fails and leaves no key behind.
+
+    (The acquire script used to write the lock hash and then fail on PEXPIRE: a lock that never
+    expired, so its task was skipped for ever.)
+    """
+    from singletask.backends import redis_scripts as scripts
+
+    fence = fence_key(key)
+    calls = [
+        (scripts.ACQUIRE_SCRIPT, [key, fence], ["token-1", millis, "", "604800000"]),
+        (scripts.ACQUIRE_SCRIPT, [key, fence], ["token-1", "30000", "", millis]),
+        (scripts.CLAIM_NEXT_SCRIPT, [fence], ["task-1", millis, "604800000"]),
+        (scripts.CLAIM_NEXT_SCRIPT, [fence], ["task-1", "30000", millis]),
+    ]
+    for script, keys, args in calls:
+        # When the script runs with the bad duration / Then it fails, and no key exists
+        with pytest.raises(redis.exceptions.ResponseError, match="duration out of range"):
+            redis_client.eval(script, len(keys), *keys, *args)
+        assert redis_client.exists(key, fence) == 0
+
+    # Given a held lock, extend and release with a bad duration change nothing
+    redis_client.eval(scripts.ACQUIRE_SCRIPT, 2, key, fence, "token-1", "30000", "", "604800000")
+    for script, keys, args in [
+        (scripts.EXTEND_SCRIPT, [key], ["token-1", millis]),
+        (scripts.EXTEND_MANY_SCRIPT, [key, key], ["token-1", "1000", "token-1", millis]),
+        (scripts.RELEASE_SCRIPT, [key, fence], ["token-1", "done", millis]),
+    ]:
+        with pytest.raises(redis.exceptions.ResponseError, match="duration out of range"):
+            redis_client.eval(script, len(keys), *keys, *args)
+        assert redis_client.hget(key, "token") == b"token-1"
+        assert 20_000 < redis_client.pttl(key) <= 30_000
+
+
+# -- an acquire whose reply comes too late ------------------------------------------------------
+
+
+class LateProxy:
+    """A TCP proxy to a Redis server that holds back its reply to the first script call
+    (``EVALSHA``) for ``delay`` seconds, and forwards everything else at once: a store that
+    answers too late, once."""
+
+    def __init__(self, target_port: int, delay: float) -> None:
+        self.delay = delay
+        self.target_port = target_port
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(8)
+        self.port = self.listener.getsockname()[1]
+        self._armed = threading.Event()  # a script call went to the server
+        self._delayed = False
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            self._sockets += [client, server]
+            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, replies: bool) -> None:
+        try:
+            while data := source.recv(65536):
+                if not replies and b"EVALSHA" in data:
+                    self._armed.set()
+                if replies and self._armed.is_set() and not self._delayed:
+                    self._delayed = True
+                    time.sleep(self.delay)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                sink.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.listener.close()
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+def test_an_acquire_that_times_out_blocks_the_key_for_one_lease_at_most(
+    redis_url: str, redis_client: redis.Redis, key: str
+) -> None:
+    """The client gave up waiting, but the server ran the acquire: the orphaned lock expires
+    within its own lease (nothing renews it), and the connection that would still deliver the
+    late reply is never used again."""
+    # Given a backend whose store answers its first script call only after its socket timeout
+    # (with the script already cached on the server, so that call runs it)
+    with RedisBackend.from_url(redis_url) as direct:
+        assert direct.acquire(f"{key}:warm-up", "token", LEASE).acquired
+        assert direct.release(f"{key}:warm-up", "token")
+    port = int(redis_url.rsplit(":", 1)[1].split("/", 1)[0])
+    proxy = LateProxy(port, delay=1.5)
+    backend = RedisBackend.from_url(f"redis://127.0.0.1:{proxy.port}/0?socket_timeout=0.5")
+    lease = 2.0
+    try:
+        # When an acquire times out
+        with pytest.raises(BackendTimeout):
+            backend.acquire(key, "orphan-token", lease)
+        # (the server ran it: the key is held by the orphan, with the acquire's lease)
+        deadline = time.monotonic() + 10
+        while redis_client.hget(key, "token") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert redis_client.hget(key, "token") == b"orphan-token"
+        assert 0 < redis_client.pttl(key) <= lease * 1000
+
+        # Then the same backend still gets its own replies, not the late one
+        holder = backend.holder(key)
+        assert holder is not None
+        assert holder.token == "orphan-token"
+        assert backend.acquire(key, "next-token", LEASE).acquired is False
+
+        # And the key is free again within the lease (generous bound for a loaded machine)
+        started = time.monotonic()
+        while backend.holder(key) is not None:
+            assert time.monotonic() - started < lease + 10, "the orphaned lock outlived its lease"
+            time.sleep(0.05)
+        assert backend.acquire(key, "next-token", LEASE).acquired
+        assert backend.release(key, "next-token")
+    finally:
+        backend.close()
+        proxy.close()

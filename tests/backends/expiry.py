@@ -1,0 +1,141 @@
+"""What each backend of the ``backend`` fixture stores, with the time left before it expires.
+
+The contract suite checks after every backend operation that no record of the test's keys is
+left without an expiry (see ``test_contract.py``), through the ``backend_records`` fixture of
+``tests/conftest.py``, which calls the inspector registered here under the ``backend`` fixture's
+param. To plug a new store into that check, add one function to :data:`INSPECTORS` that lists
+the records the store holds whose key contains ``match``: ``{record name: seconds left}``, with
+``None`` for a record that never expires. Read the store as directly as you can (its server, its
+tables), not through the backend under test. See ``tests/backends/README.md``.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from singletask.backends.base import MAX_LEASE, LockBackend
+from singletask.backends.memory import MemoryBackend
+from singletask.backends.sqlite import FENCE_RETENTION as SQLITE_FENCE_RETENTION
+from singletask.backends.sqlite import SQLiteBackend
+
+from .memcached_records import inspect_memcached
+
+#: (backend under test, the test's request, text every key of the test contains) -> records.
+Inspector = Callable[[LockBackend, pytest.FixtureRequest, str], dict[str, float | None]]
+
+
+def _redis(
+    backend: LockBackend, request: pytest.FixtureRequest, match: str
+) -> dict[str, float | None]:
+    """Every key holding ``match`` (lock hashes and their ``{...}:fence`` hashes) and its PTTL."""
+    client = redis.Redis.from_url(request.getfixturevalue("redis_url"))
+    try:
+        found: dict[str, float | None] = {}
+        for raw in client.scan_iter(match=f"*{match}*", count=1000):
+            pttl = client.pttl(raw)
+            if pttl == -2:
+                continue  # expired between SCAN and PTTL
+            found[raw.decode()] = None if pttl < 0 else pttl / 1000
+        return found
+    finally:
+        client.close()
+
+
+def _memory(
+    backend: LockBackend, request: pytest.FixtureRequest, match: str
+) -> dict[str, float | None]:
+    """The in-process store's own records: locks and fence records, with their deadlines."""
+    assert isinstance(backend, MemoryBackend)
+    now = time.monotonic()
+    found: dict[str, float | None] = {}
+    with backend._mutex:
+        for key, entry in backend._entries.items():
+            if match in key and entry.expires_at > now:
+                found[f"lock {key}"] = entry.expires_at - now
+        for key, record in backend._fences.items():
+            if match in key and record.expires_at > now:
+                found[f"fence {key}"] = record.expires_at - now
+    return found
+
+
+def _sqlite(
+    backend: LockBackend, request: pytest.FixtureRequest, match: str
+) -> dict[str, float | None]:
+    """Rows of both tables, read over a connection of the test's own."""
+    assert isinstance(backend, SQLiteBackend)
+    now = time.time()
+    pattern = f"%{match}%"
+    conn = sqlite3.connect(backend.path, timeout=30)
+    try:
+        found: dict[str, float | None] = {}
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
+        if "singletask_locks" in tables:
+            for key, expires_at in conn.execute(
+                "SELECT key, expires_at FROM singletask_locks WHERE key LIKE ?", (pattern,)
+            ):
+                if expires_at is None or expires_at > now:
+                    found[f"lock {key}"] = None if expires_at is None else expires_at - now
+        if "singletask_fences" in tables:
+            for key, touched, next_until in conn.execute(
+                "SELECT key, touched, next_until FROM singletask_fences WHERE key LIKE ?",
+                (pattern,),
+            ):
+                if touched is None:
+                    found[f"fence {key}"] = None
+                    continue
+                until = max(touched + SQLITE_FENCE_RETENTION, next_until or 0.0)
+                if until > now:
+                    found[f"fence {key}"] = until - now
+        return found
+    finally:
+        conn.close()
+
+
+def _redis_deployment(
+    backend: LockBackend, request: pytest.FixtureRequest, match: str
+) -> dict[str, float | None]:
+    """A Redis deployment (a cluster: every primary; Sentinel: the master; TLS), read through
+    the redis-py client the backend built, with plain SCAN and PTTL (not its scripts)."""
+    from singletask.backends.redis import RedisBackend
+
+    assert isinstance(backend, RedisBackend)
+    client = backend.client
+    found: dict[str, float | None] = {}
+    for raw in client.scan_iter(match=f"*{match}*", count=1000):
+        pttl = client.pttl(raw)
+        if pttl == -2:
+            continue
+        name = raw.decode() if isinstance(raw, bytes) else str(raw)
+        found[name] = None if pttl < 0 else pttl / 1000
+    return found
+
+
+#: One inspector per param of the ``backend`` fixture (tests/conftest.py).
+INSPECTORS: dict[str, Inspector] = {
+    "memory": _memory,
+    "redis": _redis,
+    "redis-client": _redis,
+    "redis-cluster": _redis_deployment,
+    "redis-sentinel": _redis_deployment,
+    "rediss": _redis_deployment,
+    "rediss-cluster": _redis_deployment,
+    "sqlite": _sqlite,
+    "memcached": inspect_memcached,
+    "django-memcached": inspect_memcached,
+    "django-redis": _redis,  # Django's RedisCache: the key with its ":<version>:" prefix
+}
+
+
+def without_expiry(records: dict[str, float | None]) -> dict[str, float | None]:
+    """The records that never expire, or whose expiry is beyond what a backend may set."""
+    return {
+        name: left
+        for name, left in records.items()
+        if left is None or not math.isfinite(left) or left > MAX_LEASE + 1
+    }
