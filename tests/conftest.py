@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
@@ -99,9 +101,32 @@ def redis_base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         with private_redis(Path(tmp_path_factory.mktemp("redis"))) as url:
             yield url
+            if not os.environ.get("SINGLETASK_TEST_REDIS_URL"):  # a server of the suite's own
+                immortal = keys_without_expiry(url)
+                assert not immortal, f"keys of singletask left without an expiry: {immortal}"
     except RuntimeError as exc:
         _redis_failure.append(f"cannot start a private redis-server: {exc}")
         unavailable(_redis_failure[0])
+
+
+#: Lock keys and fence hashes the suite writes: the default prefix, the tests' own
+#: ``test:<hex>:`` prefixes and the demo's ``singletask-demo-<hex>:``, each optionally inside a
+#: hash tag ("{<lock key>}:fence"). Broker and probe keys are not singletask's.
+OUR_KEYS = re.compile(rb"^\{?(singletask|test:[0-9a-f]+|singletask-demo-[0-9a-f]+):")
+
+
+def keys_without_expiry(base_url: str) -> list[str]:
+    """Keys of singletask, in every database of the server, that have no expiry."""
+    found = []
+    for db in range(16):
+        client = redis.Redis.from_url(f"{base_url}/{db}")
+        try:
+            for key in client.scan_iter(count=1000):
+                if OUR_KEYS.match(key) and client.pttl(key) == -1:
+                    found.append(f"db {db}: {key.decode(errors='replace')}")
+        finally:
+            client.close()
+    return found
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -159,12 +160,21 @@ class WorkerProcess:
 
 @contextlib.contextmanager
 def interrupt_on_sigterm() -> Iterator[None]:
-    """Within the block, SIGTERM and SIGHUP raise KeyboardInterrupt, so cleanup runs."""
+    """Within the block, SIGINT (Ctrl-C), SIGTERM and SIGHUP raise KeyboardInterrupt, so cleanup
+    runs.
+
+    SIGINT is set explicitly: a process started with SIGINT ignored (by ``nohup``, or from a
+    shell that backgrounds it) inherits that disposition, and Python then leaves it ignored, so
+    Ctrl-C would not stop the run.
+    """
 
     def interrupted(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
-    previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {
+        sig: signal.signal(sig, interrupted)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    }
     try:
         yield
     finally:
@@ -173,7 +183,11 @@ def interrupt_on_sigterm() -> Iterator[None]:
 
 
 def tidy_up_servers(app: Celery, setup: Setup, task_ids: Iterable[str]) -> None:
-    """Delete what a run left on servers it was pointed at: its results and its queue."""
+    """Delete what a run left on servers it was pointed at: its results, its queue, and every
+    key it wrote to a lock store of the user's (locks, fence records, follow-up slots)."""
+    with contextlib.suppress(Exception):
+        if setup.locks is not None and setup.key_prefix is not None:
+            delete_lock_keys(setup.locks, setup.key_prefix)
     with contextlib.suppress(Exception):
         if setup.backend is not None:
             for task_id in task_ids:
@@ -184,3 +198,45 @@ def tidy_up_servers(app: Celery, setup: Setup, task_ids: Iterable[str]) -> None:
                 queue = app.amqp.queues[setup.queue](connection.default_channel)
                 queue.declare()  # makes the binding known to this channel, so delete() drops it
                 queue.delete()
+
+
+def delete_lock_keys(url: str, prefix: str) -> int:
+    """Delete every record whose key contains ``prefix`` from the lock store at ``url`` (Redis:
+    the locks and their ``{...}:fence`` hashes; SQLite: rows of both tables). Returns how many.
+
+    Only for a prefix that is the run's own (it must not match anyone else's keys).
+    """
+    scheme = url.split("://", 1)[0].lower()
+    if scheme in ("redis", "rediss", "unix"):
+        import redis
+
+        client = redis.Redis.from_url(url)
+        try:
+            keys = list(client.scan_iter(match=f"*{_glob_escape(prefix)}*", count=1000))
+            return int(client.delete(*keys)) if keys else 0
+        finally:
+            client.close()
+    if scheme == "sqlite":
+        import sqlite3
+
+        from ..backends.sqlite import SQLiteBackend
+
+        backend = SQLiteBackend.from_url(url)
+        conn = sqlite3.connect(backend.path, timeout=10)
+        try:
+            like = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            deleted = 0
+            with conn:
+                for table in ("singletask_locks", "singletask_fences"):
+                    deleted += conn.execute(
+                        f"DELETE FROM {table} WHERE key LIKE ? ESCAPE '\\'", (f"%{like}%",)
+                    ).rowcount
+            return deleted
+        finally:
+            conn.close()
+    return 0
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` with Redis glob characters escaped, to match it literally in SCAN MATCH."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)

@@ -1,7 +1,8 @@
 """Real ``celery worker -P prefork`` subprocesses on a real broker, for the end-to-end tests.
 
-One worker per broker for the whole session (Redis always; RabbitMQ too when
-``SINGLETASK_TEST_AMQP_URL`` is set, as CI does). The ``cluster`` fixture is parametrized over
+One worker per broker for the whole session (Redis always; RabbitMQ when
+``SINGLETASK_TEST_AMQP_URL`` is set, as CI does: without it, the RabbitMQ runs are skipped
+with that reason, and fail in CI). The ``cluster`` fixture is parametrized over
 them, so every e2e test runs once per broker. Databases of the private Redis server:
 0 broker, 1 results, 2 locks, 3 probe.
 """
@@ -34,7 +35,9 @@ from .app import LOCK_OPTIONS_ENV, TASK_MODULES, make_app
 from .probe import PROBE_URL_ENV, Probe
 
 ROOT = Path(__file__).resolve().parents[2]
-BROKERS = ["redis", "amqp"] if amqp_url() else ["redis"]
+#: Every broker is always collected: without SINGLETASK_TEST_AMQP_URL the RabbitMQ runs are
+#: reported as skipped, with the reason (and fail in CI).
+BROKERS = ["redis", "amqp"]
 
 #: Lock stores besides the session's private Redis, from ``SINGLETASK_E2E_STORES`` (comma
 #: separated): ``redis-cluster``, ``redis-sentinel`` (tests/deployments.py). When it is set, the
@@ -199,6 +202,11 @@ def _broker_url(name: str, redis_base_url: str) -> str:
     if name == "redis":
         return f"{redis_base_url}/0"
     url = amqp_url()
+    if url is None:
+        unavailable(
+            "the RabbitMQ end-to-end tests need SINGLETASK_TEST_AMQP_URL "
+            "(e.g. amqp://guest:guest@127.0.0.1:5672//)"
+        )
     assert url is not None
     return url
 
