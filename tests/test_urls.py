@@ -119,6 +119,7 @@ def test_a_password_never_leaks_from_any_error_path(
 
     # And the same holds when the URL is only checked, or a backend is built from it directly
     assert PASSWORD not in _said_by(lambda: Settings.from_app(app).backend_url)
+    assert PASSWORD not in repr(Settings.from_app(app))
     assert PASSWORD not in _said_by(lambda: backend_from_url(url))
 
 
