@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from celery.utils import uuid
 from celery.utils.time import maybe_iso8601
 
+from .backends.base import MAX_LEASE
 from .exceptions import BackendError, TaskLocked
 from .messages import seconds_until
 from .policies import POLICIES
@@ -165,8 +166,9 @@ def send_once(
 
 
 def queue_lease(queue_ttl: float, options: Mapping[str, Any]) -> float:
-    """How long a sent message keeps its key reserved: its delay plus ``queue_ttl``, and never
-    past its ``expires`` (a worker discards an expired message)."""
+    """How long a sent message keeps its key reserved: its delay plus ``queue_ttl``, never past
+    its ``expires`` (a worker discards an expired message), and never more than the lock
+    stores' ``MAX_LEASE`` (366 days: a message delayed longer loses its reservation then)."""
     delay = 0.0
     if options.get("countdown") is not None:
         delay = max(0.0, float(options["countdown"]))
@@ -178,4 +180,4 @@ def queue_lease(queue_ttl: float, options: Mapping[str, Any]) -> float:
         lease = min(lease, max(0.001, float(expires)))
     elif expires is not None:
         lease = min(lease, max(0.001, seconds_until(maybe_iso8601(expires))))
-    return lease
+    return min(lease, MAX_LEASE)

@@ -23,7 +23,7 @@ from .backends import backend_class
 from .backends.memory import MemoryBackend
 from .config import Settings
 from .exceptions import ConfigurationError
-from .task import SingletonTask
+from .runtime import is_singleton
 
 __all__ = ["check_worker", "pool_processes"]
 
@@ -48,7 +48,7 @@ def check_worker(app: Any, pool_cls: object, concurrency: object) -> list[str]:
 
     Returns the messages logged (empty when all is well, or when the app has no singleton task).
     """
-    names = sorted(name for name, task in app.tasks.items() if isinstance(task, SingletonTask))
+    names = sorted(name for name, task in app.tasks.items() if is_singleton(task))
     if not names:
         return []
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

@@ -585,3 +585,33 @@ def test_a_producer_of_an_execution_scope_task_needs_no_lock_store() -> None:
         message.ack()
         queue.close()
     app.close()
+
+
+def test_a_message_delayed_beyond_the_longest_lease_is_sent_with_a_capped_reservation() -> None:
+    """With lock_scope "queue", a message's countdown adds to its reservation; a countdown
+    longer than the stores' MAX_LEASE (366 days) caps the reservation there instead of being
+    refused by the store (or, before leases were checked, failing inside it)."""
+    from singletask.backends.base import MAX_LEASE
+    from singletask.enqueue import queue_lease
+
+    # Given a queue-scope task on an in-process broker and lock store
+    app = celery.Celery("t", set_as_current=False, broker="memory://")
+    app.conf.update(
+        singletask_backend_url="memory://",
+        task_default_queue=f"cfg-delayed-{uuid.uuid4().hex}",
+    )
+
+    @singleton(app, name="cfg.delayed", lock_scope="queue")
+    def delayed() -> None: ...
+
+    # When it is sent with a countdown of 1000 days
+    result = delayed.apply_async(countdown=1000 * 86400)
+
+    # Then it was sent, and its key is reserved for MAX_LEASE
+    holder = delayed.lock_backend.holder(delayed.lock_key_for())
+    assert holder is not None
+    assert holder.task_id == result.id
+    assert holder.ttl is not None
+    assert MAX_LEASE - 60 < holder.ttl <= MAX_LEASE
+    assert queue_lease(3600.0, {"countdown": 10**12}) == MAX_LEASE
+    app.close()
