@@ -53,15 +53,16 @@ def check_worker(app: Any, pool_cls: object, concurrency: object) -> list[str]:
         return []
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     try:
-        url = Settings.from_app(app).backend_url
+        settings = Settings.from_app(app)
+    except ConfigurationError as exc:
+        return [_error(f"an invalid setting keeps this worker from running its singleton tasks "
+                       f"({shown}): every execution of them will fail: {exc}")]  # fmt: skip
+    try:
+        url = settings.backend_url
         memory = issubclass(backend_class(url), MemoryBackend)
     except ConfigurationError as exc:
-        message = (
-            f"singletask: this worker has no usable lock store, so every execution of its "
-            f"singleton tasks ({shown}) will fail: {exc}"
-        )
-        logger.error("%s", message)
-        return [message]
+        return [_error(f"this worker has no usable lock store, so every execution of its "
+                       f"singleton tasks ({shown}) will fail: {exc}")]  # fmt: skip
     if not memory:
         return []
     pool, processes = pool_processes(pool_cls, concurrency)
@@ -81,6 +82,12 @@ def check_worker(app: Any, pool_cls: object, concurrency: object) -> list[str]:
         )
         logger.warning("%s", message)
     return [message]
+
+
+def _error(text: str) -> str:
+    message = f"singletask: {text}"
+    logger.error("%s", message)
+    return message
 
 
 @signals.worker_ready.connect(weak=False, dispatch_uid="singletask.startup.check_worker")

@@ -107,9 +107,24 @@ def test_a_worker_without_a_usable_lock_store_says_so_at_error(
         said = check_worker(app, get_implementation("prefork"), 2)
 
     assert len(said) == 1
-    assert "every execution of its singleton tasks (startup.one) will fail" in said[0]
+    expected = "no usable lock store, so every execution of its singleton tasks (startup.one) will"
+    assert expected in said[0]
     assert "setting singletask_backend_url" in said[0]
     assert "hunter2" not in caplog.text
+
+
+def test_a_worker_with_an_invalid_setting_says_so_at_error(
+    app: SimpleNamespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    app.conf.update(singletask_backend_url="memory://", singletask_lock_ttl=1e16)
+
+    with caplog.at_level(logging.INFO, logger="singletask"):
+        said = check_worker(app, get_implementation("solo"), 1)
+
+    assert len(said) == 1
+    assert "an invalid setting" in said[0]
+    assert "singletask_lock_ttl" in said[0]
+    assert [r.levelno for r in caplog.records if r.name == "singletask"] == [logging.ERROR]
 
 
 def test_a_worker_with_a_shared_lock_store_says_nothing(
