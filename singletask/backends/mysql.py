@@ -33,12 +33,12 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import pymysql
-from kombu.utils.url import maybe_sanitize_url
 from pymysql.constants import CLIENT
 
 from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
+from ..urls import mask_url
 from . import _sql
-from .base import AcquireResult, Holder, LockBackend
+from .base import AcquireResult, Holder, LockBackend, check_lease
 
 __all__ = ["MySQLBackend"]
 
@@ -246,7 +246,7 @@ class MySQLBackend(LockBackend):
         scheme = url.partition("://")[0].lower()
         if scheme not in ("mysql", "mariadb", "mysql+pymysql") or "://" not in url:
             raise ConfigurationError(
-                f"{maybe_sanitize_url(url)!r}: a MySQL lock URL looks like "
+                f"{mask_url(url)!r}: a MySQL lock URL looks like "
                 "mysql://user:password@host:3306/dbname"
             )
         plain, own = _sql.split_url(url, options)
@@ -254,7 +254,7 @@ class MySQLBackend(LockBackend):
         database = unquote(parts.path.lstrip("/"))
         if not database:
             raise ConfigurationError(
-                f"{maybe_sanitize_url(url)!r}: name the database, as in mysql://host:3306/dbname"
+                f"{mask_url(url)!r}: name the database, as in mysql://host:3306/dbname"
             )
         args: dict[str, Any] = {
             "host": parts.hostname or "localhost",
@@ -266,13 +266,13 @@ class MySQLBackend(LockBackend):
         for name, value in parse_qsl(parts.query):
             if name not in _URL_OPTIONS:
                 raise ConfigurationError(
-                    f"{maybe_sanitize_url(url)!r}: unknown URL option {name!r}; "
+                    f"{mask_url(url)!r}: unknown URL option {name!r}; "
                     f"known: {', '.join(sorted({*_URL_OPTIONS, 'table', 'pool_size', 'timeout'}))}"
                 )
             args[name] = value
         return cls(
             args, table=own.table, pool_size=own.pool_size, timeout=own.timeout,
-            display=maybe_sanitize_url(url).split("?")[0],
+            display=mask_url(url).split("?")[0],
         )  # fmt: skip
 
     def __repr__(self) -> str:
@@ -343,6 +343,7 @@ class MySQLBackend(LockBackend):
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
     ) -> AcquireResult:
+        ttl = check_lease(ttl, "acquire")
         stored, task_id = _sql.dump_meta(meta)
         args = {
             "key": key, "token": token, "task_id": task_id, "meta": stored,
@@ -365,6 +366,8 @@ class MySQLBackend(LockBackend):
     def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool]:
         if not leases:
             return []
+        for _, _, ttl in leases:
+            check_lease(ttl, "extend")  # all of them, before any lease changes
 
         def work(cursor: pymysql.cursors.Cursor) -> list[bool]:
             # One request with one UPDATE per lease; each reports the rows it matched.
@@ -384,6 +387,7 @@ class MySQLBackend(LockBackend):
         return self._run("extend", leases[0][0] if len(leases) == 1 else "locks", work)
 
     def claim_next(self, key: str, task_id: str, ttl: float) -> str:
+        ttl = check_lease(ttl, "claim_next")
         args = {
             "key": key, "task_id": task_id, "ttl_us": _us(ttl),
             "row_us": _us(max(ttl, _sql.FENCE_RETENTION)),

@@ -31,13 +31,13 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
-from kombu.utils.url import maybe_sanitize_url
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
+from ..urls import mask_url
 from . import _sql
-from .base import AcquireResult, Holder, LockBackend
+from .base import AcquireResult, Holder, LockBackend, check_lease
 
 __all__ = ["PostgresBackend"]
 
@@ -209,7 +209,7 @@ class PostgresBackend(LockBackend):
         self._conninfo = make_conninfo("", **params)
         self.table = options.table
         self.timeout = options.timeout
-        self._display = maybe_sanitize_url(conninfo) if "://" in conninfo else "PostgreSQL"
+        self._display = mask_url(conninfo) if "://" in conninfo else "PostgreSQL"
         names = options.table.split(".")
         # An index is created in its table's schema; its name is never qualified.
         fmt = {"table": sql.Identifier(*names), "index": sql.Identifier(f"{names[-1]}_expires_at")}
@@ -234,7 +234,7 @@ class PostgresBackend(LockBackend):
         scheme, sep, rest = url.partition("://")
         if scheme.lower() not in ("postgresql", "postgres", "postgresql+psycopg") or not sep:
             raise ConfigurationError(
-                f"{maybe_sanitize_url(url)!r}: a PostgreSQL lock URL looks like "
+                f"{mask_url(url)!r}: a PostgreSQL lock URL looks like "
                 "postgresql://user:password@host:5432/dbname"
             )
         plain, own = _sql.split_url(f"postgresql://{rest}", options)
@@ -323,6 +323,7 @@ class PostgresBackend(LockBackend):
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
     ) -> AcquireResult:
+        ttl = check_lease(ttl, "acquire")
         stored, task_id = _sql.dump_meta(meta)
         args = {
             "key": key, "token": token, "task_id": task_id, "meta": stored, "ttl": ttl,
@@ -340,7 +341,8 @@ class PostgresBackend(LockBackend):
         return self._run("release", key, lambda c: c.execute(self._q["release"], args).rowcount > 0)
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
-        args = {"key": key, "token": token, "ttl": ttl, "keep": _sql.FENCE_RETENTION}
+        args = {"key": key, "token": token, "ttl": check_lease(ttl, "extend")}
+        args["keep"] = _sql.FENCE_RETENTION
         return self._run("extend", key, lambda c: c.execute(self._q["extend"], args).rowcount > 0)
 
     def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool]:
@@ -348,7 +350,7 @@ class PostgresBackend(LockBackend):
             return []
         keys, tokens, ttls = (list(column) for column in zip(*leases, strict=True))
         args = {
-            "keys": keys, "tokens": tokens, "ttls": [float(t) for t in ttls],
+            "keys": keys, "tokens": tokens, "ttls": [check_lease(t, "extend") for t in ttls],
             "keep": _sql.FENCE_RETENTION,
         }  # fmt: skip
         rows = self._run(
@@ -359,6 +361,7 @@ class PostgresBackend(LockBackend):
         return [(key, token) in renewed for key, token, _ in leases]
 
     def claim_next(self, key: str, task_id: str, ttl: float) -> str:
+        ttl = check_lease(ttl, "claim_next")
         args = {"key": key, "task_id": task_id, "ttl": ttl, "keep": _sql.FENCE_RETENTION}
         row = self._run(
             "claim_next", key, lambda c: c.execute(self._q["claim_next"], args).fetchone()

@@ -116,6 +116,66 @@ def _redis_deployment(
     return found
 
 
+def _postgresql(
+    backend: LockBackend, request: pytest.FixtureRequest, match: str
+) -> dict[str, float | None]:
+    """Rows of the backend's table, by ``expires_at`` (when the whole row may be deleted)."""
+    import psycopg
+    from psycopg import sql
+
+    from singletask.backends.postgres import PostgresBackend
+
+    from ..servers import SQL_URLS
+
+    assert isinstance(backend, PostgresBackend)
+    query = sql.SQL(
+        "SELECT key, extract(epoch FROM expires_at - statement_timestamp())::float8 "
+        "FROM {} WHERE strpos(key, %s) > 0"
+    ).format(sql.Identifier(*backend.table.split(".")))
+    with psycopg.connect(SQL_URLS["postgresql"], autocommit=True) as conn:
+        if conn.execute("SELECT to_regclass(%s)", (backend.table,)).fetchone() == (None,):
+            return {}
+        rows = conn.execute(query, (match,)).fetchall()
+    return {f"row {key}": left for key, left in rows if left is None or left > 0}
+
+
+def _mysql(
+    backend: LockBackend, request: pytest.FixtureRequest, match: str
+) -> dict[str, float | None]:
+    """Rows of the backend's table, by ``expires_at`` (when the whole row may be deleted)."""
+    import pymysql
+
+    from singletask.backends.mysql import MySQLBackend
+
+    assert isinstance(backend, MySQLBackend)
+    args = {k: v for k, v in backend._connect_args.items() if k != "client_flag"}
+    conn = pymysql.connect(**args)
+    try:
+        with conn.cursor() as cursor:
+            schema, _, name = backend.table.rpartition(".")
+            cursor.execute(
+                "SELECT 1 FROM information_schema.tables WHERE table_schema = "
+                "coalesce(nullif(%s, ''), database()) AND table_name = %s",
+                (schema, name),
+            )
+            if cursor.fetchone() is None:
+                return {}
+            table = ".".join(f"`{part}`" for part in backend.table.split("."))
+            cursor.execute(
+                "SELECT `key`, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) / 1e6 "
+                f"FROM {table} WHERE LOCATE(%s, `key`) > 0",
+                (match,),
+            )
+            rows = cursor.fetchall()
+    finally:
+        conn.close()
+    return {
+        f"row {bytes(key).decode()}": None if left is None else float(left)
+        for key, left in rows
+        if left is None or float(left) > 0
+    }
+
+
 #: One inspector per param of the ``backend`` fixture (tests/conftest.py).
 INSPECTORS: dict[str, Inspector] = {
     "memory": _memory,
@@ -126,10 +186,17 @@ INSPECTORS: dict[str, Inspector] = {
     "rediss": _redis_deployment,
     "rediss-cluster": _redis_deployment,
     "sqlite": _sqlite,
+    "postgresql": _postgresql,
+    "mysql": _mysql,
     "memcached": inspect_memcached,
     "django-memcached": inspect_memcached,
     "django-redis": _redis,  # Django's RedisCache: the key with its ":<version>:" prefix
 }
+
+
+#: The latest expiry a record may have: the longest lease, plus the 7 days a fence record is
+#: kept after it (the SQL stores keep lock and fence record in one row), plus a minute of slack.
+LATEST_EXPIRY = MAX_LEASE + 7 * 24 * 3600.0 + 60
 
 
 def without_expiry(records: dict[str, float | None]) -> dict[str, float | None]:
@@ -137,5 +204,5 @@ def without_expiry(records: dict[str, float | None]) -> dict[str, float | None]:
     return {
         name: left
         for name, left in records.items()
-        if left is None or not math.isfinite(left) or left > MAX_LEASE + 1
+        if left is None or not math.isfinite(left) or left > LATEST_EXPIRY
     }

@@ -72,7 +72,8 @@ def every_record_expires(
     key_prefix: str,
 ) -> Iterator[None]:
     """Check, after each operation on ``backend`` and at the end of the test, that every record
-    the store holds for this test's keys has an expiry no later than MAX_LEASE from now.
+    the store holds for this test's keys has an expiry no later than MAX_LEASE (plus the 7 days
+    a fence record is kept) from now.
 
     ``backend_records(match)`` lists the store's records whose key contains ``match``, with the
     seconds each has left (None: never expires); see tests/backends/README.md.
