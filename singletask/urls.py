@@ -18,7 +18,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from .exceptions import ConfigurationError
 
-__all__ = ["mask_url", "parse_redis_url", "query_options"]
+__all__ = ["check_port", "mask_url", "parse_redis_url", "query_options"]
 
 #: Query options whose value is a secret, masked like a password.
 SECRET_OPTIONS = frozenset(
@@ -59,6 +59,21 @@ def mask_url(url: object) -> str:
         else:
             text = f"{text[:start]}{user + ':' if colon else ''}{MASK}{text[at:]}"
     return _SECRET_QUERY.sub(lambda m: f"{m.group('name')}{MASK}", text)
+
+
+def check_port(url: str) -> int | None:
+    """The port of ``url`` (None when it names none), if it is a number from 1 to 65535.
+
+    Raises:
+        ConfigurationError: It is not; the message masks the URL's password.
+    """
+    try:
+        port = urlsplit(url).port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ConfigurationError(f"{mask_url(url)!r}: the port must be a number from 1 to 65535")
+    return port
 
 
 def query_options(url: str, known: frozenset[str] | set[str]) -> dict[str, str]:

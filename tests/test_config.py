@@ -19,6 +19,7 @@ import celery
 import pytest
 
 from singletask import ConfigurationError, LockHandle, SingletonTask, Skipped, TaskLocked
+from singletask.backends import backend_from_url
 from singletask.config import DEFAULTS, Settings
 
 
@@ -463,8 +464,9 @@ def test_an_invalid_app_setting_is_a_configuration_error_naming_it(
     # When the task is first used / Then the error names the setting
     with pytest.raises(ConfigurationError, match=setting):
         uses_settings()
+    # (the lock store's URL and table are checked when the store is first built)
     with pytest.raises(ConfigurationError, match=setting):
-        Settings.from_app(app).backend_url  # noqa: B018 - the URL is checked when read
+        build_lock_store(app)
 
 
 def test_the_backend_table_setting_reaches_a_sql_store() -> None:
@@ -482,6 +484,12 @@ def test_the_backend_table_setting_reaches_a_sql_store() -> None:
     app.conf.singletask_backend_table = None
     assert Settings.from_app(app).backend_options() == {}
     app.close()
+
+
+def build_lock_store(app: celery.Celery) -> None:
+    """Read the settings and build the lock store from them, as a worker does."""
+    settings = Settings.from_app(app)
+    backend_from_url(settings.backend_url, **settings.backend_options()).close()
 
 
 # -- precedence ---------------------------------------------------------------------------------

@@ -76,6 +76,9 @@ BAD_URLS = {
     "bad-option-value": (f"redis://:{PASSWORD}@localhost/0?socket_timeout=soon",
                          ConfigurationError, "socket_timeout"),
     "unix-without-path": (f"unix://:{PASSWORD}@", ConfigurationError, "socket's path"),
+    "postgresql-bad-port": (f"postgresql://app:{PASSWORD}@db:99999/app", ConfigurationError,
+                            "port"),
+    "mysql-bad-port": (f"mysql://app:{PASSWORD}@db:x/app", ConfigurationError, "port"),
     "unreachable": (None, BackendUnavailable, "acquire"),
 }  # fmt: skip
 

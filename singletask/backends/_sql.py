@@ -36,6 +36,7 @@ from typing import Generic, TypeVar
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from ..exceptions import BackendTimeout, ConfigurationError
+from ..urls import check_port
 from .base import Holder
 
 __all__ = [
@@ -122,8 +123,10 @@ def split_url(url: str, options: Mapping[str, object]) -> tuple[str, SQLOptions]
     URL without them (every other query option is the driver's) and the options.
 
     Raises:
-        ConfigurationError: An option is invalid or unknown.
+        ConfigurationError: An option is invalid or unknown, or the port is not a number from 1
+            to 65535.
     """
+    check_port(url)
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
     own: dict[str, object] = {}

@@ -275,6 +275,10 @@ class MySQLBackend(LockBackend):
             display=mask_url(url).split("?")[0],
         )  # fmt: skip
 
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        cls.from_url(url).close()  # builds nothing but the (lazy) pool: no connection
+
     def __repr__(self) -> str:
         return f"<MySQLBackend {self._display} table={self.table}>"
 

@@ -257,6 +257,10 @@ class PostgresBackend(LockBackend):
             pool_size=own.pool_size, timeout=own.timeout, prepare_threshold=threshold,
         )  # fmt: skip
 
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        cls.from_url(url).close()  # builds nothing but the (lazy) pool: no connection
+
     def __repr__(self) -> str:
         return f"<PostgresBackend {self._display} table={self.table}>"
 
