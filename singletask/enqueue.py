@@ -115,7 +115,7 @@ def send_once(
     ``BackendError`` when the lock store fails.
     """
     key = options.key(args, kwargs)
-    ttl = queue_lease(options.queue_ttl, send_options)
+    ttl = min(queue_lease(options.queue_ttl, send_options), backend.max_lease)
     token = reservation_token(task_id, 0)
     meta = {"task_id": task_id, "task": task.name, "since": f"{time.time():.3f}"}
     reserved = backend.acquire(key, token, ttl, meta=meta)

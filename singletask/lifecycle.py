@@ -55,7 +55,6 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.nodenames import gethostname
 
-from .backends.base import MAX_LEASE
 from .exceptions import BackendError, BackendTimeout, BackendUnavailable
 from .lease import LockHandle
 from .messages import is_redelivery, seconds_until
@@ -264,8 +263,9 @@ def _end(
     try:
         if retry is not None:
             request = task.request
-            # At most the stores' MAX_LEASE: a retry delayed longer loses its reservation then.
-            reserve = min(MAX_LEASE, seconds_until(getattr(retry, "when", None)) + options.ttl)
+            # At most the store's longest lease: a retry delayed longer loses its reservation.
+            delay = seconds_until(getattr(retry, "when", None))
+            reserve = min(backend.max_lease, delay + options.ttl)
             retries = int(request.retries or 0)
             reserved = backend.acquire(
                 key,

@@ -99,6 +99,10 @@ class AcquireResult:
 class LockBackend(abc.ABC):
     """Abstract base of lock stores. All durations are float seconds."""
 
+    #: The longest lease this store accepts (at most :data:`MAX_LEASE`); longer ones are refused
+    #: with ConfigurationError. Reservations are capped at it.
+    max_lease: float = MAX_LEASE
+
     @classmethod
     @abc.abstractmethod
     def from_url(cls, url: str, **options: Any) -> LockBackend:

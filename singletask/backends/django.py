@@ -34,7 +34,9 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 from ..exceptions import ConfigurationError, UnsupportedOperation
+from ..urls import mask_url
 from .base import AcquireResult, Holder, LockBackend
+from .memcached import MAX_RELATIVE_EXPIRY
 
 __all__ = ["REFUSED", "DjangoCacheBackend"]
 
@@ -99,6 +101,9 @@ class DjangoCacheBackend(LockBackend):
         self._redis: Any = None  # the client of a Redis cache, whose pool the store closes
         self._pid: int | None = None
 
+    #: As memcached's (a Django cache may be one): 30 days less the second an item is kept longer.
+    max_lease = float(MAX_RELATIVE_EXPIRY - 1)
+
     @classmethod
     def from_url(cls, url: str, **options: Any) -> DjangoCacheBackend:
         """``django://alias`` (``django://`` alone is ``default``).
@@ -112,8 +117,8 @@ class DjangoCacheBackend(LockBackend):
         parts = urlsplit(url)
         if parts.path.strip("/") or parts.query or options:
             raise ConfigurationError(
-                f"{url!r}: a Django cache lock URL is django://<alias of CACHES>, with no path "
-                "or options (configure the cache in CACHES)"
+                f"{mask_url(url)!r}: a Django cache lock URL is django://<alias of CACHES>, with "
+                "no path or options (configure the cache in CACHES)"
             )
         backend = cls(parts.netloc or "default")
         from django.conf import settings

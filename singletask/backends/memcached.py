@@ -29,7 +29,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -43,7 +42,8 @@ from ..exceptions import (
     ConfigurationError,
     UnsupportedOperation,
 )
-from .base import AcquireResult, Holder, LockBackend
+from ..urls import mask_url
+from .base import AcquireResult, Holder, LockBackend, check_lease
 
 try:
     from pymemcache.client.base import PooledClient
@@ -80,7 +80,7 @@ def parse_servers(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     Raises:
         ConfigurationError: The URL is not a memcached URL or an option is invalid.
     """
-    shown = re.sub(r"(?<=//)[^/@;,]*@", "", url)  # memcached has no passwords: drop any user info
+    shown = mask_url(url)  # memcached has no passwords; any user info is masked all the same
     parts = urlsplit(url)
     if parts.scheme != "memcached":
         raise ConfigurationError(f"{shown!r} is not a memcached:// URL")
@@ -117,10 +117,11 @@ def expiry(seconds: float) -> int:
     up to a second before ``expiry`` seconds have passed: one more second makes up for it.
 
     Raises:
-        ConfigurationError: ``seconds`` is over memcached's 30 days of relative expiry (a larger
-            value would be read as an absolute Unix time, and expire at once).
+        ConfigurationError: ``seconds`` is not a lease :func:`check_lease` accepts, or is over
+            memcached's 30 days of relative expiry (a larger value would be read as an absolute
+            Unix time, and expire at once).
     """
-    exptime = max(math.ceil(seconds), 0) + 1
+    exptime = math.ceil(check_lease(seconds)) + 1
     if exptime > MAX_RELATIVE_EXPIRY:
         raise ConfigurationError(
             f"memcached cannot keep a lock for {seconds:.0f}s: its longest relative expiry is "
@@ -198,6 +199,10 @@ class MemcachedBackend(LockBackend):
         self._mutex = threading.Lock()
         self._clients: dict[tuple[str, int], Any] = {}
         self._pid: int | None = None
+
+    #: memcached's relative expiry ends at 30 days, and an item is kept a second longer than its
+    #: lease.
+    max_lease = float(MAX_RELATIVE_EXPIRY - 1)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MemcachedBackend:
@@ -388,6 +393,8 @@ class MemcachedBackend(LockBackend):
         """One ``gets`` of many keys per server, then one ``cas`` per lease still held."""
         if not leases:
             return []
+        for _, _, ttl in leases:
+            expiry(ttl)  # every lease checked before any changes
         by_server: dict[tuple[str, int], list[str]] = {}
         for key, _, _ in leases:
             by_server.setdefault(self._server(key), []).append(key)
