@@ -39,12 +39,15 @@ REDIS_EXAMPLE = "redis://:password@localhost:6379/1"
 def mask_url(url: object) -> str:
     """``url`` as text with its password, and secret query values, replaced by ``**``.
 
-    Works on anything, never raises: a malformed URL (no ``://``, a bad port) is masked too.
+    Works on anything, never raises: a malformed URL (no ``://``, a bad port) is masked too, and
+    so is each of several URLs separated by ``;`` (Sentinel's).
     The user name stays when a password follows it; credentials without a ``:`` are masked
     whole, since they may be a password put in the wrong place. Everything before the last
     ``@`` counts as credentials, so a password containing ``@`` or ``/`` is masked whole.
     """
     text = url if isinstance(url, str) else repr(url)
+    if ";" in text and text.count("://") > 1:  # several URLs (Sentinel's, a broker failover list)
+        return ";".join(mask_url(part) for part in text.split(";"))
     sep = text.find("://")
     start = sep + 3 if sep != -1 else 0
     at = text.rfind("@", start)

@@ -20,7 +20,7 @@ from singletask.backends.memory import MemoryBackend
 from singletask.backends.redis import RedisBackend
 from singletask.backends.sqlite import SQLiteBackend
 
-from .backends.expiry import INSPECTORS
+from .backends.expiry import INSPECTORS, close_connections
 from .deployments import (
     ClusterDeployment,
     SentinelDeployment,
@@ -300,6 +300,13 @@ def backend(request: pytest.FixtureRequest) -> Iterator[LockBackend]:
     instance.close()
     if client is not None:
         client.close()  # the backend leaves a client it was given open
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _inspection_connections() -> Iterator[None]:
+    """Close the connections the expiry inspections keep (tests/backends/expiry.py)."""
+    yield
+    close_connections()
 
 
 @pytest.fixture

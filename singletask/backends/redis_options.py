@@ -9,7 +9,6 @@ from ``result_backend_transport_options``; a key given in both places takes the 
 from __future__ import annotations
 
 import math
-import re
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any, Final
 from urllib.parse import SplitResult, parse_qsl, unquote
 
 from ..exceptions import ConfigurationError
+from ..urls import mask_url
 
 __all__ = [
     "SOCKET_OPTIONS",
@@ -61,17 +61,12 @@ _CERT_REQS: Final = {
 _TRUE: Final = {"1", "true", "yes", "on"}
 _FALSE: Final = {"0", "false", "no", "off"}
 
-#: ``scheme://user:password@`` (and ``scheme://:password@``): the password part.
-_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.-]*://[^:@/;,]*:)[^@/;]*@", re.IGNORECASE)
-
 
 def mask(url: str) -> str:
-    """``url`` with every password replaced by ``**``, for messages and reprs.
-
-    Handles the forms plain URL parsers get wrong: several ``;``-separated Sentinel URLs and a
-    cluster URL with a comma-separated host list.
-    """
-    return _PASSWORD.sub(r"\g<head>**@", url)
+    """``url`` with every password replaced by ``**``, for messages and reprs: singletask's one
+    masking helper, :func:`singletask.urls.mask_url` (it handles several ``;``-separated
+    Sentinel URLs and a cluster URL's comma-separated host list too)."""
+    return mask_url(url)
 
 
 def to_bool(value: object, where: str) -> bool:

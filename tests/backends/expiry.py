@@ -15,6 +15,7 @@ import math
 import sqlite3
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
@@ -116,6 +117,23 @@ def _redis_deployment(
     return found
 
 
+#: One connection per SQL server, kept for the session: an inspection after every operation
+#: must be quick, or the contract tests' 0.2 s leases run out between two operations.
+_CONNECTIONS: dict[str, Any] = {}
+
+
+def close_connections() -> None:
+    """Close the inspection connections (at the end of the session)."""
+    while _CONNECTIONS:
+        _CONNECTIONS.popitem()[1].close()
+
+
+def _cached(kind: str, connect: Callable[[], Any]) -> Any:
+    if kind not in _CONNECTIONS:
+        _CONNECTIONS[kind] = connect()
+    return _CONNECTIONS[kind]
+
+
 def _postgresql(
     backend: LockBackend, request: pytest.FixtureRequest, match: str
 ) -> dict[str, float | None]:
@@ -132,10 +150,10 @@ def _postgresql(
         "SELECT key, extract(epoch FROM expires_at - statement_timestamp())::float8 "
         "FROM {} WHERE strpos(key, %s) > 0"
     ).format(sql.Identifier(*backend.table.split(".")))
-    with psycopg.connect(SQL_URLS["postgresql"], autocommit=True) as conn:
-        if conn.execute("SELECT to_regclass(%s)", (backend.table,)).fetchone() == (None,):
-            return {}
-        rows = conn.execute(query, (match,)).fetchall()
+    conn = _cached("postgresql", lambda: psycopg.connect(SQL_URLS["postgresql"], autocommit=True))
+    if conn.execute("SELECT to_regclass(%s)", (backend.table,)).fetchone() == (None,):
+        return {}
+    rows = conn.execute(query, (match,)).fetchall()
     return {f"row {key}": left for key, left in rows if left is None or left > 0}
 
 
@@ -149,26 +167,23 @@ def _mysql(
 
     assert isinstance(backend, MySQLBackend)
     args = {k: v for k, v in backend._connect_args.items() if k != "client_flag"}
-    conn = pymysql.connect(**args)
-    try:
-        with conn.cursor() as cursor:
-            schema, _, name = backend.table.rpartition(".")
-            cursor.execute(
-                "SELECT 1 FROM information_schema.tables WHERE table_schema = "
-                "coalesce(nullif(%s, ''), database()) AND table_name = %s",
-                (schema, name),
-            )
-            if cursor.fetchone() is None:
-                return {}
-            table = ".".join(f"`{part}`" for part in backend.table.split("."))
-            cursor.execute(
-                "SELECT `key`, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) / 1e6 "
-                f"FROM {table} WHERE LOCATE(%s, `key`) > 0",
-                (match,),
-            )
-            rows = cursor.fetchall()
-    finally:
-        conn.close()
+    conn = _cached("mysql", lambda: pymysql.connect(**{**args, "autocommit": True}))
+    with conn.cursor() as cursor:
+        schema, _, name = backend.table.rpartition(".")
+        cursor.execute(
+            "SELECT 1 FROM information_schema.tables WHERE table_schema = "
+            "coalesce(nullif(%s, ''), database()) AND table_name = %s",
+            (schema, name),
+        )
+        if cursor.fetchone() is None:
+            return {}
+        table = ".".join(f"`{part}`" for part in backend.table.split("."))
+        cursor.execute(
+            "SELECT `key`, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) / 1e6 "
+            f"FROM {table} WHERE LOCATE(%s, `key`) > 0",
+            (match,),
+        )
+        rows = cursor.fetchall()
     return {
         f"row {bytes(key).decode()}": None if left is None else float(left)
         for key, left in rows
