@@ -1,0 +1,232 @@
+"""Redis memory of candidate lock record layouts: ``python bench/layouts.py [--keys N] [--quick]``.
+
+Issue 18 asks for a held lock of at most about 350 bytes and a released key of at most about 64
+bytes. This script measures, on a private ``redis-server``, what each candidate way of storing
+the same information costs, so that a layout is chosen with numbers:
+
+* every candidate stores what a real execution of ``bench.singletask.noop`` (locked per
+  argument) writes: its key (``<prefix><task name>:<64 hex digits>``), an owner token made by
+  :func:`singletask.tokens.execution_token`, the holder metadata the lifecycle writes (task id,
+  task name, scope, host name, pid, start time) and a fencing token of today's size;
+* memory per key is the growth of ``used_memory`` over ``--keys`` keys divided by their number
+  (so it includes the key name, the main and expiry dictionaries and their tables, as a Redis
+  operator sees it), and ``MEMORY USAGE`` and ``OBJECT ENCODING`` of one of them are shown too.
+
+The candidates are storage shapes only, written with plain commands; none is singletask's code
+except ``0.1.0``, which is what :class:`singletask.backends.redis.RedisBackend` writes today.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import redis  # noqa: E402
+
+from bench.common import RedisServer, log  # noqa: E402
+from singletask.backends.redis import fence_key  # noqa: E402
+from singletask.tokens import execution_token  # noqa: E402
+
+TASK = "bench.singletask.noop"
+PREFIX = "singletask:"
+LEASE_MS = 3_600_000
+RETENTION_MS = 7 * 24 * 3_600_000
+FENCE = 1_763_900_000_123_456  # a fencing token of today's size (server time in microseconds)
+SINCE = "1763900000.123"
+
+#: Hash buckets of the "shared marker hash" candidate: one per Redis Cluster slot.
+BUCKETS = 16384
+
+Writer = Callable[[Any, int], None]
+
+
+def lock_key(i: int) -> str:
+    """Key number ``i``, shaped like a ``lock_args`` key (a SHA-256 hex digest)."""
+    return f"{PREFIX}{TASK}:{hashlib.sha256(str(i).encode()).hexdigest()}"
+
+
+def record(i: int) -> tuple[str, dict[str, str]]:
+    """The owner token and metadata an execution writes (see singletask.lifecycle.execute)."""
+    task_id = str(uuid.UUID(int=i + 1, version=4))
+    meta = {
+        "task": TASK,
+        "scope": "execution",
+        "hostname": f"celery@{socket.gethostname()}",
+        "pid": "12345",
+        "since": SINCE,
+        "task_id": task_id,
+    }
+    return execution_token(task_id, 0), meta
+
+
+def held_current(pipe: Any, i: int) -> None:
+    """0.1.0: the lock hash (token, fence, metadata) plus the fence hash, both with expiries."""
+    key = lock_key(i)
+    token, meta = record(i)
+    pipe.hset(key, mapping={"token": token, "fence": FENCE, **meta})
+    pipe.pexpire(key, LEASE_MS)
+    pipe.hset(fence_key(key), "fence", FENCE)
+    pipe.pexpire(fence_key(key), RETENTION_MS)
+
+
+def held_hash_only(pipe: Any, i: int) -> None:
+    """0.1.0's lock hash alone (no fence hash while held)."""
+    key = lock_key(i)
+    token, meta = record(i)
+    pipe.hset(key, mapping={"token": token, "fence": FENCE, **meta})
+    pipe.pexpire(key, LEASE_MS)
+
+
+def held_hash_listpack(pipe: Any, i: int) -> None:
+    """The same fields, but the token stored without its task id (which is a field already),
+    so that every value fits Redis' small-hash encoding (listpack: values up to 64 bytes)."""
+    key = lock_key(i)
+    token, meta = record(i)
+    rest = token[len(meta["task_id"]) :]
+    pipe.hset(key, mapping={"token": rest, "fence": FENCE, **meta})
+    pipe.pexpire(key, LEASE_MS)
+
+
+def held_hash_compact(pipe: Any, i: int) -> None:
+    """Listpack hash with one-letter fields, integers as integers, the scope as one letter."""
+    key = lock_key(i)
+    token, meta = record(i)
+    pipe.hset(
+        key,
+        mapping={
+            "o": token[len(meta["task_id"]) :],
+            "f": FENCE,
+            "i": meta["task_id"],
+            "t": TASK,
+            "s": "e",
+            "h": meta["hostname"],
+            "p": int(meta["pid"]),
+            "a": int(float(SINCE) * 1000),
+        },
+    )
+    pipe.pexpire(key, LEASE_MS)
+
+
+def held_string(pipe: Any, i: int) -> None:
+    """One string: token, fence and metadata values joined by a separator (task id once)."""
+    token, meta = record(i)
+    value = "\x1f".join([token, str(FENCE), TASK, "e", meta["hostname"], SINCE])
+    pipe.set(lock_key(i), value, px=LEASE_MS)
+
+
+def held_string_task_id(pipe: Any, i: int) -> None:
+    """Reference: a string holding only a task id, as celery-once or celery-singleton store."""
+    _, meta = record(i)
+    pipe.set(lock_key(i), meta["task_id"], px=LEASE_MS)
+
+
+def released_fence_hash(pipe: Any, i: int) -> None:
+    """0.1.0 after a release: the fence hash keeps the last fence and the completion marker."""
+    key = fence_key(lock_key(i))
+    _, meta = record(i)
+    pipe.hset(key, mapping={"fence": FENCE, "done": f"{meta['task_id']}:0"})
+    pipe.pexpire(key, RETENTION_MS)
+
+
+def released_own_key(pipe: Any, i: int) -> None:
+    """A per-key record as small as it gets: the completion marker alone, in a string."""
+    _, meta = record(i)
+    pipe.set(fence_key(lock_key(i)), f"{meta['task_id']}:0", px=RETENTION_MS)
+
+
+def released_shared_hash(pipe: Any, i: int) -> None:
+    """The marker and last fence as one field of a shared hash, one hash per cluster slot
+    (field: 8 bytes of the key's digest; value: marker and fence); no key per released lock."""
+    key = lock_key(i)
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    bucket = f"{PREFIX}done:{int.from_bytes(digest[:2], 'big') % BUCKETS}"
+    _, meta = record(i)
+    pipe.hset(bucket, digest, f"{meta['task_id']}:0:{FENCE}")
+    pipe.pexpire(bucket, RETENTION_MS)
+
+
+CANDIDATES: dict[str, tuple[str, Writer]] = {
+    "held: 0.1.0 (lock hash + fence hash)": ("held", held_current),
+    "held: 0.1.0 lock hash alone": ("held", held_hash_only),
+    "held: same fields, token without its task id": ("held", held_hash_listpack),
+    "held: compact hash (1-letter fields, integers)": ("held", held_hash_compact),
+    "held: one string, separated values": ("held", held_string),
+    "held: string holding a task id (the alternatives)": ("held", held_string_task_id),
+    "released: 0.1.0 fence hash (fence + marker)": ("released", released_fence_hash),
+    "released: the marker alone, in a key of its own": ("released", released_own_key),
+    "released: one field of a shared hash per slot": ("released", released_shared_hash),
+}
+
+
+def measure(client: redis.Redis, write: Writer, keys: int) -> dict[str, Any]:
+    """Write ``keys`` records with ``write``; memory per record and a sample's encoding."""
+    client.flushdb()
+    time.sleep(0.05)
+    before = int(client.info("memory")["used_memory"])
+    pipe = client.pipeline(transaction=False)
+    for i in range(keys):
+        write(pipe, i)
+        if i % 1000 == 999:
+            pipe.execute()
+    pipe.execute()
+    after = int(client.info("memory")["used_memory"])
+    sample = client.randomkey()
+    out = {
+        "bytes_per_record": (after - before) / keys,
+        "keys_per_record": int(client.dbsize()) / keys,
+        "sample_memory_usage": client.memory_usage(sample) if sample else None,
+        "sample_encoding": client.object("encoding", sample).decode() if sample else None,
+    }
+    client.flushdb()
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--keys", type=int, default=100_000, help="records per candidate")
+    parser.add_argument("--quick", action="store_true", help="2,000 records per candidate")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args(argv)
+    keys = 2000 if args.quick else args.keys
+    results: dict[str, Any] = {"keys": keys, "candidates": {}}
+    with tempfile.TemporaryDirectory(prefix="singletask-layouts-") as tmp:
+        server = RedisServer(Path(tmp))
+        server.start()
+        try:
+            client = server.client(1)
+            results["redis"] = server.version()
+            for name, (kind, write) in CANDIDATES.items():
+                row = {"kind": kind, **measure(client, write, keys)}
+                results["candidates"][name] = row
+                log(f"layouts: {name}: {row['bytes_per_record']:.0f} B, {row['sample_encoding']}")
+            client.close()
+        finally:
+            server.stop()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "layouts.json").write_text(json.dumps(results, indent=2) + "\n")
+    width = max(len(name) for name in CANDIDATES)
+    print(f"Redis {results['redis']}, {keys:,} records per candidate")
+    print(f"{'candidate':{width}}  bytes/record  keys/record  MEMORY USAGE  encoding")
+    for name, row in results["candidates"].items():
+        print(
+            f"{name:{width}}  {row['bytes_per_record']:12.0f}  {row['keys_per_record']:11.2f}"
+            f"  {row['sample_memory_usage'] or 0:12d}  {row['sample_encoding']}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
