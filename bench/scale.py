@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import os
-import secrets
 import socket
 import time
 import uuid
@@ -52,17 +51,18 @@ def primitive(app: Celery, variant: str, lock_url: str) -> Primitive | None:
     tokens: dict[int, Any] = {}
     if variant == "singletask":
         from singletask.backends.redis import RedisBackend
+        from singletask.tokens import execution_token
 
         backend = RedisBackend.from_url(lock_url)
-        host = secrets.token_hex(6)
         pid = str(os.getpid())
-        hostname = socket.gethostname()
+        hostname = f"celery@{socket.gethostname()}"  # a worker's node name, as tasks store it
 
         def acquire(i: int) -> None:
             task_id = str(uuid.uuid4())
-            token = f"{task_id}:0:{host}:{pid}:{secrets.token_hex(4)}"
+            token = execution_token(task_id, 0)  # the token an execution of the task takes
             meta = {
                 "task": task.name,
+                "scope": "execution",
                 "hostname": hostname,
                 "pid": pid,
                 "since": f"{time.time():.3f}",
@@ -176,6 +176,8 @@ def run(
         acquire_rate = holds / (time.perf_counter() - start)
         memory_held = int(client.info("memory")["used_memory"])
         keys_held = int(client.dbsize())
+        sample = client.randomkey()  # how Redis encodes a held lock's record
+        encoding = client.object("encoding", sample).decode() if sample else None
         loaded = [_cycles(prim, holds + r * cycles, cycles) for r in range(rounds)]
         start = time.perf_counter()
         for i in range(holds):
@@ -192,6 +194,7 @@ def run(
             "note": prim.note,
             "bytes_per_held_lock": (memory_held - memory_before) / holds,
             "keys_per_held_lock": keys_held / holds,
+            "record_encoding": encoding,
             "bytes_left_per_released_lock": memory_left / released,
             "keys_left_per_released_lock": keys_left / released,
             "acquire_per_second": acquire_rate,
@@ -203,7 +206,7 @@ def run(
         out["variants"][variant] = row
         log(
             f"scale: {variant}: {row['bytes_per_held_lock']:.0f} B/lock, "
-            f"{row['keys_per_held_lock']:.1f} keys/lock, "
+            f"{row['keys_per_held_lock']:.1f} keys/lock ({encoding}), "
             f"{row['cycles_per_second_while_held']['median']:.0f} cycles/s while "
             f"{holds} held vs {row['cycles_per_second_empty']['median']:.0f} empty; "
             f"{row['keys_left_per_released_lock']:.1f} keys left per released lock"
