@@ -12,8 +12,9 @@ the same information costs, so that a layout is chosen with numbers:
   (so it includes the key name, the main and expiry dictionaries and their tables, as a Redis
   operator sees it), and ``MEMORY USAGE`` and ``OBJECT ENCODING`` of one of them are shown too.
 
-The candidates are storage shapes only, written with plain commands; none is singletask's code
-except ``0.1.0``, which is what :class:`singletask.backends.redis.RedisBackend` writes today.
+The candidates are storage shapes only, written with plain commands. ``0.1.0`` is what
+:class:`singletask.backends.redis.RedisBackend` wrote in 0.1.0 (a 66-byte owner token), ``now``
+what it writes today; the others are alternatives that were considered.
 """
 
 from __future__ import annotations
@@ -72,8 +73,32 @@ def record(i: int) -> tuple[str, dict[str, str]]:
     return execution_token(task_id, 0), meta
 
 
-def held_current(pipe: Any, i: int) -> None:
+def legacy_token(token: str) -> str:
+    """The same token as 0.1.0 wrote it: host id and random part in hex (66 bytes)."""
+    task_id, retries, _, pid, _ = token.rsplit(":", 4)
+    return f"{task_id}:{retries}:{'f805907e2752'}:{pid}:{'9df9d448'}"
+
+
+def held_legacy(pipe: Any, i: int) -> None:
     """0.1.0: the lock hash (token, fence, metadata) plus the fence hash, both with expiries."""
+    key = lock_key(i)
+    token, meta = record(i)
+    pipe.hset(key, mapping={"token": legacy_token(token), "fence": FENCE, **meta})
+    pipe.pexpire(key, LEASE_MS)
+    pipe.hset(fence_key(key), "fence", FENCE)
+    pipe.pexpire(fence_key(key), RETENTION_MS)
+
+
+def held_legacy_hash_only(pipe: Any, i: int) -> None:
+    """0.1.0's lock hash alone (no fence hash while held)."""
+    key = lock_key(i)
+    token, meta = record(i)
+    pipe.hset(key, mapping={"token": legacy_token(token), "fence": FENCE, **meta})
+    pipe.pexpire(key, LEASE_MS)
+
+
+def held_current(pipe: Any, i: int) -> None:
+    """Today's layout: 0.1.0's, with the token as execution_token makes it now (60 bytes)."""
     key = lock_key(i)
     token, meta = record(i)
     pipe.hset(key, mapping={"token": token, "fence": FENCE, **meta})
@@ -83,7 +108,7 @@ def held_current(pipe: Any, i: int) -> None:
 
 
 def held_hash_only(pipe: Any, i: int) -> None:
-    """0.1.0's lock hash alone (no fence hash while held)."""
+    """Today's lock hash alone (no fence hash while held)."""
     key = lock_key(i)
     token, meta = record(i)
     pipe.hset(key, mapping={"token": token, "fence": FENCE, **meta})
@@ -159,8 +184,10 @@ def released_shared_hash(pipe: Any, i: int) -> None:
 
 
 CANDIDATES: dict[str, tuple[str, Writer]] = {
-    "held: 0.1.0 (lock hash + fence hash)": ("held", held_current),
-    "held: 0.1.0 lock hash alone": ("held", held_hash_only),
+    "held: 0.1.0 (lock hash + fence hash, 66-byte token)": ("held", held_legacy),
+    "held: 0.1.0 lock hash alone": ("held", held_legacy_hash_only),
+    "held: now (lock hash + fence hash, 60-byte token)": ("held", held_current),
+    "held: now, lock hash alone": ("held", held_hash_only),
     "held: same fields, token without its task id": ("held", held_hash_listpack),
     "held: compact hash (1-letter fields, integers)": ("held", held_hash_compact),
     "held: one string, separated values": ("held", held_string),

@@ -33,7 +33,8 @@ from redis.retry import Retry
 from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
 from ..urls import mask_url, parse_redis_url
 from .base import AcquireResult, Holder, LockBackend, check_lease
-from .redis_options import connection_options
+from .redis_options import RETENTION_OPTION, connection_options
+from .redis_options import fence_retention as retention_option
 from .redis_scripts import (
     ACQUIRE_SCRIPT,
     CLAIM_NEXT_SCRIPT,
@@ -48,7 +49,8 @@ __all__ = ["RedisBackend"]
 #: What redis-py raises; translated to singletask's errors at this module's boundary.
 _DRIVER_ERRORS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException)
 
-#: How long a lock's fence hash (last fencing token, last completion) outlives its last use.
+#: How long a lock's fence hash (last fencing token, last completion) outlives the key's last
+#: acquisition, by default: the transport option ``fence_retention`` (seconds) sets it per store.
 FENCE_RETENTION = 7 * 24 * 3600.0
 
 #: Client defaults; options given in the URL's query string or to ``from_url`` win.
@@ -133,16 +135,26 @@ class RedisBackend(LockBackend):
     Args:
         client: A ready client (``redis.Redis``, ``valkey.Valkey``, a cluster client, ...).
         url: A URL to build a client from, lazily, in the process that first uses it.
+        fence_retention: How long a released key's fence hash (its last fencing token and
+            completion marker) is kept, in seconds (:data:`FENCE_RETENTION` by default).
         **options: Extra client options for ``redis.Redis.from_url``.
 
     Exactly one of ``client`` and ``url`` is required.
     """
 
     def __init__(
-        self, *, client: redis.Redis | None = None, url: str | None = None, **options: Any
+        self,
+        *,
+        client: redis.Redis | None = None,
+        url: str | None = None,
+        fence_retention: float = FENCE_RETENTION,
+        **options: Any,
     ) -> None:
         if (client is None) == (url is None):
             raise ConfigurationError("RedisBackend takes exactly one of client= and url=")
+        self.fence_retention = retention_option(
+            {RETENTION_OPTION: fence_retention}, "RedisBackend", FENCE_RETENTION
+        )
         if url is not None:
             self._check_url(url)  # fail early, and strictly, on a bad URL
         self._url = url
@@ -163,6 +175,10 @@ class RedisBackend(LockBackend):
         ``singletask_backend_transport_options`` (TLS and socket options here)."""
         if transport_options:
             options = {**connection_options(transport_options, url), **options}
+            where = "setting singletask_backend_transport_options"
+            options.setdefault(
+                "fence_retention", retention_option(transport_options, where, FENCE_RETENTION)
+            )
         return cls(url=url, **options)
 
     @classmethod
@@ -304,7 +320,7 @@ class RedisBackend(LockBackend):
             token,
             _ms(ttl, "acquire"),
             takeover_prefix or "",
-            _ms(FENCE_RETENTION, "acquire"),
+            _ms(self.fence_retention, "acquire"),
         ]
         if meta:
             for item in meta.items():
@@ -328,7 +344,7 @@ class RedisBackend(LockBackend):
         )
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
-        args = (token, completed or "", _ms(FENCE_RETENTION, "release"))
+        args = (token, completed or "", _ms(self.fence_retention, "release"))
         return bool(self._call("release", _RELEASE, (key, fence_key(key)), args))
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
@@ -362,7 +378,7 @@ class RedisBackend(LockBackend):
         return [bool(done) for done in self._call("extend", _EXTEND_MANY, keys, args)]
 
     def claim_next(self, key: str, task_id: str, ttl: float) -> str:
-        args = (task_id, _ms(ttl, "claim_next"), _ms(FENCE_RETENTION, "claim_next"))
+        args = (task_id, _ms(ttl, "claim_next"), _ms(self.fence_retention, "claim_next"))
         return _text(self._call("claim_next", _CLAIM_NEXT, (fence_key(key),), args))
 
     def clear_next(self, key: str, task_id: str) -> bool:

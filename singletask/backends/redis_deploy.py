@@ -36,12 +36,14 @@ from redis.sentinel import Sentinel
 
 from ..exceptions import BackendError, BackendUnavailable, ConfigurationError
 from .base import Holder
-from .redis import _ACQUIRE, _DRIVER_ERRORS, RedisBackend, _Script, _text
+from .redis import _ACQUIRE, _DRIVER_ERRORS, FENCE_RETENTION, RedisBackend, _Script, _text
 from .redis_options import (
+    RETENTION_OPTION,
     SOCKET_OPTIONS,
     TLS_OPTIONS,
     ReplicaWait,
     check_keys,
+    fence_retention,
     mask,
     socket_options,
     tls_options,
@@ -84,9 +86,12 @@ class _Deployed(RedisBackend):
     ) -> None:
         self._transport = dict(transport_options or {})
         where = f"setting singletask_backend_transport_options for {mask(url)!r}"
-        allowed = {*QUERY_OPTIONS, *ReplicaWait.OPTIONS, *self.EXTRA_OPTIONS}
+        allowed = {*QUERY_OPTIONS, *ReplicaWait.OPTIONS, RETENTION_OPTION, *self.EXTRA_OPTIONS}
         check_keys(self._transport, allowed, where)
         self._wait = ReplicaWait.from_options(self._transport, where)
+        options.setdefault(
+            "fence_retention", fence_retention(self._transport, where, FENCE_RETENTION)
+        )
         super().__init__(url=url, **options)
         # Through the client's methods: its pool asks the sentinels where the master is (a
         # bare connection would not), and a cluster client routes each key to its node.

@@ -17,12 +17,15 @@ from urllib.parse import SplitResult, parse_qsl, unquote
 
 from ..exceptions import ConfigurationError
 from ..urls import mask_url
+from .base import MAX_LEASE
 
 __all__ = [
+    "RETENTION_OPTION",
     "SOCKET_OPTIONS",
     "TLS_OPTIONS",
     "ReplicaWait",
     "connection_options",
+    "fence_retention",
     "mask",
     "tls_options",
     "to_bool",
@@ -48,6 +51,12 @@ SOCKET_OPTIONS: Final[dict[str, type]] = {
     "socket_keepalive": bool,
     "health_check_interval": int,
 }
+
+#: The transport option of how long a released key's fence hash is kept (see docs/backends.rst).
+RETENTION_OPTION: Final = "fence_retention"
+
+#: The longest ``fence_retention`` accepted, in seconds: the longest duration the scripts take.
+MAX_RETENTION: Final = MAX_LEASE
 
 _CERT_REQS: Final = {
     "required": ssl.CERT_REQUIRED,
@@ -88,6 +97,21 @@ def _number(value: object, kind: type, where: str) -> Any:
     if not math.isfinite(number) or number < 0:
         raise ConfigurationError(f"{where}: expected a number >= 0, got {value!r}")
     return number
+
+
+def fence_retention(values: Mapping[str, Any], where: str, default: float) -> float:
+    """The ``fence_retention`` of ``values`` in seconds (``default`` when absent), checked: from
+    1 second to a year."""
+    if RETENTION_OPTION not in values:
+        return default
+    what = f"{where}: option {RETENTION_OPTION}"
+    seconds = float(_number(values[RETENTION_OPTION], float, what))
+    if not 1 <= seconds <= MAX_RETENTION:
+        raise ConfigurationError(
+            f"{what}: expected seconds from 1 to {MAX_RETENTION:.0f} (a year), got "
+            f"{values[RETENTION_OPTION]!r}"
+        )
+    return seconds
 
 
 def tls_options(values: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -161,7 +185,7 @@ def connection_options(transport_options: Mapping[str, Any], url: str) -> dict[s
                 f"{where}: {name} works with sentinel:// and redis+cluster:// URLs, where a "
                 "replica is promoted automatically"
             )
-    check_keys(transport_options, allowed, where)
+    check_keys(transport_options, {*allowed, RETENTION_OPTION}, where)
     tls = tls_options(transport_options, where)
     if tls and not url.lower().startswith("rediss://"):
         raise ConfigurationError(f"{where}: TLS options need a rediss:// URL")

@@ -82,10 +82,10 @@ return {1, fence, last[2]}
 # KEYS[2]  the lock's fence hash
 # ARGV[1]  owner token
 # ARGV[2]  completion marker to record, or '' for none
-# ARGV[3]  how long the fence hash is kept, in milliseconds, if this release creates it
+# ARGV[3]  how long the fence hash is kept from a release that records a marker, in milliseconds
 # Returns 1 when the lock was deleted, 0 when ARGV[1] does not hold it (free or another owner).
-# The fence hash always has an expiry (every script that writes it sets one); the acquisition
-# this release ends set it, so only a fence hash that has expired since is given one here.
+# The fence hash always has an expiry (every script that writes it sets one); a marker is kept
+# ARGV[3] from its release, however long the lock was held.
 # Errors (before any write) when ARGV[3] is out of range.
 RELEASE_SCRIPT = (
     _CHECK_MS
@@ -95,8 +95,8 @@ if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
   return 0
 end
 redis.call('DEL', KEYS[1])
-if ARGV[2] ~= '' and redis.call('HSET', KEYS[2], 'done', ARGV[2]) == 1
-    and redis.call('PTTL', KEYS[2]) < 0 then
+if ARGV[2] ~= '' then
+  redis.call('HSET', KEYS[2], 'done', ARGV[2])
   redis.call('PEXPIRE', KEYS[2], keep)
 end
 return 1

@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Iterator
 
@@ -16,8 +17,9 @@ import redis
 from singletask import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
 from singletask.backends import backend_class, backend_from_url, known_schemes
 from singletask.backends.memory import MemoryBackend
-from singletask.backends.redis import RedisBackend, fence_key
+from singletask.backends.redis import FENCE_RETENTION, RedisBackend, fence_key
 from singletask.exceptions import UnknownBackendError
+from singletask.tokens import execution_token
 
 from ..servers import free_port
 
@@ -59,6 +61,110 @@ def test_a_lock_is_a_redis_hash_with_an_expiry(
     # And the key expires within the lease
     pttl = redis_client.pttl(key)
     assert 0 < pttl <= LEASE * 1000
+
+
+def test_a_held_lock_written_by_an_execution_is_a_compact_hash(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """What an execution writes (its token, a UUID task id, the metadata of a worker) fits Redis'
+    small-hash encoding, about half the memory of the general one (see docs/performance.rst)."""
+    # Given a lock_args key and the record an execution on a worker writes
+    key = f"{key_prefix}proj.tasks.sync_customer:{'86af596c' * 8}"
+    task_id = str(uuid.uuid4())
+    meta = {
+        "task": "proj.tasks.sync_customer",
+        "scope": "execution",
+        "hostname": "celery@worker-1.example.internal",
+        "pid": str(os.getpid()),
+        "since": f"{time.time():.3f}",
+        "task_id": task_id,
+    }
+
+    # When it is acquired
+    assert redis_backend.acquire(key, execution_token(task_id, 0), LEASE, meta=meta).acquired
+
+    # Then Redis keeps it as a listpack (called ziplist before Redis 7)
+    assert redis_client.object("encoding", key) in (b"listpack", b"ziplist")
+
+
+def test_a_release_keeps_the_fence_in_a_companion_hash(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key: str
+) -> None:
+    """After a release, the last fence and the completion marker live on in the fence hash (same
+    cluster slot) for FENCE_RETENTION from the release; the next acquisition gets a greater
+    fence."""
+    # Given a lock acquired then released with a completion marker
+    first = redis_backend.acquire(key, "token-1", LEASE).fence
+    assert redis_backend.release(key, "token-1", completed="task-1:0")
+
+    # Then the companion hash keeps the fence and the marker, with an expiry of the retention
+    companion = f"{{{key}}}:fence"
+    assert redis_client.hgetall(companion) == {b"fence": str(first).encode(), b"done": b"task-1:0"}
+    assert redis_client.pttl(companion) > (FENCE_RETENTION - 60) * 1000
+    # And the next acquisition sees the marker and gets a greater fence
+    again = redis_backend.acquire(key, "token-2", LEASE)
+    assert again.completed == "task-1:0"
+    assert first is not None
+    assert again.fence is not None
+    assert again.fence > first
+
+
+def test_fence_retention_sets_how_long_a_released_key_is_remembered(
+    redis_url: str, redis_client: redis.Redis, key: str
+) -> None:
+    """The transport option ``fence_retention`` (seconds) is how long a released key's fence hash
+    (last fence, completion marker) is kept; it is 7 days without it."""
+    # Given a store configured to remember released keys for one hour
+    backend = backend_from_url(redis_url, transport_options={"fence_retention": 3600})
+    assert isinstance(backend, RedisBackend)
+    assert backend.fence_retention == 3600.0
+
+    # When a lock is acquired, held for a long time (its fence hash, kept an hour from the
+    # acquisition, has a second left), then released with a completion marker
+    assert backend.acquire(key, "token-1", LEASE).acquired
+    redis_client.pexpire(fence_key(key), 1000)
+    assert backend.release(key, "token-1", completed="task-1:0")
+
+    # Then its fence hash (and the marker) is kept an hour from the release, not longer
+    pttl = redis_client.pttl(fence_key(key))
+    assert 3_500_000 < pttl <= 3_600_000
+    assert backend.acquire(key, "token-2", LEASE).completed == "task-1:0"
+    backend.close()
+    # And without the option the retention is FENCE_RETENTION (7 days)
+    with backend_from_url(redis_url) as default:
+        assert isinstance(default, RedisBackend)
+        assert default.fence_retention == FENCE_RETENTION == 7 * 24 * 3600.0
+
+
+@pytest.mark.parametrize("value", [0, 0.5, -1, "soon", True, float("nan"), 400 * 24 * 3600])
+def test_an_invalid_fence_retention_is_a_configuration_error(redis_url: str, value: object) -> None:
+    """fence_retention must be a number of seconds from 1 to a year; anything else is refused
+    when the store is built, with the option's name."""
+    with pytest.raises(ConfigurationError, match="fence_retention"):
+        backend_from_url(redis_url, transport_options={"fence_retention": value})
+    with pytest.raises(ConfigurationError, match="fence_retention"):
+        RedisBackend(url=redis_url, fence_retention=value)  # type: ignore[arg-type]
+
+
+def test_the_fence_hash_never_goes_back(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key: str
+) -> None:
+    """A fence hash holding a greater fence than the released lock's (a server clock set back)
+    keeps it, and the next fence still exceeds it."""
+    # Given a fence hash whose fence is ahead of the server clock (as after a clock step back)
+    ahead = 4 * 10**15  # year 2096 in microseconds, exact in a Lua number
+    redis_client.hset(fence_key(key), "fence", ahead)
+    redis_client.pexpire(fence_key(key), 60_000)
+    held = redis_backend.acquire(key, "token-1", LEASE).fence
+    assert held == ahead + 1
+    # When the lock is taken over without a release, then released
+    taken = redis_backend.acquire(key, "token-2", LEASE, takeover_prefix="token-1").fence
+    assert taken == ahead + 2
+    assert redis_backend.release(key, "token-2")
+
+    # Then the fence hash holds the released fence, and the next fence is greater still
+    assert int(redis_client.hget(fence_key(key), "fence")) == ahead + 2
+    assert redis_backend.acquire(key, "token-3", LEASE).fence == ahead + 3
 
 
 def test_release_deletes_the_redis_key(

@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from singletask.backends import backend_from_url
+from singletask.backends.redis import FENCE_RETENTION
 from singletask.backends.redis_deploy import RedisClusterBackend, RedisSentinelBackend
 from singletask.backends.redis_options import mask
 from singletask.exceptions import BackendError, BackendUnavailable, ConfigurationError
@@ -179,6 +180,15 @@ def test_cluster_and_sentinel_options_reach_the_client() -> None:
     nodes, master = sentinel._target(sentinel._url or "")
     assert nodes == [("127.0.0.1", 1), ("127.0.0.1", 2)]
     assert master == {"password": "pw", "db": 3, "ssl": True}
+    # And both take the retention of released keys' fence hashes (7 days without it)
+    assert backend.fence_retention == FENCE_RETENTION
+    kept = backend_from_url(
+        "sentinel://127.0.0.1:1", transport_options={"master_name": "m", "fence_retention": 60}
+    )
+    assert isinstance(kept, RedisSentinelBackend)
+    assert kept.fence_retention == 60.0
+    with pytest.raises(ConfigurationError, match="fence_retention"):
+        backend_from_url("redis+cluster://127.0.0.1:7000", transport_options={"fence_retention": 0})
 
 
 def test_rediss_checks_the_server_certificate(redis_tls: TLSServer) -> None:
