@@ -269,7 +269,7 @@ def release(
         raise click.UsageError("give exactly one of --holder TASK_ID and --force")
     store = _Store(ctx, url)
     with store.session() as backend:
-        if force and not yes and sys.stdin.isatty():
+        if force and not yes and _interactive():
             current = inspect_lock(backend, key)
             if current is None:
                 _refuse(f"lock {key!r} is not held: nothing to release")
@@ -292,6 +292,11 @@ def release(
         f"{released.describe()}, fence {released.fence}. A new execution can take it now; the "
         "old holder reports the lost lease at its next renewal."
     )
+
+
+def _interactive() -> bool:
+    """Whether a person can answer a question (standard input is a terminal)."""
+    return sys.stdin.isatty()
 
 
 def _refuse(message: str) -> NoReturn:

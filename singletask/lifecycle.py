@@ -167,6 +167,7 @@ def execute(
         takeover = reservation_token(str(task_id), retries)
     meta = {
         "task": task.name,
+        "scope": options.scope,  # for `singletask locks`; same round trip
         "hostname": request.hostname or gethostname(),  # Celery's, memoized
         "pid": str(os.getpid()),
         "since": f"{time.time():.3f}",
