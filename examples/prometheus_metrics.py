@@ -119,19 +119,19 @@ install()
 
 @app.task(base=SingletonTask)
 def report() -> str:
-    time.sleep(2)
+    time.sleep(1.5)
     return "done"
 
 
 @app.task(base=SingletonTask, lock_policy="raise")
 def export() -> str:
-    time.sleep(2)
+    time.sleep(1.5)
     return "done"
 
 
 @app.task(base=SingletonTask, lock_policy="retry", lock_retry_countdown=0.5)
 def reindex() -> str:
-    time.sleep(2)
+    time.sleep(1.5)
     return "done"
 
 
@@ -147,21 +147,30 @@ def long_job(self: SingletonTask) -> str:
     return "done"
 
 
+def wait_until_held(task: SingletonTask) -> str:
+    """Wait until a run of ``task`` holds its lock; return the key."""
+    key = task.lock_key_for()
+    while task.lock_backend.holder(key) is None:
+        time.sleep(0.05)
+    return key
+
+
 def main() -> None:
     from singletask.inventory import release_lock
 
-    # Two reindexes at once (retry), three reports (skip), two exports (raise).
-    results = [reindex.delay() for _ in range(2)] + [report.delay() for _ in range(3)]
-    results += [export.delay() for _ in range(2)]
-    for result in results:
-        with contextlib.suppress(TaskLocked):  # the export that found its lock held
-            result.get(timeout=60)
+    # For each task, one run holds the lock while duplicates arrive on the other pool
+    # processes: two reports are skipped, an export raises, a reindex retries until it can run.
+    for task, duplicates in ((report, 2), (export, 1), (reindex, 1)):
+        results = [task.delay()]
+        wait_until_held(task)
+        results += [task.delay() for _ in range(duplicates)]
+        for result in results:
+            with contextlib.suppress(TaskLocked):  # the export that found its lock held
+                result.get(timeout=60)
     # A running job whose lock an operator releases by force (what `singletask release
     # KEY --force` does); its worker finds the lock gone at its next renewal.
     job = long_job.delay()
-    key = long_job.lock_key_for()
-    while long_job.lock_backend.holder(key) is None:
-        time.sleep(0.05)
+    key = wait_until_held(long_job)
     release_lock(long_job.lock_backend, key, holder=None)
     print(f"long_job: {job.get(timeout=60)}")
     time.sleep(0.5)
