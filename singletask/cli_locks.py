@@ -141,9 +141,9 @@ def _print_json_array(records: Iterable[LockRecord]) -> int:
     """Print a JSON array, one object per line, as the records stream; return how many."""
     count = 0
     for record in records:
-        click.echo(("[" if count == 0 else ",") + json.dumps(record.as_json()))
+        click.echo(("[\n  " if count == 0 else ",\n  ") + json.dumps(record.as_json()), nl=False)
         count += 1
-    click.echo("[]" if count == 0 else "]")
+    click.echo("[]" if count == 0 else "\n]")
     return count
 
 
