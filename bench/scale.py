@@ -63,6 +63,7 @@ def primitive(app: Celery, variant: str, lock_url: str) -> Primitive | None:
             token = f"{task_id}:0:{host}:{pid}:{secrets.token_hex(4)}"
             meta = {
                 "task": task.name,
+                "scope": "execution",
                 "hostname": hostname,
                 "pid": pid,
                 "since": f"{time.time():.3f}",

@@ -24,7 +24,7 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 @click.group(context_settings=CONTEXT)
 @click.version_option(__version__, "-V", "--version", prog_name="singletask")
-def singletask() -> None:
+def singletask(**kwargs: Any) -> None:  # Celery <= 5.6 adds its preload options here
     """singletask: one execution of a Celery task (or of a task per argument values) at a time.
 
     Run "singletask demo" to see it keep duplicate tasks apart on a real Celery worker, with

@@ -8,6 +8,7 @@ KEYS is disabled.
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 from click.testing import CliRunner, Result
 
@@ -242,3 +244,22 @@ def test_locks_works_at_scale_where_keys_is_disabled() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert [run["locks"] for run in report["runs"]] == [200, 1000]
+
+
+def test_the_commands_take_celery_preload_options(tmp_path: Path) -> None:
+    """Celery <= 5.6 appends an app's preload options to every plugin command (and group);
+    the callbacks accept them instead of failing with TypeError."""
+    # Given copies of the group and its commands with a preload option added, as Celery does
+    group = copy.deepcopy(singletask)
+    for command in (group, *group.commands.values()):
+        command.params.append(click.Option(["--env-name"], default=None))
+
+    # When a command runs with the option given
+    done = CliRunner().invoke(
+        group,
+        ["--env-name", "x", "locks", "--env-name", "y", "--url", f"sqlite:///{tmp_path}/l.db"],
+    )
+
+    # Then it ran (no lock: status 1), and did not fail on the extra keyword argument
+    assert done.exit_code == 1, done.output
+    assert done.exception is None or isinstance(done.exception, SystemExit)

@@ -178,6 +178,7 @@ class MemoryBackend(LockBackend):
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """Pages of ``page_size`` keys in key order; the mutex is held while a page is read."""
+        page_size = max(1, page_size)
         after: str | None = None
         while True:
             now = time.monotonic()

@@ -391,6 +391,7 @@ class RedisBackend(LockBackend):
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """SCAN MATCH ``prefix*`` COUNT ``page_size``; each page of keys read in one pipeline."""
+        page_size = max(1, page_size)
         client = self.client
         pattern = _glob_escape(prefix) + "*"
         page: list[bytes | str] = []

@@ -312,6 +312,7 @@ class SQLiteBackend(LockBackend):
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """Pages of ``page_size`` rows in key order, each read in its own short transaction."""
+        page_size = max(1, page_size)
         after: str | None = None
         while True:
             with self._mutex:
