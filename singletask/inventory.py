@@ -18,6 +18,7 @@ from typing import Any
 
 from .backends.base import Holder, LockBackend
 from .signals import lock_released_by_operator
+from .tokens import parse_token, reservation_token
 
 __all__ = ["FIELDS", "LockRecord", "find_locks", "inspect_lock", "release_lock"]
 
@@ -38,10 +39,6 @@ FIELDS = (
     "fence",  # int | null: the acquisition's fencing token
     "token",  # str: the owner token
 )
-
-#: Token suffix of a reservation (see :mod:`singletask.tokens`).
-_RESERVED = ":reserved"
-
 
 @dataclass(frozen=True)
 class LockRecord:
@@ -84,7 +81,7 @@ class LockRecord:
             key=key,
             task=meta.get("task"),
             scope=meta.get("scope"),
-            state="reserved" if holder.token.endswith(_RESERVED) else "running",
+            state="reserved" if _reserved(holder.token) else "running",
             holder=holder.task_id,
             hostname=meta.get("hostname"),
             pid=_int(meta.get("pid")) or None,
@@ -191,6 +188,12 @@ def release_lock(backend: LockBackend, key: str, *, holder: str | None) -> LockR
         sender=None, key=key, task=record.task, holder=record.holder, forced=forced
     )
     return record
+
+
+def _reserved(token: str) -> bool:
+    """Whether ``token`` is a reservation's (see :mod:`singletask.tokens`)."""
+    parsed = parse_token(token)
+    return parsed is not None and token == reservation_token(parsed[0], parsed[1])
 
 
 def _int(value: str | None) -> int | None:
