@@ -40,6 +40,7 @@ FIELDS = (
     "token",  # str: the owner token
 )
 
+
 @dataclass(frozen=True)
 class LockRecord:
     """One held lock or reservation, as an operator sees it.
