@@ -12,6 +12,7 @@ prefork multiprocess mode of prometheus_client that pool processes need.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -25,6 +26,7 @@ if __name__ == "__main__" and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
     # The demonstration below: a fresh multiprocess folder and a free port for the worker's
     # exporter, inherited by the worker it starts. Set before prometheus_client is imported.
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="singletask-metrics-")
+    atexit.register(shutil.rmtree, os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
     with socket.socket() as _sock:
         _sock.bind(("127.0.0.1", 0))
         os.environ["SINGLETASK_METRICS_PORT"] = str(_sock.getsockname()[1])
@@ -110,7 +112,7 @@ def _serve_from_worker(**_: Any) -> None:
 
 # -- the example --------------------------------------------------------------------------------
 
-from singletask.demo.local import configure, run_example  # noqa: E402
+from singletask.demo.example import configure, run_example  # noqa: E402
 
 app = Celery("prometheus_metrics")
 configure(app)  # broker, results and locks: the embedded ones, or the --redis-url database
@@ -189,7 +191,4 @@ def _show(line: str) -> bool:
 
 
 if __name__ == "__main__":
-    try:
-        run_example(__file__, app, main, show_worker_log=_show)
-    finally:
-        shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
+    run_example(__file__, app, main, show_worker_log=_show)
