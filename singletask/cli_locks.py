@@ -20,21 +20,18 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn, TypeVar
 
 import click
-from kombu.utils.url import maybe_sanitize_url
 
 from .backends import backend_from_url
 from .backends.base import LockBackend
 from .config import DEFAULTS, Settings
 from .exceptions import BackendError, ConfigurationError, UnsupportedOperation
 from .inventory import FIELDS, LockRecord, find_locks, inspect_lock, release_lock
+from .urls import mask_url
 
 __all__ = ["COMMANDS", "STORE_FAILED"]
 
 #: Exit status when the lock store failed (1 and 2 are "refused / nothing" and "usage").
 STORE_FAILED = 3
-
-#: Masks the password of a URL before it is printed.
-mask_url: Callable[[str], str] = maybe_sanitize_url
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -62,19 +59,19 @@ class _Store:
     def __init__(self, ctx: click.Context, url: str | None) -> None:
         app = getattr(ctx.obj, "app", None)  # Celery's CLIContext under `celery -A proj`
         settings: Settings | None = None
-        if app is not None:
-            try:
-                settings = Settings.from_app(app)
-            except ConfigurationError as exc:
-                if url is None:
-                    raise click.UsageError(f"{exc} (or give --url)") from None
+        options: dict[str, Any] = {}
+        try:
+            if app is not None:
+                settings = Settings.from_app(app, backend_url=url)
+                url = settings.backend_url
+                options = settings.backend_options()
+        except ConfigurationError as exc:
+            raise click.UsageError(f"{exc} (or give --url)") from None
         if url is None:
-            if settings is None:
-                raise click.UsageError(
-                    "no lock store: give --url URL (or set SINGLETASK_BACKEND_URL), or run the "
-                    "command as 'celery -A proj singletask ...'"
-                )
-            url = settings.backend_url
+            raise click.UsageError(
+                "no lock store: give --url URL (or set SINGLETASK_BACKEND_URL), or run the "
+                "command as 'celery -A proj singletask ...'"
+            )
         # The release is reported on stdout: no second copy of the log line on stderr.
         logging.getLogger("singletask").addHandler(logging.NullHandler())
         self.prefix = settings.key_prefix if settings else DEFAULTS["singletask_key_prefix"]
@@ -82,7 +79,7 @@ class _Store:
         if url.partition("://")[0].lower() == "memory":
             raise click.UsageError(f"{self.where!r} lives inside one process: nothing to see here")
         try:
-            self.backend: LockBackend = backend_from_url(url)
+            self.backend: LockBackend = backend_from_url(url, **options)
         except ConfigurationError as exc:
             raise click.UsageError(str(exc)) from None
 
