@@ -124,6 +124,7 @@ def _singletask_breakdown(server: RedisServer, app: Celery) -> dict[str, Callabl
     token = f"{task_id}:0:{secrets.token_hex(6)}:{os.getpid()}:{secrets.token_hex(4)}"
     meta = {
         "task": task.name,
+        "scope": "execution",
         "hostname": socket.gethostname(),
         "pid": str(os.getpid()),
         "since": f"{time.time():.3f}",

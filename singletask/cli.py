@@ -2,6 +2,8 @@
 
 ``singletask demo`` (also ``python -m singletask demo``, and ``celery singletask demo`` through
 Celery's ``celery.commands`` entry point) shows singletask at work on a real prefork worker.
+``singletask locks / inspect / release`` (:mod:`singletask.cli_locks`) let an operator see and
+release the locks of a live fleet, as ``celery -A proj singletask ...`` or with ``--url``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 import click
 
 from . import __version__
+from .cli_locks import COMMANDS
 from .urls import mask_url
 
 __all__ = ["main", "singletask"]
@@ -21,12 +24,17 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 @click.group(context_settings=CONTEXT)
 @click.version_option(__version__, "-V", "--version", prog_name="singletask")
-def singletask() -> None:
+def singletask(**kwargs: Any) -> None:  # Celery <= 5.6 adds its preload options here
     """singletask: one execution of a Celery task (or of a task per argument values) at a time.
 
     Run "singletask demo" to see it keep duplicate tasks apart on a real Celery worker, with
-    nothing to install or set up.
+    nothing to install or set up. "locks", "inspect" and "release" show and release the locks
+    of a live fleet (run them as "celery -A proj singletask ...", or here with --url URL).
     """
+
+
+for _command in COMMANDS:
+    singletask.add_command(_command)
 
 
 def _scheme(value: str, what: str) -> str:
@@ -140,6 +148,7 @@ def demo(
     concurrency: int,
     plain: bool,
     color: bool | None,
+    **kwargs: Any,  # Celery <= 5.6 passes its preload options to plugin commands
 ) -> None:
     """Watch singletask keep duplicate Celery tasks apart, on a real prefork worker.
 

@@ -117,7 +117,12 @@ def send_once(
     key = options.key(args, kwargs)
     ttl = min(queue_lease(options.queue_ttl, send_options), backend.max_lease)
     token = reservation_token(task_id, 0)
-    meta = {"task_id": task_id, "task": task.name, "since": f"{time.time():.3f}"}
+    meta = {
+        "task_id": task_id,
+        "task": task.name,
+        "scope": options.scope,  # for `singletask locks`; same round trip
+        "since": f"{time.time():.3f}",
+    }
     reserved = backend.acquire(key, token, ttl, meta=meta)
     if reserved.acquired:
         try:

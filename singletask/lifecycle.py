@@ -60,7 +60,7 @@ from .lease import LockHandle
 from .messages import is_redelivery, seconds_until
 from .policies import Conflict, locked_out, store_unreachable
 from .runtime import app_state
-from .signals import lock_lost
+from .signals import lock_acquired, lock_lost
 from .tokens import direct_token, execution_token, process_state, reservation_token
 
 if TYPE_CHECKING:
@@ -167,6 +167,7 @@ def execute(
         takeover = reservation_token(str(task_id), retries)
     meta = {
         "task": task.name,
+        "scope": options.scope,  # for `singletask locks`; same round trip
         "hostname": request.hostname or gethostname(),  # Celery's, memoized
         "pid": str(os.getpid()),
         "since": f"{time.time():.3f}",
@@ -217,6 +218,8 @@ def execute(
     )
     if options.renew:
         state.renewer.add(handle)
+    if lock_acquired.receivers:
+        lock_acquired.send(sender=task, key=key, task_id=handle.task_id, fence=result.fence)
     reset = _frames.set((*frames, _Frame(task.name, None if direct else task_id, handle)))
     ending = "returned"
     raised: BaseException | None = None

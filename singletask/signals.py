@@ -1,5 +1,10 @@
 """Signals singletask sends, in the style of :mod:`celery.signals`.
 
+``lock_acquired``
+    Sent in the process executing the task when an execution has taken its lock, before the
+    body runs. Arguments: ``sender`` (the task), ``key``, ``task_id`` (None for a direct call),
+    ``fence`` (the acquisition's fencing token).
+
 ``lock_conflict``
     Sent in the process executing the task whenever an execution finds its lock held and acts
     on it. Arguments: ``sender`` (the task), ``key``, ``holder`` (task id or None), ``ttl``
@@ -14,6 +19,13 @@
     Arguments: ``sender`` (the task), ``key``, ``task_id``, ``reason``. Sent from the renewer
     thread.
 
+``lock_released_by_operator``
+    Sent in the process that released a lock through :func:`singletask.inventory.release_lock`
+    (the ``singletask release`` command). Arguments: ``sender`` (None), ``key``, ``task`` (the
+    holder's task name or None), ``holder`` (its task id or None), ``forced`` (True for
+    ``--force``, False for ``--holder``). The holder's own worker reports the loss separately,
+    with ``lock_lost``, at its next renewal.
+
 Example::
 
     from singletask.signals import lock_conflict
@@ -27,7 +39,9 @@ from __future__ import annotations
 
 from celery.utils.dispatch import Signal
 
-__all__ = ["lock_conflict", "lock_lost"]
+__all__ = ["lock_acquired", "lock_conflict", "lock_lost", "lock_released_by_operator"]
 
+lock_acquired = Signal(name="lock_acquired")
 lock_conflict = Signal(name="lock_conflict")
 lock_lost = Signal(name="lock_lost")
+lock_released_by_operator = Signal(name="lock_released_by_operator")

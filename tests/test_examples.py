@@ -21,7 +21,7 @@ from .servers import unavailable
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ["feed_importer", "customer_sync", "periodic_sync"]
+EXAMPLES = ["feed_importer", "customer_sync", "periodic_sync", "prometheus_metrics"]
 REDIS_DB = 13  # a database no other test module uses
 
 Outputs = dict[str, "subprocess.CompletedProcess[str] | str"]
@@ -120,6 +120,44 @@ def test_periodic_sync_skips_the_ticks_that_come_while_it_runs(outputs: Outputs)
     # Then at least one sync ran to its end, and ticks were skipped while one was running
     assert re.search(r"sync_inventory\[\w{8}\] succeeded in [\d.]+s: 'inventory synced'", output)
     assert re.search(r"sync_inventory\[\w{8}\] skipped: lock 'singletask:periodic_sync", output)
+
+
+def metric(output: str, name: str, **labels: str) -> float | None:
+    """The value of one sample the prometheus_metrics example printed (None when absent)."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    found = re.search(rf"^  {re.escape(name)}\{{{re.escape(wanted)}\}} (\S+)$", output, re.M)
+    return float(found.group(1)) if found else None
+
+
+def test_prometheus_metrics_counts_every_lock_outcome(outputs: Outputs) -> None:
+    """The metrics recipe on a prefork worker: the exporter sums what every pool process
+    counted: acquisitions, skips, retries, raises, a lost lease and an operator's forced release;
+    and each skip, retry and raise is in the worker log at INFO or above, with key and holder."""
+    # Given / When: 2 reindexes (retry), 3 reports (skip), 2 exports (raise) at once, then a
+    # long job whose lock is released by force
+    output = ran(outputs, "prometheus_metrics")
+    task = "prometheus_metrics.{}".format
+
+    # Then the exporter counted each outcome
+    assert metric(output, "singletask_lock_acquired_total", task=task("report")) == 1, output
+    assert metric(output, "singletask_lock_acquired_total", task=task("export")) == 1, output
+    assert metric(output, "singletask_lock_acquired_total", task=task("reindex")) == 2, output
+    assert metric(output, "singletask_lock_acquired_total", task=task("long_job")) == 1, output
+    conflicts = "singletask_lock_conflicts_total"
+    assert metric(output, conflicts, action="skip", task=task("report")) == 2, output
+    assert metric(output, conflicts, action="raise", task=task("export")) == 1, output
+    assert (metric(output, conflicts, action="retry", task=task("reindex")) or 0) >= 1, output
+    assert metric(output, "singletask_lock_lost_total", task=task("long_job")) == 1, output
+    released = "singletask_lock_released_by_operator_total"
+    assert metric(output, released, forced="true", task=task("long_job")) == 1, output
+    assert "long_job: stopped: lock lost" in output
+    # And the worker logged every skip, raise and retry with the lock key and the holder's id
+    for what, name, count in (("skipped", "report", 2), ("raises TaskLocked", "export", 1),
+                              ("retries in", "reindex", 1)):  # fmt: skip
+        key = f"singletask:{task(name)}"
+        pattern = rf"{task(name)}\[\w{{8}}\] {what}.*lock '{key}' is held by \w{{8}}"
+        lines = re.findall(pattern, output)
+        assert len(lines) >= count, output
 
 
 def test_an_example_runs_on_redis_and_leaves_no_result_lock_or_queue(outputs: Outputs) -> None:

@@ -11,7 +11,9 @@ Policy (which key, which token, what to do when a lock is held, when to release)
   :class:`~singletask.ConfigurationError` before anything is written (see :func:`check_lease`);
 * every acquisition gets a fencing token, strictly increasing per key;
 * a release can leave a completion marker that later acquisitions of the key see;
-* a key can have one pending follow-up task id, claimed and cleared atomically.
+* a key can have one pending follow-up task id, claimed and cleared atomically;
+* for operators (``singletask locks / inspect / release``): the held locks can be listed by key
+  prefix, in bounded pages, and a lock can be released by its holder's task id or by force.
 
 A new backend subclasses :class:`LockBackend`, implements the abstract methods, passes
 ``tests/backends/test_contract.py``, and registers a URL scheme (see :mod:`singletask.backends`).
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,6 +212,43 @@ class LockBackend(abc.ABC):
 
         Raises:
             BackendError: The store failed.
+        """
+
+    # -- operator primitives (not on the execution path) --------------------------------------
+
+    @abc.abstractmethod
+    def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
+        """Yield ``(key, holder)`` for every lock or reservation currently held whose key starts
+        with ``prefix``, reading the store in pages of at most ``page_size`` keys (bounded memory,
+        streamed: never load the whole keyspace; Redis uses SCAN MATCH COUNT, never KEYS). Only live
+        (unexpired) locks are yielded, each with the same Holder ``holder(key)`` returns (token,
+        task_id, ttl, meta, fence). A lock acquired or released during the iteration may or may not
+        appear. Bookkeeping keys of the store (fence records, follow-up slots) are never yielded.
+
+        Raises:
+            UnsupportedOperation: the store cannot list its keys (memcached).
+            BackendError: the store failed.
+        """
+
+    @abc.abstractmethod
+    def release_held_by(self, key: str, task_id: str) -> Holder | None:
+        """Delete ``key`` only if its holder's metadata ``task_id`` equals ``task_id``, in one
+        atomic step. Returns the Holder removed, or None (nothing changed) when the key is free or
+        held by another task id. The key's fence record is kept, so the next acquisition still gets
+        a larger fencing token; the removed holder's next extend()/release() returns False, which
+        the renewer reports as a lost lease.
+
+        Raises:
+            BackendError: the store failed.
+        """
+
+    @abc.abstractmethod
+    def force_release(self, key: str) -> Holder | None:
+        """Delete ``key`` whoever holds it, in one atomic step; return the Holder removed, or None
+        when it was free. Same fence and lease-loss semantics as release_held_by.
+
+        Raises:
+            BackendError: the store failed.
         """
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends have nothing to close

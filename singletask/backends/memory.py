@@ -11,9 +11,10 @@ record it keeps has an expiry.
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -174,3 +175,48 @@ class MemoryBackend(LockBackend):
                 dict(entry.meta),
                 entry.fence,
             )
+
+    def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
+        """Pages of ``page_size`` keys in key order; the mutex is held while a page is read."""
+        page_size = max(1, page_size)
+        after: str | None = None
+        while True:
+            now = time.monotonic()
+            with self._mutex:
+                keys = heapq.nsmallest(
+                    page_size,
+                    (
+                        key
+                        for key in self._entries
+                        if key.startswith(prefix) and (after is None or key > after)
+                    ),
+                )
+                page = [(key, self._entries[key]) for key in keys]
+            for key, entry in page:
+                if entry.expires_at > now:
+                    yield key, self._holder(entry, now)
+            if len(keys) < page_size:
+                return
+            after = keys[-1]
+
+    def _operator_release(self, key: str, task_id: str | None) -> Holder | None:
+        now = time.monotonic()
+        with self._mutex:
+            entry = self._live(key, now)
+            if entry is None or (task_id is not None and entry.meta.get("task_id") != task_id):
+                return None
+            del self._entries[key]  # the fence counter stays: the next one is still larger
+            return self._holder(entry, now)
+
+    def release_held_by(self, key: str, task_id: str) -> Holder | None:
+        return self._operator_release(key, task_id)
+
+    def force_release(self, key: str) -> Holder | None:
+        return self._operator_release(key, None)
+
+    @staticmethod
+    def _holder(entry: _Entry, now: float) -> Holder:
+        return Holder(
+            entry.token, entry.meta.get("task_id"), entry.expires_at - now, dict(entry.meta),
+            entry.fence,
+        )  # fmt: skip

@@ -41,6 +41,7 @@ from .redis_scripts import (
     CLEAR_NEXT_SCRIPT,
     EXTEND_MANY_SCRIPT,
     EXTEND_SCRIPT,
+    OPERATOR_RELEASE_SCRIPT,
     RELEASE_SCRIPT,
 )
 
@@ -127,6 +128,7 @@ _EXTEND = _Script(EXTEND_SCRIPT)
 _EXTEND_MANY = _Script(EXTEND_MANY_SCRIPT)
 _CLAIM_NEXT = _Script(CLAIM_NEXT_SCRIPT)
 _CLEAR_NEXT = _Script(CLEAR_NEXT_SCRIPT)
+_OPERATOR_RELEASE = _Script(OPERATOR_RELEASE_SCRIPT)
 
 
 class RedisBackend(LockBackend):
@@ -403,6 +405,47 @@ class RedisBackend(LockBackend):
             int(fence) if fence is not None else None,
         )
 
+    def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
+        """SCAN MATCH ``prefix*`` COUNT ``page_size``; each page of keys read in one pipeline."""
+        page_size = max(1, page_size)
+        client = self.client
+        pattern = _glob_escape(prefix) + "*"
+        page: list[bytes | str] = []
+        with self._translate("list", prefix):
+            for key in client.scan_iter(match=pattern, count=page_size):
+                page.append(key)
+                if len(page) >= page_size:
+                    yield from self._read_page(client, page)
+                    page = []
+            if page:
+                yield from self._read_page(client, page)
+
+    def _read_page(
+        self, client: redis.Redis, keys: list[bytes | str]
+    ) -> Iterator[tuple[str, Holder]]:
+        """The locks among ``keys`` (fence hashes and foreign keys are left out)."""
+        # MULTI/EXEC keeps each key's fields and lease consistent; a cluster pipeline splits the
+        # page by node instead.
+        transaction = not isinstance(client, RedisCluster)
+        with client.pipeline(transaction=transaction) as pipe:
+            for key in keys:
+                pipe.hgetall(key)
+                pipe.pttl(key)
+            replies = pipe.execute(raise_on_error=False)
+        for index, key in enumerate(keys):
+            fields, pttl = replies[2 * index], replies[2 * index + 1]
+            if isinstance(fields, Exception) or isinstance(pttl, Exception):
+                continue  # not a hash: not one of ours
+            found = _holder(fields, pttl)
+            if found is not None:
+                yield _text(key), found
+
+    def release_held_by(self, key: str, task_id: str) -> Holder | None:
+        return _removed(self._call("release", _OPERATOR_RELEASE, (key,), (task_id,)))
+
+    def force_release(self, key: str) -> Holder | None:
+        return _removed(self._call("release", _OPERATOR_RELEASE, (key,), ("",)))
+
     def close(self) -> None:
         if self._url is not None and self._client is not None and self._pid == os.getpid():
             while self._idle:
@@ -413,3 +456,34 @@ class RedisBackend(LockBackend):
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _holder(fields: Mapping[bytes | str, bytes | str], pttl: int) -> Holder | None:
+    """The Holder of a lock hash's fields and PTTL; None for no lock (or a fence hash)."""
+    if not fields or pttl == -2:
+        return None
+    meta = {_text(k): _text(v) for k, v in fields.items()}
+    token = meta.pop("token", None)
+    if token is None:
+        return None
+    fence = meta.pop("fence", None)
+    return Holder(
+        token,
+        meta.get("task_id"),
+        pttl / 1000 if pttl >= 0 else None,
+        meta,
+        int(fence) if fence is not None else None,
+    )
+
+
+def _removed(reply: Sequence[Any]) -> Holder | None:
+    """The Holder of an OPERATOR_RELEASE_SCRIPT reply, or None when it removed nothing."""
+    if not reply:
+        return None
+    pttl, flat = int(reply[0]), reply[1:]
+    return _holder(dict(zip(flat[::2], flat[1::2], strict=True)), pttl)
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` with the glob characters of SCAN MATCH escaped, to match it literally."""
+    return "".join("\\" + char if char in "*?[]\\" else char for char in text)

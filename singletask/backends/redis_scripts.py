@@ -19,6 +19,7 @@ __all__ = [
     "EXTEND_MANY_SCRIPT",
     "EXTEND_SCRIPT",
     "MAX_LEASE_MS",
+    "OPERATOR_RELEASE_SCRIPT",
     "RELEASE_SCRIPT",
 ]
 
@@ -176,4 +177,23 @@ if redis.call('HGET', KEYS[1], 'next') == ARGV[1] then
   return 1
 end
 return 0
+"""
+
+# KEYS[1]  lock key
+# ARGV[1]  task id the holder must have (its task_id field), or '' to release whoever holds it
+# Returns {} when nothing changed (no lock at KEYS[1], or ARGV[1] is not its holder's task id);
+# otherwise the lock it deleted: {lease left in ms, field, value, field, value, ...}.
+# Only a lock hash (one with a token field) is deleted, never a fence hash or a foreign key; the
+# fence hash is left alone, so the next acquisition still gets a larger fencing token.
+OPERATOR_RELEASE_SCRIPT = """
+if redis.call('TYPE', KEYS[1]).ok ~= 'hash' or not redis.call('HGET', KEYS[1], 'token') then
+  return {}
+end
+if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], 'task_id') ~= ARGV[1] then
+  return {}
+end
+local pttl = redis.call('PTTL', KEYS[1])
+local fields = redis.call('HGETALL', KEYS[1])
+redis.call('DEL', KEYS[1])
+return {pttl, unpack(fields)}
 """

@@ -310,6 +310,53 @@ class SQLiteBackend(LockBackend):
         meta: dict[str, str] = json.loads(stored)
         return Holder(token, meta.get("task_id"), expires_at - now, meta, fence)
 
+    def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
+        """Pages of ``page_size`` rows in key order, each read in its own short transaction."""
+        page_size = max(1, page_size)
+        after: str | None = None
+        while True:
+            with self._mutex:
+                try:
+                    conn = self._connection()
+                    # Keys with the prefix are contiguous in key order (BINARY collation).
+                    rows: list[tuple[str, str, float, str, int]] = conn.execute(
+                        "SELECT key, token, expires_at, meta, fence FROM singletask_locks "
+                        f"WHERE key {'>=' if after is None else '>'} ? ORDER BY key LIMIT ?",
+                        (prefix if after is None else after, page_size),
+                    ).fetchall()
+                except sqlite3.Error as exc:
+                    raise BackendError(f"{self!r}: list {prefix!r} failed: {exc}") from exc
+            now = time.time()
+            for key, token, expires_at, stored, fence in rows:
+                if not key.startswith(prefix):
+                    return
+                if expires_at > now:
+                    meta: dict[str, str] = json.loads(stored)
+                    yield key, Holder(token, meta.get("task_id"), expires_at - now, meta, fence)
+            if len(rows) < page_size:
+                return
+            after = rows[-1][0]
+
+    def _operator_release(self, key: str, task_id: str | None) -> Holder | None:
+        with self._transaction("release", key) as conn:
+            now = time.time()
+            row = self._row(conn, key, now)
+            if row is None:
+                return None
+            token, expires_at, stored, fence = row
+            meta: dict[str, str] = json.loads(stored)
+            if task_id is not None and meta.get("task_id") != task_id:
+                return None
+            # The fence row stays: the next acquisition still gets a larger fencing token.
+            conn.execute("DELETE FROM singletask_locks WHERE key = ?", (key,))
+        return Holder(token, meta.get("task_id"), expires_at - now, meta, fence)
+
+    def release_held_by(self, key: str, task_id: str) -> Holder | None:
+        return self._operator_release(key, task_id)
+
+    def force_release(self, key: str) -> Holder | None:
+        return self._operator_release(key, None)
+
     def close(self) -> None:
         with self._mutex:
             if self._conn is not None and self._pid == os.getpid():

@@ -72,6 +72,17 @@ class _Router(LockBackend):
     def holder(self, key: str) -> Holder | None:
         return self._store().holder(self.namespace + key)
 
+    def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
+        start = len(self.namespace)
+        for key, holder in self._store().iter_locks(self.namespace + prefix, page_size=page_size):
+            yield key[start:], holder
+
+    def release_held_by(self, key: str, task_id: str) -> Holder | None:
+        return self._store().release_held_by(self.namespace + key, task_id)
+
+    def force_release(self, key: str) -> Holder | None:
+        return self._store().force_release(self.namespace + key)
+
 
 class _AlwaysFree(LockBackend):
     """A store in which every lock is free: locking switched off."""
@@ -107,6 +118,15 @@ class _AlwaysFree(LockBackend):
         return False
 
     def holder(self, key: str) -> Holder | None:
+        return None
+
+    def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
+        return iter(())
+
+    def release_held_by(self, key: str, task_id: str) -> Holder | None:
+        return None
+
+    def force_release(self, key: str) -> Holder | None:
         return None
 
 

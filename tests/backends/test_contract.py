@@ -26,6 +26,7 @@ import pytest
 
 from singletask import ConfigurationError
 from singletask.backends.base import MAX_LEASE, AcquireResult, Holder, LockBackend
+from singletask.exceptions import UnsupportedOperation
 
 from .expiry import without_expiry
 
@@ -634,3 +635,187 @@ def test_the_longest_lease_is_accepted_and_expires(backend: LockBackend, key: st
     assert holder is not None
     assert holder.ttl is not None
     assert longest - 60 < holder.ttl <= longest + 2
+
+
+# -- operator primitives: iter_locks, release_held_by, force_release ---------------------------
+
+
+def listed(backend: LockBackend, prefix: str, page_size: int = 500) -> dict[str, Holder]:
+    """``iter_locks`` as a dict; a store that cannot list its keys skips the listing tests.
+
+    Such a store must say so with UnsupportedOperation as soon as the iteration starts (see
+    test_a_store_that_cannot_list_says_so_at_once).
+    """
+    try:
+        pairs = list(backend.iter_locks(prefix, page_size=page_size))
+    except UnsupportedOperation as exc:
+        pytest.skip(f"{backend!r} cannot list its keys: {exc}")
+    keys = [key for key, _ in pairs]
+    assert len(keys) == len(set(keys)), f"a key was listed twice: {keys}"
+    return dict(pairs)
+
+
+def test_a_store_that_cannot_list_says_so_at_once(backend: LockBackend, key_prefix: str) -> None:
+    """iter_locks either lists or raises UnsupportedOperation on the first step, never later."""
+    iterator = backend.iter_locks(key_prefix)
+    try:
+        assert next(iterator, None) is None  # nothing is held under a fresh prefix
+    except UnsupportedOperation:
+        return
+    assert list(iterator) == []
+
+
+def test_iter_locks_lists_every_held_lock_under_the_prefix(
+    backend: LockBackend, key_prefix: str
+) -> None:
+    """Each held lock is listed once, with the same holder ``holder(key)`` reports."""
+    # Given three locks under the prefix, with metadata, and one under another prefix
+    meta = {"task_id": "id-1", "task": "app.sync", "hostname": "w1@host", "pid": "42"}
+    keys = [f"{key_prefix}app.sync:{n}" for n in range(3)]
+    for n, name in enumerate(keys):
+        assert backend.acquire(name, f"token-{n}", LEASE, meta={**meta, "task_id": f"id-{n}"})
+    other = f"other-{key_prefix}app.sync"
+    assert backend.acquire(other, "token-x", LEASE).acquired
+
+    # When the prefix is listed
+    found = listed(backend, key_prefix)
+
+    # Then exactly the three are listed, each as holder() sees it
+    assert sorted(found) == keys
+    for n, name in enumerate(keys):
+        direct = backend.holder(name)
+        assert direct is not None
+        holder = found[name]
+        assert holder.token == direct.token == f"token-{n}"
+        assert holder.task_id == f"id-{n}"
+        assert holder.fence == direct.fence
+        assert isinstance(holder.fence, int)
+        assert dict(holder.meta) == dict(direct.meta)
+        assert holder.meta["task"] == "app.sync"
+        assert holder.meta["hostname"] == "w1@host"
+        assert holder.meta["pid"] == "42"
+        assert holder.ttl is not None
+        assert 0 < holder.ttl <= LEASE
+
+
+def test_iter_locks_leaves_out_released_and_expired_locks_and_bookkeeping(
+    backend: LockBackend, key_prefix: str
+) -> None:
+    """Only live locks are listed: not a released or expired one, nor fence or follow-up records."""
+    # Given a held lock, a released one (with a completion marker), an expired one, and a
+    # pending follow-up claim on the held one
+    held, released, expired = (f"{key_prefix}{name}" for name in ("held", "released", "expired"))
+    assert backend.acquire(held, "token-a", LEASE).acquired
+    assert backend.claim_next(held, "next-id", LEASE) == "next-id"
+    assert backend.acquire(released, "token-b", LEASE).acquired
+    assert backend.release(released, "token-b", completed="task-b:0")
+    assert backend.acquire(expired, "token-c", SHORT).acquired
+    assert wait_until_free(backend, expired)
+
+    # When the prefix is listed
+    found = listed(backend, key_prefix)
+
+    # Then only the held lock is there
+    assert list(found) == [held]
+
+
+def test_iter_locks_reads_in_pages_of_the_given_size(backend: LockBackend, key_prefix: str) -> None:
+    """Small pages list every lock exactly once."""
+    keys = sorted(f"{key_prefix}k{n:02d}" for n in range(11))
+    for name in keys:
+        assert backend.acquire(name, "token", LEASE).acquired
+    for page_size in (1, 3, 11, 500):
+        assert sorted(listed(backend, key_prefix, page_size=page_size)) == keys
+
+
+def test_iter_locks_matches_the_prefix_literally(backend: LockBackend, key_prefix: str) -> None:
+    """Glob characters in the prefix are plain characters (Redis MATCH must escape them)."""
+    # Given keys that a glob pattern built from the prefix would wrongly match
+    literal = f"{key_prefix}a*[b]?\\:"
+    mine = f"{literal}x"
+    lookalikes = [f"{key_prefix}aZ[b]?\\:x", f"{key_prefix}a*b?\\:x", f"{key_prefix}a*[b]Q\\:x"]
+    for name in [mine, *lookalikes]:
+        assert backend.acquire(name, "token", LEASE).acquired
+
+    # When the literal prefix is listed, then only the key that really starts with it is there
+    assert list(listed(backend, literal)) == [mine]
+
+
+def test_release_held_by_releases_only_for_the_holders_task_id(
+    backend: LockBackend, key: str
+) -> None:
+    """A release naming another task id changes nothing; naming the holder's releases it."""
+    # Given a lock held by task id-a
+    held = backend.acquire(key, "token-a", LEASE, meta={"task_id": "id-a", "task": "t"})
+    assert held.acquired
+
+    # When another task id is named, then nothing changes
+    assert backend.release_held_by(key, "id-b") is None
+    still = backend.holder(key)
+    assert still is not None
+    assert still.token == "token-a"
+
+    # When the holder's task id is named, then the lock is released and its holder returned
+    removed = backend.release_held_by(key, "id-a")
+    assert removed is not None
+    assert removed.token == "token-a"
+    assert removed.task_id == "id-a"
+    assert removed.fence == held.fence
+    assert removed.meta["task"] == "t"
+    assert backend.holder(key) is None
+
+
+def test_release_held_by_of_a_free_key_is_none(backend: LockBackend, key: str) -> None:
+    assert backend.release_held_by(key, "id-a") is None
+    assert backend.holder(key) is None
+
+
+def test_force_release_releases_whoever_holds_it(backend: LockBackend, key: str) -> None:
+    """A forced release removes any holder, even one without a task id (a direct call)."""
+    # Given a lock held without a task id
+    held = backend.acquire(key, "direct:abc", LEASE)
+    assert held.acquired
+
+    # When it is released by force
+    removed = backend.force_release(key)
+
+    # Then it returned that holder and the key is free; a second forced release finds nothing
+    assert removed is not None
+    assert removed.token == "direct:abc"
+    assert removed.task_id is None
+    assert removed.fence == held.fence
+    assert removed.ttl is not None
+    assert 0 < removed.ttl <= LEASE
+    assert backend.holder(key) is None
+    assert backend.force_release(key) is None
+
+
+@pytest.mark.parametrize("how", ["held_by", "force"])
+def test_an_operator_release_is_safe_for_the_old_and_the_next_holder(
+    backend: LockBackend, key: str, how: str
+) -> None:
+    """After an operator release the old holder can neither renew nor release, the next
+    acquisition starts at once with a larger fence, and the key's bookkeeping is kept."""
+    # Given a lock held by id-a, with a pending follow-up and a completion marker from before
+    assert backend.acquire(key, "token-0", LEASE).acquired
+    assert backend.release(key, "token-0", completed="id-0:0")
+    old = backend.acquire(key, "token-a", LEASE, meta={"task_id": "id-a"})
+    assert backend.claim_next(key, "next-id", LEASE) == "next-id"
+
+    # When an operator releases it
+    force = how == "force"
+    removed = backend.force_release(key) if force else backend.release_held_by(key, "id-a")
+    assert removed is not None
+
+    # Then the old holder's renewal and release report that it no longer holds it
+    assert backend.extend(key, "token-a", LEASE) is False
+    assert backend.extend_many([(key, "token-a", LEASE)]) == [False]
+    assert backend.release(key, "token-a") is False
+    # And a new execution acquires it at once, with a larger fence
+    new = backend.acquire(key, "token-b", LEASE, meta={"task_id": "id-b"})
+    assert new.acquired
+    assert new.fence is not None
+    assert old.fence is not None
+    assert new.fence > old.fence
+    # And the follow-up claim survived the release
+    assert backend.claim_next(key, "other-id", LEASE) == "next-id"

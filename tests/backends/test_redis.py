@@ -767,3 +767,55 @@ def test_an_acquire_that_times_out_blocks_the_key_for_one_lease_at_most(
     finally:
         backend.close()
         proxy.close()
+
+
+# -- operator primitives ------------------------------------------------------------------------
+
+
+def commands_run(client: redis.Redis, name: str) -> int:
+    """How many times the server has run command ``name`` (INFO commandstats)."""
+    stats = client.info("commandstats").get(f"cmdstat_{name}")
+    return int(stats["calls"]) if stats else 0
+
+
+def test_iter_locks_scans_and_leaves_out_keys_that_are_not_locks(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """Under the prefix, only lock hashes are listed: not a fence hash (a tagged key keeps it
+    under the prefix), nor another application's string, list or hash. SCAN, never KEYS."""
+    # Given a lock with a hash tag (its fence hash shares the prefix) and foreign keys
+    lock = f"{key_prefix}{{tenant}}:sync"
+    assert redis_backend.acquire(lock, "token-a", LEASE, meta={"task_id": "id-a"}).acquired
+    assert redis_client.exists(fence_key(lock))
+    assert fence_key(lock).startswith(key_prefix)
+    redis_client.set(f"{key_prefix}string", "x", ex=60)
+    redis_client.rpush(f"{key_prefix}list", "x")
+    redis_client.expire(f"{key_prefix}list", 60)
+    redis_client.hset(f"{key_prefix}hash", "field", "x")
+    redis_client.expire(f"{key_prefix}hash", 60)
+    keys_before = commands_run(redis_client, "keys")
+    scans_before = commands_run(redis_client, "scan")
+
+    # When the prefix is listed in pages of two keys
+    found = dict(redis_backend.iter_locks(key_prefix, page_size=2))
+
+    # Then only the lock is there, read with SCAN and never KEYS
+    assert list(found) == [lock]
+    assert found[lock].task_id == "id-a"
+    assert commands_run(redis_client, "keys") == keys_before
+    assert commands_run(redis_client, "scan") > scans_before
+
+
+def test_operator_releases_touch_only_lock_hashes(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A forced release of a fence hash or a foreign key changes nothing and returns None."""
+    lock = f"{key_prefix}{{tenant}}:sync"
+    assert redis_backend.acquire(lock, "token-a", LEASE, meta={"task_id": "id-a"}).acquired
+    foreign = f"{key_prefix}string"
+    redis_client.set(foreign, "x", ex=60)
+    for name in (fence_key(lock), foreign):
+        assert redis_backend.force_release(name) is None
+        assert redis_backend.release_held_by(name, "id-a") is None
+        assert redis_client.exists(name)
+    assert redis_backend.holder(lock) is not None

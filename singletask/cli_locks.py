@@ -1,0 +1,305 @@
+"""The operator commands: ``locks``, ``inspect`` and ``release`` (see docs/operations.rst).
+
+They run as ``celery -A proj singletask <command>`` (the lock store URL and key prefix come from
+the app's settings) and as ``singletask <command> --url URL`` (no app needed). ``--url`` may also
+come from the ``SINGLETASK_BACKEND_URL`` environment variable, which keeps a password out of the
+process list.
+
+Exit status: 0 done; 1 refused or nothing found (lock not held, not held by that task, no lock
+listed, confirmation declined); 2 usage error (bad option, no store configured, a store that
+cannot list its keys); 3 the lock store failed (unreachable, timed out). Errors are one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from .backends import backend_from_url
+from .backends.base import LockBackend
+from .config import DEFAULTS, Settings
+from .exceptions import BackendError, ConfigurationError, UnsupportedOperation
+from .inventory import FIELDS, LockRecord, find_locks, inspect_lock, release_lock
+from .urls import mask_url
+
+__all__ = ["COMMANDS", "STORE_FAILED"]
+
+#: Exit status when the lock store failed (1 and 2 are "refused / nothing" and "usage").
+STORE_FAILED = 3
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _url_option(command: _F) -> _F:
+    return click.option(
+        "--url",
+        metavar="URL",
+        envvar="SINGLETASK_BACKEND_URL",
+        help="The lock store (redis://..., sqlite:///...). Default: the app's "
+        "singletask_backend_url under 'celery -A proj'; required otherwise. "
+        "Environment: SINGLETASK_BACKEND_URL.",
+    )(command)
+
+
+def _json_option(command: _F) -> _F:
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON.")(command)
+
+
+class _Store:
+    """The lock store a command works on, and how to name it in messages (password masked)."""
+
+    def __init__(self, ctx: click.Context, url: str | None) -> None:
+        app = getattr(ctx.obj, "app", None)  # Celery's CLIContext under `celery -A proj`
+        settings: Settings | None = None
+        options: dict[str, Any] = {}
+        try:
+            if app is not None:
+                settings = Settings.from_app(app, backend_url=url)
+                url = settings.backend_url
+                options = settings.backend_options()
+        except ConfigurationError as exc:
+            raise click.UsageError(f"{exc} (or give --url)") from None
+        if url is None:
+            raise click.UsageError(
+                "no lock store: give --url URL (or set SINGLETASK_BACKEND_URL), or run the "
+                "command as 'celery -A proj singletask ...'"
+            )
+        # The release is reported on stdout: no second copy of the log line on stderr.
+        logging.getLogger("singletask").addHandler(logging.NullHandler())
+        self.prefix = settings.key_prefix if settings else DEFAULTS["singletask_key_prefix"]
+        self.where = mask_url(url)
+        if url.partition("://")[0].lower() == "memory":
+            raise click.UsageError(f"{self.where!r} lives inside one process: nothing to see here")
+        try:
+            self.backend: LockBackend = backend_from_url(url, **options)
+        except ConfigurationError as exc:
+            raise click.UsageError(str(exc)) from None
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[LockBackend]:
+        """Use the backend; a store failure ends the command with one line and status 3."""
+        try:
+            yield self.backend
+        except UnsupportedOperation as exc:
+            raise click.UsageError(f"{self.where}: {exc}") from None
+        except BackendError as exc:
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            click.echo(f"Error: the lock store failed: {message}", err=True)
+            sys.exit(STORE_FAILED)
+        finally:
+            with contextlib.suppress(Exception):
+                self.backend.close()
+
+
+class _Table:
+    """A table printed as it streams: column widths from the first rows, grown as needed."""
+
+    HEADERS = ("KEY", "TASK", "SCOPE", "STATE", "HOLDER", "HOST", "PID", "ACQUIRED", "LEASE",
+               "FENCE")  # fmt: skip
+    BUFFERED = 200
+
+    def __init__(self) -> None:
+        self.widths: list[int] | None = None
+        self.pending: list[tuple[str, ...]] = []
+
+    @staticmethod
+    def row(record: LockRecord) -> tuple[str, ...]:
+        acquired = record.acquired_at.strftime("%Y-%m-%dT%H:%M:%SZ") if record.acquired_at else "-"
+        lease = f"{record.lease_left:.1f}s" if record.lease_left is not None else "-"
+        values = (record.key, record.task, record.scope, record.state, record.holder,
+                  record.hostname, record.pid, acquired, lease, record.fence)  # fmt: skip
+        return tuple("-" if value is None else str(value) for value in values)
+
+    def add(self, record: LockRecord) -> None:
+        self.pending.append(self.row(record))
+        if len(self.pending) >= self.BUFFERED:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.widths is None:
+            rows = [self.HEADERS, *self.pending]
+            self.widths = [max(len(row[i]) for row in rows) for i in range(len(self.HEADERS))]
+            self.pending.insert(0, self.HEADERS)
+        for row in self.pending:
+            cells = [cell.ljust(width) for cell, width in zip(row, self.widths, strict=True)]
+            click.echo("  ".join(cells).rstrip())
+        self.pending = []
+
+
+def _print_json_array(records: Iterable[LockRecord]) -> int:
+    """Print a JSON array, one object per line, as the records stream; return how many."""
+    count = 0
+    for record in records:
+        click.echo(("[\n  " if count == 0 else ",\n  ") + json.dumps(record.as_json()), nl=False)
+        count += 1
+    click.echo("[]" if count == 0 else "\n]")
+    return count
+
+
+@click.command(context_settings=CONTEXT)
+@click.option("--task", metavar="NAME", help="Only the locks of this task name.")
+@click.option("--limit", type=click.IntRange(min=1), metavar="N", help="Show at most N locks.")
+@click.option(
+    "--prefix",
+    metavar="PREFIX",
+    help="Key prefix to list (default: the app's singletask_key_prefix, else 'singletask:').",
+)
+@_json_option
+@_url_option
+@click.pass_context
+def locks(
+    ctx: click.Context,
+    /,
+    task: str | None,
+    limit: int | None,
+    prefix: str | None,
+    as_json: bool,
+    url: str | None,
+    **kwargs: Any,
+) -> None:
+    """List every lock and reservation singletask holds.
+
+    One row per lock: key, task name, scope (execution, queue or coalesce), state (running, or
+    reserved for a message not started yet), holder task id, its worker's hostname and pid, when
+    it was acquired (UTC), seconds left on its lease, fence token. --json prints a JSON array of
+    objects with the fields key, task, scope, state, holder, hostname, pid, acquired_at,
+    lease_left, fence and token (see the Operations page). The store is read in pages, so this
+    works on large databases without loading them whole (Redis: SCAN, never KEYS).
+
+    Exit status: 0 when at least one lock is listed, 1 when none is, 2 usage error, 3 the lock
+    store failed.
+    """
+    store = _Store(ctx, url)
+    with store.session() as backend:
+        found = find_locks(backend, prefix or store.prefix, task=task, limit=limit)
+        if as_json:
+            count = _print_json_array(found)
+        else:
+            table, count = _Table(), 0
+            for record in found:
+                table.add(record)
+                count += 1
+            if count:
+                table.flush()
+    what = f" of task {task!r}" if task else ""
+    click.echo(
+        f"{count} lock{'' if count == 1 else 's'}{what} held under {prefix or store.prefix!r} "
+        f"in {store.where}" + (f" (--limit {limit})" if limit and count >= limit else ""),
+        err=True,
+    )
+    sys.exit(0 if count else 1)
+
+
+@click.command(context_settings=CONTEXT)
+@click.argument("key")
+@_json_option
+@_url_option
+@click.pass_context
+def inspect(ctx: click.Context, /, key: str, as_json: bool, url: str | None, **kwargs: Any) -> None:
+    """Show who holds the lock KEY, since when and for how long still.
+
+    The fields are those of "locks" (--json prints one object, or null when the lock is free).
+
+    Exit status: 0 when the lock is held, 1 when it is not, 2 usage error, 3 the lock store
+    failed.
+    """
+    store = _Store(ctx, url)
+    with store.session() as backend:
+        record = inspect_lock(backend, key)
+    if as_json:
+        click.echo(json.dumps(record.as_json() if record else None, indent=2))
+    elif record is not None:
+        shown = record.as_json()
+        width = max(len(name) for name in FIELDS) + 2
+        for name in FIELDS:
+            value = shown[name]
+            if name == "lease_left" and value is not None:
+                value = f"{value:.1f}s"
+            click.echo(f"{name + ':':<{width}}{'-' if value is None else value}")
+    if record is None:
+        click.echo(f"lock {key!r} is not held (in {store.where})", err=True)
+        sys.exit(1)
+
+
+@click.command(context_settings=CONTEXT)
+@click.argument("key")
+@click.option("--holder", metavar="TASK_ID", help="Release only if this task id holds the lock.")
+@click.option("--force", is_flag=True, help="Release whoever holds the lock.")
+@click.option("--yes", "-y", is_flag=True, help="With --force: do not ask for confirmation.")
+@_json_option
+@_url_option
+@click.pass_context
+def release(
+    ctx: click.Context,
+    /,
+    key: str,
+    holder: str | None,
+    force: bool,
+    yes: bool,
+    as_json: bool,
+    url: str | None,
+    **kwargs: Any,
+) -> None:
+    """Release the lock KEY: only if task TASK_ID holds it (--holder), or whoever does (--force).
+
+    The release is safe on a live fleet: the lock's fence record is kept, so the next execution
+    starts at once with a larger fencing token, and the old holder's next renewal (within a
+    third of its lease) finds the lock gone and reports the loss: a log line naming its task
+    id, the lock_lost signal, and LockLost from self.lock.check().
+
+    --force asks for confirmation when run on a terminal, unless --yes; once confirmed it
+    releases only the holder it showed (if the lock changed hands meanwhile, nothing is
+    released).
+
+    Exit status: 0 released, 1 refused (not held, held by another task id, not confirmed),
+    2 usage error, 3 the lock store failed.
+    """
+    if (holder is None) == (not force):
+        raise click.UsageError("give exactly one of --holder TASK_ID and --force")
+    store = _Store(ctx, url)
+    with store.session() as backend:
+        if force and not yes and _interactive():
+            current = inspect_lock(backend, key)
+            if current is None:
+                _refuse(f"lock {key!r} is not held: nothing to release")
+            click.echo(f"lock {key!r} is held by {current.describe()}, fence {current.fence}")
+            if not click.confirm("Release it by force?", default=False):
+                _refuse("not released")
+            holder = current.holder  # only the holder shown (None: a direct call, any holder)
+            force = holder is None
+        released = release_lock(backend, key, holder=None if force else holder)
+        current = None if released else inspect_lock(backend, key)
+    if released is None:
+        if current is None:
+            _refuse(f"lock {key!r} is not held: nothing released")
+        _refuse(f"lock {key!r} is held by {current.describe()}, not by {holder}: not released")
+    if as_json:
+        click.echo(json.dumps(released.as_json(), indent=2))
+        return
+    click.echo(
+        f"released lock {key!r}{' by force' if force else ''}: it was held by "
+        f"{released.describe()}, fence {released.fence}. A new execution can take it now; the "
+        "old holder reports the lost lease at its next renewal."
+    )
+
+
+def _interactive() -> bool:
+    """Whether a person can answer a question (standard input is a terminal)."""
+    return sys.stdin.isatty()
+
+
+def _refuse(message: str) -> NoReturn:
+    click.echo(message, err=True)
+    sys.exit(1)
+
+
+#: The commands, added to the ``singletask`` group (and so to ``celery singletask``).
+COMMANDS = (locks, inspect, release)
