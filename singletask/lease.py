@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .exceptions import BackendError, LockLost
 
-__all__ = ["LockHandle", "Renewer"]
+if TYPE_CHECKING:
+    from .backends.base import LockBackend
+
+__all__ = ["LockHandle", "Renewer", "native_threads"]
 
 logger = logging.getLogger("singletask")
 
@@ -118,12 +123,33 @@ class LockHandle:
         return self.max_hold is not None and time.monotonic() - self._started >= self.max_hold
 
 
+def native_threads() -> tuple[Callable[..., Any], Callable[[], Any]] | None:
+    """``(start_new_thread, allocate_lock)`` of the OS when gevent or eventlet has monkey-patched
+    threading in this process (their ``threading.Thread`` is then a green thread); else None."""
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("threading"):
+        start, allocate = monkey.get_original("_thread", ["start_new_thread", "allocate_lock"])
+        return start, allocate
+    patcher = sys.modules.get("eventlet.patcher")
+    if patcher is not None and patcher.is_monkey_patched("thread"):
+        original = patcher.original("_thread")
+        return original.start_new_thread, original.allocate_lock
+    return None
+
+
 class Renewer:
     """Extends the leases of one process, in one round trip per interval, from a daemon thread.
 
     One renewer serves every lock its backend holds in the process; it starts its thread on the
-    first lease it is given. Under gevent or eventlet (monkey-patched threading) the thread is a
-    green thread. A forked child gets a new renewer, since threads do not survive ``fork()``.
+    first lease it is given. A forked child gets a new renewer, since threads do not survive
+    ``fork()``.
+
+    Under gevent or eventlet (monkey-patched threading), given ``connect``, the thread is an OS
+    thread that renews through a backend of its own, built by ``connect`` in that thread (a
+    connection made on one thread's hub cannot be used from another's). A body that does not
+    yield to the hub for a while therefore does not hold renewal up, and renewal never waits on
+    the workers' hub. Without ``connect`` it is a green thread, which renews only when the body
+    yields.
 
     The thread sleeps until the next renewal is due; with nothing to renew, for a third of the
     shortest lease it has been given. Adding a lease wakes it only if that lease must be renewed
@@ -131,35 +157,49 @@ class Renewer:
     nothing: their leases are added and removed while it sleeps.
     """
 
-    def __init__(self, backend: object) -> None:
-        from .backends.base import LockBackend
-
-        assert isinstance(backend, LockBackend)
+    def __init__(
+        self, backend: LockBackend, *, connect: Callable[[], LockBackend] | None = None
+    ) -> None:
         self._backend = backend
+        self._connect = connect
+        self._native = native_threads() if connect is not None else None
+        allocate = self._native[1] if self._native is not None else threading.Lock
         self._leases: dict[str, LockHandle] = {}
-        self._wake = threading.Condition()
-        self._thread: threading.Thread | None = None
+        # Both are OS locks under gevent/eventlet with ``connect``: held only briefly, never
+        # across I/O. The bell is released (by add()) to wake the thread before its time.
+        self._mutex = allocate()
+        self._bell = allocate()
+        self._bell.acquire()
+        self._running = False
         self._retry_at = 0.0
         self._shortest = math.inf  # the shortest lease given so far, in seconds
         self._wakes_at = math.inf  # monotonic time at which the sleeping thread wakes
 
     def add(self, handle: LockHandle) -> None:
         """Start renewing ``handle`` until :meth:`remove`, loss, or its ``max_hold``."""
-        with self._wake:
+        with self._mutex:
             self._leases[handle.token] = handle
             self._shortest = min(self._shortest, handle.ttl)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="singletask-renewer", daemon=True
-                )
-                self._thread.start()
+            if not self._running:
+                self._running = True
+                if self._native is not None:
+                    self._native[0](self._run, ())
+                else:
+                    thread = threading.Thread(target=self._run, name="singletask-renewer")
+                    thread.daemon = True
+                    thread.start()
             elif handle._expires - handle.ttl + handle.ttl / 3 < self._wakes_at:
-                self._wake.notify()  # its first renewal is due before the thread would wake
+                self._ring()  # its first renewal is due before the thread would wake
 
     def remove(self, handle: LockHandle) -> None:
         """Stop renewing ``handle``; call it before releasing (no renewal starts after it)."""
-        with self._wake:
+        with self._mutex:
             self._leases.pop(handle.token, None)
+
+    def _ring(self) -> None:
+        """Wake the thread (with the mutex held: only one releaser at a time)."""
+        if self._bell.locked():
+            self._bell.release()
 
     def _due(self, now: float) -> float:
         """Seconds until the next renewal round (or, with nothing to renew, the next look)."""
@@ -171,22 +211,30 @@ class Renewer:
 
     def _run(self) -> None:
         try:
+            if self._native is not None and self._connect is not None:
+                self._backend = self._connect()  # connections of this thread's own
             self._loop()
-        finally:  # never expected; the next add() starts a new thread
-            with self._wake:
-                self._thread = None
+        except Exception:  # never expected
+            logger.exception("the lease renewer stopped")
+        finally:  # the next add() starts a new thread
+            with self._mutex:
+                self._running = False
 
     def _loop(self) -> None:
         while True:
-            with self._wake:
+            with self._mutex:
                 now = time.monotonic()
                 wait = self._due(now)
-                while wait > 0 or not self._leases:
+                if wait > 0 or not self._leases:
                     self._wakes_at = now + wait
-                    self._wake.wait(timeout=wait)
-                    now = time.monotonic()
-                    wait = self._due(now)
-                # Awake: it looks at the leases again before it sleeps, so add() need not notify.
+                    sleep: float | None = min(wait, 3600.0)
+                else:
+                    sleep = None
+            if sleep is not None:
+                self._bell.acquire(timeout=sleep)  # returns early when add() rings
+                continue
+            with self._mutex:
+                # Awake: it looks at the leases again before it sleeps, so add() need not ring.
                 self._wakes_at = -math.inf
                 batch = list(self._leases.values())
                 for handle in batch:
@@ -229,7 +277,7 @@ class Renewer:
                 self._drop(handle, "a renewal found it gone or held by another owner")
 
     def _drop(self, handle: LockHandle, reason: str) -> None:
-        with self._wake:
+        with self._mutex:
             if self._leases.pop(handle.token, None) is None:
                 return  # released meanwhile: not a loss
         handle.lose(reason)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from .backends import backend_from_url
@@ -84,10 +85,13 @@ class AppState:
             with self._mutex:
                 if self._backend is None or self._pid != pid:
                     settings = self.settings
-                    self._backend = backend_from_url(
-                        settings.backend_url, **settings.backend_options()
+                    connect = partial(
+                        backend_from_url, settings.backend_url, **settings.backend_options()
                     )
-                    self._renewer = Renewer(self._backend)
+                    self._backend = connect()
+                    # Under gevent/eventlet the renewer runs on an OS thread, with a backend
+                    # of its own.
+                    self._renewer = Renewer(self._backend, connect=connect)
                     self._pid = pid
         return self._backend
 

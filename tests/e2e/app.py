@@ -23,6 +23,7 @@ TASK_MODULES = [
     "tests.e2e.tasks_faults",
     "tests.e2e.tasks_scopes",
     "tests.e2e.tasks_ops",
+    "tests.e2e.tasks_pools",
 ]
 
 #: Optional: a JSON object merged into ``broker_transport_options`` (e.g. a short

@@ -1,10 +1,11 @@
-"""Real ``celery worker -P prefork`` subprocesses on a real broker, for the end-to-end tests.
+"""Real ``celery worker`` subprocesses on a real broker, for the end-to-end tests.
 
-One worker per broker for the whole session (Redis always; RabbitMQ when
+One prefork worker per broker for the whole session (Redis always; RabbitMQ when
 ``SINGLETASK_TEST_AMQP_URL`` is set, as CI does: without it, the RabbitMQ runs are skipped
 with that reason, and fail in CI). The ``cluster`` fixture is parametrized over
-them, so every e2e test runs once per broker. Databases of the private Redis server:
-0 broker, 1 results, 2 locks, 3 probe.
+them, so every e2e test runs once per broker. :func:`start_cluster` starts a worker of another
+pool (test_pools.py). Databases of the private Redis server: 0 broker, 1 results, 2 locks,
+3 probe.
 """
 
 from __future__ import annotations
@@ -102,18 +103,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 class Worker:
     """A ``celery worker`` subprocess (its own process group) and its log file."""
 
-    def __init__(self, env: dict[str, str], log: Path, app: Celery, extra: list[str]) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        log: Path,
+        app: Celery,
+        extra: list[str],
+        *,
+        pool: str = "prefork",
+        concurrency: int = CONCURRENCY,
+    ) -> None:
         self.env = env
         self.log = log
         self.app = app
         self.extra = extra
+        self.pool = pool
+        self.concurrency = concurrency
         self.nodename = f"e2e-{uuid.uuid4().hex[:8]}@%h"
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 60.0) -> None:
         command = [
             sys.executable, "-m", "celery", "-A", "tests.e2e.app", "worker",
-            "-P", "prefork", "-c", str(CONCURRENCY), "-n", self.nodename, "-l", "INFO",
+            "-P", self.pool, "-c", str(self.concurrency), "-n", self.nodename, "-l", "INFO",
             "--without-gossip", "--without-mingle", "--without-heartbeat", *self.extra,
         ]  # fmt: skip
         with self.log.open("ab") as out:
@@ -150,6 +162,13 @@ class Worker:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         except FileNotFoundError:
             return "(no log)"
+
+    def kill(self) -> None:
+        """SIGKILL the whole worker (its process group: the main process and any pool
+        processes), and reap it."""
+        assert self.process is not None
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -227,13 +246,22 @@ def _lock_store(
     return url, {}, redis.Redis.from_url(url)
 
 
-@pytest.fixture(scope="session", params=CLUSTER_PARAMS)
-def cluster(
-    request: pytest.FixtureRequest,
+@contextlib.contextmanager
+def start_cluster(
+    param: str,
     redis_base_url: str,
     tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+    *,
+    pool: str = "prefork",
+    concurrency: int = CONCURRENCY,
 ) -> Iterator[Cluster]:
-    broker_name, _, store = request.param.partition("@")
+    """A worker of ``pool`` on a queue of its own, and the producer side that talks to it.
+
+    ``param`` names the broker, optionally with the lock store: ``"redis"``,
+    ``"redis@redis-cluster"``.
+    """
+    broker_name, _, store = param.partition("@")
     broker = _broker_url(broker_name, redis_base_url)
     locks, lock_options, lock_client = _lock_store(store, redis_base_url, request)
     queue = f"singletask-e2e-{uuid.uuid4().hex[:8]}"
@@ -254,18 +282,30 @@ def cluster(
         queue=queue,
         lock_options=lock_options,
     )
-    log = Path(tmp_path_factory.mktemp(f"worker-{request.param.replace('@', '-')}")) / "worker.log"
-    worker = Worker(env, log, app, [])
+    log = Path(tmp_path_factory.mktemp(f"worker-{param.replace('@', '-')}-{pool}")) / "worker.log"
+    worker = Worker(env, log, app, [], pool=pool, concurrency=concurrency)
     try:
         worker.start()
     except Exception as exc:  # reported as unavailable (a failure in CI) below
         worker.stop()
-        unavailable(f"cannot start a celery worker on the {request.param} broker: {exc}")
-    cluster = Cluster(request.param, app, worker, lock_client, Probe(settings[PROBE_URL_ENV]))
-    yield cluster
-    worker.stop()
-    # Collect the tests' AsyncResults while the result store still answers: on Celery < 5.5
-    # their __del__ unsubscribes from it and complains once the server is gone.
-    gc.collect()
-    cluster.locks.close()
-    app.close()
+        unavailable(f"cannot start a celery worker -P {pool} on the {param} broker: {exc}")
+    cluster = Cluster(param, app, worker, lock_client, Probe(settings[PROBE_URL_ENV]))
+    try:
+        yield cluster
+    finally:
+        worker.stop()
+        # Collect the tests' AsyncResults while the result store still answers: on Celery < 5.5
+        # their __del__ unsubscribes from it and complains once the server is gone.
+        gc.collect()
+        cluster.locks.close()
+        app.close()
+
+
+@pytest.fixture(scope="session", params=CLUSTER_PARAMS)
+def cluster(
+    request: pytest.FixtureRequest,
+    redis_base_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Cluster]:
+    with start_cluster(request.param, redis_base_url, tmp_path_factory, request) as cluster:
+        yield cluster
