@@ -73,9 +73,7 @@ def race_raise(self: SingletonTask, label: str, seconds: float) -> str:
 # -- endings ---------------------------------------------------------------------------------
 
 
-@shared_task(
-    base=SingletonTask, name=PREFIX + "end", bind=True, lock_key="{label}", lock_ttl=TTL
-)
+@shared_task(base=SingletonTask, name=PREFIX + "end", bind=True, lock_key="{label}", lock_ttl=TTL)
 def end(self: SingletonTask, label: str, how: str = "return", seconds: float = 0.2) -> str:
     """Run ``seconds``, then end as ``how`` says: return, raise, retry (once), ignore, reject."""
     retries = self.request.retries
@@ -122,9 +120,7 @@ def hard(self: SingletonTask, label: str, seconds: float) -> str:
     return "done"
 
 
-@shared_task(
-    base=SingletonTask, name=PREFIX + "long", bind=True, lock_key="{label}", lock_ttl=TTL
-)
+@shared_task(base=SingletonTask, name=PREFIX + "long", bind=True, lock_key="{label}", lock_ttl=TTL)
 def long(self: SingletonTask, label: str, seconds: float) -> str:
     """Sleeps ``seconds``: long enough to be revoked with terminate."""
     with probe().running(label, self.request.id):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -55,8 +54,6 @@ class Pool:
 
     def unsupported(self) -> str | None:
         """Why this pool cannot run here, or None."""
-        if self.name == "eventlet" and sys.version_info >= (3, 13):
-            return "eventlet's monkey-patching does not work on Python 3.13 and later"
         module = {"gevent": "gevent", "eventlet": "eventlet"}.get(self.name)
         if module is not None and importlib.util.find_spec(module) is None:
             return f"{module} is not installed"
@@ -67,8 +64,14 @@ POOLS = [
     Pool("threads", 4, hard_time_limit=False, soft_time_limit=False, terminate=False, green=False),
     Pool("solo", 1, hard_time_limit=False, soft_time_limit=False, terminate=False, green=False),
     # gevent kills a greenlet on revoke(terminate=True) since Celery 5.5.
-    Pool("gevent", 20, hard_time_limit=True, soft_time_limit=False, terminate=CELERY >= (5, 5),
-         green=True),  # fmt: skip
+    Pool(
+        "gevent",
+        20,
+        hard_time_limit=True,
+        soft_time_limit=False,
+        terminate=CELERY >= (5, 5),
+        green=True,
+    ),
     Pool("eventlet", 20, hard_time_limit=False, soft_time_limit=False, terminate=True, green=True),
 ]
 
@@ -313,12 +316,19 @@ def test_the_lease_is_renewed_while_a_body_runs_three_leases(pool: Pool, pooled:
 
     # And the body never saw it lost
     assert result.get(timeout=BOUND) == {"lost": None}
-    # And the duplicates were skipped, while the other key ran
+    # And the duplicates the worker took while it ran were skipped (a green worker takes
+    # messages only when the body yields: later ones ran after it, never beside it)
     values = [other.get(timeout=BOUND) for other in others]
-    assert all(isinstance(value, Skipped) for value in values[0::2]), values
-    assert not any(isinstance(value, Skipped) for value in values[1::2]), values
-    assert [start["task_id"] for start in pooled.probe.starts(label)] == [result.id]
+    ended = pooled.probe.wait_for(label, "end")[0]["t"]
     assert pooled.probe.max_overlap(label) == 1
+    assert all(start["t"] >= ended for start in pooled.probe.starts(label)[1:])
+    if others:
+        assert isinstance(values[0], Skipped), values
+        assert {value.holder for value in values[0::2] if isinstance(value, Skipped)} == {result.id}
+        # And other keys ran meanwhile: renewal does not hold up the worker
+        assert not any(isinstance(value, Skipped) for value in values[1::2]), values
+        other_starts = [pooled.probe.starts(f"{label}-other{n}") for n in range(1, 8, 2)]
+        assert min(starts[0]["t"] for starts in other_starts) < ended
     pooled.wait_free(key, timeout=BOUND)
 
 
