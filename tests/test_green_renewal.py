@@ -1,0 +1,83 @@
+"""Lease renewal under gevent and eventlet monkey-patching, in a process of its own.
+
+Monkey-patched, ``threading.Thread`` starts a green thread, which runs only when the body
+yields. The renewer must not depend on that: it runs on an OS thread with a backend of its
+own. tests/e2e/test_pools.py checks the same on real ``-P gevent`` / ``-P eventlet`` workers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Patches the process, then runs eagerly a body that does 5 leases of CPU work without ever
+#: yielding, and prints whether its lock was lost, and on which kind of thread it was renewed.
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    kind, url, prefix = sys.argv[1:4]
+    if kind == "gevent":
+        from gevent import monkey
+
+        monkey.patch_all()
+    else:
+        import eventlet
+
+        eventlet.monkey_patch()
+
+    import threading
+    import time
+
+    import celery
+
+    from singletask import SingletonTask
+
+    app = celery.Celery("green", set_as_current=False)
+    app.conf.update(
+        singletask_backend_url=url,
+        singletask_key_prefix=prefix,
+        task_always_eager=True,
+        task_eager_propagates=True,
+    )
+
+    @app.task(base=SingletonTask, bind=True, shared=False, lazy=False, lock_ttl=0.6)
+    def busy(self):
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            pass
+        return self.lock.lost_reason
+
+    print("lost:", busy.apply().get())
+    """
+)
+
+
+@pytest.mark.parametrize("kind", ["gevent", "eventlet"])
+def test_a_body_that_never_yields_keeps_its_renewed_lease(
+    kind: str, redis_url: str, key_prefix: str
+) -> None:
+    # Given a process monkey-patched by gevent or eventlet
+    if importlib.util.find_spec(kind) is None:
+        pytest.skip(f"{kind} is not installed")
+
+    # When a body with a 0.6 s lease runs 3 s of CPU work without ever yielding to the hub
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, kind, redis_url, key_prefix],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+    # Then its lock was renewed all along: never lost
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "lost: None", done.stdout + done.stderr
