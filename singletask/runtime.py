@@ -90,8 +90,10 @@ class AppState:
                     )
                     self._backend = connect()
                     # Under gevent/eventlet the renewer runs on an OS thread, with a backend
-                    # of its own.
-                    self._renewer = Renewer(self._backend, connect=connect)
+                    # of its own (not possible for a store in this process's memory).
+                    self._renewer = Renewer(
+                        self._backend, connect=None if self._backend.in_process else connect
+                    )
                     self._pid = pid
         return self._backend
 

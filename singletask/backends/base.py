@@ -25,7 +25,7 @@ import abc
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ..exceptions import ConfigurationError
 
@@ -104,6 +104,11 @@ class LockBackend(abc.ABC):
     #: The longest lease this store accepts (at most :data:`MAX_LEASE`); longer ones are refused
     #: with ConfigurationError. Reservations are capped at it.
     max_lease: float = MAX_LEASE
+
+    #: True for a store that lives in this process's memory, where a second instance built from
+    #: the same URL is another, empty store. For any other store a second instance reaches the
+    #: same locks: under gevent or eventlet the lease renewer builds one for its own OS thread.
+    in_process: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod

@@ -51,6 +51,8 @@ class _Fence:
 class MemoryBackend(LockBackend):
     """Locks in a dict guarded by a mutex; leases use the monotonic clock."""
 
+    in_process = True
+
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
         self._fences: dict[str, _Fence] = {}
