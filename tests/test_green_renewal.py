@@ -17,6 +17,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# With the pool tests (`-m pools`): each test starts an interpreter that imports Celery and
+# gevent or eventlet.
+pytestmark = pytest.mark.pools
+
 #: Patches the process, then runs eagerly a body that does 5 leases of CPU work without ever
 #: yielding (with "steal": after deleting its own lock key), and prints why its lock was lost
 #: (None: it was not) and the losses the ``lock_lost`` signal reported.
