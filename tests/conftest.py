@@ -38,6 +38,26 @@ from .servers import (
     unavailable,
 )
 
+#: Fixtures that start a Redis deployment, and the ``backend`` params that use one: the tests that
+#: need them carry the ``deployments`` marker, so the README's command leaves them to their own
+#: step of .ci/run (``python -m pytest -m "deployments or stores"``).
+DEPLOYMENT_FIXTURES = frozenset(
+    {"redis_cluster", "redis_sentinel", "redis_tls", "redis_tls_cluster"}
+)
+DEPLOYMENT_BACKENDS = frozenset({"redis-cluster", "redis-sentinel", "rediss", "rediss-cluster"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that needs a Redis deployment with ``deployments`` (before ``-m`` runs)."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        backend = callspec.params.get("backend") if callspec is not None else None
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & DEPLOYMENT_FIXTURES or backend in DEPLOYMENT_BACKENDS:
+            item.add_marker(pytest.mark.deployments)
+
+
 _redis_failure: list[str] = []
 _memcached_failure: list[str] = []
 _deployment_failures: dict[str, str] = {}

@@ -124,6 +124,7 @@ def test_held_locks_are_counted_in_redis_memory(quick_run: tuple[dict[str, Any],
     assert scale["keys_per_held_lock"] >= 1
 
 
+@pytest.mark.deployments
 def test_the_deployments_benchmark_runs_and_counts_two_round_trips(tmp_path: Path) -> None:
     """``bench/deployments.py --quick`` (no failover rounds) measures one server, a cluster and
     Sentinel, with and without the replica wait, and counts 2 round trips per execution on

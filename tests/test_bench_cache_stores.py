@@ -18,7 +18,7 @@ from .servers import redis_server_binary, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.stores]
 
 
 def test_the_quick_run_counts_each_stores_round_trips(tmp_path: Path) -> None:

@@ -289,6 +289,7 @@ def test_iter_locks_lists_the_locks_of_every_master(redis_cluster: ClusterDeploy
     assert all(holder.token == "t" for holder in listed.values())
 
 
+@pytest.mark.deployments
 def test_moving_a_held_locks_slot_to_another_master(cluster: ClusterDeployment) -> None:
     """A live lock's slot migrates to another master while its lease is being renewed: the
     redirections (ASK while migrating, MOVED after) never surface, the holder keeps its lock
@@ -341,6 +342,7 @@ def test_moving_a_held_locks_slot_to_another_master(cluster: ClusterDeployment) 
     client.close()
 
 
+@pytest.mark.deployments
 def test_a_cluster_failover_keeps_the_held_lock(cluster: ClusterDeployment) -> None:
     """``CLUSTER FAILOVER`` on the replica of a held lock's master: the replica takes over with
     the lock (a manual failover waits for it to catch up), renewals go on (at worst reporting
@@ -387,6 +389,7 @@ def test_a_cluster_failover_keeps_the_held_lock(cluster: ClusterDeployment) -> N
 # -- Sentinel -----------------------------------------------------------------------------------
 
 
+@pytest.mark.deployments
 def test_a_sentinel_failover_keeps_locks_working(sentinel: SentinelDeployment) -> None:
     """``SENTINEL FAILOVER`` while a lock is held and renewed: renewals go on (translated errors
     at worst), the lock survives on the new master (it was replicated), and new locks are
@@ -423,6 +426,7 @@ def test_a_sentinel_failover_keeps_locks_working(sentinel: SentinelDeployment) -
     backend.close()
 
 
+@pytest.mark.deployments
 def test_the_replica_wait_confirms_or_refuses_an_acquisition(
     redis_sentinel: SentinelDeployment,
 ) -> None:
@@ -442,6 +446,7 @@ def test_the_replica_wait_confirms_or_refuses_an_acquisition(
         assert b.holder(key) is None
 
 
+@pytest.mark.deployments
 def test_a_lock_not_yet_replicated_is_lost_in_a_failover(sentinel: SentinelDeployment) -> None:
     """The asynchronous-replication window, reproduced: a lock acquired on a master that dies
     before its replica got it is gone after the failover, and a second holder gets it (with a
@@ -485,6 +490,7 @@ def test_a_lock_not_yet_replicated_is_lost_in_a_failover(sentinel: SentinelDeplo
     waiting.close()
 
 
+@pytest.mark.deployments
 def test_a_killed_cluster_master_is_replaced_and_locks_go_on(cluster: ClusterDeployment) -> None:
     """A master is killed (SIGKILL): the cluster promotes its replica after the node timeout.
     A lock that the replica confirmed (replica wait) survives it; calls in between fail with
@@ -538,6 +544,7 @@ def _use_in_child(backend: Any, key: str, parent_client: int, out: Any) -> None:
 
 # Python 3.12+ warns about fork() in a process with threads (pytest-xdist has some); the child
 # here only uses the backend, as a prefork pool process does.
+@pytest.mark.deployments
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 @pytest.mark.parametrize("kind", ["redis_cluster", "redis_sentinel"])
 def test_a_forked_process_builds_its_own_client(request: pytest.FixtureRequest, kind: str) -> None:

@@ -33,7 +33,7 @@ from .tasks_faults import LEASE, LONG_LEASE
 from .tasks_faults import PREFIX as FAULTS
 from .tasks_policies import PREFIX, gate_key
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.deployments]
 
 KEY = "singletask:" + PREFIX + "skip_none"
 

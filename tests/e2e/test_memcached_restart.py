@@ -22,7 +22,7 @@ from .faults import BOUND, FaultEnv
 from .tasks_faults import LEASE
 from .tasks_faults import PREFIX as FAULTS
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.stores]
 
 
 @pytest.fixture

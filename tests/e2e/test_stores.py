@@ -30,7 +30,7 @@ from .tasks_faults import PREFIX as FAULTS
 from .tasks_policies import PREFIX as POLICIES
 from .tasks_policies import TTL, gate_key
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.stores]
 
 DUPLICATES = 60
 
