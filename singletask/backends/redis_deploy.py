@@ -36,7 +36,7 @@ from redis.sentinel import Sentinel
 
 from ..exceptions import BackendError, BackendUnavailable, ConfigurationError
 from .base import Holder
-from .redis import _ACQUIRE, _DRIVER_ERRORS, FENCE_RETENTION, RedisBackend, _Script, _text
+from .redis import _DRIVER_ERRORS, FENCE_RETENTION, RedisBackend
 from .redis_options import (
     RETENTION_OPTION,
     SOCKET_OPTIONS,
@@ -53,6 +53,7 @@ from .redis_options import (
     url_db,
     url_query,
 )
+from .redis_wire import _ACQUIRE, _Script, _text
 
 __all__ = ["RedisClusterBackend", "RedisSentinelBackend"]
 
