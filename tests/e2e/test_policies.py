@@ -379,7 +379,7 @@ def test_a_class_based_task_with_a_lock_key_template_raises_on_its_feed(
 
 # -- races ---------------------------------------------------------------------------------
 
-DUPLICATES = 50
+DUPLICATES = 60
 BY_NAME = 10  # of which published with send_task
 
 
@@ -388,7 +388,7 @@ def pool_pids(cluster: Cluster, label: str) -> set[int]:
     return {e["pid"] for e in cluster.probe.events(label) if e["event"] in ("start", "conflict")}
 
 
-def test_fifty_simultaneous_duplicates_with_skip_never_overlap(
+def test_sixty_simultaneous_duplicates_with_skip_never_overlap(
     cluster: Cluster, label: str
 ) -> None:
     # Given a skip-policy singleton with a short body, and both pool processes up
@@ -396,7 +396,7 @@ def test_fifty_simultaneous_duplicates_with_skip_never_overlap(
     task = cluster.task(name)
     wait_until(lambda: len(cluster.worker.children()) == 2, "two pool processes")
 
-    # When 50 duplicates are published at once, some as a group, some by name
+    # When 60 duplicates are published at once, some as a group, some by name
     batch = group(task.s(label, 0.3) for _ in range(DUPLICATES - BY_NAME)).apply_async()
     by_name = [cluster.app.send_task(name, args=[label, 0.3]) for _ in range(BY_NAME)]
     values = batch.get(timeout=30) + [result.get(timeout=30) for result in by_name]
@@ -419,7 +419,7 @@ def test_fifty_simultaneous_duplicates_with_skip_never_overlap(
     cluster.wait_free(PREFIX + "race_skip")
 
 
-def test_fifty_simultaneous_duplicates_with_retry_all_run_one_at_a_time(
+def test_sixty_simultaneous_duplicates_with_retry_all_run_one_at_a_time(
     cluster: Cluster, label: str
 ) -> None:
     # Given a retry-policy singleton with a short body and a short lock retry countdown
@@ -427,7 +427,7 @@ def test_fifty_simultaneous_duplicates_with_retry_all_run_one_at_a_time(
     task = cluster.task(name)
     wait_until(lambda: len(cluster.worker.children()) == 2, "two pool processes")
 
-    # When 50 duplicates are published at once, some as a group, some by name
+    # When 60 duplicates are published at once, some as a group, some by name
     split = DUPLICATES - BY_NAME
     batch = group(task.s(label, index, 0.05) for index in range(split)).apply_async()
     by_name = [
