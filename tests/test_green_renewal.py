@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from .servers import unavailable
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # With the pool tests (`-m pools`): each test starts an interpreter that imports Celery and
@@ -77,7 +79,7 @@ SCRIPT = textwrap.dedent(
 def run(kind: str, redis_url: str, key_prefix: str, steal: str = "") -> list[str]:
     """Run SCRIPT; return its two lines of output."""
     if importlib.util.find_spec(kind) is None:
-        pytest.skip(f"{kind} is not installed")
+        unavailable(f"{kind} is not installed (the test extra installs it)")
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, kind, redis_url, key_prefix, steal or "-"],
         cwd=ROOT,

@@ -29,6 +29,7 @@ from celery.exceptions import TaskRevokedError
 
 from singletask import Skipped, TaskLocked
 
+from ..servers import unavailable
 from .conftest import Cluster, Worker, start_cluster
 from .tasks_pools import KILL_TTL, PREFIX, RENEW_TTL
 
@@ -82,7 +83,7 @@ def pool(request: pytest.FixtureRequest) -> Pool:
     spec: Pool = request.param
     reason = spec.unsupported()
     if reason is not None:
-        pytest.skip(f"-P {spec.name}: {reason}")
+        unavailable(f"-P {spec.name}: {reason}")
     return spec
 
 
