@@ -344,18 +344,7 @@ class RedisBackend(LockBackend):
             pipe.hgetall(key)
             pipe.pttl(key)
             fields, pttl = pipe.execute()
-        if not fields:
-            return None
-        meta = {_text(k): _text(v) for k, v in fields.items()}
-        token = meta.pop("token", "")
-        fence = meta.pop("fence", None)
-        return Holder(
-            token,
-            meta.get("task_id"),
-            pttl / 1000 if pttl >= 0 else None,
-            meta,
-            int(fence) if fence is not None else None,
-        )
+        return _holder(fields, int(pttl))
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """SCAN MATCH ``prefix*`` COUNT ``page_size``; each page of keys read in one pipeline."""

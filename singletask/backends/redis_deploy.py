@@ -53,7 +53,7 @@ from .redis_options import (
     url_db,
     url_query,
 )
-from .redis_wire import _ACQUIRE, _Script, _text
+from .redis_wire import _ACQUIRE, _holder, _Script
 
 __all__ = ["RedisClusterBackend", "RedisSentinelBackend"]
 
@@ -360,18 +360,7 @@ class RedisClusterBackend(_Deployed):
         """Who holds ``key``: one script (the cluster client follows redirections for scripts,
         not for the MULTI the single-server backend reads with)."""
         fields, pttl = self._call("inspect", _HOLDER, (key,), ())
-        if not fields:
-            return None
-        meta = {_text(k): _text(v) for k, v in zip(fields[::2], fields[1::2], strict=True)}
-        token = meta.pop("token", "")
-        fence = meta.pop("fence", None)
-        return Holder(
-            token,
-            meta.get("task_id"),
-            pttl / 1000 if pttl >= 0 else None,
-            meta,
-            int(fence) if fence is not None else None,
-        )
+        return _holder(dict(zip(fields[::2], fields[1::2], strict=True)), int(pttl))
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """Yield ``(key, holder)`` for every live lock whose key starts with ``prefix``.
