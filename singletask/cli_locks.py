@@ -250,8 +250,8 @@ def release(
 ) -> None:
     """Release the lock KEY: only if task TASK_ID holds it (--holder), or whoever does (--force).
 
-    The release is safe on a live fleet: the lock's fence record is kept, so the next execution
-    starts at once with a larger fencing token, and the old holder's next renewal (within a
+    The release is safe on a live fleet: the next execution starts at once, with a larger
+    fencing token, and the old holder's next renewal (within a
     third of its lease) finds the lock gone and reports the loss: a log line naming its task
     id, the lock_lost signal, and LockLost from self.lock.check().
 

@@ -167,8 +167,8 @@ def release_lock(backend: LockBackend, key: str, *, holder: str | None) -> LockR
     """Release ``key`` if task ``holder`` holds it, or (``holder=None``) whoever holds it.
 
     Returns the record of the lock released, or None when nothing changed (the key is free, or
-    held by another task id). The lock's fence record is kept, so the next acquisition gets a
-    larger fencing token, and the removed holder's next renewal finds the lock gone: its worker
+    held by another task id). The key keeps what a release leaves (its last fencing token, where
+    the store keeps one), and the removed holder's next renewal finds the lock gone: its worker
     reports the lost lease (log line, ``lock_lost`` signal, ``LockLost`` from
     ``self.lock.check()``). Logs the release and sends
     :data:`~singletask.signals.lock_released_by_operator` in the calling process.

@@ -39,7 +39,9 @@ ending              the body                                              the lo
 *Released* is an owner-checked release; *reserved* turns the lock into a reservation only the
 retried attempt takes over (for the retry's countdown plus one lease). *Completed* releases
 record the attempt as the key's completion marker, so a redelivered copy of a message that ran
-to completion is dropped instead of running again.
+to completion is dropped instead of running again; only for tasks with ``acks_late``: any other
+message is acknowledged before its body starts, so no copy of it comes back once it has run,
+and its key keeps nothing after the release.
 """
 
 from __future__ import annotations
@@ -242,7 +244,7 @@ def execute(
             key,
             token,
             raised if row.reserve else None,
-            completed=attempt if row.completed else None,
+            completed=attempt if row.completed and task.acks_late else None,
             meta=meta,
         )
 

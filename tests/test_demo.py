@@ -222,8 +222,8 @@ def test_the_demo_on_redis_uses_only_the_database_given_and_leaves_no_lock_or_re
     assert f"  broker   {url}" in run.stdout, str(run)
     assert_as_documented(run)
     assert_cleaned_up(run)
-    # And in that database it left no key of its own (no lock, no fence hash: the fence hash of
-    # a lock is "{<lock key>}:fence"), no result and not its queue's binding
+    # And in that database it left no key of its own (no lock, no released record, no companion
+    # hash "{<lock key>}:fence"), no result and not its queue's binding
     prefix = re.search(r"\(lock keys of this run: (\S+)\*\)", run.stdout)
     assert prefix, str(run)
     with redis.Redis.from_url(url) as client:

@@ -239,9 +239,10 @@ class LockBackend(abc.ABC):
     def release_held_by(self, key: str, task_id: str) -> Holder | None:
         """Delete ``key`` only if its holder's metadata ``task_id`` equals ``task_id``, in one
         atomic step. Returns the Holder removed, or None (nothing changed) when the key is free or
-        held by another task id. The key's fence record is kept, so the next acquisition still gets
-        a larger fencing token; the removed holder's next extend()/release() returns False, which
-        the renewer reports as a lost lease.
+        held by another task id. The key keeps what a release leaves (its fence record, where the
+        store keeps one), so the next acquisition still gets a larger fencing token; the removed
+        holder's next extend()/release() returns False, which the renewer reports as a lost
+        lease.
 
         Raises:
             BackendError: the store failed.

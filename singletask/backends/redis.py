@@ -1,9 +1,11 @@
 """The Redis lock store: one hash per lock, every operation one round trip.
 
-A lock is a Redis hash at the lock key with the fields ``token`` (the owner token), ``fence``
-and the holder metadata (``task_id``, ``task``, ``hostname``, ``pid``, ``since``); its lease is
-the key's expiry. Acquire, release and extend are Lua scripts, run with EVALSHA, so each is
-atomic and costs one round trip once the script is cached on the server.
+A lock is one Redis hash at the lock key: owner token, fencing token and compact holder
+metadata (:mod:`~singletask.backends.redis_wire`); its lease is the key's expiry. A release
+deletes the key, or leaves a small released record (last fencing token, completion marker) as
+long as the transport options ``fence_retention`` and ``marker_retention`` say. Acquire,
+release and extend are Lua scripts over the lock key alone, run with EVALSHA: each is atomic
+and costs one round trip once the script is cached on the server.
 
 URLs: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` (TLS) and
 ``unix:///path/to/socket?db=0``, with redis-py's query options (``socket_timeout``, ...),
@@ -32,8 +34,7 @@ from redis.retry import Retry
 from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
 from ..urls import mask_url, parse_redis_url
 from .base import AcquireResult, Holder, LockBackend
-from .redis_options import RETENTION_OPTION, connection_options
-from .redis_options import fence_retention as retention_option
+from .redis_options import connection_options, retentions
 from .redis_wire import (
     _ACQUIRE,
     _CLAIM_NEXT,
@@ -42,13 +43,16 @@ from .redis_wire import (
     _EXTEND_MANY,
     _OPERATOR_RELEASE,
     _RELEASE,
+    _conflict_task_id,
     _Connection,
     _glob_escape,
     _holder,
+    _keep_ms,
     _ms,
     _removed,
     _Script,
     _text,
+    encode_meta,
 )
 
 __all__ = ["RedisBackend"]
@@ -56,9 +60,13 @@ __all__ = ["RedisBackend"]
 #: What redis-py raises; translated to singletask's errors at this module's boundary.
 _DRIVER_ERRORS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException)
 
-#: How long a lock's fence hash (last fencing token, last completion) outlives the key's last
-#: acquisition, by default: the transport option ``fence_retention`` (seconds) sets it per store.
-FENCE_RETENTION = 7 * 24 * 3600.0
+#: How long a released key keeps its last fencing token, by default: not at all (the next token
+#: rests on the server's clock). The transport option ``fence_retention`` (seconds) sets it.
+FENCE_RETENTION = 0.0
+
+#: How long a released key keeps the completion marker its release recorded, by default: one
+#: day. The transport option ``marker_retention`` (seconds) sets it.
+MARKER_RETENTION = 24 * 3600.0
 
 #: Client defaults; options given in the URL's query string or to ``from_url`` win.
 CLIENT_DEFAULTS: dict[str, Any] = {
@@ -69,10 +77,12 @@ CLIENT_DEFAULTS: dict[str, Any] = {
 
 
 def fence_key(key: str) -> str:
-    """The key of ``key``'s fence hash, in the same Redis Cluster slot as ``key``.
+    """The key of ``key``'s companion hash, in the same Redis Cluster slot as ``key``: a
+    coalescing task's pending follow-up claim (and, written by 0.1.0, the last fencing token and
+    completion marker; that version named it the fence hash).
 
     A key that has a hash tag keeps it with any suffix; any other key becomes the tag. (A key
-    with a ``}`` but no hash tag cannot be a tag: its fence hash lands in another slot, which only
+    with a ``}`` but no hash tag cannot be a tag: its companion lands in another slot, which only
     matters under Redis Cluster.)
     """
     start = key.find("{")
@@ -89,8 +99,10 @@ class RedisBackend(LockBackend):
     Args:
         client: A ready client (``redis.Redis``, ``valkey.Valkey``, a cluster client, ...).
         url: A URL to build a client from, lazily, in the process that first uses it.
-        fence_retention: How long a released key's fence hash (its last fencing token and
-            completion marker) is kept, in seconds (:data:`FENCE_RETENTION` by default).
+        fence_retention: How long a released key keeps its last fencing token, in seconds
+            (:data:`FENCE_RETENTION`, 0, by default: not at all).
+        marker_retention: How long a released key keeps the completion marker its release
+            recorded, in seconds (:data:`MARKER_RETENTION`, a day, by default; 0: not at all).
         **options: Extra client options for ``redis.Redis.from_url``.
 
     Exactly one of ``client`` and ``url`` is required.
@@ -102,13 +114,18 @@ class RedisBackend(LockBackend):
         client: redis.Redis | None = None,
         url: str | None = None,
         fence_retention: float = FENCE_RETENTION,
+        marker_retention: float = MARKER_RETENTION,
         **options: Any,
     ) -> None:
         if (client is None) == (url is None):
             raise ConfigurationError("RedisBackend takes exactly one of client= and url=")
-        self.fence_retention = retention_option(
-            {RETENTION_OPTION: fence_retention}, "RedisBackend", FENCE_RETENTION
+        self.fence_retention, self.marker_retention = retentions(
+            {"fence_retention": fence_retention, "marker_retention": marker_retention},
+            "RedisBackend",
+            (FENCE_RETENTION, MARKER_RETENTION),
         )
+        # The retentions in whole milliseconds, as the release scripts take them.
+        self._keep = (_keep_ms(self.marker_retention), _keep_ms(self.fence_retention))
         if url is not None:
             self._check_url(url)  # fail early, and strictly, on a bad URL
         self._url = url
@@ -130,9 +147,11 @@ class RedisBackend(LockBackend):
         if transport_options:
             options = {**connection_options(transport_options, url), **options}
             where = "setting singletask_backend_transport_options"
-            options.setdefault(
-                "fence_retention", retention_option(transport_options, where, FENCE_RETENTION)
+            fence, marker = retentions(
+                transport_options, where, (FENCE_RETENTION, MARKER_RETENTION)
             )
+            options.setdefault("fence_retention", fence)
+            options.setdefault("marker_retention", marker)
         return cls(url=url, **options)
 
     @classmethod
@@ -270,27 +289,21 @@ class RedisBackend(LockBackend):
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
     ) -> AcquireResult:
-        args: list[str | int] = [
-            token,
-            _ms(ttl, "acquire"),
-            takeover_prefix or "",
-            _ms(self.fence_retention, "acquire"),
-        ]
-        if meta:
-            for item in meta.items():
-                args += item
-        reply = self._call("acquire", _ACQUIRE, (key, fence_key(key)), args)
+        since, fields = encode_meta(key, token, meta or {})
+        args: list[str | int] = [token, _ms(ttl, "acquire"), takeover_prefix or "", since, *fields]
+        reply = self._call("acquire", _ACQUIRE, (key,), args)
         if reply[0] == 1:
             _, fence, completed = reply
             return AcquireResult(
                 True, fence=int(fence), completed=_text(completed) if completed else None
             )
-        _, holder_token, task_id, pttl, holder_fence = reply
+        _, raw_token, old_task_id, task_id, absent, pttl, holder_fence = reply
+        holder_token = _text(raw_token)
         return AcquireResult(
             False,
             Holder(
-                _text(holder_token),
-                _text(task_id) if task_id is not None else None,
+                holder_token,
+                _conflict_task_id(holder_token, old_task_id, task_id, absent),
                 pttl / 1000 if pttl >= 0 else None,
                 {},
                 int(holder_fence) if holder_fence is not None else None,
@@ -298,8 +311,7 @@ class RedisBackend(LockBackend):
         )
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
-        args = (token, completed or "", _ms(self.fence_retention, "release"))
-        return bool(self._call("release", _RELEASE, (key, fence_key(key)), args))
+        return bool(self._call("release", _RELEASE, (key,), (token, completed or "", *self._keep)))
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
         return bool(self._call("extend", _EXTEND, (key,), (token, _ms(ttl, "extend"))))
@@ -332,7 +344,7 @@ class RedisBackend(LockBackend):
         return [bool(done) for done in self._call("extend", _EXTEND_MANY, keys, args)]
 
     def claim_next(self, key: str, task_id: str, ttl: float) -> str:
-        args = (task_id, _ms(ttl, "claim_next"), _ms(self.fence_retention, "claim_next"))
+        args = (task_id, _ms(ttl, "claim_next"))
         return _text(self._call("claim_next", _CLAIM_NEXT, (fence_key(key),), args))
 
     def clear_next(self, key: str, task_id: str) -> bool:
@@ -344,7 +356,7 @@ class RedisBackend(LockBackend):
             pipe.hgetall(key)
             pipe.pttl(key)
             fields, pttl = pipe.execute()
-        return _holder(fields, int(pttl))
+        return _holder(key, fields, int(pttl))
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """SCAN MATCH ``prefix*`` COUNT ``page_size``; each page of keys read in one pipeline."""
@@ -364,7 +376,8 @@ class RedisBackend(LockBackend):
     def _read_page(
         self, client: redis.Redis, keys: list[bytes | str]
     ) -> Iterator[tuple[str, Holder]]:
-        """The locks among ``keys`` (fence hashes and foreign keys are left out)."""
+        """The locks among ``keys`` (released records, companion hashes and foreign keys are
+        left out)."""
         # MULTI/EXEC keeps each key's fields and lease consistent; a cluster pipeline splits the
         # page by node instead.
         transaction = not isinstance(client, RedisCluster)
@@ -377,15 +390,17 @@ class RedisBackend(LockBackend):
             fields, pttl = replies[2 * index], replies[2 * index + 1]
             if isinstance(fields, Exception) or isinstance(pttl, Exception):
                 continue  # not a hash: not one of ours
-            found = _holder(fields, pttl)
+            name = _text(key)
+            found = _holder(name, fields, pttl)
             if found is not None:
-                yield _text(key), found
+                yield name, found
 
     def release_held_by(self, key: str, task_id: str) -> Holder | None:
-        return _removed(self._call("release", _OPERATOR_RELEASE, (key,), (task_id,)))
+        args = (task_id, *self._keep)
+        return _removed(key, self._call("release", _OPERATOR_RELEASE, (key,), args))
 
     def force_release(self, key: str) -> Holder | None:
-        return _removed(self._call("release", _OPERATOR_RELEASE, (key,), ("",)))
+        return _removed(key, self._call("release", _OPERATOR_RELEASE, (key,), ("", *self._keep)))
 
     def close(self) -> None:
         if self._url is not None and self._client is not None and self._pid == os.getpid():

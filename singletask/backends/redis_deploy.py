@@ -16,10 +16,11 @@ Both take the TLS (``ssl_cert_reqs``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_
 ``ssl_check_hostname``) and socket options in the URL query or the transport options, and the
 opt-in replica wait (``wait_replicas``, ``wait_timeout``: see :class:`ReplicaWait`).
 
-Every key of one lock (the lock hash, its fence hash, which also holds the coalesce follow-up
-slot) hashes to one cluster slot (see :func:`~singletask.backends.redis.fence_key`), so every
-script touches one slot. Redirections and failovers are the cluster client's to follow; what it
-cannot follow surfaces as :class:`~singletask.exceptions.BackendUnavailable`.
+Acquire, release and renewal touch the lock key alone, and the coalesce follow-up claim its
+companion hash, which hashes to the lock key's slot (see
+:func:`~singletask.backends.redis.fence_key`), so every script touches one slot.
+Redirections and failovers are the cluster client's to follow; what it cannot follow surfaces
+as :class:`~singletask.exceptions.BackendUnavailable`.
 """
 
 from __future__ import annotations
@@ -36,15 +37,15 @@ from redis.sentinel import Sentinel
 
 from ..exceptions import BackendError, BackendUnavailable, ConfigurationError
 from .base import Holder
-from .redis import _DRIVER_ERRORS, FENCE_RETENTION, RedisBackend
+from .redis import _DRIVER_ERRORS, FENCE_RETENTION, MARKER_RETENTION, RedisBackend
 from .redis_options import (
-    RETENTION_OPTION,
+    RETENTION_OPTIONS,
     SOCKET_OPTIONS,
     TLS_OPTIONS,
     ReplicaWait,
     check_keys,
-    fence_retention,
     mask,
+    retentions,
     socket_options,
     tls_options,
     to_bool,
@@ -87,12 +88,12 @@ class _Deployed(RedisBackend):
     ) -> None:
         self._transport = dict(transport_options or {})
         where = f"setting singletask_backend_transport_options for {mask(url)!r}"
-        allowed = {*QUERY_OPTIONS, *ReplicaWait.OPTIONS, RETENTION_OPTION, *self.EXTRA_OPTIONS}
+        allowed = {*QUERY_OPTIONS, *ReplicaWait.OPTIONS, *RETENTION_OPTIONS, *self.EXTRA_OPTIONS}
         check_keys(self._transport, allowed, where)
         self._wait = ReplicaWait.from_options(self._transport, where)
-        options.setdefault(
-            "fence_retention", fence_retention(self._transport, where, FENCE_RETENTION)
-        )
+        fence, marker = retentions(self._transport, where, (FENCE_RETENTION, MARKER_RETENTION))
+        options.setdefault("fence_retention", fence)
+        options.setdefault("marker_retention", marker)
         super().__init__(url=url, **options)
         # Through the client's methods: its pool asks the sentinels where the master is (a
         # bare connection would not), and a cluster client routes each key to its node.
@@ -360,7 +361,7 @@ class RedisClusterBackend(_Deployed):
         """Who holds ``key``: one script (the cluster client follows redirections for scripts,
         not for the MULTI the single-server backend reads with)."""
         fields, pttl = self._call("inspect", _HOLDER, (key,), ())
-        return _holder(dict(zip(fields[::2], fields[1::2], strict=True)), int(pttl))
+        return _holder(key, dict(zip(fields[::2], fields[1::2], strict=True)), int(pttl))
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """Yield ``(key, holder)`` for every live lock whose key starts with ``prefix``.
@@ -382,5 +383,5 @@ class RedisClusterBackend(_Deployed):
                     break
                 key = raw.decode() if isinstance(raw, bytes) else raw
                 holder = self.holder(key)
-                if holder is not None and holder.token:  # a fence hash has no token
+                if holder is not None and holder.token:  # a released record has no token
                     yield key, holder

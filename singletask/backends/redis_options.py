@@ -20,13 +20,13 @@ from ..urls import mask_url
 from .base import MAX_LEASE
 
 __all__ = [
-    "RETENTION_OPTION",
+    "RETENTION_OPTIONS",
     "SOCKET_OPTIONS",
     "TLS_OPTIONS",
     "ReplicaWait",
     "connection_options",
-    "fence_retention",
     "mask",
+    "retentions",
     "tls_options",
     "to_bool",
     "url_address",
@@ -52,10 +52,11 @@ SOCKET_OPTIONS: Final[dict[str, type]] = {
     "health_check_interval": int,
 }
 
-#: The transport option of how long a released key's fence hash is kept (see docs/backends.rst).
-RETENTION_OPTION: Final = "fence_retention"
+#: The transport options of how long a released key keeps its last fencing token and its
+#: completion marker (see docs/backends.rst).
+RETENTION_OPTIONS: Final = ("fence_retention", "marker_retention")
 
-#: The longest ``fence_retention`` accepted, in seconds: the longest duration the scripts take.
+#: The longest retention accepted, in seconds: the longest duration the scripts take.
 MAX_RETENTION: Final = MAX_LEASE
 
 _CERT_REQS: Final = {
@@ -99,19 +100,25 @@ def _number(value: object, kind: type, where: str) -> Any:
     return number
 
 
-def fence_retention(values: Mapping[str, Any], where: str, default: float) -> float:
-    """The ``fence_retention`` of ``values`` in seconds (``default`` when absent), checked: from
-    1 second to a year."""
-    if RETENTION_OPTION not in values:
-        return default
-    what = f"{where}: option {RETENTION_OPTION}"
-    seconds = float(_number(values[RETENTION_OPTION], float, what))
-    if not 1 <= seconds <= MAX_RETENTION:
-        raise ConfigurationError(
-            f"{what}: expected seconds from 1 to {MAX_RETENTION:.0f} (a year), got "
-            f"{values[RETENTION_OPTION]!r}"
-        )
-    return seconds
+def retentions(
+    values: Mapping[str, Any], where: str, defaults: tuple[float, float]
+) -> tuple[float, float]:
+    """``fence_retention`` and ``marker_retention`` of ``values`` in seconds (``defaults`` when
+    absent), checked: 0 (nothing kept) or from 1 second to a year."""
+    out: list[float] = []
+    for name, default in zip(RETENTION_OPTIONS, defaults, strict=True):
+        if name not in values:
+            out.append(default)
+            continue
+        what = f"{where}: option {name}"
+        seconds = float(_number(values[name], float, what))
+        if seconds != 0 and not 1 <= seconds <= MAX_RETENTION:
+            raise ConfigurationError(
+                f"{what}: expected 0 (nothing kept) or seconds from 1 to {MAX_RETENTION:.0f} "
+                f"(a year), got {values[name]!r}"
+            )
+        out.append(seconds)
+    return out[0], out[1]
 
 
 def tls_options(values: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -185,7 +192,7 @@ def connection_options(transport_options: Mapping[str, Any], url: str) -> dict[s
                 f"{where}: {name} works with sentinel:// and redis+cluster:// URLs, where a "
                 "replica is promoted automatically"
             )
-    check_keys(transport_options, {*allowed, RETENTION_OPTION}, where)
+    check_keys(transport_options, {*allowed, *RETENTION_OPTIONS}, where)
     tls = tls_options(transport_options, where)
     if tls and not url.lower().startswith("rediss://"):
         raise ConfigurationError(f"{where}: TLS options need a rediss:// URL")

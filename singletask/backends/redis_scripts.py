@@ -1,11 +1,30 @@
 """The Lua scripts of the Redis lock store, one atomic step each.
 
+**One key per lock.** Every script that takes, gives back, renews or inspects a lock reads and
+writes the lock key alone, so it runs on one Redis Cluster slot with nothing else to wait for
+(a script over two keys of a slot that is being migrated gets ``TRYAGAIN`` while only one of
+them has moved). The key is a hash in one of two states:
+
+* *held*: the field ``token`` (the owner token), ``f`` (the fencing token) and the holder's
+  metadata in the compact fields :mod:`singletask.backends.redis_wire` writes; its expiry is
+  the lease;
+* *released*: no ``token``; ``f``, the last fencing token issued, and ``d``, the completion
+  marker of the last execution that recorded one; its expiry is how long they are kept (the
+  transport options ``fence_retention`` and ``marker_retention``). By default a release leaves
+  nothing: the key is deleted.
+
+A lock written by singletask 0.1.0 is a hash with ``token``, ``fence`` and long metadata
+fields, and its fence hash ``<tag>:fence`` holds its last token and marker: these scripts read
+such a lock (``token`` for exclusion, ``fence`` before ``f``, ``task_id``) and never write
+``fence``. The companion hash ``<tag>:fence`` now holds only a coalescing task's follow-up
+claim (:data:`CLAIM_NEXT_SCRIPT`).
+
 Every key a script writes gets its expiry in the same script, and no script leaves a key without
 one, whatever it is given: each script first checks every duration argument (a whole number of
-milliseconds from 1 to :data:`MAX_LEASE_MS`) and fails *before its first write* when one is
-out of range, so ``PEXPIRE`` cannot fail after a write. (Redis runs a script that has started
-writing to its end even when it is out of memory, and a script cannot be killed once it has
-written, so nothing else can stop one between a write and its expiry.)
+milliseconds from 1, or 0 where it says so, to :data:`MAX_LEASE_MS`) and fails *before its
+first write* when one is out of range, so ``PEXPIRE`` cannot fail after a write. (Redis runs a
+script that has started writing to its end even when it is out of memory, and a script cannot
+be killed once it has written, so nothing else can stop one between a write and its expiry.)
 """
 
 from __future__ import annotations
@@ -26,80 +45,115 @@ __all__ = [
 #: The longest duration a script accepts, in milliseconds (the backends' MAX_LEASE).
 MAX_LEASE_MS = int(MAX_LEASE * 1000)
 
-# A Lua function every writing script starts with: ms(value) returns value as a number if it is a
-# whole number of milliseconds from 1 to MAX_LEASE_MS, else raises a script error.
+# Lua functions every writing script starts with: ms(value) returns value as a number if it is a
+# whole number of milliseconds from 1 to MAX_LEASE_MS, else raises a script error; keep(value)
+# the same from 0 (0: nothing is kept).
 _CHECK_MS = f"""
-local function ms(value)
+local function whole(value, low)
   local n = tonumber(value)
-  if n == nil or n < 1 or n > {MAX_LEASE_MS} or n ~= math.floor(n) then
-    error('singletask: duration out of range (1 to {MAX_LEASE_MS} ms): ' .. tostring(value))
+  if n == nil or n < low or n > {MAX_LEASE_MS} or n ~= math.floor(n) then
+    error('singletask: duration out of range (' .. low .. ' to {MAX_LEASE_MS} ms): '
+      .. tostring(value))
   end
   return n
 end
+local function ms(value) return whole(value, 1) end
+local function keep(value) return whole(value, 0) end
 """
 
-# KEYS[1]  lock key (a hash)
-# KEYS[2]  the lock's fence hash (same cluster slot): fields fence (last token issued), done
+# Lua: the released record a key keeps after its holder is gone (lock key hash, fields of the
+# held record rec = {f, d}), or nothing: d is kept for marker_keep ms, f for fence_keep ms, and
+# both as long as the longer of the two that applies. The key must have been deleted already.
+_LEAVE_RECORD = """
+local function leave(key, fence, marker, fence_keep, marker_keep)
+  local ttl = fence_keep
+  if marker and marker_keep > ttl then ttl = marker_keep end
+  if ttl == 0 or not fence then return end
+  if marker and marker_keep > 0 then
+    redis.call('HSET', key, 'f', fence, 'd', marker)
+  else
+    redis.call('HSET', key, 'f', fence)
+  end
+  redis.call('PEXPIRE', key, ttl)
+end
+"""
+
+# KEYS[1]  lock key
 # ARGV[1]  owner token
 # ARGV[2]  lease in milliseconds
 # ARGV[3]  token prefix whose holder may be taken over, or '' for none
-# ARGV[4]  how long the fence hash is kept after this acquisition, in milliseconds
-# ARGV[5…] holder metadata: field, value, field, value, …
+# ARGV[4]  when the holder started, in milliseconds since the epoch, or '' (stored as field a:
+#          how many milliseconds before the fence's time, a small number when the fence came
+#          from the server's clock)
+# ARGV[5…] the held record's other fields: field, value, field, value, …
 # Returns {1, fence, completion marker or false} when the caller holds the lock now (it was free,
-# already the caller's, or held by a token starting with ARGV[3]); otherwise
-# {0, holder token, holder task id, lease left in ms, holder fence}.
-# A new fence is max(last fence + 1, server time in microseconds): it grows while the fence hash
-# is kept, and after it is gone (or lost) it still grows as long as the server clock does.
-# Errors (before any write) when ARGV[2] or ARGV[4] is out of range.
+# released, already the caller's, or held by a token starting with ARGV[3]); otherwise
+# {0, holder token, its task_id field (0.1.0), its i field, its x field, lease left in ms, holder
+# fence}.
+# A new fence is max(last fence + 1, server time in microseconds), the last fence being the one
+# the key holds (held or released record); a retried acquire by the holder keeps its fence. The
+# last completion marker (d) is carried into the new held record.
+# Errors (before any write) when ARGV[2] is out of range.
 ACQUIRE_SCRIPT = (
     _CHECK_MS
     + """
-local lease, keep = ms(ARGV[2]), ms(ARGV[4])
+local lease = ms(ARGV[2])
 local cur = redis.call('HGET', KEYS[1], 'token')
 if cur and cur ~= ARGV[1] and (ARGV[3] == '' or string.sub(cur, 1, #ARGV[3]) ~= ARGV[3]) then
-  local held = redis.call('HMGET', KEYS[1], 'task_id', 'fence')
-  return {0, cur, held[1], redis.call('PTTL', KEYS[1]), held[2]}
+  local held = redis.call('HMGET', KEYS[1], 'task_id', 'i', 'x', 'fence', 'f')
+  return {0, cur, held[1], held[2], held[3], redis.call('PTTL', KEYS[1]), held[4] or held[5]}
 end
-local last = redis.call('HMGET', KEYS[2], 'fence', 'done')
-local fence
-if cur == ARGV[1] then
-  fence = redis.call('HGET', KEYS[1], 'fence')
-else
+local rec = redis.call('HMGET', KEYS[1], 'fence', 'f', 'd')
+local last = rec[1] or rec[2]
+local fence = last
+if cur ~= ARGV[1] or not last then
   local now = redis.call('TIME')
-  fence = string.format('%.0f', math.max(tonumber(last[1] or '0') + 1, now[1] * 1000000 + now[2]))
-  redis.call('HSET', KEYS[2], 'fence', fence)
+  fence = string.format('%.0f', math.max(tonumber(last or '0') + 1, now[1] * 1000000 + now[2]))
 end
-redis.call('PEXPIRE', KEYS[2], keep)
-if cur then
+if cur or last or rec[3] then
   redis.call('DEL', KEYS[1])
 end
-redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', fence, unpack(ARGV, 5))
+local record = {'token', ARGV[1], 'f', fence}
+if rec[3] then
+  record[#record + 1], record[#record + 2] = 'd', rec[3]
+end
+local since = tonumber(ARGV[4])
+if since then
+  local before = math.floor(tonumber(fence) / 1000) - since
+  record[#record + 1], record[#record + 2] = 'a', string.format('%.0f', before)
+end
+for i = 5, #ARGV do
+  record[#record + 1] = ARGV[i]
+end
+redis.call('HSET', KEYS[1], unpack(record))
 redis.call('PEXPIRE', KEYS[1], lease)
-return {1, fence, last[2]}
+return {1, fence, rec[3]}
 """
 )
 
 # KEYS[1]  lock key
-# KEYS[2]  the lock's fence hash
 # ARGV[1]  owner token
 # ARGV[2]  completion marker to record, or '' for none
-# ARGV[3]  how long the fence hash is kept from a release that records a marker, in milliseconds
-# Returns 1 when the lock was deleted, 0 when ARGV[1] does not hold it (free or another owner).
-# The fence hash always has an expiry (every script that writes it sets one); a marker is kept
-# ARGV[3] from its release, however long the lock was held.
-# Errors (before any write) when ARGV[3] is out of range.
+# ARGV[3]  how long a completion marker is kept, in milliseconds (0: not at all)
+# ARGV[4]  how long the last fencing token is kept, in milliseconds (0: not at all)
+# Returns 1 when the lock was released, 0 when ARGV[1] does not hold it (free or another owner).
+# The key is deleted; it is written again as a released record {f, d} when something is to be
+# kept: the marker (ARGV[2], or the one the held record carried) for ARGV[3], the fence for
+# ARGV[4]. With both 0, or neither a marker nor a fence retention, nothing is left.
+# Errors (before any write) when ARGV[3] or ARGV[4] is out of range.
 RELEASE_SCRIPT = (
     _CHECK_MS
+    + _LEAVE_RECORD
     + """
-local keep = ms(ARGV[3])
+local marker_keep, fence_keep = keep(ARGV[3]), keep(ARGV[4])
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
   return 0
 end
+local rec = redis.call('HMGET', KEYS[1], 'f', 'd')
+local marker = rec[2]
+if ARGV[2] ~= '' then marker = ARGV[2] end
 redis.call('DEL', KEYS[1])
-if ARGV[2] ~= '' then
-  redis.call('HSET', KEYS[2], 'done', ARGV[2])
-  redis.call('PEXPIRE', KEYS[2], keep)
-end
+leave(KEYS[1], rec[1], marker, fence_keep, marker_keep)
 return 1
 """
 )
@@ -144,16 +198,16 @@ return out
 """
 )
 
-# KEYS[1]  the lock's fence hash
+# KEYS[1]  the lock's companion hash (same cluster slot as the lock key)
 # ARGV[1]  task id claiming the follow-up slot
 # ARGV[2]  how long the claim lasts, in milliseconds
-# ARGV[3]  how long the fence hash is kept, in milliseconds
 # Returns the task id holding the slot now: ARGV[1] if its claim took, else the one pending.
-# Errors (before any write) when ARGV[2] or ARGV[3] is out of range.
+# The companion hash is kept as long as its claim (at least; a 0.1.0 worker keeps it longer).
+# Errors (before any write) when ARGV[2] is out of range.
 CLAIM_NEXT_SCRIPT = (
     _CHECK_MS
     + """
-local claim, keep = ms(ARGV[2]), ms(ARGV[3])
+local claim = ms(ARGV[2])
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local pending = redis.call('HMGET', KEYS[1], 'next', 'next_until')
@@ -161,12 +215,14 @@ if pending[1] and tonumber(pending[2] or '0') > now_ms then
   return pending[1]
 end
 redis.call('HSET', KEYS[1], 'next', ARGV[1], 'next_until', string.format('%.0f', now_ms + claim))
-redis.call('PEXPIRE', KEYS[1], math.max(keep, claim))
+if redis.call('PTTL', KEYS[1]) < claim then
+  redis.call('PEXPIRE', KEYS[1], claim)
+end
 return ARGV[1]
 """
 )
 
-# KEYS[1]  the lock's fence hash
+# KEYS[1]  the lock's companion hash
 # ARGV[1]  task id whose follow-up claim ends
 # Returns 1 when ARGV[1] was the pending follow-up (its claim is removed), else 0.
 # Writes no key that could be left without an expiry: it only removes fields of a hash that has
@@ -180,20 +236,41 @@ return 0
 """
 
 # KEYS[1]  lock key
-# ARGV[1]  task id the holder must have (its task_id field), or '' to release whoever holds it
-# Returns {} when nothing changed (no lock at KEYS[1], or ARGV[1] is not its holder's task id);
-# otherwise the lock it deleted: {lease left in ms, field, value, field, value, ...}.
-# Only a lock hash (one with a token field) is deleted, never a fence hash or a foreign key; the
-# fence hash is left alone, so the next acquisition still gets a larger fencing token.
-OPERATOR_RELEASE_SCRIPT = """
-if redis.call('TYPE', KEYS[1]).ok ~= 'hash' or not redis.call('HGET', KEYS[1], 'token') then
+# ARGV[1]  task id the holder must have, or '' to release whoever holds it
+# ARGV[2]  how long a carried completion marker is kept, in milliseconds (0: not at all)
+# ARGV[3]  how long the last fencing token is kept, in milliseconds (0: not at all)
+# Returns {} when nothing changed (no held lock at KEYS[1], or ARGV[1] is not its holder's task
+# id); otherwise the lock it removed: {lease left in ms, field, value, field, value, ...}.
+# The holder's task id is its task_id field (0.1.0), its i field, or else, unless its x field
+# has an i, the task id its token starts with (<task id>:<retries>:<host>:<pid>:<nonce>).
+# Only a held lock (a hash with a token field) is removed, never a released record or a foreign
+# key; it leaves a released record as a release does, so the next acquisition still gets a
+# larger fencing token when fence_retention keeps one.
+# Errors (before any write) when ARGV[2] or ARGV[3] is out of range.
+OPERATOR_RELEASE_SCRIPT = (
+    _CHECK_MS
+    + _LEAVE_RECORD
+    + """
+local marker_keep, fence_keep = keep(ARGV[2]), keep(ARGV[3])
+if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then
   return {}
 end
-if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], 'task_id') ~= ARGV[1] then
+local held = redis.call('HMGET', KEYS[1], 'token', 'task_id', 'i', 'x', 'fence', 'f', 'd')
+local token = held[1]
+if not token then
+  return {}
+end
+local task_id = held[2] or held[3]
+if not task_id and not string.find(held[4] or '', 'i', 1, true) then
+  task_id = string.match(token, '^(.*):[^:]*:[^:]*:[^:]*:[^:]*$')
+end
+if ARGV[1] ~= '' and task_id ~= ARGV[1] then
   return {}
 end
 local pttl = redis.call('PTTL', KEYS[1])
 local fields = redis.call('HGETALL', KEYS[1])
 redis.call('DEL', KEYS[1])
+leave(KEYS[1], held[5] or held[6], held[7], fence_keep, marker_keep)
 return {pttl, unpack(fields)}
 """
+)

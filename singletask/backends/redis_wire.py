@@ -41,6 +41,11 @@ def _ms(seconds: float, operation: str) -> int:
     return max(1, int(check_lease(seconds, operation) * 1000))
 
 
+def _keep_ms(seconds: float) -> int:
+    """A retention in whole milliseconds: 0 stays 0 (nothing kept), anything else at least 1."""
+    return 0 if seconds == 0 else max(1, int(seconds * 1000))
+
+
 def _bulk(data: bytes) -> bytes:
     """``data`` as a RESP bulk string."""
     return b"$%d\r\n%s\r\n" % (len(data), data)
@@ -85,15 +90,144 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _holder(fields: Mapping[bytes | str, bytes | str], pttl: int) -> Holder | None:
-    """The Holder of a lock hash's fields and PTTL; None for no lock (or a fence hash)."""
+# The held record's compact fields (see redis_scripts): what an execution's metadata says that the
+# lock key, the owner token or the fencing token already say is left out, and the rest is
+# written under one-letter names, so that a held lock costs about a third less Redis memory
+# (``bench/layouts.py``). The encoding is lossless: a record reads back as exactly the metadata
+# given. When the owner token is an execution's (``<task id>:<retries>:<host>:<pid>:<nonce>``),
+# its task id and pid are the record's unless i or p says otherwise; the scope is "execution"
+# unless s says otherwise; x lists the fields among these that the metadata did not have.
+#
+#   i  task_id, when it is not the token's       p  pid, when it is not the token's
+#   s  scope, when not "execution": q (queue), c (coalesce), or = and the scope written out
+#   x  the letters of i, p, s whose field the metadata does not have at all
+#   w  hostname after "celery@" (Celery's default node names); h  any other hostname
+#   n  task: the offset in the lock key where the task name stands (``<prefix><task>[:...]``),
+#      when it stands there unescaped; t  the task name written out otherwise
+#   a  since (``<seconds>.<milliseconds>``), as milliseconds before the fencing token's time
+#      (``f``, server time in microseconds): written by the acquire script
+#   _<name>  any other metadata field (since, when not spelled with milliseconds)
+_SCOPES = {"queue": "q", "coalesce": "c"}
+_SCOPE_NAMES = {code: name for name, code in _SCOPES.items()}
+_NODE_PREFIX = "celery@"
+
+
+def _token_parts(token: str) -> tuple[str, str] | None:
+    """The task id and pid an execution's owner token starts and ends with (see tokens.py)."""
+    parts = token.rsplit(":", 4)
+    return (parts[0], parts[3]) if len(parts) == 5 else None
+
+
+def _task_offset(key: str, task: str) -> int | None:
+    """Where ``task`` stands in ``key`` followed by ``:`` or the end, if it does unescaped."""
+    if not task or any(char in task for char in "%:{}"):
+        return None
+    start = key.find(task)
+    while start != -1:
+        end = start + len(task)
+        if end == len(key) or key[end] == ":":
+            return start
+        start = key.find(task, start + 1)
+    return None
+
+
+def _millis(since: str) -> int | None:
+    """``since`` (``1700000000.123``) as whole milliseconds, when that reads back the same."""
+    whole, dot, frac = since.partition(".")
+    if dot and len(frac) == 3 and frac.isdigit() and whole.isdigit() and whole == str(int(whole)):
+        return int(whole) * 1000 + int(frac)
+    return None
+
+
+def encode_meta(key: str, token: str, meta: Mapping[str, str]) -> tuple[str, list[str]]:
+    """The held record's fields for ``meta``: the since in milliseconds (or '') for the acquire
+    script, and the other fields as field, value, field, value, ..."""
+    parts = _token_parts(token)
+    out: list[str] = []
+    since = ""
+    absent = ""
+    if "scope" not in meta:
+        absent += "s"
+    for letter, name in (("i", "task_id"), ("p", "pid")):
+        if parts is not None and name not in meta:
+            absent += letter
+    for name, value in meta.items():
+        if name == "task_id":
+            if parts is None or value != parts[0]:
+                out += ("i", value)
+        elif name == "pid":
+            if parts is None or value != parts[1]:
+                out += ("p", value)
+        elif name == "scope":
+            if value != "execution":
+                out += ("s", _SCOPES.get(value, "=" + value))
+        elif name == "hostname":
+            prefixed = value.startswith(_NODE_PREFIX)
+            out += ("w", value[len(_NODE_PREFIX) :]) if prefixed else ("h", value)
+        elif name == "task":
+            offset = _task_offset(key, value)
+            out += ("t", value) if offset is None else ("n", str(offset))
+        elif name == "since" and (millis := _millis(value)) is not None:
+            since = str(millis)
+        else:
+            out += ("_" + name, value)
+    if absent:
+        out += ("x", absent)
+    return since, out
+
+
+def _decode_meta(key: str, token: str, fields: Mapping[str, str]) -> dict[str, str]:
+    """The metadata of a held record's compact fields (see :func:`encode_meta`)."""
+    parts = _token_parts(token)
+    absent = fields.get("x", "")
+    meta: dict[str, str] = {}
+    for letter, name, index in (("i", "task_id", 0), ("p", "pid", 1)):
+        if letter in fields:
+            meta[name] = fields[letter]
+        elif parts is not None and letter not in absent:
+            meta[name] = parts[index]
+    if "s" in fields:
+        scope = fields["s"]
+        meta["scope"] = scope[1:] if scope.startswith("=") else _SCOPE_NAMES.get(scope, scope)
+    elif "s" not in absent:
+        meta["scope"] = "execution"
+    for name, value in fields.items():
+        if name == "w":
+            meta["hostname"] = _NODE_PREFIX + value
+        elif name == "h":
+            meta["hostname"] = value
+        elif name == "n" and value.isdigit():
+            meta["task"] = key[int(value) :].split(":", 1)[0]
+        elif name == "t":
+            meta["task"] = value
+        elif name == "a" and "f" in fields:
+            seconds, millis = divmod(int(fields["f"]) // 1000 - int(value), 1000)
+            meta["since"] = f"{seconds}.{millis:03d}"
+        elif name.startswith("_"):
+            meta[name[1:]] = value
+    return meta
+
+
+#: Fields of a lock hash that are not metadata: the owner token, the fencing token (``f``, and
+#: 0.1.0's ``fence``) and the carried completion marker.
+_NOT_META = frozenset({"token", "f", "fence", "d"})
+
+
+def _holder(key: str, fields: Mapping[bytes | str, bytes | str], pttl: int) -> Holder | None:
+    """The Holder of a lock hash's fields and PTTL; None for no lock (a released record, or a
+    companion hash). Reads the compact record and 0.1.0's (long field names, ``fence``)."""
     if not fields or pttl == -2:
         return None
-    meta = {_text(k): _text(v) for k, v in fields.items()}
-    token = meta.pop("token", None)
+    record = {_text(k): _text(v) for k, v in fields.items()}
+    token = record.get("token")
     if token is None:
         return None
-    fence = meta.pop("fence", None)
+    if "fence" in record:  # written by 0.1.0: its fields are the metadata as given
+        fence: str | None = record["fence"]
+        meta = {name: value for name, value in record.items() if name not in _NOT_META}
+    else:
+        fence = record.get("f")
+        meta = _decode_meta(key, token, record)
     return Holder(
         token,
         meta.get("task_id"),
@@ -103,12 +237,25 @@ def _holder(fields: Mapping[bytes | str, bytes | str], pttl: int) -> Holder | No
     )
 
 
-def _removed(reply: Sequence[Any]) -> Holder | None:
+def _conflict_task_id(token: str, old: Any, compact: Any, absent: Any) -> str | None:
+    """The holder's task id in an acquire's conflict reply: 0.1.0's task_id field, i, or the
+    token's unless x says the record has none."""
+    if old is not None:
+        return _text(old)
+    if compact is not None:
+        return _text(compact)
+    parts = _token_parts(token)
+    if parts is None or (absent is not None and "i" in _text(absent)):
+        return None
+    return parts[0]
+
+
+def _removed(key: str, reply: Sequence[Any]) -> Holder | None:
     """The Holder of an OPERATOR_RELEASE_SCRIPT reply, or None when it removed nothing."""
     if not reply:
         return None
     pttl, flat = int(reply[0]), reply[1:]
-    return _holder(dict(zip(flat[::2], flat[1::2], strict=True)), pttl)
+    return _holder(key, dict(zip(flat[::2], flat[1::2], strict=True)), pttl)
 
 
 def _glob_escape(text: str) -> str:

@@ -202,7 +202,8 @@ def tidy_up_servers(app: Celery, setup: Setup, task_ids: Iterable[str]) -> None:
 
 def delete_lock_keys(url: str, prefix: str) -> int:
     """Delete every record whose key contains ``prefix`` from the lock store at ``url`` (Redis:
-    the locks and their ``{...}:fence`` hashes; SQLite: rows of both tables). Returns how many.
+    the locks, released records and ``{...}:fence`` companion hashes; SQLite: rows of both
+    tables). Returns how many.
 
     Only for a prefix that is the run's own (it must not match anyone else's keys).
     """

@@ -17,7 +17,7 @@ import redis
 from singletask import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
 from singletask.backends import backend_class, backend_from_url, known_schemes
 from singletask.backends.memory import MemoryBackend
-from singletask.backends.redis import FENCE_RETENTION, RedisBackend, fence_key
+from singletask.backends.redis import RedisBackend, fence_key
 from singletask.exceptions import UnknownBackendError
 from singletask.tokens import execution_token
 
@@ -44,20 +44,17 @@ def key(key_prefix: str) -> str:
 def test_a_lock_is_a_redis_hash_with_an_expiry(
     redis_backend: RedisBackend, redis_client: redis.Redis, key: str
 ) -> None:
-    """A lock is a Redis hash at the lock key (token + metadata), whose PTTL is the lease."""
+    """A lock is a Redis hash at the lock key (token, fence, metadata), whose PTTL is the lease;
+    nothing else is written (docs/keys.rst; the fields: test_redis_records.py)."""
     # Given / When a lock acquired with metadata and a 30 s lease
     meta = {"task_id": "task-1", "task": "proj.sync", "hostname": "h", "pid": "7", "since": "1.0"}
     assert redis_backend.acquire(key, "token-1", LEASE, meta=meta).acquired
 
-    # Then Redis holds a hash with the token, the fencing token and every metadata field
+    # Then Redis holds a hash with the token and the fencing token, and no companion hash
     assert redis_client.type(key) == b"hash"
-    fields = {k.decode(): v.decode() for k, v in redis_client.hgetall(key).items()}
-    assert fields == {"token": "token-1", "fence": fields["fence"], **meta}
-    assert int(fields["fence"]) > 0
-    # And the fence lives on in a companion hash in the same cluster slot, kept after release
-    companion = f"{{{key}}}:fence"
-    assert redis_client.hget(companion, "fence").decode() == fields["fence"]
-    assert redis_client.pttl(companion) > LEASE * 1000
+    assert redis_client.hget(key, "token") == b"token-1"
+    assert int(redis_client.hget(key, "f")) > 0
+    assert not redis_client.exists(fence_key(key))
     # And the key expires within the lease
     pttl = redis_client.pttl(key)
     assert 0 < pttl <= LEASE * 1000
@@ -87,84 +84,19 @@ def test_a_held_lock_written_by_an_execution_is_a_compact_hash(
     assert redis_client.object("encoding", key) in (b"listpack", b"ziplist")
 
 
-def test_a_release_keeps_the_fence_in_a_companion_hash(
-    redis_backend: RedisBackend, redis_client: redis.Redis, key: str
+@pytest.mark.parametrize(
+    "value", [0.5, -1, "soon", True, float("nan"), 400 * 24 * 3600, 1e300, None]
+)
+@pytest.mark.parametrize("option", ["fence_retention", "marker_retention"])
+def test_an_invalid_retention_is_a_configuration_error(
+    redis_url: str, option: str, value: object
 ) -> None:
-    """After a release, the last fence and the completion marker live on in the fence hash (same
-    cluster slot) for FENCE_RETENTION from the release; the next acquisition gets a greater
-    fence."""
-    # Given a lock acquired then released with a completion marker
-    first = redis_backend.acquire(key, "token-1", LEASE).fence
-    assert redis_backend.release(key, "token-1", completed="task-1:0")
-
-    # Then the companion hash keeps the fence and the marker, with an expiry of the retention
-    companion = f"{{{key}}}:fence"
-    assert redis_client.hgetall(companion) == {b"fence": str(first).encode(), b"done": b"task-1:0"}
-    assert redis_client.pttl(companion) > (FENCE_RETENTION - 60) * 1000
-    # And the next acquisition sees the marker and gets a greater fence
-    again = redis_backend.acquire(key, "token-2", LEASE)
-    assert again.completed == "task-1:0"
-    assert first is not None
-    assert again.fence is not None
-    assert again.fence > first
-
-
-def test_fence_retention_sets_how_long_a_released_key_is_remembered(
-    redis_url: str, redis_client: redis.Redis, key: str
-) -> None:
-    """The transport option ``fence_retention`` (seconds) is how long a released key's fence hash
-    (last fence, completion marker) is kept; it is 7 days without it."""
-    # Given a store configured to remember released keys for one hour
-    backend = backend_from_url(redis_url, transport_options={"fence_retention": 3600})
-    assert isinstance(backend, RedisBackend)
-    assert backend.fence_retention == 3600.0
-
-    # When a lock is acquired, held for a long time (its fence hash, kept an hour from the
-    # acquisition, has a second left), then released with a completion marker
-    assert backend.acquire(key, "token-1", LEASE).acquired
-    redis_client.pexpire(fence_key(key), 1000)
-    assert backend.release(key, "token-1", completed="task-1:0")
-
-    # Then its fence hash (and the marker) is kept an hour from the release, not longer
-    pttl = redis_client.pttl(fence_key(key))
-    assert 3_500_000 < pttl <= 3_600_000
-    assert backend.acquire(key, "token-2", LEASE).completed == "task-1:0"
-    backend.close()
-    # And without the option the retention is FENCE_RETENTION (7 days)
-    with backend_from_url(redis_url) as default:
-        assert isinstance(default, RedisBackend)
-        assert default.fence_retention == FENCE_RETENTION == 7 * 24 * 3600.0
-
-
-@pytest.mark.parametrize("value", [0, 0.5, -1, "soon", True, float("nan"), 400 * 24 * 3600])
-def test_an_invalid_fence_retention_is_a_configuration_error(redis_url: str, value: object) -> None:
-    """fence_retention must be a number of seconds from 1 to a year; anything else is refused
+    """Each retention is 0 (nothing kept) or seconds from 1 to a year; anything else is refused
     when the store is built, with the option's name."""
-    with pytest.raises(ConfigurationError, match="fence_retention"):
-        backend_from_url(redis_url, transport_options={"fence_retention": value})
-    with pytest.raises(ConfigurationError, match="fence_retention"):
-        RedisBackend(url=redis_url, fence_retention=value)  # type: ignore[arg-type]
-
-
-def test_the_fence_hash_never_goes_back(
-    redis_backend: RedisBackend, redis_client: redis.Redis, key: str
-) -> None:
-    """A fence hash holding a greater fence than the released lock's (a server clock set back)
-    keeps it, and the next fence still exceeds it."""
-    # Given a fence hash whose fence is ahead of the server clock (as after a clock step back)
-    ahead = 4 * 10**15  # year 2096 in microseconds, exact in a Lua number
-    redis_client.hset(fence_key(key), "fence", ahead)
-    redis_client.pexpire(fence_key(key), 60_000)
-    held = redis_backend.acquire(key, "token-1", LEASE).fence
-    assert held == ahead + 1
-    # When the lock is taken over without a release, then released
-    taken = redis_backend.acquire(key, "token-2", LEASE, takeover_prefix="token-1").fence
-    assert taken == ahead + 2
-    assert redis_backend.release(key, "token-2")
-
-    # Then the fence hash holds the released fence, and the next fence is greater still
-    assert int(redis_client.hget(fence_key(key), "fence")) == ahead + 2
-    assert redis_backend.acquire(key, "token-3", LEASE).fence == ahead + 3
+    with pytest.raises(ConfigurationError, match=option):
+        backend_from_url(redis_url, transport_options={option: value})
+    with pytest.raises(ConfigurationError, match=option):
+        RedisBackend(url=redis_url, **{option: value})  # type: ignore[arg-type]
 
 
 def test_release_deletes_the_redis_key(
@@ -598,14 +530,14 @@ def test_an_unknown_scheme_is_an_unknown_backend_error_listing_known_schemes() -
     assert "s3cret" not in message
 
 
-def test_fences_keep_growing_when_the_fence_hash_is_lost(
+def test_fences_keep_growing_when_the_key_is_lost(
     redis_backend: RedisBackend, redis_client: redis.Redis, key: str
 ) -> None:
-    """With the companion hash evicted or gone, new fences still exceed the old ones (clock)."""
-    # Given a fence issued, then the lock and its fence hash deleted behind the backend's back
+    """With the lock key evicted or gone, new fences still exceed the old ones (clock)."""
+    # Given a fence issued, then the lock deleted behind the backend's back
     first = redis_backend.acquire(key, "token-1", LEASE).fence
     assert first is not None
-    redis_client.delete(key, fence_key(key))
+    redis_client.delete(key)
 
     # When the key is acquired again
     second = redis_backend.acquire(key, "token-2", LEASE).fence
@@ -622,8 +554,8 @@ def test_fences_keep_growing_when_the_fence_hash_is_lost(
         ("singletask:{tenant-1}:sync", "singletask:{tenant-1}:sync:fence"),
     ],
 )
-def test_the_fence_hash_shares_the_locks_cluster_slot(key: str, expected: str) -> None:
-    # Given a lock key with or without a hash tag, the fence key hashes to the same slot
+def test_the_companion_hash_shares_the_locks_cluster_slot(key: str, expected: str) -> None:
+    # Given a lock key with or without a hash tag, the companion key hashes to the same slot
     from redis.crc import key_slot
 
     assert fence_key(key) == expected
@@ -647,10 +579,8 @@ def test_a_script_given_a_duration_out_of_range_writes_nothing(
 
     fence = fence_key(key)
     calls = [
-        (scripts.ACQUIRE_SCRIPT, [key, fence], ["token-1", millis, "", "604800000"]),
-        (scripts.ACQUIRE_SCRIPT, [key, fence], ["token-1", "30000", "", millis]),
-        (scripts.CLAIM_NEXT_SCRIPT, [fence], ["task-1", millis, "604800000"]),
-        (scripts.CLAIM_NEXT_SCRIPT, [fence], ["task-1", "30000", millis]),
+        (scripts.ACQUIRE_SCRIPT, [key], ["token-1", millis, "", ""]),
+        (scripts.CLAIM_NEXT_SCRIPT, [fence], ["task-1", millis]),
     ]
     for script, keys, args in calls:
         # When the script runs with the bad duration / Then it fails, and no key exists
@@ -658,12 +588,23 @@ def test_a_script_given_a_duration_out_of_range_writes_nothing(
             redis_client.eval(script, len(keys), *keys, *args)
         assert redis_client.exists(key, fence) == 0
 
-    # Given a held lock, extend and release with a bad duration change nothing
-    redis_client.eval(scripts.ACQUIRE_SCRIPT, 2, key, fence, "token-1", "30000", "", "604800000")
+    # Given a held lock, extend and release with a bad duration change nothing (a retention
+    # may be 0: nothing kept)
+    redis_client.eval(scripts.ACQUIRE_SCRIPT, 1, key, "token-1", "30000", "", "")
+    bad_keep = (
+        []
+        if millis == "0"
+        else [
+            (scripts.RELEASE_SCRIPT, [key], ["token-1", "done", millis, "0"]),
+            (scripts.RELEASE_SCRIPT, [key], ["token-1", "done", "0", millis]),
+            (scripts.OPERATOR_RELEASE_SCRIPT, [key], ["", millis, "0"]),
+            (scripts.OPERATOR_RELEASE_SCRIPT, [key], ["", "0", millis]),
+        ]
+    )
     for script, keys, args in [
         (scripts.EXTEND_SCRIPT, [key], ["token-1", millis]),
         (scripts.EXTEND_MANY_SCRIPT, [key, key], ["token-1", "1000", "token-1", millis]),
-        (scripts.RELEASE_SCRIPT, [key, fence], ["token-1", "done", millis]),
+        *bad_keep,
     ]:
         with pytest.raises(redis.exceptions.ResponseError, match="duration out of range"):
             redis_client.eval(script, len(keys), *keys, *args)
@@ -781,13 +722,19 @@ def commands_run(client: redis.Redis, name: str) -> int:
 def test_iter_locks_scans_and_leaves_out_keys_that_are_not_locks(
     redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    """Under the prefix, only lock hashes are listed: not a fence hash (a tagged key keeps it
-    under the prefix), nor another application's string, list or hash. SCAN, never KEYS."""
-    # Given a lock with a hash tag (its fence hash shares the prefix) and foreign keys
+    """Under the prefix, only held locks are listed: not a released record, nor a companion hash
+    (a tagged key keeps it under the prefix), nor another application's string, list or hash.
+    SCAN, never KEYS."""
+    # Given a lock with a hash tag and a follow-up claim (its companion shares the prefix), a
+    # released record, and foreign keys
     lock = f"{key_prefix}{{tenant}}:sync"
     assert redis_backend.acquire(lock, "token-a", LEASE, meta={"task_id": "id-a"}).acquired
-    assert redis_client.exists(fence_key(lock))
+    assert redis_backend.claim_next(lock, "id-next", LEASE) == "id-next"
     assert fence_key(lock).startswith(key_prefix)
+    released = f"{key_prefix}released"
+    assert redis_backend.acquire(released, "token-b", LEASE).acquired
+    assert redis_backend.release(released, "token-b", completed="id-b:0")
+    assert redis_client.exists(released)
     redis_client.set(f"{key_prefix}string", "x", ex=60)
     redis_client.rpush(f"{key_prefix}list", "x")
     redis_client.expire(f"{key_prefix}list", 60)
@@ -806,15 +753,20 @@ def test_iter_locks_scans_and_leaves_out_keys_that_are_not_locks(
     assert commands_run(redis_client, "scan") > scans_before
 
 
-def test_operator_releases_touch_only_lock_hashes(
+def test_operator_releases_touch_only_held_locks(
     redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    """A forced release of a fence hash or a foreign key changes nothing and returns None."""
+    """A forced release of a companion hash, a released record or a foreign key changes nothing
+    and returns None."""
     lock = f"{key_prefix}{{tenant}}:sync"
     assert redis_backend.acquire(lock, "token-a", LEASE, meta={"task_id": "id-a"}).acquired
+    assert redis_backend.claim_next(lock, "id-next", LEASE) == "id-next"
+    released = f"{key_prefix}released"
+    assert redis_backend.acquire(released, "token-b", LEASE, meta={"task_id": "id-a"}).acquired
+    assert redis_backend.release(released, "token-b", completed="id-a:0")
     foreign = f"{key_prefix}string"
     redis_client.set(foreign, "x", ex=60)
-    for name in (fence_key(lock), foreign):
+    for name in (fence_key(lock), released, foreign):
         assert redis_backend.force_release(name) is None
         assert redis_backend.release_held_by(name, "id-a") is None
         assert redis_client.exists(name)

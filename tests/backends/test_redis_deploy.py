@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from singletask.backends import backend_from_url
-from singletask.backends.redis import FENCE_RETENTION
+from singletask.backends.redis import FENCE_RETENTION, MARKER_RETENTION
 from singletask.backends.redis_deploy import RedisClusterBackend, RedisSentinelBackend
 from singletask.backends.redis_options import mask
 from singletask.exceptions import BackendError, BackendUnavailable, ConfigurationError
@@ -180,15 +180,21 @@ def test_cluster_and_sentinel_options_reach_the_client() -> None:
     nodes, master = sentinel._target(sentinel._url or "")
     assert nodes == [("127.0.0.1", 1), ("127.0.0.1", 2)]
     assert master == {"password": "pw", "db": 3, "ssl": True}
-    # And both take the retention of released keys' fence hashes (7 days without it)
-    assert backend.fence_retention == FENCE_RETENTION
+    # And both take the retentions of what a released key keeps (nothing, and a day for a
+    # completion marker, without them)
+    assert (backend.fence_retention, backend.marker_retention) == (
+        FENCE_RETENTION,
+        MARKER_RETENTION,
+    )
     kept = backend_from_url(
-        "sentinel://127.0.0.1:1", transport_options={"master_name": "m", "fence_retention": 60}
+        "sentinel://127.0.0.1:1",
+        transport_options={"master_name": "m", "fence_retention": 60, "marker_retention": 0},
     )
     assert isinstance(kept, RedisSentinelBackend)
-    assert kept.fence_retention == 60.0
-    with pytest.raises(ConfigurationError, match="fence_retention"):
-        backend_from_url("redis+cluster://127.0.0.1:7000", transport_options={"fence_retention": 0})
+    assert (kept.fence_retention, kept.marker_retention) == (60.0, 0.0)
+    for option in ("fence_retention", "marker_retention"):
+        with pytest.raises(ConfigurationError, match=option):
+            backend_from_url("redis+cluster://127.0.0.1:7000", transport_options={option: 0.5})
 
 
 def test_rediss_checks_the_server_certificate(redis_tls: TLSServer) -> None:
@@ -245,7 +251,7 @@ def test_every_key_of_one_lock_is_in_the_locks_slot(
     try:
         name = key.split(":")[1]
         written = [k.decode() for k in client.scan_iter(match=f"*{name}*")]
-        assert len(written) == 2  # the lock hash and the fence hash
+        assert len(written) == 2  # the lock key (held again) and the companion hash (the claim)
         assert {client.keyslot(k) for k in written} == {client.keyslot(key)}
     finally:
         client.close()
@@ -270,14 +276,14 @@ def test_extend_many_renews_locks_spread_over_every_master(
 
 
 def test_iter_locks_lists_the_locks_of_every_master(redis_cluster: ClusterDeployment) -> None:
-    """Listing SCANs every master: locks on all three are found, fence hashes are not."""
+    """Listing SCANs every master: locks on all three are found, companion hashes are not."""
     with backend_from_url(redis_cluster.url) as backend:
         assert isinstance(backend, RedisClusterBackend)
         prefix = f"list:{uuid.uuid4().hex[:8]}:"
         keys = {f"{prefix}{i}" for i in range(40)}
         for key in keys:
             backend.acquire(key, "t", LEASE)
-            backend.claim_next(key, "next", LEASE)  # writes the fence hash too
+            backend.claim_next(key, "next", LEASE)  # writes the companion hash too
         client = redis_cluster.client()
         masters = {client.get_node_from_key(k).port for k in keys}
         client.close()
@@ -293,8 +299,9 @@ def test_iter_locks_lists_the_locks_of_every_master(redis_cluster: ClusterDeploy
 def test_moving_a_held_locks_slot_to_another_master(cluster: ClusterDeployment) -> None:
     """A live lock's slot migrates to another master while its lease is being renewed: the
     redirections (ASK while migrating, MOVED after) never surface, the holder keeps its lock
-    and nobody else gets it; a backend that waits for a replica follows them too. A lock not
-    yet in the slot cannot be taken until its migration ends (reported as unavailable)."""
+    and nobody else gets it; a backend that waits for a replica follows them too. A new lock in
+    that slot can be taken during the migration (its scripts name one key, so Redis redirects
+    them with ASK instead of answering TRYAGAIN), and only once."""
     # Given a held lock, renewed every 50 ms, and backends with and without the replica wait
     key = f"migrate:{uuid.uuid4().hex[:8]}"
     owner = backend_from_url(cluster.url)
@@ -314,11 +321,13 @@ def test_moving_a_held_locks_slot_to_another_master(cluster: ClusterDeployment) 
         holder = waiting.holder(key)
         assert holder is not None
         assert holder.token == "owner"
-        # but a new lock in that slot waits for the migration's end: Redis answers TRYAGAIN to
-        # a script over keys it has not all got yet, reported as the store being unavailable
-        for backend in (owner, waiting):
-            with pytest.raises(BackendUnavailable, match="while the deployment changes"):
-                backend.acquire(sibling, "s", LEASE)
+        # And a new lock in that slot is taken at once, on the importing master, by one backend
+        # only
+        assert waiting.acquire(sibling, "s", LEASE).acquired
+        assert owner.acquire(sibling, "intruder", LEASE).acquired is False
+        sibling_holder = owner.holder(sibling)
+        assert sibling_holder is not None
+        assert sibling_holder.token == "s"
 
     try:
         # When the slot is migrated to another master, then handed over to it for good
@@ -327,7 +336,8 @@ def test_moving_a_held_locks_slot_to_another_master(cluster: ClusterDeployment) 
         # Then (MOVED) the backends follow, and the lock is still the owner's
         assert owner.acquire(key, "intruder", LEASE).acquired is False
         assert waiting.acquire(key, "intruder", LEASE).acquired is False
-        assert waiting.acquire(sibling, "s", LEASE).acquired  # now on the target
+        assert waiting.acquire(sibling, "s", LEASE).acquired  # still its own, on the target
+        assert owner.acquire(sibling, "intruder", LEASE).acquired is False
         with contextlib.closing(cluster.client()) as fresh:
             assert fresh.get_node_from_key(key).port == target
     finally:

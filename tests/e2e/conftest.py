@@ -31,6 +31,8 @@ import pytest
 import redis
 from celery import Celery
 
+from singletask.backends.redis import RedisBackend
+
 from ..servers import SQL_URLS, amqp_url, sql_test_table, start_memcached, unavailable
 from .app import LOCK_OPTIONS_ENV, TASK_MODULES, make_app
 from .probe import PROBE_URL_ENV, Probe
@@ -204,10 +206,16 @@ class Cluster:
     def lock_keys(self, pattern: str = "singletask:*") -> list[str]:
         return sorted(k.decode() for k in self.locks.scan_iter(match=pattern))
 
+    def held_by(self, key: str) -> str | None:
+        """The task id the lock at ``key`` is held or reserved for, as the store reads it."""
+        holder = RedisBackend(client=self.locks).holder(key)
+        return holder.task_id if holder is not None else None
+
     def wait_free(self, key: str, timeout: float = 15.0) -> float:
-        """Wait until no lock is stored at ``key``; return how long that took (fails on timeout)."""
+        """Wait until no lock is held at ``key`` (a released record may stay: it holds no
+        owner token); return how long that took (fails on timeout)."""
         start = time.monotonic()
-        while self.locks.exists(key):
+        while self.locks.hexists(key, "token"):
             if time.monotonic() - start > timeout:
                 raise AssertionError(
                     f"lock {key!r} still held after {timeout}s: {self.locks.hgetall(key)}\n"

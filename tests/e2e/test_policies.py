@@ -253,7 +253,7 @@ def test_raise_reraises_task_locked_in_the_caller_and_stores_a_failure(
     assert error.holder == holder.id
 
     # And the failed duplicates left the holder's lock alone
-    assert cluster.locks.hget(key, "task_id") == holder.id.encode()
+    assert cluster.held_by(key) == holder.id
     open_gate(cluster, label)
     assert holder.get(timeout=10) == "done"
     assert [start["task_id"] for start in cluster.probe.starts(label)] == [holder.id]

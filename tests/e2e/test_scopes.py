@@ -301,7 +301,7 @@ def test_a_message_that_expires_before_it_starts_frees_its_key(
     cluster.probe.wait_for(label, "start")
     # And when the expired message is discarded, it leaves the new holder's lock alone
     wait_until(lambda: doomed.state == "REVOKED", "the expired message to be discarded")
-    assert cluster.locks.hget(key, "task_id") == fresh.id.encode()
+    assert cluster.held_by(key) == fresh.id
     open_gate(cluster, label)
     assert fresh.get(timeout=15) == {"task_id": fresh.id, "note": "fresh"}
     assert runs(cluster, label) == [("start", fresh.id), ("end", fresh.id)]
