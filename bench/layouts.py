@@ -12,9 +12,11 @@ the same information costs, so that a layout is chosen with numbers:
   (so it includes the key name, the main and expiry dictionaries and their tables, as a Redis
   operator sees it), and ``MEMORY USAGE`` and ``OBJECT ENCODING`` of one of them are shown too.
 
-The candidates are storage shapes only, written with plain commands. ``0.1.0`` is what
-:class:`singletask.backends.redis.RedisBackend` wrote in 0.1.0 (a 66-byte owner token), ``now``
-what it writes today; the others are alternatives that were considered.
+The candidates are storage shapes, written with plain commands, except those marked ``now``,
+which :class:`singletask.backends.redis.RedisBackend` itself writes (acquire, and release with
+and without a completion marker). ``0.1.0`` is what it wrote in 0.1.0 (a 66-byte owner token),
+``60-byte token`` the first step of issue 18 (the token shortened, two keys per lock); the
+others are alternatives that were considered.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import socket
 import sys
 import tempfile
@@ -38,7 +41,7 @@ if str(ROOT) not in sys.path:
 import redis  # noqa: E402
 
 from bench.common import RedisServer, log  # noqa: E402
-from singletask.backends.redis import fence_key  # noqa: E402
+from singletask.backends.redis import RedisBackend, fence_key  # noqa: E402
 from singletask.tokens import execution_token  # noqa: E402
 
 TASK = "bench.singletask.noop"
@@ -51,7 +54,9 @@ SINCE = "1763900000.123"
 #: Hash buckets of the "shared marker hash" candidate: one per Redis Cluster slot.
 BUCKETS = 16384
 
-Writer = Callable[[Any, int], None]
+#: A candidate: writes record ``i`` through a pipeline (flushed every 1,000 records) or, for the
+#: ``now`` candidates, through the store itself.
+Writer = Callable[[Any, RedisBackend, int], None]
 
 
 def lock_key(i: int) -> str:
@@ -66,8 +71,8 @@ def record(i: int) -> tuple[str, dict[str, str]]:
         "task": TASK,
         "scope": "execution",
         "hostname": f"celery@{socket.gethostname()}",
-        "pid": "12345",
-        "since": SINCE,
+        "pid": str(os.getpid()),  # the pid the token names, as in an execution
+        "since": f"{time.time():.3f}",
         "task_id": task_id,
     }
     return execution_token(task_id, 0), meta
@@ -79,7 +84,7 @@ def legacy_token(token: str) -> str:
     return f"{task_id}:{retries}:{'f805907e2752'}:{pid}:{'9df9d448'}"
 
 
-def held_legacy(pipe: Any, i: int) -> None:
+def held_legacy(pipe: Any, store: RedisBackend, i: int) -> None:
     """0.1.0: the lock hash (token, fence, metadata) plus the fence hash, both with expiries."""
     key = lock_key(i)
     token, meta = record(i)
@@ -89,7 +94,7 @@ def held_legacy(pipe: Any, i: int) -> None:
     pipe.pexpire(fence_key(key), RETENTION_MS)
 
 
-def held_legacy_hash_only(pipe: Any, i: int) -> None:
+def held_legacy_hash_only(pipe: Any, store: RedisBackend, i: int) -> None:
     """0.1.0's lock hash alone (no fence hash while held)."""
     key = lock_key(i)
     token, meta = record(i)
@@ -97,8 +102,8 @@ def held_legacy_hash_only(pipe: Any, i: int) -> None:
     pipe.pexpire(key, LEASE_MS)
 
 
-def held_current(pipe: Any, i: int) -> None:
-    """Today's layout: 0.1.0's, with the token as execution_token makes it now (60 bytes)."""
+def held_current(pipe: Any, store: RedisBackend, i: int) -> None:
+    """The first step: 0.1.0's layout, with the token as execution_token makes it (60 bytes)."""
     key = lock_key(i)
     token, meta = record(i)
     pipe.hset(key, mapping={"token": token, "fence": FENCE, **meta})
@@ -107,15 +112,15 @@ def held_current(pipe: Any, i: int) -> None:
     pipe.pexpire(fence_key(key), RETENTION_MS)
 
 
-def held_hash_only(pipe: Any, i: int) -> None:
-    """Today's lock hash alone (no fence hash while held)."""
+def held_hash_only(pipe: Any, store: RedisBackend, i: int) -> None:
+    """The first step's lock hash alone (no fence hash while held)."""
     key = lock_key(i)
     token, meta = record(i)
     pipe.hset(key, mapping={"token": token, "fence": FENCE, **meta})
     pipe.pexpire(key, LEASE_MS)
 
 
-def held_hash_listpack(pipe: Any, i: int) -> None:
+def held_hash_listpack(pipe: Any, store: RedisBackend, i: int) -> None:
     """The same fields, but the token stored without its task id (which is a field already),
     so that every value fits Redis' small-hash encoding (listpack: values up to 64 bytes)."""
     key = lock_key(i)
@@ -125,7 +130,7 @@ def held_hash_listpack(pipe: Any, i: int) -> None:
     pipe.pexpire(key, LEASE_MS)
 
 
-def held_hash_compact(pipe: Any, i: int) -> None:
+def held_hash_compact(pipe: Any, store: RedisBackend, i: int) -> None:
     """Listpack hash with one-letter fields, integers as integers, the scope as one letter."""
     key = lock_key(i)
     token, meta = record(i)
@@ -145,20 +150,20 @@ def held_hash_compact(pipe: Any, i: int) -> None:
     pipe.pexpire(key, LEASE_MS)
 
 
-def held_string(pipe: Any, i: int) -> None:
+def held_string(pipe: Any, store: RedisBackend, i: int) -> None:
     """One string: token, fence and metadata values joined by a separator (task id once)."""
     token, meta = record(i)
     value = "\x1f".join([token, str(FENCE), TASK, "e", meta["hostname"], SINCE])
     pipe.set(lock_key(i), value, px=LEASE_MS)
 
 
-def held_string_task_id(pipe: Any, i: int) -> None:
+def held_string_task_id(pipe: Any, store: RedisBackend, i: int) -> None:
     """Reference: a string holding only a task id, as celery-once or celery-singleton store."""
     _, meta = record(i)
     pipe.set(lock_key(i), meta["task_id"], px=LEASE_MS)
 
 
-def released_fence_hash(pipe: Any, i: int) -> None:
+def released_fence_hash(pipe: Any, store: RedisBackend, i: int) -> None:
     """0.1.0 after a release: the fence hash keeps the last fence and the completion marker."""
     key = fence_key(lock_key(i))
     _, meta = record(i)
@@ -166,13 +171,13 @@ def released_fence_hash(pipe: Any, i: int) -> None:
     pipe.pexpire(key, RETENTION_MS)
 
 
-def released_own_key(pipe: Any, i: int) -> None:
+def released_own_key(pipe: Any, store: RedisBackend, i: int) -> None:
     """A per-key record as small as it gets: the completion marker alone, in a string."""
     _, meta = record(i)
     pipe.set(fence_key(lock_key(i)), f"{meta['task_id']}:0", px=RETENTION_MS)
 
 
-def released_shared_hash(pipe: Any, i: int) -> None:
+def released_shared_hash(pipe: Any, store: RedisBackend, i: int) -> None:
     """The marker and last fence as one field of a shared hash, one hash per cluster slot
     (field: 8 bytes of the key's digest; value: marker and fence); no key per released lock."""
     key = lock_key(i)
@@ -183,29 +188,54 @@ def released_shared_hash(pipe: Any, i: int) -> None:
     pipe.pexpire(bucket, RETENTION_MS)
 
 
+def held_now(pipe: Any, store: RedisBackend, i: int) -> None:
+    """What the store writes now: one compact hash at the lock key (see redis_wire)."""
+    token, meta = record(i)
+    if not store.acquire(lock_key(i), token, LEASE_MS / 1000, meta=meta).acquired:
+        raise RuntimeError("not acquired")
+
+
+def released_now(pipe: Any, store: RedisBackend, i: int) -> None:
+    """What a release leaves now without a completion marker (the default: nothing)."""
+    token, meta = record(i)
+    store.acquire(lock_key(i), token, LEASE_MS / 1000, meta=meta)
+    store.release(lock_key(i), token)
+
+
+def released_now_marker(pipe: Any, store: RedisBackend, i: int) -> None:
+    """What a release with a completion marker (an acks_late task) leaves now: f and d, kept
+    for marker_retention (a day by default)."""
+    token, meta = record(i)
+    store.acquire(lock_key(i), token, LEASE_MS / 1000, meta=meta)
+    store.release(lock_key(i), token, completed=f"{meta['task_id']}:0")
+
+
 CANDIDATES: dict[str, tuple[str, Writer]] = {
     "held: 0.1.0 (lock hash + fence hash, 66-byte token)": ("held", held_legacy),
     "held: 0.1.0 lock hash alone": ("held", held_legacy_hash_only),
-    "held: now (lock hash + fence hash, 60-byte token)": ("held", held_current),
-    "held: now, lock hash alone": ("held", held_hash_only),
+    "held: 60-byte token (lock hash + fence hash)": ("held", held_current),
+    "held: 60-byte token, lock hash alone": ("held", held_hash_only),
     "held: same fields, token without its task id": ("held", held_hash_listpack),
     "held: compact hash (1-letter fields, integers)": ("held", held_hash_compact),
     "held: one string, separated values": ("held", held_string),
     "held: string holding a task id (the alternatives)": ("held", held_string_task_id),
+    "held: now (one compact hash)": ("held", held_now),
     "released: 0.1.0 fence hash (fence + marker)": ("released", released_fence_hash),
     "released: the marker alone, in a key of its own": ("released", released_own_key),
     "released: one field of a shared hash per slot": ("released", released_shared_hash),
+    "released: now, no marker (the default)": ("released", released_now),
+    "released: now, with a marker (acks_late)": ("released", released_now_marker),
 }
 
 
-def measure(client: redis.Redis, write: Writer, keys: int) -> dict[str, Any]:
+def measure(client: redis.Redis, store: RedisBackend, write: Writer, keys: int) -> dict[str, Any]:
     """Write ``keys`` records with ``write``; memory per record and a sample's encoding."""
     client.flushdb()
     time.sleep(0.05)
     before = int(client.info("memory")["used_memory"])
     pipe = client.pipeline(transaction=False)
     for i in range(keys):
-        write(pipe, i)
+        write(pipe, store, i)
         if i % 1000 == 999:
             pipe.execute()
     pipe.execute()
@@ -234,12 +264,14 @@ def main(argv: list[str]) -> int:
         server.start()
         try:
             client = server.client(1)
+            store = RedisBackend.from_url(server.url(1))
             results["redis"] = server.version()
             for name, (kind, write) in CANDIDATES.items():
-                row = {"kind": kind, **measure(client, write, keys)}
+                row = {"kind": kind, **measure(client, store, write, keys)}
                 results["candidates"][name] = row
                 log(f"layouts: {name}: {row['bytes_per_record']:.0f} B, {row['sample_encoding']}")
             client.close()
+            store.close()
         finally:
             server.stop()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ def label(results: dict[str, Any], variant: str) -> str:
         "plain": "plain Task",
         "singletask": "singletask",
         "singletask-queue": "singletask, lock_scope='queue'",
+        "singletask-acks-late": "singletask, acks_late (completion marker kept)",
         "celery-heimdall-nb": "celery-heimdall, non-blocking",
         "only-one": "only_one (redis-py Lock)",
         "cookbook": "cookbook add/delete",
@@ -234,7 +235,7 @@ def tables(results: dict[str, Any]) -> list[Table]:
     scale = results.get("scale")
     if scale:
         rows = []
-        for variant in variants:
+        for variant in [*variants, "singletask-acks-late"]:
             row = scale["variants"].get(variant)
             if row is None:
                 continue

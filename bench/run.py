@@ -240,7 +240,10 @@ def main(argv: list[str]) -> int:
             results["scale"] = scale.run(
                 server,
                 eager,
-                [v for v in variants if v not in ("singletask-queue", "celery-heimdall-nb")],
+                [
+                    *(v for v in variants if v not in ("singletask-queue", "celery-heimdall-nb")),
+                    "singletask-acks-late",
+                ],
                 holds=config["scale_holds"],
                 cycles=config["scale_cycles"],
                 rounds=config["scale_rounds"],

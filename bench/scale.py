@@ -7,10 +7,12 @@ the libraries: the functions their tasks call), with that variant's own key form
    the growth of ``used_memory`` (``INFO memory``) divided by ``holds``; keys per lock likewise
    from ``DBSIZE``.
 2. While they are held, ``cycles`` acquire+release cycles of other keys run, ``rounds`` times:
-   the rate while 100,000 locks are held.
+   the rate while 100,000 locks are held; each round is followed by the same cycles on another
+   database of the same server, kept empty: the baseline rate, so that each round's ratio
+   compares two measurements a few seconds apart.
 3. The held keys are released; whatever the store still keeps then is reported per released
-   lock (singletask keeps each key's fencing counter for 7 days after its last use).
-4. The same cycles run again on an empty database: the baseline rate, in the same run.
+   lock (singletask keeps nothing by default; "singletask-acks-late" releases with a completion
+   marker, as an acks_late task's execution does, which is kept for a day).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ import redis
 from celery import Celery
 
 from .common import LOCK_DB, RedisServer, log, summary
+
+#: A database of the same server that holds nothing: the rate to compare with.
+EMPTY_DB = 5
 
 #: The lease of the held locks, in seconds (where a variant takes one).
 LONG_LEASE = 3600
@@ -47,9 +52,12 @@ class Primitive:
 
 
 def primitive(app: Celery, variant: str, lock_url: str) -> Primitive | None:
-    task = app.tasks.get(f"bench.{variant}.noop")
+    # "singletask-acks-late": singletask's task, released as an acks_late task's execution is,
+    # with a completion marker (kept for a day by default).
+    marked = variant == "singletask-acks-late"
+    task = app.tasks.get(f"bench.{'singletask' if marked else variant}.noop")
     tokens: dict[int, Any] = {}
-    if variant == "singletask":
+    if variant in ("singletask", "singletask-acks-late"):
         from singletask.backends.redis import RedisBackend
         from singletask.tokens import execution_token
 
@@ -73,9 +81,12 @@ def primitive(app: Celery, variant: str, lock_url: str) -> Primitive | None:
             tokens[i] = token
 
         def release(i: int) -> None:
-            backend.release(task.lock_key_for((i,)), tokens.pop(i))
+            token = tokens.pop(i)
+            marker = token.split(":", 1)[0] + ":0" if marked else None
+            backend.release(task.lock_key_for((i,)), token, completed=marker)
 
-        return Primitive(acquire, release, "RedisBackend.acquire / release, task metadata")
+        note = "RedisBackend.acquire / release, task metadata"
+        return Primitive(acquire, release, note + (", completion marker" if marked else ""))
     if variant == "celery-singleton":
         from celery_singleton.backends.redis import RedisBackend as SingletonBackend
 
@@ -160,11 +171,18 @@ def run(
 ) -> dict[str, Any]:
     lock_url = server.url(LOCK_DB)
     client = redis.Redis.from_url(lock_url)
+    empty_url = server.url(EMPTY_DB)  # the same server's database that stays empty
+    empty_client = redis.Redis.from_url(empty_url)
     out: dict[str, Any] = {"holds": holds, "cycles": cycles, "rounds": rounds, "variants": {}}
     for variant in variants:
         prim = primitive(app, variant, lock_url)
-        if prim is None:
+        empty_prim = primitive(app, variant, empty_url)
+        if prim is None or empty_prim is None:
             continue
+        empty_client.flushdb()
+        empty_prim.acquire(10**9)  # connect, load scripts
+        empty_prim.release(10**9)
+        empty_client.flushdb()
         client.flushdb()
         prim.acquire(10**9)  # connect, load scripts
         prim.release(10**9)
@@ -178,7 +196,15 @@ def run(
         keys_held = int(client.dbsize())
         sample = client.randomkey()  # how Redis encodes a held lock's record
         encoding = client.object("encoding", sample).decode() if sample else None
-        loaded = [_cycles(prim, holds + r * cycles, cycles) for r in range(rounds)]
+        # Rounds while the locks are held and rounds on an empty database of the same server
+        # alternate, so that each ratio compares two rounds a few seconds apart (the machine's
+        # speed drifts by more than the difference looked for).
+        loaded: list[float] = []
+        baseline: list[float] = []
+        for r in range(rounds):
+            loaded.append(_cycles(prim, holds + r * cycles, cycles))
+            baseline.append(_cycles(empty_prim, holds + r * cycles, cycles))
+            empty_client.flushdb()
         start = time.perf_counter()
         for i in range(holds):
             prim.release(i)
@@ -187,8 +213,6 @@ def run(
         released = holds + rounds * cycles
         memory_left = int(client.info("memory")["used_memory"]) - memory_before
         keys_left = int(client.dbsize())
-        client.flushdb()
-        baseline = [_cycles(prim, holds + r * cycles, cycles) for r in range(rounds)]
         client.flushdb()
         row = {
             "note": prim.note,
@@ -212,4 +236,5 @@ def run(
             f"{row['keys_left_per_released_lock']:.1f} keys left per released lock"
         )
     client.close()
+    empty_client.close()
     return out
