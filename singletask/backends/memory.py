@@ -4,7 +4,7 @@ Locks live in this process only: two worker processes never see each other's loc
 where that is what you want (``task_always_eager`` test suites), never for a real worker fleet.
 URL: ``memory://`` (a host name is ignored; a path or query options are refused).
 
-Like the other stores, it forgets a key's fence record (last fencing token, completion marker,
+Like the SQL stores, it forgets a key's fence record (last fencing token, completion marker,
 pending follow-up) :data:`FENCE_RETENTION` seconds after the key's last acquisition, and every
 record it keeps has an expiry.
 """
@@ -25,7 +25,7 @@ from .base import AcquireResult, Holder, LockBackend, check_lease
 
 __all__ = ["MemoryBackend"]
 
-#: How long a key's fence record outlives its last acquisition (as in Redis and SQLite).
+#: How long a key's fence record outlives its last acquisition (as in SQLite).
 FENCE_RETENTION = 7 * 24 * 3600.0
 
 
