@@ -98,24 +98,21 @@ ACQUIRE_SCRIPT = (
     _CHECK_MS
     + """
 local lease = ms(ARGV[2])
-local cur = redis.call('HGET', KEYS[1], 'token')
+local rec = redis.call('HMGET', KEYS[1], 'token', 'fence', 'f', 'd')
+local cur, last, marker = rec[1], rec[2] or rec[3], rec[4]
 if cur and cur ~= ARGV[1] and (ARGV[3] == '' or string.sub(cur, 1, #ARGV[3]) ~= ARGV[3]) then
-  local held = redis.call('HMGET', KEYS[1], 'task_id', 'i', 'x', 'fence', 'f')
-  return {0, cur, held[1], held[2], held[3], redis.call('PTTL', KEYS[1]), held[4] or held[5]}
+  local held = redis.call('HMGET', KEYS[1], 'task_id', 'i', 'x')
+  return {0, cur, held[1], held[2], held[3], redis.call('PTTL', KEYS[1]), last}
 end
-local rec = redis.call('HMGET', KEYS[1], 'fence', 'f', 'd')
-local last = rec[1] or rec[2]
 local fence = last
 if cur ~= ARGV[1] or not last then
   local now = redis.call('TIME')
   fence = string.format('%.0f', math.max(tonumber(last or '0') + 1, now[1] * 1000000 + now[2]))
 end
-if cur or last or rec[3] then
-  redis.call('DEL', KEYS[1])
-end
+redis.call('DEL', KEYS[1])
 local record = {'token', ARGV[1], 'f', fence}
-if rec[3] then
-  record[#record + 1], record[#record + 2] = 'd', rec[3]
+if marker then
+  record[#record + 1], record[#record + 2] = 'd', marker
 end
 local since = tonumber(ARGV[4])
 if since then
@@ -127,7 +124,7 @@ for i = 5, #ARGV do
 end
 redis.call('HSET', KEYS[1], unpack(record))
 redis.call('PEXPIRE', KEYS[1], lease)
-return {1, fence, rec[3]}
+return {1, fence, marker}
 """
 )
 
@@ -146,14 +143,14 @@ RELEASE_SCRIPT = (
     + _LEAVE_RECORD
     + """
 local marker_keep, fence_keep = keep(ARGV[3]), keep(ARGV[4])
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
+local rec = redis.call('HMGET', KEYS[1], 'token', 'f', 'd')
+if rec[1] ~= ARGV[1] then
   return 0
 end
-local rec = redis.call('HMGET', KEYS[1], 'f', 'd')
-local marker = rec[2]
+local marker = rec[3]
 if ARGV[2] ~= '' then marker = ARGV[2] end
 redis.call('DEL', KEYS[1])
-leave(KEYS[1], rec[1], marker, fence_keep, marker_keep)
+leave(KEYS[1], rec[2], marker, fence_keep, marker_keep)
 return 1
 """
 )

@@ -176,16 +176,25 @@ def encode_meta(key: str, token: str, meta: Mapping[str, str]) -> tuple[str, lis
     return since, out
 
 
+def _from_token(letter: str, token: str, fields: Mapping[str, str]) -> str | None:
+    """The task id (``i``) or pid (``p``) of a compact record: its field, else the owner
+    token's unless ``x`` says the metadata had none."""
+    if letter in fields:
+        return fields[letter]
+    parts = _token_parts(token)
+    if parts is None or letter in fields.get("x", ""):
+        return None
+    return parts[0 if letter == "i" else 1]
+
+
 def _decode_meta(key: str, token: str, fields: Mapping[str, str]) -> dict[str, str]:
     """The metadata of a held record's compact fields (see :func:`encode_meta`)."""
-    parts = _token_parts(token)
     absent = fields.get("x", "")
     meta: dict[str, str] = {}
-    for letter, name, index in (("i", "task_id", 0), ("p", "pid", 1)):
-        if letter in fields:
-            meta[name] = fields[letter]
-        elif parts is not None and letter not in absent:
-            meta[name] = parts[index]
+    for letter, name in (("i", "task_id"), ("p", "pid")):
+        value = _from_token(letter, token, fields)
+        if value is not None:
+            meta[name] = value
     if "s" in fields:
         scope = fields["s"]
         meta["scope"] = scope[1:] if scope.startswith("=") else _SCOPE_NAMES.get(scope, scope)
@@ -238,16 +247,12 @@ def _holder(key: str, fields: Mapping[bytes | str, bytes | str], pttl: int) -> H
 
 
 def _conflict_task_id(token: str, old: Any, compact: Any, absent: Any) -> str | None:
-    """The holder's task id in an acquire's conflict reply: 0.1.0's task_id field, i, or the
-    token's unless x says the record has none."""
+    """The holder's task id in an acquire's conflict reply: 0.1.0's task_id field, or the
+    compact record's (its i and x fields, see :func:`_from_token`)."""
     if old is not None:
         return _text(old)
-    if compact is not None:
-        return _text(compact)
-    parts = _token_parts(token)
-    if parts is None or (absent is not None and "i" in _text(absent)):
-        return None
-    return parts[0]
+    fields = {name: _text(v) for name, v in (("i", compact), ("x", absent)) if v is not None}
+    return _from_token("i", token, fields)
 
 
 def _removed(key: str, reply: Sequence[Any]) -> Holder | None:
