@@ -30,7 +30,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Generic, TypeVar
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
@@ -72,6 +72,7 @@ RECLAIM_BATCH = 1000
 _TABLE_NAME = re.compile(r"(?:[a-z_][a-z0-9_]{0,47}\.)?[a-z_][a-z0-9_]{0,47}")
 
 C = TypeVar("C")
+R = TypeVar("R")
 
 
 def check_table(name: object, where: str = "option table") -> str:
@@ -164,6 +165,24 @@ def load_holder(token: str, meta: str | None, ttl: float | None, fence: int | No
 def like_prefix(prefix: str) -> str:
     """A LIKE pattern (escape character ``!``) matching the strings that start with ``prefix``."""
     return prefix.replace("!", "!!").replace("%", "!%").replace("_", "!_") + "%"
+
+
+def pages(
+    fetch: Callable[[dict[str, object]], Sequence[R]],
+    prefix: str,
+    page_size: int,
+    key_of: Callable[[R], str],
+) -> Iterator[R]:
+    """The rows of the lock table's listing query under ``prefix``, in key order, fetched in
+    pages of ``page_size``: ``fetch(args)`` runs the query with the arguments ``pattern``,
+    ``after`` (the last key of the page before) and ``limit``; ``key_of`` reads a row's key."""
+    after = ""
+    while True:
+        rows = fetch({"pattern": like_prefix(prefix), "after": after, "limit": page_size})
+        yield from rows
+        if len(rows) < page_size:
+            return
+        after = key_of(rows[-1])
 
 
 class Pool(Generic[C]):

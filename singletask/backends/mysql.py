@@ -414,20 +414,19 @@ class MySQLBackend(LockBackend):
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """Yield every live lock under ``prefix``, reading pages of ``page_size`` keys in key
         order (each page one primary-key range scan)."""
-        after = ""
-        while True:
-            args = {"pattern": _sql.like_prefix(prefix), "after": after, "limit": page_size}
 
-            def work(cursor: pymysql.cursors.Cursor, args: dict[str, Any] = args) -> Any:
+        def fetch(args: dict[str, object]) -> Any:
+            def work(cursor: pymysql.cursors.Cursor) -> Any:
                 cursor.execute(self._q["iter"], args)
                 return cursor.fetchall()
 
-            rows = self._run("list", prefix, work)
-            for row in rows:
-                yield _text(row[0]) or "", _holder(row[1:])
-            if len(rows) < page_size:
-                return
-            after = _text(rows[-1][0]) or ""
+            return self._run("list", prefix, work)
+
+        def key_of(row: Any) -> str:
+            return _text(row[0]) or ""
+
+        for row in _sql.pages(fetch, prefix, page_size, key_of):
+            yield key_of(row), _holder(row[1:])
 
     def release_held_by(self, key: str, task_id: str) -> Holder | None:
         return self._release_holder("release_held_by", key, task_id)

@@ -388,19 +388,12 @@ class PostgresBackend(LockBackend):
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """Yield every live lock under ``prefix``, reading pages of ``page_size`` keys in key
         order (each page one indexed range scan)."""
-        after = ""
-        while True:
-            args = {"pattern": _sql.like_prefix(prefix), "after": after, "limit": page_size}
 
-            def page(cursor: psycopg.Cursor[Any], args: dict[str, Any] = args) -> list[Any]:
-                return cursor.execute(self._q["iter"], args).fetchall()
+        def fetch(args: dict[str, object]) -> list[Any]:
+            return self._run("list", prefix, lambda c: c.execute(self._q["iter"], args).fetchall())
 
-            rows = self._run("list", prefix, page)
-            for key, token, meta, fence, left in rows:
-                yield key, _sql.load_holder(token, meta, left, fence)
-            if len(rows) < page_size:
-                return
-            after = rows[-1][0]
+        for key, token, meta, fence, left in _sql.pages(fetch, prefix, page_size, lambda r: r[0]):
+            yield key, _sql.load_holder(token, meta, left, fence)
 
     def release_held_by(self, key: str, task_id: str) -> Holder | None:
         return self._release_holder("release_held_by", key, task_id)

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..exceptions import BackendError, BackendTimeout, ConfigurationError
 from ..urls import mask_url, query_options
+from ._sql import load_holder
 from .base import AcquireResult, Holder, LockBackend, check_lease
 
 __all__ = ["SQLiteBackend"]
@@ -307,8 +308,7 @@ class SQLiteBackend(LockBackend):
         if row is None:
             return None
         token, expires_at, stored, fence = row
-        meta: dict[str, str] = json.loads(stored)
-        return Holder(token, meta.get("task_id"), expires_at - now, meta, fence)
+        return load_holder(token, stored, expires_at - now, fence)
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """Pages of ``page_size`` rows in key order, each read in its own short transaction."""
@@ -331,8 +331,7 @@ class SQLiteBackend(LockBackend):
                 if not key.startswith(prefix):
                     return
                 if expires_at > now:
-                    meta: dict[str, str] = json.loads(stored)
-                    yield key, Holder(token, meta.get("task_id"), expires_at - now, meta, fence)
+                    yield key, load_holder(token, stored, expires_at - now, fence)
             if len(rows) < page_size:
                 return
             after = rows[-1][0]
@@ -344,12 +343,12 @@ class SQLiteBackend(LockBackend):
             if row is None:
                 return None
             token, expires_at, stored, fence = row
-            meta: dict[str, str] = json.loads(stored)
-            if task_id is not None and meta.get("task_id") != task_id:
+            holder = load_holder(token, stored, expires_at - now, fence)
+            if task_id is not None and holder.task_id != task_id:
                 return None
             # The fence row stays: the next acquisition still gets a larger fencing token.
             conn.execute("DELETE FROM singletask_locks WHERE key = ?", (key,))
-        return Holder(token, meta.get("task_id"), expires_at - now, meta, fence)
+        return holder
 
     def release_held_by(self, key: str, task_id: str) -> Holder | None:
         return self._operator_release(key, task_id)
