@@ -30,11 +30,7 @@ import os
 import random
 import sys
 import tempfile
-import time
-import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +40,6 @@ if str(ROOT) not in sys.path:
 
 from pymemcache.client.base import Client  # noqa: E402
 
-from bench import throughput  # noqa: E402
 from bench.app import make_app  # noqa: E402
 from bench.common import (  # noqa: E402
     BROKER_DB,
@@ -53,18 +48,15 @@ from bench.common import (  # noqa: E402
     RedisServer,
     ServerCounters,
     log,
-    quantile,
     summary,
 )
-from singletask.backends import backend_from_url  # noqa: E402
+from bench.store_runs import (  # noqa: E402
+    CONFIGS,
+    batch_us,
+    held_locks,
+    worker_throughput,
+)
 from tests.servers import MemcachedServer, start_memcached  # noqa: E402
-
-CONFIGS: dict[str, dict[str, Any]] = {
-    "full": {"executions": 1000, "rounds": 7, "messages": 1000, "tp_rounds": 3, "held": 100_000,
-             "cycles": 2000},
-    "quick": {"executions": 100, "rounds": 2, "messages": 100, "tp_rounds": 1, "held": 2000,
-              "cycles": 100},
-}  # fmt: skip
 
 #: The second (empty) Redis store of measurement 4.
 EMPTY_DB = 3
@@ -100,13 +92,6 @@ def configure_django(memcached: MemcachedServer) -> None:
     )
 
 
-def _batch(run: Callable[[int], Any], first: int, count: int) -> float:
-    start = time.perf_counter()
-    for i in range(first, first + count):
-        run(i)
-    return (time.perf_counter() - start) / count * 1e6
-
-
 def overhead(
     server: RedisServer, memcached: MemcachedServer, urls: dict[str, str], cfg: dict[str, Any]
 ) -> dict[str, Any]:
@@ -124,19 +109,19 @@ def overhead(
         return lambda i: runners[kind]((offset + i,))
 
     for kind in runners:  # warm up: connect, load scripts
-        _batch(run(kind), 0, 20)
+        batch_us(run(kind), 0, 20)
     trips: dict[str, float] = {}
     for kind in runners:
         count = cfg["executions"]
         if kind == "redis":
             counters = ServerCounters(server.url(LOCK_DB))
             before = counters.snapshot()
-            _batch(run(kind), 10**6 + 10**5 * len(trips), count)
+            batch_us(run(kind), 10**6 + 10**5 * len(trips), count)
             trips[kind] = ServerCounters.delta(before, counters.snapshot())["round_trips"] / count
             counters.client.close()
         else:
             before_requests = memcached_requests(memcached)
-            _batch(run(kind), 10**6 + 10**5 * len(trips), count)
+            batch_us(run(kind), 10**6 + 10**5 * len(trips), count)
             trips[kind] = (memcached_requests(memcached) - before_requests) / count
         log(f"cache stores: {kind}: {trips[kind]:.2f} round trips per execution")
     added: dict[str, list[float]] = {kind: [] for kind in runners}
@@ -146,7 +131,7 @@ def overhead(
         order = ["plain", *runners]
         random.shuffle(order)
         us = {
-            name: _batch(
+            name: batch_us(
                 (lambda i: plain((i,))) if name == "plain" else run(name), first, cfg["executions"]
             )
             for name in order
@@ -166,84 +151,6 @@ def overhead(
         "us_per_execution": {name: summary(values) for name, values in per.items()},
         "added_us": {kind: summary(values) for kind, values in added.items()},
     }
-
-
-def worker_throughput(
-    server: RedisServer, urls: dict[str, str], cfg: dict[str, Any], workdir: Path
-) -> dict[str, Any]:
-    """Measurement 3: a real prefork worker per store (and a plain task in each round)."""
-    out: dict[str, Any] = {}
-    for kind, url in urls.items():
-        if kind.startswith("django"):
-            continue  # needs a Django project in the worker; it is the memcached store anyway
-        producer = make_app(
-            broker=server.url(BROKER_DB), lock_url=url, probe_url=server.url(PROBE_DB),
-            variants=["plain", "singletask"],
-        )  # fmt: skip
-        env = {
-            **os.environ, "PYTHONPATH": str(ROOT), "BENCH_BROKER_URL": server.url(BROKER_DB),
-            "BENCH_LOCK_URL": url, "BENCH_PROBE_URL": server.url(PROBE_DB),
-            "BENCH_VARIANTS": "plain,singletask",
-        }  # fmt: skip
-        result = throughput.run(
-            server, env, producer, ["plain", "singletask"], messages=cfg["messages"],
-            rounds=cfg["tp_rounds"], concurrency=2, cap=60.0, workdir=workdir / f"tp-{kind}",
-        )  # fmt: skip
-        producer.close()
-        variants = result["variants"]
-        out[kind] = {
-            "tasks_per_second": variants["singletask"]["tasks_per_second"],
-            "plain_tasks_per_second": variants["plain"]["tasks_per_second"],
-            "vs_plain": variants["singletask"]["vs_plain"],
-            "all_complete": variants["singletask"]["all_complete"],
-        }
-    return out
-
-
-def _hold(backend: Any, prefix: str, meta: dict[str, str], i: int) -> None:
-    backend.acquire(f"{prefix}{i}", "h", 3600.0, meta=meta)
-
-
-def held_locks(
-    stores: dict[str, tuple[str, str]], cfg: dict[str, Any], memcached: MemcachedServer
-) -> dict[str, Any]:
-    """Measurement 4: acquire of fresh keys, in a store holding ``held`` locks and in an empty
-    store of the same kind, alternately (so that both see the same moments of the machine)."""
-    out: dict[str, Any] = {}
-    run = uuid.uuid4().hex[:8]
-    meta = {"task_id": "bench", "task": "bench.held", "hostname": "bench", "pid": "1"}
-    for kind, (held_url, empty_url) in stores.items():
-        held_store, empty_store = backend_from_url(held_url), backend_from_url(empty_url)
-        start = time.perf_counter()
-        with ThreadPoolExecutor(8) as pool:
-            prefix = f"bench:{kind}:{run}:held:"
-            list(pool.map(partial(_hold, held_store, prefix, meta), range(cfg["held"])))
-        fill_rate = cfg["held"] / (time.perf_counter() - start)
-        timings: dict[str, list[float]] = {"empty": [], "held": []}
-        for i in range(-1, cfg["cycles"]):
-            for name, backend in (("empty", empty_store), ("held", held_store)):
-                key, token = f"bench:{kind}:{run}:free:{i}", f"t{i}"
-                begin = time.perf_counter()
-                backend.acquire(key, token, 60.0, meta=meta)
-                if i >= 0:  # the first cycle connects
-                    timings[name].append((time.perf_counter() - begin) * 1e6)
-                backend.release(key, token)
-        held_store.close()
-        empty_store.close()
-        empty, held = timings["empty"], timings["held"]
-        out[kind] = {
-            "acquire_us_empty": quantile(empty, 0.5),
-            "acquire_us_held": quantile(held, 0.5),
-            "acquire_us_held_p90": quantile(held, 0.9),
-            "held_vs_empty": summary(h / e for h, e in zip(held, empty, strict=True)),
-            "acquires_per_second_filling": fill_rate,
-        }
-        log(f"cache stores: {kind}: acquire {out[kind]['acquire_us_empty']:.0f}us empty, "
-            f"{out[kind]['acquire_us_held']:.0f}us with {cfg['held']} held")  # fmt: skip
-    client = Client(("127.0.0.1", memcached.port), default_noreply=False)
-    out["memcached_evictions"] = int(client.stats()[b"evictions"])
-    client.close()
-    return out
 
 
 def rst(results: dict[str, Any]) -> str:
@@ -301,16 +208,25 @@ def main(argv: list[str]) -> int:
                 "machine": {"cpus": os.cpu_count(), "load": os.getloadavg()},
                 "versions": {"memcached": Client(("127.0.0.1", memcached.port)).version().decode()},
                 "overhead": overhead(server, memcached, urls, cfg),
-                "throughput": worker_throughput(server, urls, cfg, workdir),
+                # Django's cache needs a Django project in the worker; it is the memcached store
+                "throughput": worker_throughput(
+                    server,
+                    {k: u for k, u in urls.items() if not k.startswith("django")},
+                    cfg,
+                    workdir,
+                ),
                 "held": held_locks(
                     {
                         "redis": (server.url(LOCK_DB), server.url(EMPTY_DB)),
                         "memcached": (memcached.url, empty_memcached.url),
                     },
                     cfg,
-                    memcached,
+                    label="cache stores",
                 ),
             }
+            evictions = Client(("127.0.0.1", memcached.port), default_noreply=False)
+            results["held"]["memcached_evictions"] = int(evictions.stats()[b"evictions"])
+            evictions.close()
         finally:
             server.stop()
             memcached.stop()

@@ -28,12 +28,9 @@ import os
 import random
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +38,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import throughput  # noqa: E402
 from bench.app import make_app  # noqa: E402
 from bench.common import (  # noqa: E402
     BROKER_DB,
@@ -50,18 +46,16 @@ from bench.common import (  # noqa: E402
     RedisServer,
     ServerCounters,
     log,
-    quantile,
     summary,
+)
+from bench.store_runs import (  # noqa: E402
+    CONFIGS,
+    batch_us,
+    held_locks,
+    worker_throughput,
 )
 from singletask.backends import backend_from_url  # noqa: E402
 from tests.servers import SQL_URLS, drop_sql_table, sql_problem  # noqa: E402
-
-CONFIGS: dict[str, dict[str, Any]] = {
-    "full": {"executions": 1000, "rounds": 7, "messages": 1000, "tp_rounds": 3, "held": 100_000,
-             "cycles": 2000},
-    "quick": {"executions": 100, "rounds": 2, "messages": 100, "tp_rounds": 1, "held": 2000,
-              "cycles": 100},
-}  # fmt: skip
 
 STORES = ("redis", "postgresql", "postgresql-async", "mysql", "sqlite")
 
@@ -97,13 +91,6 @@ def request_counter() -> Iterator[list[int]]:
         yield counted
     finally:
         psycopg.Cursor.execute, pymysql.cursors.Cursor.execute = originals  # type: ignore[method-assign]
-
-
-def _batch(run: Callable[[int], Any], first: int, count: int) -> float:
-    start = time.perf_counter()
-    for i in range(first, first + count):
-        run(i)
-    return (time.perf_counter() - start) / count * 1e6
 
 
 def store_urls(
@@ -153,21 +140,21 @@ def overhead(server: RedisServer, urls: dict[str, str], cfg: dict[str, Any]) -> 
         return lambda i: runners[kind]((offset + i,))
 
     for kind in runners:  # warm up: connect, create tables, load scripts
-        _batch(run(kind), 0, 20)
+        batch_us(run(kind), 0, 20)
     trips: dict[str, float | None] = {}
     for kind in runners:
         count = cfg["executions"]
         if kind == "redis":
             counters = ServerCounters(server.url(LOCK_DB))
             before = counters.snapshot()
-            _batch(run(kind), 10**6, count)
+            batch_us(run(kind), 10**6, count)
             trips[kind] = ServerCounters.delta(before, counters.snapshot())["round_trips"] / count
             counters.client.close()
         elif kind == "sqlite":  # no server: nothing goes over a network
             trips[kind] = None
         else:
             with request_counter() as counted:
-                _batch(run(kind), 10**6, count)
+                batch_us(run(kind), 10**6, count)
             trips[kind] = counted[0] / count
         log(f"stores: {kind}: {trips[kind]} round trips per execution")
     added: dict[str, list[float]] = {kind: [] for kind in runners}
@@ -177,7 +164,7 @@ def overhead(server: RedisServer, urls: dict[str, str], cfg: dict[str, Any]) -> 
         order = ["plain", *runners]
         random.shuffle(order)
         us = {
-            name: _batch(
+            name: batch_us(
                 (lambda i: plain((i,))) if name == "plain" else run(name), first, cfg["executions"]
             )
             for name in order
@@ -196,82 +183,10 @@ def overhead(server: RedisServer, urls: dict[str, str], cfg: dict[str, Any]) -> 
     }
 
 
-def worker_throughput(
-    server: RedisServer, urls: dict[str, str], cfg: dict[str, Any], workdir: Path
-) -> dict[str, Any]:
-    """Measurement 3: a real prefork worker per store (and a plain task in each round)."""
-    out: dict[str, Any] = {}
-    for kind, url in urls.items():
-        producer = make_app(
-            broker=server.url(BROKER_DB), lock_url=url, probe_url=server.url(PROBE_DB),
-            variants=["plain", "singletask"],
-        )  # fmt: skip
-        env = {
-            **os.environ, "PYTHONPATH": str(ROOT), "BENCH_BROKER_URL": server.url(BROKER_DB),
-            "BENCH_LOCK_URL": url, "BENCH_PROBE_URL": server.url(PROBE_DB),
-            "BENCH_VARIANTS": "plain,singletask",
-        }  # fmt: skip
-        result = throughput.run(
-            server, env, producer, ["plain", "singletask"], messages=cfg["messages"],
-            rounds=cfg["tp_rounds"], concurrency=2, cap=60.0, workdir=workdir / f"tp-{kind}",
-        )  # fmt: skip
-        producer.close()
-        variants = result["variants"]
-        out[kind] = {
-            "tasks_per_second": variants["singletask"]["tasks_per_second"],
-            "plain_tasks_per_second": variants["plain"]["tasks_per_second"],
-            "vs_plain": variants["singletask"]["vs_plain"],
-            "all_complete": variants["singletask"]["all_complete"],
-        }
-    return out
-
-
-def _hold(backend: Any, prefix: str, meta: dict[str, str], i: int) -> None:
-    backend.acquire(f"{prefix}{i}", "h", 3600.0, meta=meta)
-
-
-def held_locks(
-    urls: dict[str, str], empty_urls: dict[str, str], cfg: dict[str, Any]
-) -> dict[str, Any]:
-    """Measurement 4: acquire of fresh keys, in a store holding ``held`` locks and in an empty
-    store of the same kind, alternately (so that both see the same moments of the machine)."""
-    out: dict[str, Any] = {}
-    run = uuid.uuid4().hex[:8]
-    meta = {"task_id": "bench", "task": "bench.held", "hostname": "bench", "pid": "1"}
-    for kind, url in urls.items():
-        held_store, empty_store = backend_from_url(url), backend_from_url(empty_urls[kind])
-        # Filled by 8 threads (the SQL stores commit each acquire: 8 at once share a flush).
-        filler = backend_from_url(url, pool_size=8) if kind not in SERVERLESS else held_store
-        start = time.perf_counter()
-        with ThreadPoolExecutor(8) as pool:
-            prefix = f"bench:{kind}:{run}:held:"
-            list(pool.map(partial(_hold, filler, prefix, meta), range(cfg["held"])))
-        fill_rate = cfg["held"] / (time.perf_counter() - start)
-        if filler is not held_store:
-            filler.close()
-        timings: dict[str, list[float]] = {"empty": [], "held": []}
-        for i in range(-1, cfg["cycles"]):
-            for name, backend in (("empty", empty_store), ("held", held_store)):
-                key, token = f"bench:{kind}:{run}:free:{i}", f"t{i}"
-                begin = time.perf_counter()
-                backend.acquire(key, token, 60.0, meta=meta)
-                if i >= 0:  # the first cycle connects and creates the table
-                    timings[name].append((time.perf_counter() - begin) * 1e6)
-                backend.release(key, token)
-        # The held locks stay: the Redis server is stopped and the SQL tables dropped at the end.
-        held_store.close()
-        empty_store.close()
-        empty, held = timings["empty"], timings["held"]
-        out[kind] = {
-            "acquire_us_empty": quantile(empty, 0.5),
-            "acquire_us_held": quantile(held, 0.5),
-            "acquire_us_held_p90": quantile(held, 0.9),
-            "held_vs_empty": summary(h / e for h, e in zip(held, empty, strict=True)),
-            "acquires_per_second_filling": fill_rate,
-        }
-        log(f"stores: {kind}: acquire {out[kind]['acquire_us_empty']:.0f}us empty, "
-            f"{out[kind]['acquire_us_held']:.0f}us with {cfg['held']} held")  # fmt: skip
-    return out
+def _filler(kind: str, url: str) -> Any:
+    """The backend measurement 4 writes the held locks with: 8 threads share it, so an SQL
+    store gets 8 connections (each acquire commits: 8 at once share a flush)."""
+    return backend_from_url(url, pool_size=8) if kind not in SERVERLESS else backend_from_url(url)
 
 
 def rst(results: dict[str, Any]) -> str:
@@ -316,6 +231,7 @@ def main(argv: list[str]) -> int:
         server = RedisServer(workdir / "redis")
         server.start()
         urls, missing = store_urls(server, workdir, table)
+        empty = store_urls(server, workdir, table, "_e")[0]
         try:
             results = {
                 "config": cfg,
@@ -324,7 +240,9 @@ def main(argv: list[str]) -> int:
                 "machine": {"cpus": os.cpu_count(), "load": os.getloadavg()},
                 "overhead": overhead(server, urls, cfg),
                 "throughput": worker_throughput(server, urls, cfg, workdir),
-                "held": held_locks(urls, store_urls(server, workdir, table, "_e")[0], cfg),
+                "held": held_locks(
+                    {k: (u, empty[k]) for k, u in urls.items()}, cfg, label="stores", filler=_filler
+                ),
             }
         finally:
             server.stop()
