@@ -6,9 +6,9 @@ The rules, for a reader adding an example:
 * In Markdown (README.md, CHANGELOG.md, docs/*.md), a fenced block marked ``python``, ``py`` or
   ``pycon`` is Python.
 * In docs/*.rst, a ``.. code-block::`` (or ``code`` / ``sourcecode``) marked ``python``,
-  ``python3``, ``py`` or ``pycon`` is Python. A bare ``::`` literal block is refused: Sphinx
-  highlights it as Python, so Python could hide in one unchecked. Name the language instead
-  (``.. code-block:: python``, ``console``, ``text``...).
+  ``python3``, ``py`` or ``pycon`` is Python. A bare ``::`` literal block, or a code-block
+  without a language, is refused: Sphinx highlights it as Python, so Python could hide in one
+  unchecked. Name the language instead (``.. code-block:: python``, ``console``, ``text``...).
 * A ``pycon`` block is checked on its input lines (``>>>`` and ``...``).
 * There is no fragment marker and no skipping: an example that is not valid Python on its own
   (an elided body, an undefined ``app``) is written so that it compiles (``...`` for a body);
@@ -59,9 +59,10 @@ class Block:
 
 def markdown_blocks(path: Path) -> list[Block]:
     page = path.relative_to(ROOT).as_posix()
+    text = path.read_text()
     found = []
-    for match in re.finditer(r"^```(\w*)[^\n]*\n(.*?)^```", path.read_text(), re.M | re.S):
-        line = path.read_text().count("\n", 0, match.start()) + 1
+    for match in re.finditer(r"^```(\w*)[^\n]*\n(.*?)^```", text, re.M | re.S):
+        line = text.count("\n", 0, match.start()) + 1
         found.append(Block(page, line, match.group(1).lower(), match.group(2)))
     return found
 
@@ -73,7 +74,8 @@ RST_OPENER = re.compile(
 
 
 def rst_blocks(path: Path) -> list[Block]:
-    """The literal blocks of an rST page: code-block directives and bare ``::`` blocks."""
+    """The literal blocks of an rST page: code-block directives and bare ``::`` blocks (their
+    language is '')."""
     page = path.relative_to(ROOT).as_posix()
     lines = path.read_text().splitlines()
     found = []
@@ -83,7 +85,7 @@ def rst_blocks(path: Path) -> list[Block]:
         if not opener or not lines[i].strip():
             i += 1
             continue
-        language = "" if opener.group(2) is None else (opener.group(2) or "default").lower()
+        language = (opener.group(2) or "").lower()  # '' for a bare '::' or a bare code-block
         j = i + 1
         while j < len(lines) and (not lines[j].strip() or lines[j].strip().startswith(":")):
             j += 1  # blank lines and the directive's options
