@@ -109,7 +109,8 @@ def test_check_fails_before_the_store_frees_the_key_whatever_the_reply_took(
         lock_ttl=LEASE, lock_renew=False, lock_scope=scope,
     )  # fmt: skip
     def hold(self: SingletonTask, watch: bool) -> None:
-        if not watch:
+        lock = self.lock
+        if not watch or lock is None:
             return
         seen["started"] = time.monotonic()
         lost_at = rival_at = None
@@ -117,10 +118,10 @@ def test_check_fails_before_the_store_frees_the_key_whatever_the_reply_took(
         while rival_at is None and time.monotonic() < deadline:
             # The store's side first, then the holder's: a check() that passes after the
             # rival got the key is a moment when both believe they hold it.
-            if rival.acquire(self.lock.key, "rival", LEASE).acquired:
+            if rival.acquire(lock.key, "rival", LEASE).acquired:
                 rival_at = time.monotonic()
             try:
-                self.lock.check()
+                lock.check()
             except LockLost:
                 lost_at = lost_at or time.monotonic()
             else:
