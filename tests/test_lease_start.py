@@ -116,16 +116,19 @@ def test_check_fails_before_the_store_frees_the_key_whatever_the_reply_took(
         lost_at = rival_at = None
         deadline = seen["started"] + 2 * LEASE
         while rival_at is None and time.monotonic() < deadline:
-            # The store's side first, then the holder's: a check() that passes after the
-            # rival got the key is a moment when both believe they hold it.
-            if rival.acquire(lock.key, "rival", LEASE).acquired:
-                rival_at = time.monotonic()
+            # The holder's side, then the store's, then the holder's again: a check() that
+            # passes after the rival got the key is a moment when both believe they hold it.
             try:
                 lock.check()
             except LockLost:
                 lost_at = lost_at or time.monotonic()
-            else:
-                if rival_at is not None:
+            if rival.acquire(lock.key, "rival", LEASE).acquired:
+                rival_at = time.monotonic()
+                try:
+                    lock.check()
+                except LockLost:
+                    lost_at = lost_at or time.monotonic()
+                else:
                     seen["check_passed_while_the_rival_held"] = True
             time.sleep(0.005)
         seen["lost_at"], seen["rival_at"] = lost_at, rival_at
