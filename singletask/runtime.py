@@ -132,11 +132,11 @@ class AppState:
 def store_limit(settings: Settings) -> tuple[float, str] | None:
     """The longest lease the lock store of ``settings`` accepts (the ``max_lease`` of the class
     its URL's scheme chooses) and its scheme as ``"scheme://"``; None when the URL is missing,
-    invalid or of a store that cannot be loaded (each use of the store reports that)."""
+    invalid or of a store that cannot be imported (each use of the store reports that)."""
     try:
         url = settings.backend_url
         store = backend_class(url)
-    except ConfigurationError:
+    except (ConfigurationError, ImportError):  # a plug-in that cannot be imported, too
         return None
     return store.max_lease, f"{url.split('://', 1)[0].lower()}://"
 
