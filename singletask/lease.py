@@ -29,6 +29,18 @@ logger = logging.getLogger("singletask")
 #: Seconds between renewal attempts while the backend is failing (bounded by a third of the lease).
 RETRY_INTERVAL = 1.0
 
+#: The clock-drift margin a holder takes off every lease it believes in: the share of the lease
+#: by which its monotonic clock may run slower than the store's (1 %), plus a fixed allowance
+#: for the clock readings themselves (2 ms): the rule of careful lease clients (Redlock's).
+DRIFT_FACTOR = 0.01
+DRIFT_MIN = 0.002
+
+
+def drift_margin(ttl: float) -> float:
+    """Seconds by which a holder's believed lease of ``ttl`` seconds ends before the store's."""
+    return ttl * DRIFT_FACTOR + DRIFT_MIN
+
+
 #: Serialises LockHandle.lose() (rare: a loss is reported once, from whichever thread sees it).
 _LOSS_MUTEX = threading.Lock()
 
@@ -44,6 +56,9 @@ class LockHandle:
             Hand it to the resource you protect and have it reject smaller ones.
         acquired_at: When the lock was acquired (``time.time()``).
         ttl: The lease, in seconds.
+        sent_at: ``time.monotonic()`` taken just before the acquire request was sent (None: now).
+            The store starts the lease at some moment after it, so the holder's deadline,
+            ``sent_at + ttl - drift_margin(ttl)``, ends no later than the store's lease.
         max_hold: Seconds after which renewal stops (None: no cap).
     """
 
@@ -57,6 +72,7 @@ class LockHandle:
         *,
         max_hold: float | None = None,
         on_lost: Callable[[LockHandle, str], None] | None = None,
+        sent_at: float | None = None,
     ) -> None:
         self.key = key
         self.token = token
@@ -66,8 +82,9 @@ class LockHandle:
         self.max_hold = max_hold
         self.acquired_at = time.time()
         self._on_lost = on_lost
-        self._started = time.monotonic()
-        self._expires = self._started + ttl  # monotonic deadline of the current lease
+        self._started = time.monotonic() if sent_at is None else sent_at
+        # The monotonic deadline of the current lease, as the holder may believe in it.
+        self._expires = self._started + ttl - drift_margin(ttl)
         self._lost: str | None = None
         self._notified = False
 
@@ -104,7 +121,7 @@ class LockHandle:
 
     def renewed(self, at: float) -> None:
         """The lease was extended by a request sent at monotonic time ``at``."""
-        self._expires = max(self._expires, at + self.ttl)
+        self._expires = max(self._expires, at + self.ttl - drift_margin(self.ttl))
 
     def lose(self, reason: str) -> None:
         """Mark the lock lost and tell the owner (once)."""

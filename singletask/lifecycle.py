@@ -178,11 +178,15 @@ def execute(
         meta["task_id"] = str(task_id)
 
     # 2. Acquire.
+    # The store starts the lease at some moment after the request leaves: the holder's deadline
+    # counts from the send (LockHandle's sent_at), not from the reply or what follows it.
+    sent_at = time.monotonic()
     try:
         result = backend.acquire(key, token, options.ttl, meta=meta, takeover_prefix=takeover)
         holder = result.holder
         if holder is not None and attempt is not None and process_state(holder.token) == "gone":
             # Same host, and the holder's process is gone: no need to wait for its lease.
+            sent_at = time.monotonic()
             result = backend.acquire(
                 key, token, options.ttl, meta=meta, takeover_prefix=holder.token
             )
@@ -217,6 +221,7 @@ def execute(
         options.ttl,
         max_hold=options.max_hold,
         on_lost=functools.partial(_lease_lost, task),
+        sent_at=sent_at,
     )
     if options.renew:
         state.renewer.add(handle)

@@ -31,11 +31,17 @@ from .config import (
     check_scope,
     check_seconds,
 )
+from .exceptions import ConfigurationError
 from .keys import KeySpec, run_signature
 
 __all__ = ["ATTRIBUTE_CHECKS", "LockOptions", "TaskOptions"]
 
 logger = logging.getLogger("singletask")
+
+
+def _seconds(value: float) -> str:
+    """``value`` seconds as written, to the millisecond: 2592000, 0.25."""
+    return f"{value:.3f}".rstrip("0").rstrip(".")
 
 
 def _check_countdown(value: object, where: str) -> float:
@@ -55,6 +61,15 @@ ATTRIBUTE_CHECKS: Final[dict[str, Callable[[object, str], object]]] = {
     "lock_retry_max": check_count,
     "lock_on_backend_error": check_backend_error_policy,
     "lock_backend_retry_max": check_count,
+}
+
+
+#: The task options whose value becomes a lease or reservation in the lock store -> the setting
+#: an unset one takes its value from. ``queue_ttl`` counts only for the "queue" and "coalesce"
+#: scopes (the only ones that reserve a key when a message is sent).
+LEASE_OPTIONS: Final[dict[str, str]] = {
+    "ttl": "singletask_lock_ttl",
+    "queue_ttl": "singletask_lock_queue_ttl",
 }
 
 
@@ -154,6 +169,32 @@ class TaskOptions:
                 self.ttl,
                 time_limit,
             )
+
+    def check_store(self, name: str, settings: Settings, max_lease: float, store: str) -> None:
+        """Refuse a lease option longer than the lock store accepts (its ``max_lease``).
+
+        Each option of :data:`LEASE_OPTIONS` that the task uses, declared on the task or taken
+        from the app's setting, must be at most ``max_lease`` seconds. ``store`` names the store
+        in the message (its URL scheme).
+
+        Raises:
+            ConfigurationError: An option is longer; the message names the task, the attribute
+                (or the setting it came from) and the store.
+        """
+        scope = settings.lock_scope if self.scope is None else self.scope
+        for field_name, setting in LEASE_OPTIONS.items():
+            if field_name == "queue_ttl" and scope == "execution":
+                continue  # never written to the store
+            declared = getattr(self, field_name)
+            value = getattr(settings, setting.removeprefix("singletask_"))
+            where = f"task {name!r}: setting {setting}"
+            if declared is not None:
+                value, where = declared, f"task {name!r} attribute lock_{field_name}"
+            if value > max_lease:
+                raise ConfigurationError(
+                    f"{where}: {_seconds(value)}s is longer than the {store} lock store accepts "
+                    f"(at most {_seconds(max_lease)}s); use a shorter lease"
+                )
 
     def resolve(self, name: str, settings: Settings) -> LockOptions:
         """These options for task ``name`` (its registered name), unset ones from ``settings``."""

@@ -30,7 +30,7 @@ from celery.app.task import Context
 from . import enqueue, lifecycle, messages, policies, recovery
 from .exceptions import TaskLocked
 from .options import TaskOptions
-from .runtime import app_state, lock_options
+from .runtime import app_state, check_lease_options, lock_options
 from .worker import CheckLockStore
 
 if TYPE_CHECKING:
@@ -117,9 +117,13 @@ class SingletonTask(_TaskBase):
 
     @classmethod
     def on_bound(cls, app: Celery) -> None:
-        """Make the app's workers check the lock store at start (see :mod:`singletask.worker`)."""
+        """Make the app's workers check the lock store at start (see :mod:`singletask.worker`),
+        and refuse lease options longer than the configured store accepts."""
         super().on_bound(app)
         app.steps["worker"].add(CheckLockStore)
+        # Definition time: binding has read the app's configuration, so a lease option longer
+        # than the configured store accepts is refused now, naming the task and the store.
+        check_lease_options(app, cls.name, cls._singletask_options)
 
     # -- the lock, for callers and the task body -------------------------------------------
 

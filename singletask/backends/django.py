@@ -34,7 +34,7 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 from ..exceptions import ConfigurationError, UnsupportedOperation
-from ..urls import mask_url
+from ..urls import mask_url, parse_redis_url
 from .base import AcquireResult, Holder, LockBackend
 from .memcached import MAX_RELATIVE_EXPIRY
 
@@ -115,6 +115,12 @@ class DjangoCacheBackend(LockBackend):
             ConfigurationError: The URL is malformed, or the cache is one singletask refuses.
         """
         parts = urlsplit(url)
+        if "@" in url:
+            # Not the alias: user info, maybe a password (the message masks it).
+            raise ConfigurationError(
+                f"{mask_url(url)!r}: a Django cache lock URL is django://<alias of CACHES>, with "
+                "no user or password (the cache's own are in its CACHES entry)"
+            )
         if parts.path.strip("/") or parts.query or options:
             raise ConfigurationError(
                 f"{mask_url(url)!r}: a Django cache lock URL is django://<alias of CACHES>, with "
@@ -188,7 +194,21 @@ class DjangoCacheBackend(LockBackend):
         if self._kind(cache) == "redis":
             from .redis import RedisBackend
 
-            self._redis = cache._cache.get_client(write=True)
+            # The server Django writes to, checked as singletask checks its own Redis URLs:
+            # redis-py's parse errors quote parts of a malformed URL, password included.
+            location = cache._cache._servers[0]
+            try:
+                parse_redis_url(location)
+            except ConfigurationError as exc:
+                raise ConfigurationError(f"django://{self.alias}: LOCATION: {exc}") from exc
+            try:
+                self._redis = cache._cache.get_client(write=True)
+            except (TypeError, ValueError):
+                # (not chained: redis-py's message may quote the password)
+                raise ConfigurationError(
+                    f"django://{self.alias}: LOCATION {mask_url(location)!r} is not a Redis URL "
+                    "redis-py accepts"
+                ) from None
             return RedisBackend(client=self._redis)
         from .memcached import MemcachedBackend
 
