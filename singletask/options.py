@@ -16,9 +16,10 @@ deduplication and the main-process recovery read.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -137,15 +138,21 @@ class TaskOptions:
     backend_retry_max: int | None = None
 
     @classmethod
-    def from_class(cls, task_cls: type[Any]) -> TaskOptions:
+    def from_class(cls, task_cls: type[Any], known: Collection[str] = ()) -> TaskOptions:
         """Read and check the ``lock_*`` attributes of a task class.
 
+        ``known`` names every ``lock_*`` attribute the task class may have (its options and
+        its ``lock_*`` methods); any other ``lock_*`` attribute is a misspelt option.
+
         Raises:
-            ConfigurationError: An attribute is invalid; the message names the task and it.
+            ConfigurationError: An attribute is invalid or unknown; the message names the task
+                and it (and, for an unknown one, the closest known option).
         """
         name = task_cls.__dict__.get("name") or getattr(task_cls, "name", None)
         name = str(name or task_cls.__qualname__)
         where = f"task {name!r} attribute"
+        if known:
+            _refuse_unknown(task_cls, where, known)
         declared: dict[str, Any] = {}
         for attribute, check in ATTRIBUTE_CHECKS.items():
             value = getattr(task_cls, attribute)
@@ -217,3 +224,15 @@ class TaskOptions:
             on_backend_error=pick(self.on_backend_error, settings.lock_on_backend_error),
             backend_retry_max=pick(self.backend_retry_max, settings.lock_backend_retry_max),
         )
+
+
+def _refuse_unknown(task_cls: type[Any], where: str, known: Collection[str]) -> None:
+    """Refuse a ``lock_*`` attribute that is no option (``lock_polcy = "retry"`` would otherwise
+    be ignored, and the task would silently run with the default policy)."""
+    unknown = sorted(n for n in dir(task_cls) if n.startswith("lock_") and n not in known)
+    if unknown:
+        attribute = unknown[0]
+        options = [*ATTRIBUTE_CHECKS, "lock_args", "lock_key"]
+        close = difflib.get_close_matches(attribute, options, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else f"; the options are {', '.join(options)}"
+        raise ConfigurationError(f"{where} {attribute}: no such option{hint}")

@@ -90,7 +90,7 @@ class SingletonTask(_TaskBase):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls._singletask_options = TaskOptions.from_class(cls)
+        cls._singletask_options = TaskOptions.from_class(cls, known=_LOCK_ATTRIBUTES)
         # A locked-out execution failing with TaskLocked is an expected outcome: Celery logs
         # exceptions listed in ``throws`` at INFO, without a traceback.
         throws = tuple(getattr(cls, "throws", ()) or ())
@@ -266,3 +266,8 @@ def override_lock_backend(app: Celery, backend: LockBackend | None) -> None:
     settings, if any, is left alone. The other settings still apply and are validated.
     """
     app_state(app).override(backend)
+
+
+#: Every ``lock_*`` name SingletonTask defines (its options and its ``lock_*`` methods): any other
+#: ``lock_*`` attribute of a subclass is a misspelt option, refused when the class is created.
+_LOCK_ATTRIBUTES = frozenset(name for name in dir(SingletonTask) if name.startswith("lock_"))
