@@ -9,9 +9,12 @@ the metadata, the deadline of the lease and the key's last completion marker. A 
 becomes a *free record* (no token) that keeps the last fencing token and completion marker, so
 a release and its marker are one ``cas``. Every change reads the record with ``gets`` and writes it
 with ``cas`` (or ``add`` where there is no item), so a concurrent change makes the write fail and
-the step is decided again on the new record. Fencing tokens come from a counter item per lock
-(``incr``, seeded with ``add``). A pending follow-up is one item (``add``; cleared by a ``cas``
-with a negative expiry, memcached's delete-if-unchanged).
+the step is decided again on the new record. A lock record is only ever created free (``add``)
+and taken with a ``cas``; the fencing token comes from a counter item per lock (``incr``,
+seeded with ``add``) read between that ``gets`` and that ``cas`` (why: the comment above
+``acquire``). A pending follow-up is one item (``add``; cleared by a ``cas`` with a negative
+expiry, memcached's delete-if-unchanged). The counter and the follow-up slot have names no lock
+key can have (see :func:`item_name`).
 
 What differs from Redis (the guarantees page has the details): memcached's own expiry ends a
 lease, in whole seconds of its clock, and the lease time reported is derived from a deadline the
@@ -40,6 +43,7 @@ from ..exceptions import (
     BackendTimeout,
     BackendUnavailable,
     ConfigurationError,
+    SingletaskError,
     UnsupportedOperation,
 )
 from ..urls import mask_url
@@ -72,6 +76,14 @@ _OPTION_TYPES: dict[str, type] = {"connect_timeout": float, "timeout": float, "m
 
 #: memcached's key limit is 250 bytes of printable, non-space ASCII.
 _MAX_KEY = 250
+
+#: Where a lock key's item name is a digest of the key: ``singletask:sha256:<64 hex digits>``.
+_DIGESTED = b"singletask:sha256:"
+
+#: Where the store's own items live (fence counters, follow-up slots): no lock item's name starts
+#: with it (see :func:`item_name`). The default key prefix never makes a key starting with it
+#: either: a task name cannot be empty, and its ``:`` are escaped.
+_COMPANIONS = b"singletask::"
 
 
 def parse_servers(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
@@ -110,7 +122,7 @@ def parse_servers(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     return servers, options
 
 
-def expiry(seconds: float) -> int:
+def expiry(seconds: float, operation: str = "lease") -> int:
     """memcached's expiry for an item that must live at least ``seconds`` from now.
 
     memcached counts in whole seconds of a clock that ticks once a second, so an item can expire
@@ -118,24 +130,44 @@ def expiry(seconds: float) -> int:
 
     Raises:
         ConfigurationError: ``seconds`` is not a lease :func:`check_lease` accepts, or is over
-            memcached's 30 days of relative expiry (a larger value would be read as an absolute
-            Unix time, and expire at once).
+            :attr:`MemcachedBackend.max_lease` (memcached reads an expiry over 30 days as an
+            absolute Unix time: the item would expire at once). The message names the store and
+            ``operation``.
     """
-    exptime = math.ceil(check_lease(seconds)) + 1
+    exptime = math.ceil(check_lease(seconds, f"memcached:// {operation}")) + 1
     if exptime > MAX_RELATIVE_EXPIRY:
         raise ConfigurationError(
-            f"memcached cannot keep a lock for {seconds:.0f}s: its longest relative expiry is "
-            f"{MAX_RELATIVE_EXPIRY}s (30 days) minus one second; use a shorter lease"
+            f"memcached:// {operation}: the memcached lock store cannot keep a lease of "
+            f"{seconds:.0f}s; its longest is {MAX_RELATIVE_EXPIRY - 1}s (30 days, memcached's "
+            "longest relative expiry, less the second an item is kept longer); use a shorter one"
         )
     return exptime
 
 
-def _item_key(key: str) -> bytes:
+def _plain(raw: bytes) -> bool:
+    """Whether memcached can take ``raw`` as a key as it is (length, printable ASCII)."""
+    return len(raw) <= _MAX_KEY and all(32 < byte < 127 for byte in raw)
+
+
+def item_name(key: str, kind: str = "") -> bytes:
+    """The name of the item of lock ``key`` (``kind`` ""), or of its ``"fence"`` counter or
+    ``"next"`` follow-up slot.
+
+    A lock item is named by the key itself when memcached can take it and it does not start with
+    a name of the store's own (``singletask:sha256:``, ``singletask::``); otherwise by
+    ``singletask:sha256:<digest>``. A companion item is ``singletask::<kind>:<key>`` when that
+    fits, else ``singletask::<kind>#<digest>``. So no lock key, whatever its text, names another
+    lock's item or any companion item, and companions of two keys differ.
+    """
     raw = key.encode()
-    if len(raw) <= _MAX_KEY and all(32 < byte < 127 for byte in raw):
-        return raw
-    # Too long, or with spaces / control / non-ASCII characters: memcached cannot take it as is.
-    return b"singletask:sha256:" + hashlib.sha256(raw).hexdigest().encode()
+    if not kind:
+        if _plain(raw) and not raw.startswith((_DIGESTED, _COMPANIONS)):
+            return raw
+        return _DIGESTED + hashlib.sha256(raw).hexdigest().encode()
+    named = _COMPANIONS + kind.encode() + b":" + raw
+    if _plain(named):
+        return named
+    return _COMPANIONS + kind.encode() + b"#" + hashlib.sha256(raw).hexdigest().encode()
 
 
 def _encode(record: Mapping[str, Any]) -> bytes:
@@ -143,13 +175,30 @@ def _encode(record: Mapping[str, Any]) -> bytes:
 
 
 def _decode(value: bytes | str | None, key: str) -> dict[str, Any] | None:
+    """The lock record in an item's value; None for no item.
+
+    Raises:
+        BackendError: The item is not a singletask lock record (another program wrote it).
+    """
     if value is None:
         return None
     try:
         record = json.loads(value)
     except ValueError:
         record = None
-    if not isinstance(record, dict):
+    if not (
+        isinstance(record, dict)
+        and isinstance(record.get("f", 0), int)
+        and (
+            record.get("t") is None
+            or (
+                isinstance(record["t"], str)
+                and isinstance(record.get("f"), int)
+                and isinstance(record.get("d"), int | float)
+                and isinstance(record.get("m") or {}, dict)
+            )
+        )
+    ):
         raise BackendError(f"memcached item {key!r} is not a singletask lock record: {value!r}")
     return record
 
@@ -200,8 +249,10 @@ class MemcachedBackend(LockBackend):
         self._clients: dict[tuple[str, int], Any] = {}
         self._pid: int | None = None
 
-    #: memcached's relative expiry ends at 30 days, and an item is kept a second longer than its
-    #: lease.
+    #: The longest lease and follow-up claim, 30 days less a second: memcached reads an expiry
+    #: over 30 days (2,592,000 s) as an absolute Unix time, and an item is kept a second longer
+    #: than its lease (see :func:`expiry`). Longer leases as absolute times are not offered:
+    #: they would rest on the agreement of the workers' and the server's clocks.
     max_lease = float(MAX_RELATIVE_EXPIRY - 1)
 
     @classmethod
@@ -240,14 +291,30 @@ class MemcachedBackend(LockBackend):
 
     @contextlib.contextmanager
     def _translate(self, operation: str, key: str) -> Iterator[None]:
-        """pymemcache's and the socket's errors, raised inside, as singletask's."""
+        """pymemcache's and the socket's errors, raised inside, as singletask's, chained.
+
+        A timeout is :class:`BackendTimeout`; a refused, reset or closed connection, or no free
+        connection in a pool of ``max_pool_size``, :class:`BackendUnavailable`; what memcached
+        or pymemcache refuses, and anything else unexpected, :class:`BackendError`.
+        """
         try:
             yield
+        except SingletaskError:
+            raise
         except TimeoutError as exc:
             raise BackendTimeout(f"{self!r}: {operation} {key!r} timed out: {exc}") from exc
         except (OSError, MemcacheUnexpectedCloseError) as exc:
             raise BackendUnavailable(f"{self!r}: {operation} {key!r} failed: {exc!r}") from exc
+        except RuntimeError as exc:
+            if not str(exc).startswith("Too many objects"):  # pymemcache's full pool
+                raise BackendError(f"{self!r}: {operation} {key!r} failed: {exc!r}") from exc
+            raise BackendUnavailable(
+                f"{self!r}: {operation} {key!r}: every connection of the pool "
+                f"(max_pool_size={self._options.get('max_pool_size')}) is in use: {exc}"
+            ) from exc
         except MemcacheError as exc:
+            raise BackendError(f"{self!r}: {operation} {key!r} failed: {exc!r}") from exc
+        except Exception as exc:  # every error a caller sees is singletask's, with its cause
             raise BackendError(f"{self!r}: {operation} {key!r} failed: {exc!r}") from exc
 
     def _changing(self, operation: str, key: str) -> BackendError:
@@ -260,11 +327,13 @@ class MemcachedBackend(LockBackend):
     def _next_fence(self, client: Any, key: str, floor: int | None, *, fresh: bool) -> int:
         """A fencing token greater than every one issued before (and than ``floor``).
 
-        A missing counter (new key, or evicted / expired / lost in a restart) is seeded with the
-        time, so that the fence keeps growing as long as the hosts' clocks do. With ``fresh``
-        (the key has no record) the counter is most likely missing too: seeding is tried first.
+        Called between the ``gets`` of the record and its ``cas`` (see the comment above
+        :meth:`acquire`). A missing counter (new key, or evicted / expired / lost in a restart)
+        is seeded with the time, so that the fence keeps growing as long as the hosts' clocks
+        do. With ``fresh`` (the record was just created) the counter is most likely missing
+        too: seeding is tried first.
         """
-        counter = _item_key(f"{key}|fence")
+        counter = item_name(key, "fence")
         seed = max(int(time.time() * 1_000_000), (floor or 0) + 1)
         if fresh and client.add(counter, str(seed).encode(), expire=FENCE_EXPIRY):
             return seed
@@ -277,10 +346,33 @@ class MemcachedBackend(LockBackend):
                 raise BackendError(f"{self!r}: the fence counter of {key!r} vanished twice")
         if floor is not None and int(value) <= floor:
             value = client.incr(counter, floor + 1 - int(value))
+            if value is None:
+                raise BackendError(f"{self!r}: the fence counter of {key!r} vanished")
         return int(value)
 
     # -- the primitives --------------------------------------------------------------------------
 
+    # Why a fence is never below one issued before it for the key, whatever the interleaving:
+    #
+    # * A lock record is created only as a *free* record, with ``add`` (which fails when any item
+    #   is there). Every acquisition is a ``cas`` over a record its ``gets`` read, and the fence is
+    #   taken from the key's counter (``incr``) *between* that ``gets`` and that ``cas``.
+    # * A ``cas`` succeeds only if the item was not changed, deleted, expired or re-created since
+    #   the ``gets`` (memcached gives every store of an item a new cas value, never reused until it
+    #   restarts, which loses every lock anyway). So the
+    #   ``incr`` of a successful acquisition A ran while the record was still in the state A read.
+    # * Every earlier holder B made that state's past: B's ``cas`` happened before A's ``gets``
+    #   (had it happened after, A's ``cas`` would fail), and B's ``incr`` before B's ``cas``. So
+    #   B's ``incr`` came before A's, and the counter only grows: B's fence < A's fence.
+    # * A paused acquisition cannot issue a stale fence: if a rival acquired (and released, or let
+    #   its lease expire) meanwhile, the paused ``cas`` fails and the step is decided again, with a
+    #   new ``incr``. Creating the record with ``add`` (where the old version put the *held*
+    #   record, with a fence taken before it) is what makes this hold when no item is there: a
+    #   rival's whole lease could begin and end between the ``incr`` and an ``add``, and ``add``
+    #   cannot tell (seen: A took N, B took N+1 and expired, A's ``add`` stored N).
+    # * The counter is kept above the fence in the record (``floor``). A lost counter (evicted,
+    #   expired after 30 days, or a restart) is seeded again from the host's clock in microseconds:
+    #   there, and only there, fences rest on the hosts' clocks (see the guarantees page).
     def acquire(
         self,
         key: str,
@@ -290,35 +382,36 @@ class MemcachedBackend(LockBackend):
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
     ) -> AcquireResult:
-        exptime = expiry(ttl)
-        item = _item_key(key)
+        exptime = expiry(ttl, "acquire")
+        item = item_name(key)
         with self._translate("acquire", key):
             client = self._client(key)
+            created = False
             for _ in range(CAS_ATTEMPTS):
                 value, cas = client.gets(item)
                 record = _decode(value, key)
-                current = record.get("t") if record else None
+                if record is None:
+                    # No item: create it free, then take it with a cas like any free record.
+                    # A failed add means another item is there now: decided on next turn.
+                    created = client.add(item, _encode({"c": None}), expire=RECORD_RETENTION)
+                    continue
+                current = record.get("t")
                 if (
-                    record is not None
-                    and current is not None
+                    current is not None
                     and current != token
                     and not (takeover_prefix and str(current).startswith(takeover_prefix))
                 ):
                     return AcquireResult(False, _holder(record, full=False))
-                if record is not None and current == token:
+                if current == token:
                     fence = int(record["f"])
                 else:
-                    floor = int(record["f"]) if record and "f" in record else None
-                    fence = self._next_fence(client, key, floor, fresh=record is None)
-                done = record.get("c") if record else None
+                    floor = record.get("f")
+                    fence = self._next_fence(client, key, floor, fresh=created)
+                done = record.get("c")
                 fields = {"t": token, "f": fence, "d": time.time() + ttl, "m": dict(meta or {})}
-                new = _encode({**fields, "c": done})
-                if record is None:
-                    stored = client.add(item, new, expire=exptime)
-                else:
-                    stored = client.cas(item, new, cas, expire=exptime)
-                if stored:
+                if client.cas(item, _encode({**fields, "c": done}), cas, expire=exptime):
                     return AcquireResult(True, fence=fence, completed=done)
+                created = False
         raise self._changing("acquire", key)
 
     def _free(
@@ -334,7 +427,7 @@ class MemcachedBackend(LockBackend):
 
         With neither, whoever holds it. Returns the holder removed, or None.
         """
-        item = _item_key(key)
+        item = item_name(key)
         with self._translate(operation, key):
             client = self._client(key)
             for _ in range(CAS_ATTEMPTS):
@@ -367,8 +460,8 @@ class MemcachedBackend(LockBackend):
 
     def _extend(self, client: Any, key: str, token: str, ttl: float, seen: Any) -> bool:
         """Extend from an already read ``(value, cas)``; read again while the record changes."""
-        item = _item_key(key)
-        exptime = expiry(ttl)
+        item = item_name(key)
+        exptime = expiry(ttl, "extend")
         value, cas = seen
         for _ in range(CAS_ATTEMPTS):
             record = _decode(value, key)
@@ -387,31 +480,31 @@ class MemcachedBackend(LockBackend):
     def extend(self, key: str, token: str, ttl: float) -> bool:
         with self._translate("extend", key):
             client = self._client(key)
-            return self._extend(client, key, token, ttl, client.gets(_item_key(key)))
+            return self._extend(client, key, token, ttl, client.gets(item_name(key)))
 
     def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool]:
         """One ``gets`` of many keys per server, then one ``cas`` per lease still held."""
         if not leases:
             return []
         for _, _, ttl in leases:
-            expiry(ttl)  # every lease checked before any changes
+            expiry(ttl, "extend")  # every lease checked before any changes
         by_server: dict[tuple[str, int], list[str]] = {}
         for key, _, _ in leases:
             by_server.setdefault(self._server(key), []).append(key)
         seen: dict[bytes, Any] = {}
         with self._translate("extend", leases[0][0]):
             for keys in by_server.values():
-                seen.update(self._client(keys[0]).gets_many([_item_key(k) for k in keys]))
+                seen.update(self._client(keys[0]).gets_many([item_name(k) for k in keys]))
             return [
                 self._extend(
-                    self._client(key), key, token, ttl, seen.get(_item_key(key), (None, None))
+                    self._client(key), key, token, ttl, seen.get(item_name(key), (None, None))
                 )
                 for key, token, ttl in leases
             ]
 
     def claim_next(self, key: str, task_id: str, ttl: float) -> str:
-        item = _item_key(f"{key}|next")
-        exptime = expiry(ttl)
+        item = item_name(key, "next")
+        exptime = expiry(ttl, "claim_next")
         with self._translate("claim_next", key):
             client = self._client(key)
             for _ in range(CAS_ATTEMPTS):
@@ -423,7 +516,7 @@ class MemcachedBackend(LockBackend):
         raise self._changing("claim_next", key)
 
     def clear_next(self, key: str, task_id: str) -> bool:
-        item = _item_key(f"{key}|next")
+        item = item_name(key, "next")
         with self._translate("clear_next", key):
             client = self._client(key)
             for _ in range(CAS_ATTEMPTS):
@@ -444,7 +537,7 @@ class MemcachedBackend(LockBackend):
 
     def holder(self, key: str) -> Holder | None:
         with self._translate("inspect", key):
-            record = _decode(self._client(key).get(_item_key(key)), key)
+            record = _decode(self._client(key).get(item_name(key)), key)
         if record is None or record.get("t") is None:
             return None
         return _holder(record)

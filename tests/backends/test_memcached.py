@@ -18,6 +18,7 @@ from singletask.backends.memcached import (
     MAX_RELATIVE_EXPIRY,
     MemcachedBackend,
     expiry,
+    item_name,
     parse_servers,
 )
 from singletask.exceptions import (
@@ -195,7 +196,13 @@ def test_every_item_the_store_writes_expires(
     records = memcached_records(memcached_server.port, key)
 
     # Then there are the records, counters and the slot, each with an expiry within 30 days
-    assert set(records) == {key, f"{key}|fence", f"{key}|next", f"{key}:2", f"{key}:2|fence"}
+    assert set(records) == {
+        key,
+        f"singletask::fence:{key}",
+        f"singletask::next:{key}",
+        f"{key}:2",
+        f"singletask::fence:{key}:2",
+    }
     for name, left in records.items():
         assert left is not None, f"{name} never expires"
         assert 0 < left <= MAX_RELATIVE_EXPIRY + 2, (name, left)
@@ -261,7 +268,7 @@ def test_a_lost_fence_counter_restarts_above_every_earlier_fence(
 
     # When its counter item disappears (eviction, expiry)
     client = raw_client(memcached_url)
-    assert client.delete(f"{key}|fence".encode(), noreply=False)
+    assert client.delete(item_name(key, "fence"), noreply=False)
     client.close()
 
     # Then the next acquisition still gets a larger fence
