@@ -18,6 +18,7 @@ import pytest
 from pymemcache.client.base import Client
 
 from singletask.backends import backend_from_url
+from singletask.backends.django import DjangoCacheBackend
 from singletask.backends.memcached import (
     MAX_RELATIVE_EXPIRY,
     MemcachedBackend,
@@ -25,7 +26,6 @@ from singletask.backends.memcached import (
     item_name,
     parse_servers,
 )
-from singletask.backends.django import DjangoCacheBackend
 from singletask.exceptions import (
     BackendError,
     BackendTimeout,
@@ -602,10 +602,18 @@ def test_a_pool_with_every_connection_in_use_is_unavailable_at_once(
 ) -> None:
     """With max_pool_size connections all waiting on a stalled server, another call does not
     wait: BackendUnavailable (pymemcache's error chained), so the store-error policy applies."""
-    store = MemcachedBackend.from_url(f"{forwarder.url}?timeout=3&max_pool_size=1")
+    store = MemcachedBackend.from_url(f"{forwarder.url}?timeout=2&max_pool_size=1")
     assert store.holder(key) is None  # the pool's one connection is open
     forwarder.stall()
-    waiting = threading.Thread(target=lambda: pytest.raises(BackendTimeout, store.holder, key))
+    outcomes: list[BaseException] = []
+
+    def wait_on_the_stalled_server() -> None:
+        try:
+            store.holder(key)
+        except Exception as exc:
+            outcomes.append(exc)
+
+    waiting = threading.Thread(target=wait_on_the_stalled_server)
     waiting.start()
     assert forwarder.held.wait(5)  # the one connection waits on the stalled server
 
@@ -617,7 +625,9 @@ def test_a_pool_with_every_connection_in_use_is_unavailable_at_once(
     # Then it fails at once, with the driver's error chained
     assert time.monotonic() - started < 1.0
     assert caught.value.__cause__ is not None
+    # And the call that held the connection times out
     waiting.join()
+    assert [type(exc) for exc in outcomes] == [BackendTimeout]
     store.close()
 
 
