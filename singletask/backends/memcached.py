@@ -4,17 +4,17 @@ URLs: ``memcached://host:11211`` and, for several servers, ``memcached://h1:1121
 (``,`` works too). Query options: ``timeout`` and ``connect_timeout`` (seconds) and
 ``max_pool_size``. Needs ``pip install singletask[memcached]`` (pymemcache).
 
-A lock is one item at the lock key holding a small JSON record: the owner token, its fencing token,
-the metadata, the deadline of the lease and the key's last completion marker. A released lock
-becomes a *free record* (no token) that keeps the last fencing token and completion marker, so
-a release and its marker are one ``cas``. Every change reads the record with ``gets`` and writes it
-with ``cas`` (or ``add`` where there is no item), so a concurrent change makes the write fail and
-the step is decided again on the new record. A lock record is only ever created free (``add``)
-and taken with a ``cas``; the fencing token comes from a counter item per lock (``incr``,
-seeded with ``add``) read between that ``gets`` and that ``cas`` (why: the comment above
+A lock is one item, named after the lock key, holding a JSON record: the owner token, its
+fencing token, the metadata, the deadline of the lease and the key's last completion marker. A
+released lock becomes a *free record* (no token) that keeps the last fencing token and
+completion marker, so a release and its marker are one ``cas``. Every change reads the record
+with ``gets`` and writes it with ``cas``, so a concurrent change makes the write fail and the
+step is decided again on the new record. A lock record is only ever created free (``add``) and
+taken with a ``cas``; the fencing token comes from a counter item per lock (``incr``, seeded
+with ``add``) read between that ``gets`` and that ``cas`` (why: the comment above
 ``acquire``). A pending follow-up is one item (``add``; cleared by a ``cas`` with a negative
 expiry, memcached's delete-if-unchanged). The counter and the follow-up slot have names no lock
-key can have (see :func:`item_name`).
+key can have (see :func:`~singletask.backends.memcached_items.item_name`).
 
 What differs from Redis (the guarantees page has the details): memcached's own expiry ends a
 lease, in whole seconds of its clock, and the lease time reported is derived from a deadline the
