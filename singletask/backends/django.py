@@ -144,7 +144,7 @@ class DjangoCacheBackend(LockBackend):
             )
         try:
             return caches.create_connection(self.alias)
-        except InvalidCacheBackendError as exc:
+        except (InvalidCacheBackendError, ValueError, TypeError, ImportError) as exc:
             raise ConfigurationError(f"django://{self.alias}: {exc}") from exc
 
     def check(self) -> None:
@@ -222,6 +222,8 @@ class DjangoCacheBackend(LockBackend):
         for name in ("socket_timeout", "socket_connect_timeout"):
             if kwargs.get(name) is None:
                 kwargs[name] = CLIENT_DEFAULTS[name]
+        # A connection object (not connected) checks the options now, not on the first call.
+        client.connection_pool.connection_class(**kwargs)
         self._redis = client
         return RedisBackend(client=client)
 

@@ -208,18 +208,24 @@ def test_a_memcached_cache_with_timeouts_of_none_still_times_out(
 
 
 @pytest.mark.parametrize(
-    ("backend_path", "location"),
+    ("backend_path", "location", "options"),
     [
-        ("django.core.cache.backends.redis.RedisCache", "not-a-redis-url"),
-        ("django.core.cache.backends.memcached.PyMemcacheCache", "cache-1:port"),
+        ("django.core.cache.backends.redis.RedisCache", "not-a-redis-url", {}),
+        ("django.core.cache.backends.redis.RedisCache", "redis://127.0.0.1:1", {"nope": 1}),
+        ("django.core.cache.backends.memcached.PyMemcacheCache", "cache-1:port", {}),
     ],
-    ids=["redis", "memcached"],
+    ids=["redis-location", "redis-option", "memcached-location"],
 )
-def test_a_location_the_store_cannot_use_is_a_configuration_error(
-    django_caches: dict[str, dict[str, object]], backend_path: str, location: str
+def test_a_location_or_option_the_store_cannot_use_is_a_configuration_error(
+    django_caches: dict[str, dict[str, object]],
+    backend_path: str,
+    location: str,
+    options: dict[str, object],
 ) -> None:
-    """A cache's LOCATION the driver refuses: ConfigurationError naming the alias, chained."""
-    with with_cache(django_caches, "broken", BACKEND=backend_path, LOCATION=location):
+    """A cache's LOCATION or OPTIONS the driver refuses: ConfigurationError naming the alias,
+    with the driver's error chained, on the first call (not a driver error on some later one)."""
+    cache = {"BACKEND": backend_path, "LOCATION": location, "OPTIONS": options}
+    with with_cache(django_caches, "broken", **cache):
         backend = DjangoCacheBackend("broken")
         with pytest.raises(ConfigurationError, match="django://broken") as caught:
             backend.acquire("any:key", "token-a", LEASE)
