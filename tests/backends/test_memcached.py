@@ -537,7 +537,7 @@ def test_every_call_to_a_stalled_server_times_out_within_its_timeout(
 ) -> None:
     """A server that stops answering mid-session: every primitive raises BackendTimeout, with
     the socket's error chained, within the read timeout (each call waits on one reply at most)."""
-    store = MemcachedBackend.from_url(f"{forwarder.url}?timeout=0.5&connect_timeout=0.5")
+    store = MemcachedBackend.from_url(f"{forwarder.url}?timeout=0.3&connect_timeout=0.3")
     # Given a lock held and a follow-up claimed through the link
     assert store.acquire(key, "token-a", LEASE).acquired
     assert store.claim_next(key, "next-a", LEASE) == "next-a"
