@@ -73,10 +73,15 @@ def parse_servers(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     for item in filter(None, (part.strip() for part in where.split(";"))):
         item = item.removeprefix("memcached://").rsplit("@", 1)[-1]
         host, _, port = item.rpartition(":") if item.count(":") == 1 else (item, "", "")
-        try:
-            servers.append((unquote(host or item), int(port or 11211)))
-        except ValueError as exc:
-            raise ConfigurationError(f"{shown!r}: bad memcached server {item!r}") from exc
+        port = port or "11211"
+        if not port.isascii() or not port.isdigit():
+            # Neither the item nor the port is shown: a '#' in a password ends the netloc early,
+            # so the item can be a piece of user info.
+            raise ConfigurationError(
+                f"{shown!r}: a server address is not host[:port]; percent-encode any '#', '@' or "
+                "'/' in a user name or password"
+            )
+        servers.append((unquote(host or item), int(port)))
     if not servers:
         raise ConfigurationError(
             f"{shown!r}: no server; expected memcached://host:11211 or memcached://h1:11211;h2:11211"

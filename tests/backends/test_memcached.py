@@ -103,7 +103,7 @@ def test_url_options_are_typed_and_checked() -> None:
     assert options == {"timeout": 0.5, "connect_timeout": 2.0, "max_pool_size": 8}
     with pytest.raises(ConfigurationError, match="unknown option 'noreply'"):
         parse_servers("memcached://a:1?noreply=true")
-    with pytest.raises(ConfigurationError, match="bad memcached server"):
+    with pytest.raises(ConfigurationError, match="a server address is not host"):
         parse_servers("memcached://a:port")
 
 
