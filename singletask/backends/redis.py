@@ -77,20 +77,59 @@ CLIENT_DEFAULTS: dict[str, Any] = {
 
 
 def fence_key(key: str) -> str:
-    """The key of ``key``'s companion hash, in the same Redis Cluster slot as ``key``: a
-    coalescing task's pending follow-up claim (and, written by 0.1.0, the last fencing token and
-    completion marker; that version named it the fence hash).
+    """The key of ``key``'s companion hash, which holds a coalescing task's pending follow-up
+    claim: ``{<key>}:fence``, or ``<key>}:fence`` when ``key`` has a ``}`` already.
 
-    A key that has a hash tag keeps it with any suffix; any other key becomes the tag. (A key
-    with a ``}`` but no hash tag cannot be a tag: its companion lands in another slot, which only
-    matters under Redis Cluster.)
+    The name is out of reach of every lock key: it has a ``}`` after the key's prefix, which a
+    lock key built by singletask never has there (the task name and the key's suffix are
+    escaped, :mod:`singletask.keys`), so a ``lock_key`` whose text ends in ``:fence`` cannot
+    name another lock's companion. It is in the lock key's Redis Cluster slot whenever the key
+    has a hash tag or no ``}`` at all (``{<key>}`` then is the tag; a tag already in the key
+    stays the first one). A key with a ``}`` but no hash tag has its companion in another slot,
+    which does no harm: no script uses the two keys together.
+
+    Earlier versions named the companion of a key with a ``}`` ``<key>:fence``, which a lock key
+    under a hash-tagged prefix could be as well (see docs/backends.rst on rolling upgrades);
+    0.1.0 named this hash the fence hash and kept fences and completion markers in it.
     """
-    start = key.find("{")
-    if start != -1 and key.find("}", start + 2) != -1 and key[start + 1] != "}":
-        return f"{key}:fence"
     if "}" in key:
-        return f"{key}:fence"
+        return f"{key}}}:fence"
     return f"{{{key}}}:fence"
+
+
+#: The error codes of a reply saying the server did not run the command because it cannot take
+#: writes now: a primary demoted by a failover (READONLY: the name or address that used to lead
+#: to the primary now leads to a replica), a server loading its data set (LOADING), a replica
+#: whose primary is down (MASTERDOWN), a cluster that is down or a slot being migrated
+#: (CLUSTERDOWN, TRYAGAIN). Nothing was written: every script fails at its first write.
+NOT_RUN_CODES = ("READONLY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN")
+
+_NOT_RUN_TYPES = (
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.BusyLoadingError,
+    redis.exceptions.ClusterDownError,  # and MasterDownError, its subclass
+    redis.exceptions.TryAgainError,
+)
+
+
+def not_run(exc: BaseException) -> bool:
+    """Whether ``exc`` is a reply of :data:`NOT_RUN_CODES`: by its class, or by its text (a
+    redis-py that does not map the code, or a server that wraps a script's error in ``ERR``)."""
+    if isinstance(exc, _NOT_RUN_TYPES):
+        return True
+    if not isinstance(exc, redis.exceptions.ResponseError):
+        return False
+    text = str(exc)
+    return text.startswith(NOT_RUN_CODES) or any(f"-{code} " in text for code in NOT_RUN_CODES)
+
+
+def _drop_idle(client: Any) -> None:
+    """Close the idle connections of a client's pool (after a :func:`not_run` reply: they may
+    all lead to a demoted primary); those in use are closed by their users' next errors."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        with contextlib.suppress(Exception):
+            pool.disconnect(inuse_connections=False)
 
 
 class RedisBackend(LockBackend):
@@ -193,11 +232,36 @@ class RedisBackend(LockBackend):
         return self._client
 
     def _error(self, exc: Exception, operation: str, key: str) -> BackendError:
-        """singletask's error for a redis-py one, naming the server but never its password."""
+        """singletask's error for a redis-py one, naming the server but never its password.
+
+        A timeout is :class:`BackendTimeout` (the command may have run); a lost connection and
+        a reply of :data:`NOT_RUN_CODES` (the command did not run, the server cannot take writes
+        now) are :class:`BackendUnavailable`, so the task's store-error policy applies; any
+        other reply is a :class:`BackendError` that says what to look at.
+        """
         if isinstance(exc, redis.exceptions.TimeoutError):
             return BackendTimeout(f"{self!r}: {operation} {key!r} timed out: {exc}")
+        if not_run(exc):
+            return BackendUnavailable(
+                f"{self!r}: {operation} {key!r} failed: the server cannot take writes now (a "
+                f"failover, a restart or a slot migration in progress); the connection was "
+                f"dropped and the next call connects again: {exc}"
+            )
         if isinstance(exc, redis.exceptions.ConnectionError):
             return BackendUnavailable(f"{self!r}: {operation} {key!r} failed: {exc}")
+        text = str(exc)
+        if text.startswith("WRONGTYPE"):
+            return BackendError(
+                f"{self!r}: {operation} {key!r} failed: the key holds a value that is not a "
+                f"singletask lock (another application's key? give singletask a key prefix of "
+                f"its own): {exc}"
+            )
+        if isinstance(exc, redis.exceptions.NoPermissionError):
+            return BackendError(
+                f"{self!r}: {operation} {key!r} failed: the server's ACL does not let this "
+                f"user run a command the lock store needs (scripts, and for listings SCAN, "
+                f"HGETALL and PTTL): {exc}"
+            )
         return BackendError(f"{self!r}: {operation} {key!r} failed: {exc}")
 
     @contextlib.contextmanager
@@ -213,7 +277,7 @@ class RedisBackend(LockBackend):
         operation: str,
         script: _Script,
         keys: Sequence[str],
-        args: Sequence[str | int],
+        args: Sequence[str | int | bytes],
     ) -> Any:
         """Run ``script``: one round trip, two when the server does not have it cached.
 
@@ -225,9 +289,14 @@ class RedisBackend(LockBackend):
             if self._own_connections:
                 return self._send(client, script, keys, args)
             try:
-                return client.evalsha(script.sha, len(keys), *keys, *args)
-            except redis.exceptions.NoScriptError:
-                return client.eval(script.text, len(keys), *keys, *args)
+                try:
+                    return client.evalsha(script.sha, len(keys), *keys, *args)
+                except redis.exceptions.NoScriptError:
+                    return client.eval(script.text, len(keys), *keys, *args)
+            except _DRIVER_ERRORS as exc:
+                if not_run(exc):
+                    _drop_idle(client)
+                raise
         except _DRIVER_ERRORS as exc:
             raise self._error(exc, operation, keys[0]) from exc
 
@@ -236,16 +305,22 @@ class RedisBackend(LockBackend):
         client: redis.Redis,
         script: _Script,
         keys: Sequence[str],
-        args: Sequence[str | int],
+        args: Sequence[str | int | bytes],
     ) -> Any:
         """Run ``script`` on one of this backend's own connections.
 
         A connection serves one call at a time: it is taken from the idle list (or made with the
-        client's connection settings) and put back once the reply is read. One that fails is
-        closed; if it had been idle, the others may be stale as well (a server restart drops
-        them all), so they are closed too and the call is made again on a new connection. A new
-        connection that fails is not tried again here: connecting already retries as the
-        client's ``retry`` says, and a timeout is never retried.
+        client's connection settings) and put back once the reply is read. One that fails, or
+        whose reply says the server did not run the script and cannot take writes now
+        (:data:`NOT_RUN_CODES`: a failover moved the primary away from the address the
+        connection was made to), is closed; if it had been idle, the others may be stale as well
+        (a server restart drops them all, a failover leaves them on the demoted primary), so
+        they are closed too and the call is made once more, on a new connection. That retry is
+        safe: the script did not run (or its connection was found broken before its reply came,
+        as before sending). A new connection that fails is not tried again here: connecting
+        already retries as the client's ``retry`` says, a timeout is never retried (the script
+        may have run), and a new connection that gets one of those replies raises
+        :class:`BackendUnavailable` (the next call connects again).
         """
         while True:
             try:
@@ -263,22 +338,33 @@ class RedisBackend(LockBackend):
                     # the text runs the script and caches it again.
                     connection.send_packed_command([script.command(keys, args, text=True)])
                     reply = connection.read_response()
-            except redis.exceptions.ResponseError:
-                self._idle.append(connection)  # the reply was read: the connection is sound
-                raise
-            except redis.exceptions.ConnectionError:
-                connection.disconnect()
+            except redis.exceptions.ResponseError as exc:
+                if not not_run(exc):
+                    self._idle.append(connection)  # the reply was read: the connection is sound
+                    raise
+                self._drop(connection, fresh)
                 if fresh:
                     raise
-                while self._idle:
-                    with contextlib.suppress(IndexError):
-                        self._idle.pop().disconnect()
+                continue
+            except redis.exceptions.ConnectionError:
+                self._drop(connection, fresh)
+                if fresh:
+                    raise
                 continue
             except BaseException:
                 connection.disconnect()  # a reply may still be on its way: never reuse it
                 raise
             self._idle.append(connection)
             return reply
+
+    def _drop(self, connection: _Connection, fresh: bool) -> None:
+        """Close ``connection``, which failed; and every idle one too, if it had been idle."""
+        connection.disconnect()
+        if fresh:
+            return
+        while self._idle:
+            with contextlib.suppress(IndexError):
+                self._idle.pop().disconnect()
 
     def acquire(
         self,

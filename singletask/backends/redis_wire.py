@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from .base import Holder, check_lease
 from .redis_scripts import (
+    ACQUIRE_KEEPING_SCRIPT,
     ACQUIRE_SCRIPT,
     CLAIM_NEXT_SCRIPT,
     CLEAR_NEXT_SCRIPT,
@@ -21,6 +22,7 @@ from .redis_scripts import (
     EXTEND_SCRIPT,
     OPERATOR_RELEASE_SCRIPT,
     RELEASE_SCRIPT,
+    RESTORE_SCRIPT,
 )
 
 __all__: list[str] = []
@@ -64,16 +66,20 @@ class _Script:
         self._eval = _bulk(b"EVAL") + _bulk(text.encode())
 
     def command(
-        self, keys: Sequence[str], args: Sequence[str | int], *, text: bool = False
+        self, keys: Sequence[str], args: Sequence[str | int | bytes], *, text: bool = False
     ) -> bytes:
-        """The RESP-encoded EVALSHA (or, with ``text``, EVAL) of this script; strings as UTF-8."""
+        """The RESP-encoded EVALSHA (or, with ``text``, EVAL) of this script; strings as UTF-8,
+        bytes as they are."""
         parts = [
             b"*%d\r\n" % (3 + len(keys) + len(args)),
             self._eval if text else self._evalsha,
             _bulk(b"%d" % len(keys)),
         ]
         for value in (*keys, *args):
-            parts.append(_bulk(value.encode() if isinstance(value, str) else b"%d" % value))
+            if isinstance(value, str):
+                parts.append(_bulk(value.encode()))
+            else:
+                parts.append(_bulk(value if isinstance(value, bytes) else b"%d" % value))
         return b"".join(parts)
 
 
@@ -84,6 +90,8 @@ _EXTEND_MANY = _Script(EXTEND_MANY_SCRIPT)
 _CLAIM_NEXT = _Script(CLAIM_NEXT_SCRIPT)
 _CLEAR_NEXT = _Script(CLEAR_NEXT_SCRIPT)
 _OPERATOR_RELEASE = _Script(OPERATOR_RELEASE_SCRIPT)
+_ACQUIRE_KEEPING = _Script(ACQUIRE_KEEPING_SCRIPT)
+_RESTORE = _Script(RESTORE_SCRIPT)
 
 
 def _text(value: bytes | str) -> str:
