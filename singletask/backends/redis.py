@@ -31,7 +31,7 @@ from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
-from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
+from ..exceptions import BackendError, ConfigurationError
 from ..urls import mask_url, parse_redis_url
 from .base import AcquireResult, Holder, LockBackend
 from .redis_options import connection_options, retentions
@@ -43,6 +43,7 @@ from .redis_wire import (
     _EXTEND_MANY,
     _OPERATOR_RELEASE,
     _RELEASE,
+    NOT_RUN_CODES,
     _conflict_task_id,
     _Connection,
     _glob_escape,
@@ -52,10 +53,13 @@ from .redis_wire import (
     _removed,
     _Script,
     _text,
+    driver_error,
+    drop_idle,
     encode_meta,
+    not_run,
 )
 
-__all__ = ["RedisBackend"]
+__all__ = ["NOT_RUN_CODES", "RedisBackend", "fence_key", "not_run"]
 
 #: What redis-py raises; translated to singletask's errors at this module's boundary.
 _DRIVER_ERRORS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException)
@@ -95,41 +99,6 @@ def fence_key(key: str) -> str:
     if "}" in key:
         return f"{key}}}:fence"
     return f"{{{key}}}:fence"
-
-
-#: The error codes of a reply saying the server did not run the command because it cannot take
-#: writes now: a primary demoted by a failover (READONLY: the name or address that used to lead
-#: to the primary now leads to a replica), a server loading its data set (LOADING), a replica
-#: whose primary is down (MASTERDOWN), a cluster that is down or a slot being migrated
-#: (CLUSTERDOWN, TRYAGAIN). Nothing was written: every script fails at its first write.
-NOT_RUN_CODES = ("READONLY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN")
-
-_NOT_RUN_TYPES = (
-    redis.exceptions.ReadOnlyError,
-    redis.exceptions.BusyLoadingError,
-    redis.exceptions.ClusterDownError,  # and MasterDownError, its subclass
-    redis.exceptions.TryAgainError,
-)
-
-
-def not_run(exc: BaseException) -> bool:
-    """Whether ``exc`` is a reply of :data:`NOT_RUN_CODES`: by its class, or by its text (a
-    redis-py that does not map the code, or a server that wraps a script's error in ``ERR``)."""
-    if isinstance(exc, _NOT_RUN_TYPES):
-        return True
-    if not isinstance(exc, redis.exceptions.ResponseError):
-        return False
-    text = str(exc)
-    return text.startswith(NOT_RUN_CODES) or any(f"-{code} " in text for code in NOT_RUN_CODES)
-
-
-def _drop_idle(client: Any) -> None:
-    """Close the idle connections of a client's pool (after a :func:`not_run` reply: they may
-    all lead to a demoted primary); those in use are closed by their users' next errors."""
-    pool = getattr(client, "connection_pool", None)
-    if pool is not None:
-        with contextlib.suppress(Exception):
-            pool.disconnect(inuse_connections=False)
 
 
 class RedisBackend(LockBackend):
@@ -232,37 +201,9 @@ class RedisBackend(LockBackend):
         return self._client
 
     def _error(self, exc: Exception, operation: str, key: str) -> BackendError:
-        """singletask's error for a redis-py one, naming the server but never its password.
-
-        A timeout is :class:`BackendTimeout` (the command may have run); a lost connection and
-        a reply of :data:`NOT_RUN_CODES` (the command did not run, the server cannot take writes
-        now) are :class:`BackendUnavailable`, so the task's store-error policy applies; any
-        other reply is a :class:`BackendError` that says what to look at.
-        """
-        if isinstance(exc, redis.exceptions.TimeoutError):
-            return BackendTimeout(f"{self!r}: {operation} {key!r} timed out: {exc}")
-        if not_run(exc):
-            return BackendUnavailable(
-                f"{self!r}: {operation} {key!r} failed: the server cannot take writes now (a "
-                f"failover, a restart or a slot migration in progress); the connection was "
-                f"dropped and the next call connects again: {exc}"
-            )
-        if isinstance(exc, redis.exceptions.ConnectionError):
-            return BackendUnavailable(f"{self!r}: {operation} {key!r} failed: {exc}")
-        text = str(exc)
-        if text.startswith("WRONGTYPE"):
-            return BackendError(
-                f"{self!r}: {operation} {key!r} failed: the key holds a value that is not a "
-                f"singletask lock (another application's key? give singletask a key prefix of "
-                f"its own): {exc}"
-            )
-        if isinstance(exc, redis.exceptions.NoPermissionError):
-            return BackendError(
-                f"{self!r}: {operation} {key!r} failed: the server's ACL does not let this "
-                f"user run a command the lock store needs (scripts, and for listings SCAN, "
-                f"HGETALL and PTTL): {exc}"
-            )
-        return BackendError(f"{self!r}: {operation} {key!r} failed: {exc}")
+        """singletask's error for a redis-py one, naming the server but never its password
+        (see :func:`~singletask.backends.redis_wire.driver_error`)."""
+        return driver_error(exc, f"{self!r}: {operation} {key!r}")
 
     @contextlib.contextmanager
     def _translate(self, operation: str, key: str) -> Iterator[None]:
@@ -295,7 +236,7 @@ class RedisBackend(LockBackend):
                     return client.eval(script.text, len(keys), *keys, *args)
             except _DRIVER_ERRORS as exc:
                 if not_run(exc):
-                    _drop_idle(client)
+                    drop_idle(client)
                 raise
         except _DRIVER_ERRORS as exc:
             raise self._error(exc, operation, keys[0]) from exc

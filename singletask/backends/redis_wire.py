@@ -3,15 +3,20 @@
 :mod:`singletask.backends.redis` sends the Lua scripts of
 :mod:`singletask.backends.redis_scripts` over connections of its own, with the RESP command
 encoded here once per script (its SHA1 digest computed at import), and turns the lock hashes
-that scripts and pipelines return into :class:`~singletask.backends.base.Holder` values.
+that scripts and pipelines return into :class:`~singletask.backends.base.Holder` values, and
+redis-py's errors into singletask's (:func:`driver_error`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+import redis
+
+from ..exceptions import BackendError, BackendTimeout, BackendUnavailable
 from .base import Holder, check_lease
 from .redis_scripts import (
     ACQUIRE_KEEPING_SCRIPT,
@@ -25,7 +30,7 @@ from .redis_scripts import (
     RESTORE_SCRIPT,
 )
 
-__all__: list[str] = []
+__all__ = ["NOT_RUN_CODES", "driver_error", "drop_idle", "not_run"]
 
 
 class _Connection(Protocol):
@@ -274,3 +279,69 @@ def _removed(key: str, reply: Sequence[Any]) -> Holder | None:
 def _glob_escape(text: str) -> str:
     """``text`` with the glob characters of SCAN MATCH escaped, to match it literally."""
     return "".join("\\" + char if char in "*?[]\\" else char for char in text)
+
+
+#: The error codes of a reply saying the server did not run the command because it cannot take
+#: writes now: a primary demoted by a failover (READONLY: the name or address that used to lead
+#: to the primary now leads to a replica), a server loading its data set (LOADING), a replica
+#: whose primary is down (MASTERDOWN), a cluster that is down or a slot being migrated
+#: (CLUSTERDOWN, TRYAGAIN). Nothing was written: every script fails at its first write.
+NOT_RUN_CODES = ("READONLY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN")
+
+_NOT_RUN_TYPES = (
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.BusyLoadingError,
+    redis.exceptions.ClusterDownError,  # and MasterDownError, its subclass
+    redis.exceptions.TryAgainError,
+)
+
+
+def not_run(exc: BaseException) -> bool:
+    """Whether ``exc`` is a reply of :data:`NOT_RUN_CODES`: by its class, or by its text (a
+    redis-py that does not map the code, or a server that wraps a script's error in ``ERR``)."""
+    if isinstance(exc, _NOT_RUN_TYPES):
+        return True
+    if not isinstance(exc, redis.exceptions.ResponseError):
+        return False
+    text = str(exc)
+    return text.startswith(NOT_RUN_CODES) or any(f"-{code} " in text for code in NOT_RUN_CODES)
+
+
+def drop_idle(client: Any) -> None:
+    """Close the idle connections of a client's pool (after a :func:`not_run` reply: they may
+    all lead to a demoted primary); those in use are closed by their users' next errors."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        with contextlib.suppress(Exception):
+            pool.disconnect(inuse_connections=False)
+
+
+def driver_error(exc: BaseException, where: str) -> BackendError:
+    """singletask's error for redis-py's ``exc``, its message starting with ``where``.
+
+    A timeout is :class:`BackendTimeout` (the command may have run); a lost connection and a
+    reply of :data:`NOT_RUN_CODES` (the command did not run: the server cannot take writes now)
+    are :class:`BackendUnavailable`, so the task's store-error policy applies; any other reply
+    is a :class:`BackendError` that says what to look at.
+    """
+    if isinstance(exc, redis.exceptions.TimeoutError):
+        return BackendTimeout(f"{where} timed out: {exc}")
+    if not_run(exc):
+        return BackendUnavailable(
+            f"{where} failed: the server cannot take writes now (a failover, a restart or a "
+            f"slot migration in progress); the connection was dropped and the next call "
+            f"connects again: {exc}"
+        )
+    if isinstance(exc, redis.exceptions.ConnectionError):
+        return BackendUnavailable(f"{where} failed: {exc}")
+    if str(exc).startswith("WRONGTYPE"):
+        return BackendError(
+            f"{where} failed: the key holds a value that is not a singletask lock (another "
+            f"application's key? give singletask a key prefix of its own): {exc}"
+        )
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return BackendError(
+            f"{where} failed: the server's ACL does not let this user run a command the lock "
+            f"store needs (scripts, and for listings SCAN, HGETALL and PTTL): {exc}"
+        )
+    return BackendError(f"{where} failed: {exc}")
