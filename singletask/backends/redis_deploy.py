@@ -98,6 +98,14 @@ class _Deployed(RedisBackend):
         # Through the client's methods: its pool asks the sentinels where the master is (a
         # bare connection would not), and a cluster client routes each key to its node.
         self._own_connections = False
+        timeout = {**self._options, **self._target(url)[1]}.get("socket_timeout")
+        if self._wait is not None and timeout is not None and self._wait.timeout >= timeout:
+            # WAIT answers after up to wait_timeout: the read would time out first, leaving an
+            # acquisition whose outcome is unknown.
+            raise ConfigurationError(
+                f"{where}: option wait_timeout ({self._wait.timeout}s) must be less than "
+                f"socket_timeout ({timeout}s)"
+            )
 
     @classmethod
     def from_url(

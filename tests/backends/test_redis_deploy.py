@@ -106,6 +106,11 @@ def raw_errors(outcomes: list[object]) -> list[object]:
         ("sentinel://h:26379/0", {"master_name": "m", "sentinel_kwargs": 3}, "sentinel_kwargs"),
         ("sentinel://h/0", {"master_name": "m", "wait_replicas": -1}, "wait_replicas"),
         ("sentinel://h/0", {"master_name": "m", "wait_replicas": 1, "wait_timeout": 0}, "0"),
+        (
+            "redis+cluster://h:7000?socket_timeout=1",
+            {"wait_replicas": 1, "wait_timeout": 2},
+            "less than socket_timeout",
+        ),
         ("redis+cluster://h:7000/1", {}, "database 0 only"),
         ("redis+cluster:///0", {}, "no node address"),
         ("redis+cluster://h:7000?ssl_cert_reqs=required", {}, r"rediss\+cluster"),
