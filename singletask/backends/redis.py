@@ -31,7 +31,7 @@ from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
-from ..exceptions import BackendError, ConfigurationError
+from ..exceptions import BackendError, ConfigurationError, LockKeyError
 from ..urls import mask_url, parse_redis_url
 from .base import AcquireResult, Holder, LockBackend
 from .redis_options import connection_options, retentions
@@ -99,6 +99,12 @@ def fence_key(key: str) -> str:
     if "}" in key:
         return f"{key}}}:fence"
     return f"{{{key}}}:fence"
+
+
+#: How every companion hash name ends (see :func:`fence_key`). A key built by singletask never
+#: ends so (a ``}`` in its text is escaped); a raw key that does is refused as a lock key, since it
+#: may be another lock's companion.
+_COMPANION_END = "}:fence"
 
 
 class RedisBackend(LockBackend):
@@ -316,6 +322,11 @@ class RedisBackend(LockBackend):
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
     ) -> AcquireResult:
+        if key.endswith(_COMPANION_END):
+            raise LockKeyError(
+                f"{self!r}: acquire {key!r}: a lock key ending in {_COMPANION_END!r} may name "
+                "another lock's companion hash; singletask never builds one (it escapes '}')"
+            )
         since, fields = encode_meta(key, token, meta or {})
         args: list[str | int] = [token, _ms(ttl, "acquire"), takeover_prefix or "", since, *fields]
         reply = self._call("acquire", _ACQUIRE, (key,), args)

@@ -45,6 +45,7 @@ from singletask.exceptions import (
     BackendError,
     BackendTimeout,
     BackendUnavailable,
+    LockKeyError,
     UnsupportedOperation,
 )
 
@@ -523,8 +524,11 @@ def test_a_key_as_long_as_a_user_writes_is_a_lock_like_any_other(
 def test_a_key_shaped_like_another_locks_companion_is_a_lock_of_its_own(
     backend: LockBackend, key_prefix: str, base_shape: str, twin_shape: str
 ) -> None:
-    """A lock key text a user can write (``job|fence``, ``{job}:fence``, ...) never reaches the
-    fence or the pending follow-up of the lock ``job``, nor they it."""
+    """A lock key text (``job|fence``, ``{job}:fence``, ...) never reaches the fence or the
+    pending follow-up of the lock ``job``, nor they it. A store may instead refuse, with
+    LockKeyError and before it writes anything, a raw key that singletask never builds and that
+    could name another lock's companion (Redis: a key ending in ``}:fence``, since singletask
+    escapes every ``}`` of a key's text)."""
     base = base_shape.format(p=key_prefix)
     twin = twin_shape.format(key=base)
     # Given the lock `base`, with a fence and a pending follow-up
@@ -535,7 +539,16 @@ def test_a_key_shaped_like_another_locks_companion_is_a_lock_of_its_own(
 
     # When the twin key is taken as a lock, with a follow-up of its own
     assert backend.holder(twin) is None
-    twin_first = backend.acquire(twin, "twin-1", LEASE)
+    try:
+        twin_first = backend.acquire(twin, "twin-1", LEASE)
+    except LockKeyError:
+        # (refused) then nothing of `base` changed
+        assert not twin.endswith(("|fence", "|next")), "memcached-shaped keys are never refused"
+        assert backend.claim_next(base, "follow-2", LEASE) == "follow-1"
+        assert backend.clear_next(base, "follow-1")
+        assert backend.holder(base).token == "base-1"  # type: ignore[union-attr]
+        assert backend.release(base, "base-1")
+        return
     assert twin_first.acquired
     assert twin_first.fence is not None
     assert backend.claim_next(twin, "twin-follow", LEASE) == "twin-follow"
