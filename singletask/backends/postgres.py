@@ -24,8 +24,11 @@ How it holds its guarantees (the table layout is in :mod:`singletask.backends._s
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
+import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
@@ -34,7 +37,13 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
+from ..exceptions import (
+    BackendError,
+    BackendTimeout,
+    BackendUnavailable,
+    ConfigurationError,
+    LockKeyError,
+)
 from ..urls import mask_url
 from . import _sql
 from .base import AcquireResult, Holder, LockBackend, check_lease
@@ -57,69 +66,91 @@ CREATE TABLE IF NOT EXISTS {table} (
     done text,
     next_task text,
     next_expires timestamptz,
-    expires_at timestamptz NOT NULL
+    expires_at timestamptz NOT NULL,
+    full_key text
 )"""
 _INDEX = "CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at)"
+# A table made before full_key existed gains it (a nullable column: no rewrite, no long lock).
+_ADD_FULL_KEY = "ALTER TABLE {table} ADD COLUMN IF NOT EXISTS full_key text"
 
-#: True when the old row ``l`` may be taken by the caller: free, expired, the caller's own token,
-#: or a holder whose token starts with the (non-empty) takeover prefix.
-_TAKE = (
-    "(l.token IS NULL OR l.lease_expires <= statement_timestamp() OR l.token = EXCLUDED.token "
-    "OR (%(prefix)s <> '' AND starts_with(l.token, %(prefix)s)))"
+#: Lock keys longer than this many UTF-8 bytes are stored in a fixed-size form (see
+#: ``_sql.stored_key``); a B-tree entry holds at most about 2,700 bytes.
+KEY_BYTES = 2000
+
+#: Every operation is this transaction, sent as one simple-query message (one round trip):
+#: isolation and server-side time limits are the transaction's own, so nothing depends on
+#: session state or startup parameters (PgBouncer in transaction mode keeps none).
+_SCRIPT = (
+    "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL statement_timeout = {ms}; "
+    "SET LOCAL lock_timeout = {ms}; {statement}; COMMIT"
 )
+_PREAMBLE = 3  # results before the statement's own: BEGIN, SET, SET
 
-# Insert the caller's row, or rewrite the existing one only where _TAKE holds (PostgreSQL
-# evaluates every SET expression against the old row). Returns the row as it now is: the caller
-# holds the lock iff its token is the holder's. The fence stays for a re-acquire by the live
-# holder, else becomes max(last + 1, clock in microseconds).
+# The row as the caller may take it, judged at ``n.now``: the clock read once, after the row
+# is locked (a sub-SELECT of the SET is evaluated on the locked row), so a lease never starts
+# before the wait for a rival's row lock ends. True when the old row ``l`` is free, expired,
+# the caller's own token, or a holder whose token starts with the (non-empty) takeover prefix.
+_NOW = """(SELECT c.now, (extract(epoch FROM c.now) * 1000000)::bigint AS us,
+    (l.token IS NULL OR l.lease_expires <= c.now OR l.token = EXCLUDED.token
+     OR (%(prefix)s <> '' AND starts_with(l.token, %(prefix)s))) AS take
+    FROM (SELECT clock_timestamp() AS now) AS c) AS n"""
+
+# Insert the caller's row, or rewrite the existing one only where ``n.take`` holds. Returns the
+# row as it now is: the caller holds the lock iff its token is the holder's. The fence stays for
+# a re-acquire by the live holder, else becomes max(last + 1, clock in microseconds).
 _ACQUIRE = f"""
 INSERT INTO {{table}} AS l
-    (key, token, task_id, meta, lease_expires, fence, expires_at)
-VALUES (%(key)s, %(token)s, %(task_id)s, %(meta)s,
-        statement_timestamp() + %(ttl)s * interval '1 second',
-        (extract(epoch FROM statement_timestamp()) * 1000000)::bigint,
-        statement_timestamp() + (%(ttl)s + %(keep)s) * interval '1 second')
+    (key, full_key, token, task_id, meta, lease_expires, fence, expires_at)
+VALUES (%(key)s, %(full_key)s, %(token)s, %(task_id)s, %(meta)s,
+        clock_timestamp() + %(ttl)s * interval '1 second',
+        (extract(epoch FROM clock_timestamp()) * 1000000)::bigint,
+        clock_timestamp() + (%(ttl)s + %(keep)s) * interval '1 second')
 ON CONFLICT (key) DO UPDATE SET
-    fence = CASE
-        WHEN l.token = EXCLUDED.token AND l.lease_expires > statement_timestamp() THEN l.fence
-        WHEN {_TAKE} THEN greatest(l.fence + 1, EXCLUDED.fence)
-        ELSE l.fence END,
-    token = CASE WHEN {_TAKE} THEN EXCLUDED.token ELSE l.token END,
-    task_id = CASE WHEN {_TAKE} THEN EXCLUDED.task_id ELSE l.task_id END,
-    meta = CASE WHEN {_TAKE} THEN EXCLUDED.meta ELSE l.meta END,
-    lease_expires = CASE WHEN {_TAKE} THEN EXCLUDED.lease_expires ELSE l.lease_expires END,
-    expires_at = CASE WHEN {_TAKE} THEN greatest(l.expires_at, EXCLUDED.expires_at)
-        ELSE l.expires_at END
+    (fence, token, task_id, meta, lease_expires, expires_at, full_key) = (SELECT
+        CASE WHEN l.token = EXCLUDED.token AND l.lease_expires > n.now THEN l.fence
+            WHEN n.take THEN greatest(l.fence + 1, n.us) ELSE l.fence END,
+        CASE WHEN n.take THEN EXCLUDED.token ELSE l.token END,
+        CASE WHEN n.take THEN EXCLUDED.task_id ELSE l.task_id END,
+        CASE WHEN n.take THEN EXCLUDED.meta ELSE l.meta END,
+        CASE WHEN n.take THEN n.now + %(ttl)s * interval '1 second' ELSE l.lease_expires END,
+        CASE WHEN n.take THEN greatest(l.expires_at,
+            n.now + (%(ttl)s + %(keep)s) * interval '1 second') ELSE l.expires_at END,
+        EXCLUDED.full_key
+    FROM {_NOW})
 RETURNING token, meta, fence, done,
-    extract(epoch FROM lease_expires - statement_timestamp())::float8"""
+    extract(epoch FROM lease_expires - clock_timestamp())::float8"""
 
 _LIVE = "token IS NOT NULL AND lease_expires > statement_timestamp()"
 
 # Frees the row (keeping fence and follow-up) if the token holds it; records the marker if given.
 _RELEASE = """
 UPDATE {table} SET token = NULL, task_id = NULL, meta = NULL,
-    lease_expires = statement_timestamp(), done = coalesce(%(done)s, done)
-WHERE key = %(key)s AND token = %(token)s AND lease_expires > statement_timestamp()"""
+    lease_expires = clock_timestamp(), done = coalesce(%(done)s, done)
+WHERE key = %(key)s AND token = %(token)s AND lease_expires > clock_timestamp()"""
 
-_EXTEND = f"""
-UPDATE {{table}} SET lease_expires = statement_timestamp() + %(ttl)s * interval '1 second',
+# Updates that may wait for a row lock read the clock when they run (clock_timestamp()): a
+# renewed lease starts when the row is taken, and an expiry during the wait counts.
+_EXTEND = """
+UPDATE {table} SET lease_expires = clock_timestamp() + %(ttl)s * interval '1 second',
     expires_at = greatest(expires_at,
-        statement_timestamp() + (%(ttl)s + %(keep)s) * interval '1 second')
-WHERE key = %(key)s AND token = %(token)s AND {_LIVE}"""
+        clock_timestamp() + (%(ttl)s + %(keep)s) * interval '1 second')
+WHERE key = %(key)s AND token = %(token)s AND token IS NOT NULL
+    AND lease_expires > clock_timestamp()"""
 
 # One statement for every lease: returns the (key, token) pairs renewed.
 _EXTEND_MANY = """
-UPDATE {table} AS l SET lease_expires = statement_timestamp() + v.ttl * interval '1 second',
+UPDATE {table} AS l SET lease_expires = clock_timestamp() + v.ttl * interval '1 second',
     expires_at = greatest(l.expires_at,
-        statement_timestamp() + (v.ttl + %(keep)s) * interval '1 second')
+        clock_timestamp() + (v.ttl + %(keep)s) * interval '1 second')
 FROM unnest(%(keys)s::text[], %(tokens)s::text[], %(ttls)s::float8[]) AS v(key, token, ttl)
-WHERE l.key = v.key AND l.token = v.token AND l.lease_expires > statement_timestamp()
+WHERE l.key = v.key AND l.token = v.token AND l.lease_expires > clock_timestamp()
 RETURNING l.key, l.token"""
 
 # Makes task_id the pending follow-up unless a live one is pending; returns the pending one.
 _CLAIM_NEXT = """
-INSERT INTO {table} AS l (key, lease_expires, fence, next_task, next_expires, expires_at)
-VALUES (%(key)s, statement_timestamp(), 0, %(task_id)s,
+INSERT INTO {table} AS l
+    (key, full_key, lease_expires, fence, next_task, next_expires, expires_at)
+VALUES (%(key)s, %(full_key)s, statement_timestamp(), 0, %(task_id)s,
         statement_timestamp() + %(ttl)s * interval '1 second',
         statement_timestamp() + greatest(%(ttl)s, %(keep)s) * interval '1 second')
 ON CONFLICT (key) DO UPDATE SET
@@ -140,8 +171,10 @@ FROM {{table}} WHERE key = %(key)s AND {_LIVE}"""
 
 # One page of live locks under a prefix, after the last key of the previous page.
 _ITER = f"""
-SELECT key, token, meta, fence, extract(epoch FROM lease_expires - statement_timestamp())::float8
-FROM {{table}} WHERE key LIKE %(pattern)s ESCAPE '!' AND key > %(after)s AND {_LIVE}
+SELECT key, coalesce(full_key, key), token, meta, fence,
+    extract(epoch FROM lease_expires - statement_timestamp())::float8
+FROM {{table}} WHERE key LIKE %(scan)s ESCAPE '!' AND key > %(after)s
+    AND coalesce(full_key, key) LIKE %(pattern)s ESCAPE '!' AND {_LIVE}
 ORDER BY key LIMIT %(limit)s"""
 
 # Frees a live lock (if held by task_id, when given) and returns the holder it removed; the row
@@ -164,12 +197,40 @@ DELETE FROM {table} WHERE key IN (
     ORDER BY expires_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED)"""
 
 
+#: SQLSTATEs: serialization failure and deadlock (nothing was committed: sent again), and the
+#: server ending or refusing sessions (shutdown, crash recovery, too many connections).
+_RETRIED = {"40001", "40P01"}
+_ATTEMPTS = 3
+_GONE = {"57P01", "57P02", "57P03", "53300"}
+#: Seconds the client waits past ``timeout`` before it drops a connection that does not answer
+#: (the server's own limits, set to ``timeout``, normally answer first).
+_MARGIN = 1.0
+
+
 def _error_class(exc: psycopg.Error) -> type[BackendError]:
+    """Timeouts; a connection that failed or a server that went away; anything else (an error
+    of the statement, bad input, a read-only server) is a plain BackendError."""
+    state = exc.sqlstate or ""
     if isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable):
         return BackendTimeout
-    if isinstance(exc, psycopg.OperationalError):
+    if "timeout expired" in str(exc):  # libpq's connect_timeout
+        return BackendTimeout
+    if state.startswith("08") or state in _GONE:
+        return BackendUnavailable
+    if isinstance(exc, psycopg.OperationalError) and not state:  # raised by the client: the link
         return BackendUnavailable
     return BackendError
+
+
+def _shut(conn: psycopg.Connection[Any]) -> None:
+    """Shut the connection's socket down: a call blocked reading it returns at once."""
+    with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def _scrub(text: str) -> str:
+    """A libpq parse error without the tokens it quotes (one may be the password)."""
+    return re.sub(r'"[^"]*"', '"***"', text)
 
 
 class PostgresBackend(LockBackend):
@@ -180,9 +241,10 @@ class PostgresBackend(LockBackend):
         table: The lock table, ``name`` or ``schema.name``; created when missing.
         pool_size: Most connections one process opens.
         timeout: Seconds allowed to connect, per statement (``statement_timeout``,
-            ``lock_timeout``), and to wait for a free pooled connection.
-        prepare_threshold: psycopg's: executions of a statement before it is prepared on the
-            server; None never prepares (for PgBouncer in transaction mode before 1.21).
+            ``lock_timeout``), and to wait for a free pooled connection; the client drops a
+            connection that has not answered a second after it.
+        prepare_threshold: psycopg's, for the statements that create the table (operations
+            bind their arguments on the client and never prepare).
     """
 
     def __init__(
@@ -199,13 +261,20 @@ class PostgresBackend(LockBackend):
         try:
             params = conninfo_to_dict(conninfo)
         except psycopg.ProgrammingError as exc:
-            raise ConfigurationError(f"invalid PostgreSQL URL or conninfo: {exc}") from None
+            reason = _scrub(str(exc))  # chained as a copy: the driver's text quotes the token
+            raise ConfigurationError(
+                f"invalid PostgreSQL URL or conninfo: {reason} (percent-encode '%', '@', ':' "
+                "and '/' in a URL's user name and password)"
+            ) from type(exc)(reason)
+        # Client-side bounds (libpq's own, never sent to the server): connecting, and TCP
+        # keepalives with a user timeout, so a dead link is noticed even between statements.
         params.setdefault("connect_timeout", max(2, round(options.timeout)))
+        params.setdefault("keepalives", 1)
+        params.setdefault("keepalives_idle", max(1, round(options.timeout)))
+        params.setdefault("keepalives_interval", max(1, round(options.timeout / 3)))
+        params.setdefault("keepalives_count", 3)
+        params.setdefault("tcp_user_timeout", int((options.timeout + _MARGIN) * 1000))
         params.setdefault("application_name", "singletask")
-        ms = int(options.timeout * 1000)
-        # Bounded waits; the URL's own options come after, so they win.
-        own = f"-c statement_timeout={ms} -c lock_timeout={ms}"
-        params["options"] = f"{own} {params.get('options') or ''}".strip()
         self._conninfo = make_conninfo("", **params)
         self.table = options.table
         self.timeout = options.timeout
@@ -213,22 +282,28 @@ class PostgresBackend(LockBackend):
         names = options.table.split(".")
         # An index is created in its table's schema; its name is never qualified.
         fmt = {"table": sql.Identifier(*names), "index": sql.Identifier(f"{names[-1]}_expires_at")}
+        ms = sql.Literal(int(options.timeout * 1000))
         self._q = {
             name: sql.SQL(text).format(**fmt)
             for name, text in {
-                "schema": _SCHEMA, "index": _INDEX, "acquire": _ACQUIRE, "release": _RELEASE,
-                "extend": _EXTEND, "extend_many": _EXTEND_MANY, "claim_next": _CLAIM_NEXT,
-                "clear_next": _CLEAR_NEXT, "holder": _HOLDER, "iter": _ITER,
-                "release_holder": _RELEASE_HOLDER, "reclaim": _RECLAIM,
+                "schema": _SCHEMA, "index": _INDEX, "add_full_key": _ADD_FULL_KEY,
             }.items()
         }  # fmt: skip
+        self._q.update(
+            (name, sql.SQL(_SCRIPT).format(ms=ms, statement=sql.SQL(text).format(**fmt)))
+            for name, text in {
+                "acquire": _ACQUIRE, "release": _RELEASE, "extend": _EXTEND,
+                "extend_many": _EXTEND_MANY, "claim_next": _CLAIM_NEXT, "clear_next": _CLEAR_NEXT,
+                "holder": _HOLDER, "iter": _ITER, "release_holder": _RELEASE_HOLDER,
+                "reclaim": _RECLAIM,
+            }.items()
+        )  # fmt: skip
         self._pool: _sql.Pool[psycopg.Connection[Any]] = _sql.Pool(
             self._connect, lambda conn: conn.close(), size=options.pool_size,
-            timeout=options.timeout, describe=repr(self),
+            timeout=options.timeout, describe=repr(self), broken=lambda conn: conn.closed,
         )  # fmt: skip
         self._ready: tuple[int, int] | None = None  # (pid, pool generation) the table was checked
         self._reclaimer = _sql.Reclaimer()
-
     @classmethod
     def from_url(cls, url: str, **options: Any) -> PostgresBackend:
         scheme, sep, rest = url.partition("://")
@@ -269,38 +344,77 @@ class PostgresBackend(LockBackend):
         conn.prepare_threshold = self._prepare_threshold
         return conn
 
-    def _run(self, operation: str, key: str, work: Callable[[psycopg.Cursor[Any]], T]) -> T:
-        """Run ``work`` with a cursor of a pooled connection: the boundary where driver errors
-        become singletask's. A pooled connection that turns out to be dead (the server closed
-        it while it was idle, or restarted) is replaced and ``work`` runs once more: every
-        operation is safe to repeat (see the docs)."""
-        for attempt in (1, 2):
+    def _call(self, conn: psycopg.Connection[Any], what: str, call: Callable[[], T]) -> T:
+        """Run ``call`` on ``conn``, bounded on the client: a server or link that stalls past
+        ``timeout`` (plus a margin) has the connection's socket shut down, and is a timeout."""
+        limit = self.timeout + _MARGIN
+        with _sql.WATCHDOG.guard(limit, functools.partial(_shut, conn)) as alarm:
+            try:
+                result = call()
+            except psycopg.Error as exc:
+                if alarm.fired:
+                    raise BackendTimeout(f"{self!r}: {what}: no reply within {limit}s") from exc
+                raise
+        if alarm.fired:  # answered as the socket was shut: the pool must not keep it
+            conn.close()
+        return result
+
+    def _run(
+        self, operation: str, key: str, name: str, args: Mapping[str, Any],
+        read: Callable[[psycopg.ClientCursor[Any]], T],
+    ) -> T:  # fmt: skip
+        """Run the script ``name`` on a pooled connection and ``read`` the statement's result:
+        the boundary where driver errors become singletask's. A serialization failure or
+        deadlock committed nothing and is sent again; a pooled connection that turns out to be
+        dead (the server closed it while it was idle, or restarted) is replaced and the
+        script runs once more: every operation is safe to repeat (see the docs)."""
+        what = f"{operation} {key!r}"
+        stale_retried = False
+        for attempt in range(1, _ATTEMPTS + 1):
             try:
                 with self._pool.checkout() as (conn, reused):
                     try:
                         if self._ready != (os.getpid(), self._pool.generation):
-                            self._create_table(conn)
+                            self._call(conn, what, lambda: self._create_table(conn))
                             self._ready = (os.getpid(), self._pool.generation)
-                        with conn.cursor() as cursor:
-                            result = work(cursor)
-                            if self._reclaimer.due():
-                                self._reclaim(cursor)
-                            return result
+                        result = self._call(conn, what, lambda: read(self._script(conn, name, args)))
+                        if self._reclaimer.due():
+                            self._call(conn, "reclaim", lambda: self._reclaim(conn))
+                        return result
                     except psycopg.Error as exc:
+                        conn.close()  # its state is unknown (maybe inside a failed transaction)
+                        if exc.sqlstate in _RETRIED and attempt < _ATTEMPTS:
+                            continue  # rolled back whole; the connection is replaced
                         error = _error_class(exc)
                         if error is BackendUnavailable:
                             self._pool.clear()  # the server went away: the others are dead too
-                            if reused and attempt == 1:
+                            if reused and not stale_retried:
+                                stale_retried = True
                                 continue
-                        raise error(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
+                        raise error(f"{self!r}: {what} failed: {exc}") from exc
             except psycopg.Error as exc:  # connecting failed
-                raise _error_class(exc)(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
+                raise _error_class(exc)(f"{self!r}: {what} failed: {exc}") from exc
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _script(
+        self, conn: psycopg.Connection[Any], name: str, args: Mapping[str, Any]
+    ) -> psycopg.ClientCursor[Any]:
+        """Send the script ``name`` (see _SCRIPT); the cursor is left on its statement's result."""
+        cursor = psycopg.ClientCursor(conn)
+        cursor.execute(self._q[name], args)
+        for _ in range(_PREAMBLE):
+            cursor.nextset()
+        return cursor
 
     def _create_table(self, conn: psycopg.Connection[Any]) -> None:
         # Looked up first: CREATE ... IF NOT EXISTS needs the CREATE privilege even when the
         # table exists, and a user may have only been given the table.
-        if conn.execute("SELECT to_regclass(%s) IS NOT NULL", (self.table,)).fetchone() == (True,):
+        found = conn.execute(
+            "SELECT to_regclass(%(t)s) IS NOT NULL, EXISTS (SELECT FROM pg_attribute WHERE "
+            "attrelid = to_regclass(%(t)s) AND attname = 'full_key' AND NOT attisdropped)",
+            {"t": self.table},
+        ).fetchone()
+        if found == (True, True):
             return
         # CREATE TABLE IF NOT EXISTS alone can fail when two sessions race to create the same
         # table (a unique violation in the catalog): an advisory lock serialises them.
@@ -309,14 +423,28 @@ class PostgresBackend(LockBackend):
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (lock_name,))
             conn.execute(self._q["schema"])
             conn.execute(self._q["index"])
+            conn.execute(self._q["add_full_key"])
 
-    def _reclaim(self, cursor: psycopg.Cursor[Any]) -> None:
+    def _reclaim(self, conn: psycopg.Connection[Any]) -> None:
         """Delete a batch of expired rows; a failure (a read-only database) only logs: the
         operation it follows has succeeded."""
         try:
-            cursor.execute(self._q["reclaim"], {"limit": _sql.RECLAIM_BATCH})
+            self._script(conn, "reclaim", {"limit": _sql.RECLAIM_BATCH})
         except psycopg.Error as exc:
             logger.warning("%r: could not delete expired rows: %s", self, exc)
+            if not conn.closed:
+                conn.close()  # left inside the failed transaction: not reusable
+
+    def _keys(self, key: str) -> dict[str, str | None]:
+        """The ``key`` and ``full_key`` arguments of lock key ``key``.
+
+        Raises:
+            LockKeyError: The key holds a NUL character, which PostgreSQL text cannot hold.
+        """
+        if "\x00" in key:
+            raise LockKeyError(f"lock key {key!r}: PostgreSQL text cannot hold a NUL character")
+        stored, full = _sql.stored_key(key, KEY_BYTES)
+        return {"key": stored, "full_key": full}
 
     def acquire(
         self,
@@ -330,10 +458,10 @@ class PostgresBackend(LockBackend):
         ttl = check_lease(ttl, "acquire")
         stored, task_id = _sql.dump_meta(meta)
         args = {
-            "key": key, "token": token, "task_id": task_id, "meta": stored, "ttl": ttl,
+            **self._keys(key), "token": token, "task_id": task_id, "meta": stored, "ttl": ttl,
             "keep": _sql.FENCE_RETENTION, "prefix": takeover_prefix or "",
         }  # fmt: skip
-        row = self._run("acquire", key, lambda c: c.execute(self._q["acquire"], args).fetchone())
+        row = self._run("acquire", key, "acquire", args, lambda c: c.fetchone())
         assert row is not None  # an upsert always returns its row
         holder, meta_text, fence, done, left = row
         if holder == token:
@@ -341,48 +469,40 @@ class PostgresBackend(LockBackend):
         return AcquireResult(False, _sql.load_holder(holder, meta_text, left, fence))
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
-        args = {"key": key, "token": token, "done": completed}
-        return self._run("release", key, lambda c: c.execute(self._q["release"], args).rowcount > 0)
+        args = {**self._keys(key), "token": token, "done": completed}
+        return self._run("release", key, "release", args, lambda c: c.rowcount > 0)
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
-        args = {"key": key, "token": token, "ttl": check_lease(ttl, "extend")}
+        args = {**self._keys(key), "token": token, "ttl": check_lease(ttl, "extend")}
         args["keep"] = _sql.FENCE_RETENTION
-        return self._run("extend", key, lambda c: c.execute(self._q["extend"], args).rowcount > 0)
+        return self._run("extend", key, "extend", args, lambda c: c.rowcount > 0)
 
     def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool]:
         if not leases:
             return []
-        keys, tokens, ttls = (list(column) for column in zip(*leases, strict=True))
+        keys = [self._keys(key)["key"] for key, _, _ in leases]
         args = {
-            "keys": keys, "tokens": tokens, "ttls": [check_lease(t, "extend") for t in ttls],
+            "keys": keys, "tokens": [token for _, token, _ in leases],
+            "ttls": [check_lease(ttl, "extend") for _, _, ttl in leases],
             "keep": _sql.FENCE_RETENTION,
         }  # fmt: skip
-        rows = self._run(
-            "extend", f"{len(leases)} locks",
-            lambda c: c.execute(self._q["extend_many"], args).fetchall(),
-        )  # fmt: skip
-        renewed = set(rows)
-        return [(key, token) in renewed for key, token, _ in leases]
+        what = f"{len(leases)} locks"
+        renewed = set(self._run("extend", what, "extend_many", args, lambda c: c.fetchall()))
+        return [(stored, token) in renewed for stored, (_, token, _) in zip(keys, leases)]
 
     def claim_next(self, key: str, task_id: str, ttl: float) -> str:
         ttl = check_lease(ttl, "claim_next")
-        args = {"key": key, "task_id": task_id, "ttl": ttl, "keep": _sql.FENCE_RETENTION}
-        row = self._run(
-            "claim_next", key, lambda c: c.execute(self._q["claim_next"], args).fetchone()
-        )
+        args = {**self._keys(key), "task_id": task_id, "ttl": ttl, "keep": _sql.FENCE_RETENTION}
+        row = self._run("claim_next", key, "claim_next", args, lambda c: c.fetchone())
         assert row is not None
         return str(row[0])
 
     def clear_next(self, key: str, task_id: str) -> bool:
-        args = {"key": key, "task_id": task_id}
-        return self._run(
-            "clear_next", key, lambda c: c.execute(self._q["clear_next"], args).rowcount > 0
-        )
+        args = {**self._keys(key), "task_id": task_id}
+        return self._run("clear_next", key, "clear_next", args, lambda c: c.rowcount > 0)
 
     def holder(self, key: str) -> Holder | None:
-        row = self._run(
-            "inspect", key, lambda c: c.execute(self._q["holder"], {"key": key}).fetchone()
-        )
+        row = self._run("inspect", key, "holder", self._keys(key), lambda c: c.fetchone())
         return None if row is None else _sql.load_holder(row[0], row[1], row[3], row[2])
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
@@ -390,9 +510,10 @@ class PostgresBackend(LockBackend):
         order (each page one indexed range scan)."""
 
         def fetch(args: dict[str, object]) -> list[Any]:
-            return self._run("list", prefix, lambda c: c.execute(self._q["iter"], args).fetchall())
+            return self._run("list", prefix, "iter", args, lambda c: c.fetchall())
 
-        for key, token, meta, fence, left in _sql.pages(fetch, prefix, page_size, lambda r: r[0]):
+        rows = _sql.pages(fetch, prefix, page_size, lambda r: r[0], KEY_BYTES)
+        for _, key, token, meta, fence, left in rows:
             yield key, _sql.load_holder(token, meta, left, fence)
 
     def release_held_by(self, key: str, task_id: str) -> Holder | None:
@@ -402,10 +523,8 @@ class PostgresBackend(LockBackend):
         return self._release_holder("force_release", key, None)
 
     def _release_holder(self, operation: str, key: str, task_id: str | None) -> Holder | None:
-        args = {"key": key, "task_id": task_id}
-        row = self._run(
-            operation, key, lambda c: c.execute(self._q["release_holder"], args).fetchone()
-        )
+        args = {**self._keys(key), "task_id": task_id}
+        row = self._run(operation, key, "release_holder", args, lambda c: c.fetchone())
         return None if row is None else _sql.load_holder(row[0], row[1], row[3], row[2])
 
     def close(self) -> None:
