@@ -37,7 +37,9 @@ from pymysql.constants import CLIENT
 
 from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
 from ..urls import mask_url
+from . import _mysql_sql as Q
 from . import _sql
+from ._mysql_sql import KEY_BYTES
 from .base import AcquireResult, Holder, LockBackend, check_lease
 
 __all__ = ["MySQLBackend"]
@@ -45,120 +47,6 @@ __all__ = ["MySQLBackend"]
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS {table} (
-    `key` VARBINARY(1024) NOT NULL PRIMARY KEY,
-    token VARBINARY(255) NULL,
-    task_id VARBINARY(255) NULL,
-    meta TEXT NULL,
-    lease_expires DATETIME(6) NOT NULL,
-    fence BIGINT NOT NULL,
-    done TEXT NULL,
-    next_task VARBINARY(255) NULL,
-    next_expires DATETIME(6) NULL,
-    expires_at DATETIME(6) NOT NULL,
-    full_key MEDIUMBLOB NULL,
-    INDEX {index} (expires_at)
-) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"""
-
-# A table made before full_key existed gains it (instant on MariaDB 10.3+ and MySQL 8.0.12+).
-_ADD_FULL_KEY = "ALTER TABLE {table} ADD COLUMN full_key MEDIUMBLOB NULL"
-
-#: Lock keys longer than this many bytes are stored in a fixed-size form (see
-#: ``_sql.stored_key``), which fits the VARBINARY(1024) primary key.
-KEY_BYTES = 950
-
-#: Run once on every new connection.
-_SESSION = (
-    "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED; "
-    "SET SESSION sql_mode = 'STRICT_ALL_TABLES,NO_ENGINE_SUBSTITUTION', "
-    "innodb_lock_wait_timeout = %(wait)s"
-)
-
-_CLOCK_US = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01', @st_now)"
-
-# Lock the key's row (inserting a free one if the key has none); only then read the clock
-# (``@st_now``), so a lease never starts before the wait for a rival's row lock ends. Then take
-# the row where the WHERE allows: free, expired, the caller's token, or a holder starting with
-# the takeover prefix. The fence is assigned before token and lease_expires, so it tests their
-# old values. The final SELECT returns the row as it now is: the caller holds the lock iff its
-# token is the holder's.
-_LOCK_ROW = """
-START TRANSACTION;
-INSERT INTO {table} (`key`, full_key, lease_expires, fence, expires_at)
-VALUES (%(key)s, %(full_key)s, UTC_TIMESTAMP(6), 0, UTC_TIMESTAMP(6))
-ON DUPLICATE KEY UPDATE `key` = `key`;
-SET @st_now = UTC_TIMESTAMP(6);"""
-
-_ACQUIRE = f"""{_LOCK_ROW}
-UPDATE {{table}} SET
-    fence = IF(token <=> %(token)s AND lease_expires > @st_now, fence,
-               GREATEST(fence + 1, {_CLOCK_US})),
-    task_id = %(task_id)s,
-    meta = %(meta)s,
-    full_key = %(full_key)s,
-    expires_at = GREATEST(expires_at, @st_now + INTERVAL %(row_us)s MICROSECOND),
-    lease_expires = @st_now + INTERVAL %(lease_us)s MICROSECOND,
-    token = %(token)s
-WHERE `key` = %(key)s AND (token IS NULL OR lease_expires <= @st_now OR token = %(token)s
-    OR (%(prefix)s <> '' AND LEFT(token, LENGTH(%(prefix)s)) = %(prefix)s));
-SELECT token, meta, fence, done, TIMESTAMPDIFF(MICROSECOND, @st_now, lease_expires)
-FROM {{table}} WHERE `key` = %(key)s;
-COMMIT"""
-
-_LIVE = "token IS NOT NULL AND lease_expires > UTC_TIMESTAMP(6)"
-
-_RELEASE = f"""
-UPDATE {{table}} SET done = COALESCE(%(done)s, done), token = NULL, task_id = NULL, meta = NULL,
-    lease_expires = UTC_TIMESTAMP(6)
-WHERE `key` = %(key)s AND token = %(token)s AND {_LIVE}"""
-
-_EXTEND = f"""
-UPDATE {{table}} SET
-    expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL %(row_us)s MICROSECOND),
-    lease_expires = UTC_TIMESTAMP(6) + INTERVAL %(lease_us)s MICROSECOND
-WHERE `key` = %(key)s AND token = %(token)s AND {_LIVE}"""
-
-# Lock the row (inserting a free one if the key has none), then set the follow-up unless a live
-# one is pending; return the pending one.
-_CLAIM_NEXT = f"""{_LOCK_ROW}
-UPDATE {{table}} SET next_task = %(task_id)s,
-    expires_at = GREATEST(expires_at, @st_now + INTERVAL %(row_us)s MICROSECOND),
-    next_expires = @st_now + INTERVAL %(ttl_us)s MICROSECOND
-WHERE `key` = %(key)s AND (next_task IS NULL OR next_expires <= @st_now);
-SELECT next_task FROM {{table}} WHERE `key` = %(key)s;
-COMMIT"""
-
-_CLEAR_NEXT = """
-UPDATE {table} SET next_task = NULL, next_expires = NULL
-WHERE `key` = %(key)s AND next_task = %(task_id)s"""
-
-_HOLDER = f"""
-SELECT token, meta, fence, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), lease_expires)
-FROM {{table}} WHERE `key` = %(key)s AND {_LIVE}"""
-
-_ITER = f"""
-SELECT `key`, COALESCE(full_key, `key`), token, meta, fence,
-    TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), lease_expires)
-FROM {{table}} WHERE `key` LIKE %(scan)s ESCAPE '!' AND `key` > %(after)s
-    AND COALESCE(full_key, `key`) LIKE %(pattern)s ESCAPE '!' AND {_LIVE}
-ORDER BY `key` LIMIT %(limit)s"""
-
-# Lock the row first, whatever it holds (a locking read whose WHERE does not match would let
-# the row go again under READ COMMITTED, and a rival's acquire could commit before the UPDATE);
-# then read the live holder (of task_id, when given) and free it, under that one lock and clock.
-_RELEASE_HOLDER = f"""{_LOCK_ROW}
-SELECT token, meta, fence, TIMESTAMPDIFF(MICROSECOND, @st_now, lease_expires)
-FROM {{table}} WHERE `key` = %(key)s AND token IS NOT NULL AND lease_expires > @st_now
-    AND (%(task_id)s IS NULL OR task_id = %(task_id)s);
-UPDATE {{table}} SET token = NULL, task_id = NULL, meta = NULL, lease_expires = @st_now
-WHERE `key` = %(key)s AND token IS NOT NULL AND lease_expires > @st_now
-    AND (%(task_id)s IS NULL OR task_id = %(task_id)s);
-COMMIT"""
-
-_RECLAIM = """
-DELETE FROM {table} WHERE expires_at < UTC_TIMESTAMP(6) ORDER BY expires_at LIMIT %(limit)s"""
 
 #: Server error codes: deadlock victim (retried), waits that timed out, a column that exists.
 _DUPLICATE_COLUMN = 1060
@@ -246,9 +134,10 @@ class MySQLBackend(LockBackend):
         self._q = {
             name: text.format(table=quoted, index=index)
             for name, text in {
-                "schema": _SCHEMA, "add_full_key": _ADD_FULL_KEY, "acquire": _ACQUIRE, "release": _RELEASE, "extend": _EXTEND,
-                "claim_next": _CLAIM_NEXT, "clear_next": _CLEAR_NEXT, "holder": _HOLDER,
-                "iter": _ITER, "release_holder": _RELEASE_HOLDER, "reclaim": _RECLAIM,
+                "schema": Q.SCHEMA, "add_full_key": Q.ADD_FULL_KEY, "acquire": Q.ACQUIRE,
+                "release": Q.RELEASE, "extend": Q.EXTEND,
+                "claim_next": Q.CLAIM_NEXT, "clear_next": Q.CLEAR_NEXT, "holder": Q.HOLDER,
+                "iter": Q.ITER, "release_holder": Q.RELEASE_HOLDER, "reclaim": Q.RECLAIM,
             }.items()
         }  # fmt: skip
         self._pool: _sql.Pool[pymysql.connections.Connection[Any]] = _sql.Pool(
@@ -302,7 +191,7 @@ class MySQLBackend(LockBackend):
         conn = pymysql.connect(**self._connect_args)
         try:
             with conn.cursor() as cursor:
-                _script(cursor, _SESSION, {"wait": max(1, round(self.timeout))})
+                _script(cursor, Q.SESSION, {"wait": max(1, round(self.timeout))})
                 # Created on a connection's first use, if missing (looked up first: CREATE
                 # TABLE IF NOT EXISTS needs the CREATE privilege even when the table exists).
                 # MySQL's metadata lock makes racing CREATE TABLE IF NOT EXISTS safe.
@@ -404,7 +293,8 @@ class MySQLBackend(LockBackend):
             )
             args: dict[str, Any] = {}
             for i, (key, token, ttl) in enumerate(leases):
-                args.update({f"{i}_key": _keys(key)["key"], f"{i}_token": token, f"{i}_lease_us": _us(ttl),
+                args.update({f"{i}_key": _keys(key)["key"], f"{i}_token": token,
+                             f"{i}_lease_us": _us(ttl),
                              f"{i}_row_us": _us(ttl + _sql.FENCE_RETENTION)})  # fmt: skip
             cursor.execute(text, args)
             counts = [cursor.rowcount]

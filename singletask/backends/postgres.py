@@ -1,21 +1,32 @@
-"""The PostgreSQL lock store: one row per lock key, every operation one SQL statement.
+"""The PostgreSQL lock store: one row per lock key, every operation one round trip.
 
 URL: ``postgresql://user:password@host:5432/dbname`` (also ``postgres://`` and
 ``postgresql+psycopg://``), with libpq's query options (``sslmode``, ``connect_timeout``, ...)
 and singletask's own: ``table`` (default ``singletask_locks``), ``pool_size`` (4),
-``timeout`` (5 seconds) and ``prepare_threshold`` (psycopg's, default 5; ``none`` behind a
-PgBouncer in transaction mode older than 1.21).
+``timeout`` (5 seconds) and ``prepare_threshold`` (psycopg's; operations never prepare).
 Needs ``pip install "singletask[postgres]"`` (psycopg 3).
 
-How it holds its guarantees (the table layout is in :mod:`singletask.backends._sql`):
+How it holds its guarantees (the table layout is in :mod:`singletask.backends._sql`, the SQL
+in :mod:`singletask.backends._postgres_sql`):
 
-* Every operation is a single statement in autocommit mode, so it is its own READ COMMITTED
-  transaction, committed before the call returns: an acquire is never left uncommitted, and no
-  open transaction ages the clock. Acquire is ``INSERT ... ON CONFLICT DO UPDATE`` whose every
-  assignment is conditional on the old row, and ``RETURNING`` the row as it now is, so the winner
-  and, on a conflict, the holder come from one atomic step.
-* Leases are judged by the database's clock, ``statement_timestamp()`` in ``timestamptz``
-  columns: the workers' clocks (and their time zones) never matter.
+* Every operation is one transaction sent as one message: ``BEGIN ISOLATION LEVEL READ
+  COMMITTED``, ``SET LOCAL statement_timeout`` and ``lock_timeout`` (the store's ``timeout``),
+  one statement, ``COMMIT``; arguments are bound on the client. Nothing depends on session
+  state or startup parameters, so it works behind PgBouncer in transaction mode, and a server
+  whose default isolation is stricter changes nothing. Acquire is ``INSERT ... ON CONFLICT DO
+  UPDATE`` whose every assignment is conditional on the old row, and ``RETURNING`` the row as
+  it now is, so the winner and, on a conflict, the holder come from one atomic step.
+* Leases are judged by the database's clock in ``timestamptz`` columns; a lease starts when
+  its row is taken (``clock_timestamp()`` read once after the row lock), not when a statement
+  that waited for a rival's row lock began. The workers' clocks never matter.
+* Waits are bounded on the client too: libpq's ``connect_timeout``, TCP keepalives and
+  ``tcp_user_timeout``, and a deadline (``timeout`` + 1 s) after which the connection's socket
+  is shut down, so a stalled server or link gives BackendTimeout instead of blocking.
+* Errors are classified: a timeout is BackendTimeout, a lost connection or a server going away
+  BackendUnavailable (the pool is emptied); a serialization failure or deadlock committed
+  nothing and is sent again (up to 3 times); anything else is a plain BackendError, and a key
+  PostgreSQL cannot store (NUL) a LockKeyError before anything is sent.
+* Keys over ``KEY_BYTES`` (2,000) UTF-8 bytes are stored in a fixed-size form (``_sql.stored_key``).
 * A new fencing token is ``greatest(last + 1, database time in microseconds)``; the row keeps
   the last one after release, so tokens of a key strictly increase (the Redis store's rule).
 * The table and its index on ``expires_at`` are created on a process's first use, serialised by
@@ -45,7 +56,10 @@ from ..exceptions import (
     LockKeyError,
 )
 from ..urls import mask_url
+from . import _postgres_sql as Q
 from . import _sql
+from ._postgres_sql import KEY_BYTES
+from ._watchdog import WATCHDOG
 from .base import AcquireResult, Holder, LockBackend, check_lease
 
 __all__ = ["PostgresBackend"]
@@ -53,149 +67,6 @@ __all__ = ["PostgresBackend"]
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
-
-#: Created on first use. ``key`` sorts bytewise (COLLATE "C") so prefix scans use its index.
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS {table} (
-    key text COLLATE "C" PRIMARY KEY,
-    token text,
-    task_id text,
-    meta text,
-    lease_expires timestamptz NOT NULL,
-    fence bigint NOT NULL,
-    done text,
-    next_task text,
-    next_expires timestamptz,
-    expires_at timestamptz NOT NULL,
-    full_key text
-)"""
-_INDEX = "CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at)"
-# A table made before full_key existed gains it (a nullable column: no rewrite, no long lock).
-_ADD_FULL_KEY = "ALTER TABLE {table} ADD COLUMN IF NOT EXISTS full_key text"
-
-#: Lock keys longer than this many UTF-8 bytes are stored in a fixed-size form (see
-#: ``_sql.stored_key``); a B-tree entry holds at most about 2,700 bytes.
-KEY_BYTES = 2000
-
-#: Every operation is this transaction, sent as one simple-query message (one round trip):
-#: isolation and server-side time limits are the transaction's own, so nothing depends on
-#: session state or startup parameters (PgBouncer in transaction mode keeps none).
-_SCRIPT = (
-    "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL statement_timeout = {ms}; "
-    "SET LOCAL lock_timeout = {ms}; {statement}; COMMIT"
-)
-_PREAMBLE = 3  # results before the statement's own: BEGIN, SET, SET
-
-# The row as the caller may take it, judged at ``n.now``: the clock read once, after the row
-# is locked (a sub-SELECT of the SET is evaluated on the locked row), so a lease never starts
-# before the wait for a rival's row lock ends. True when the old row ``l`` is free, expired,
-# the caller's own token, or a holder whose token starts with the (non-empty) takeover prefix.
-_NOW = """(SELECT c.now, (extract(epoch FROM c.now) * 1000000)::bigint AS us,
-    (l.token IS NULL OR l.lease_expires <= c.now OR l.token = EXCLUDED.token
-     OR (%(prefix)s <> '' AND starts_with(l.token, %(prefix)s))) AS take
-    FROM (SELECT clock_timestamp() AS now) AS c) AS n"""
-
-# Insert the caller's row, or rewrite the existing one only where ``n.take`` holds. Returns the
-# row as it now is: the caller holds the lock iff its token is the holder's. The fence stays for
-# a re-acquire by the live holder, else becomes max(last + 1, clock in microseconds).
-_ACQUIRE = f"""
-INSERT INTO {{table}} AS l
-    (key, full_key, token, task_id, meta, lease_expires, fence, expires_at)
-VALUES (%(key)s, %(full_key)s, %(token)s, %(task_id)s, %(meta)s,
-        clock_timestamp() + %(ttl)s * interval '1 second',
-        (extract(epoch FROM clock_timestamp()) * 1000000)::bigint,
-        clock_timestamp() + (%(ttl)s + %(keep)s) * interval '1 second')
-ON CONFLICT (key) DO UPDATE SET
-    (fence, token, task_id, meta, lease_expires, expires_at, full_key) = (SELECT
-        CASE WHEN l.token = EXCLUDED.token AND l.lease_expires > n.now THEN l.fence
-            WHEN n.take THEN greatest(l.fence + 1, n.us) ELSE l.fence END,
-        CASE WHEN n.take THEN EXCLUDED.token ELSE l.token END,
-        CASE WHEN n.take THEN EXCLUDED.task_id ELSE l.task_id END,
-        CASE WHEN n.take THEN EXCLUDED.meta ELSE l.meta END,
-        CASE WHEN n.take THEN n.now + %(ttl)s * interval '1 second' ELSE l.lease_expires END,
-        CASE WHEN n.take THEN greatest(l.expires_at,
-            n.now + (%(ttl)s + %(keep)s) * interval '1 second') ELSE l.expires_at END,
-        EXCLUDED.full_key
-    FROM {_NOW})
-RETURNING token, meta, fence, done,
-    extract(epoch FROM lease_expires - clock_timestamp())::float8"""
-
-_LIVE = "token IS NOT NULL AND lease_expires > statement_timestamp()"
-
-# Frees the row (keeping fence and follow-up) if the token holds it; records the marker if given.
-_RELEASE = """
-UPDATE {table} SET token = NULL, task_id = NULL, meta = NULL,
-    lease_expires = clock_timestamp(), done = coalesce(%(done)s, done)
-WHERE key = %(key)s AND token = %(token)s AND lease_expires > clock_timestamp()"""
-
-# Updates that may wait for a row lock read the clock when they run (clock_timestamp()): a
-# renewed lease starts when the row is taken, and an expiry during the wait counts.
-_EXTEND = """
-UPDATE {table} SET lease_expires = clock_timestamp() + %(ttl)s * interval '1 second',
-    expires_at = greatest(expires_at,
-        clock_timestamp() + (%(ttl)s + %(keep)s) * interval '1 second')
-WHERE key = %(key)s AND token = %(token)s AND token IS NOT NULL
-    AND lease_expires > clock_timestamp()"""
-
-# One statement for every lease: returns the (key, token) pairs renewed.
-_EXTEND_MANY = """
-UPDATE {table} AS l SET lease_expires = clock_timestamp() + v.ttl * interval '1 second',
-    expires_at = greatest(l.expires_at,
-        clock_timestamp() + (v.ttl + %(keep)s) * interval '1 second')
-FROM unnest(%(keys)s::text[], %(tokens)s::text[], %(ttls)s::float8[]) AS v(key, token, ttl)
-WHERE l.key = v.key AND l.token = v.token AND l.lease_expires > clock_timestamp()
-RETURNING l.key, l.token"""
-
-# Makes task_id the pending follow-up unless a live one is pending; returns the pending one.
-_CLAIM_NEXT = """
-INSERT INTO {table} AS l
-    (key, full_key, lease_expires, fence, next_task, next_expires, expires_at)
-VALUES (%(key)s, %(full_key)s, statement_timestamp(), 0, %(task_id)s,
-        statement_timestamp() + %(ttl)s * interval '1 second',
-        statement_timestamp() + greatest(%(ttl)s, %(keep)s) * interval '1 second')
-ON CONFLICT (key) DO UPDATE SET
-    next_task = CASE WHEN l.next_task IS NOT NULL AND l.next_expires > statement_timestamp()
-        THEN l.next_task ELSE EXCLUDED.next_task END,
-    next_expires = CASE WHEN l.next_task IS NOT NULL AND l.next_expires > statement_timestamp()
-        THEN l.next_expires ELSE EXCLUDED.next_expires END,
-    expires_at = greatest(l.expires_at, EXCLUDED.expires_at)
-RETURNING next_task"""
-
-_CLEAR_NEXT = """
-UPDATE {table} SET next_task = NULL, next_expires = NULL
-WHERE key = %(key)s AND next_task = %(task_id)s"""
-
-_HOLDER = f"""
-SELECT token, meta, fence, extract(epoch FROM lease_expires - statement_timestamp())::float8
-FROM {{table}} WHERE key = %(key)s AND {_LIVE}"""
-
-# One page of live locks under a prefix, after the last key of the previous page.
-_ITER = f"""
-SELECT key, coalesce(full_key, key), token, meta, fence,
-    extract(epoch FROM lease_expires - statement_timestamp())::float8
-FROM {{table}} WHERE key LIKE %(scan)s ESCAPE '!' AND key > %(after)s
-    AND coalesce(full_key, key) LIKE %(pattern)s ESCAPE '!' AND {_LIVE}
-ORDER BY key LIMIT %(limit)s"""
-
-# Frees a live lock (if held by task_id, when given) and returns the holder it removed; the row
-# is locked first so the returned holder is the one the update removed.
-_RELEASE_HOLDER = f"""
-WITH old AS (
-    SELECT key, token, meta, fence,
-        extract(epoch FROM lease_expires - statement_timestamp())::float8 AS ttl
-    FROM {{table}} WHERE key = %(key)s AND {_LIVE}
-        AND (%(task_id)s::text IS NULL OR task_id = %(task_id)s::text)
-    FOR UPDATE)
-UPDATE {{table}} AS l SET token = NULL, task_id = NULL, meta = NULL,
-    lease_expires = statement_timestamp()
-FROM old WHERE l.key = old.key
-RETURNING old.token, old.meta, old.fence, old.ttl"""
-
-_RECLAIM = """
-DELETE FROM {table} WHERE key IN (
-    SELECT key FROM {table} WHERE expires_at < statement_timestamp()
-    ORDER BY expires_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED)"""
-
 
 #: SQLSTATEs: serialization failure and deadlock (nothing was committed: sent again), and the
 #: server ending or refusing sessions (shutdown, crash recovery, too many connections).
@@ -286,16 +157,17 @@ class PostgresBackend(LockBackend):
         self._q = {
             name: sql.SQL(text).format(**fmt)
             for name, text in {
-                "schema": _SCHEMA, "index": _INDEX, "add_full_key": _ADD_FULL_KEY,
+                "schema": Q.SCHEMA, "index": Q.INDEX, "add_full_key": Q.ADD_FULL_KEY,
             }.items()
         }  # fmt: skip
         self._q.update(
-            (name, sql.SQL(_SCRIPT).format(ms=ms, statement=sql.SQL(text).format(**fmt)))
+            (name, sql.SQL(Q.SCRIPT).format(ms=ms, statement=sql.SQL(text).format(**fmt)))
             for name, text in {
-                "acquire": _ACQUIRE, "release": _RELEASE, "extend": _EXTEND,
-                "extend_many": _EXTEND_MANY, "claim_next": _CLAIM_NEXT, "clear_next": _CLEAR_NEXT,
-                "holder": _HOLDER, "iter": _ITER, "release_holder": _RELEASE_HOLDER,
-                "reclaim": _RECLAIM,
+                "acquire": Q.ACQUIRE, "release": Q.RELEASE, "extend": Q.EXTEND,
+                "extend_many": Q.EXTEND_MANY, "claim_next": Q.CLAIM_NEXT,
+                "clear_next": Q.CLEAR_NEXT,
+                "holder": Q.HOLDER, "iter": Q.ITER, "release_holder": Q.RELEASE_HOLDER,
+                "reclaim": Q.RECLAIM,
             }.items()
         )  # fmt: skip
         self._pool: _sql.Pool[psycopg.Connection[Any]] = _sql.Pool(
@@ -304,6 +176,7 @@ class PostgresBackend(LockBackend):
         )  # fmt: skip
         self._ready: tuple[int, int] | None = None  # (pid, pool generation) the table was checked
         self._reclaimer = _sql.Reclaimer()
+
     @classmethod
     def from_url(cls, url: str, **options: Any) -> PostgresBackend:
         scheme, sep, rest = url.partition("://")
@@ -348,7 +221,7 @@ class PostgresBackend(LockBackend):
         """Run ``call`` on ``conn``, bounded on the client: a server or link that stalls past
         ``timeout`` (plus a margin) has the connection's socket shut down, and is a timeout."""
         limit = self.timeout + _MARGIN
-        with _sql.WATCHDOG.guard(limit, functools.partial(_shut, conn)) as alarm:
+        with WATCHDOG.guard(limit, functools.partial(_shut, conn)) as alarm:
             try:
                 result = call()
             except psycopg.Error as exc:
@@ -377,7 +250,9 @@ class PostgresBackend(LockBackend):
                         if self._ready != (os.getpid(), self._pool.generation):
                             self._call(conn, what, lambda: self._create_table(conn))
                             self._ready = (os.getpid(), self._pool.generation)
-                        result = self._call(conn, what, lambda: read(self._script(conn, name, args)))
+                        result = self._call(
+                            conn, what, lambda: read(self._script(conn, name, args))
+                        )
                         if self._reclaimer.due():
                             self._call(conn, "reclaim", lambda: self._reclaim(conn))
                         return result
@@ -399,10 +274,11 @@ class PostgresBackend(LockBackend):
     def _script(
         self, conn: psycopg.Connection[Any], name: str, args: Mapping[str, Any]
     ) -> psycopg.ClientCursor[Any]:
-        """Send the script ``name`` (see _SCRIPT); the cursor is left on its statement's result."""
+        """Send the script ``name`` (see ``_postgres_sql.SCRIPT``); the cursor is left on the
+        result of its statement."""
         cursor = psycopg.ClientCursor(conn)
         cursor.execute(self._q[name], args)
-        for _ in range(_PREAMBLE):
+        for _ in range(Q.PREAMBLE):
             cursor.nextset()
         return cursor
 
@@ -488,7 +364,9 @@ class PostgresBackend(LockBackend):
         }  # fmt: skip
         what = f"{len(leases)} locks"
         renewed = set(self._run("extend", what, "extend_many", args, lambda c: c.fetchall()))
-        return [(stored, token) in renewed for stored, (_, token, _) in zip(keys, leases)]
+        return [
+            (stored, token) in renewed for stored, (_, token, _) in zip(keys, leases, strict=True)
+        ]
 
     def claim_next(self, key: str, task_id: str, ttl: float) -> str:
         ttl = check_lease(ttl, "claim_next")
