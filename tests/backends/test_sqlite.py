@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from singletask import ConfigurationError
-from singletask.exceptions import LockKeyError
 from singletask.backends import backend_from_url
 from singletask.backends.sqlite import SQLiteBackend
+from singletask.exceptions import LockKeyError
 
 
 def test_sqlite_urls_follow_the_sqlalchemy_convention(
