@@ -473,3 +473,47 @@ def test_a_password_with_a_bare_percent_never_reaches_a_message(
     assert info.value.__cause__ is not None
     seen = f"{info.value} {info.value!r} {info.value.__cause__} {info.value.__cause__!r}"
     assert "ss-w0rd" not in seen
+
+
+@pytest.mark.parametrize("sql_store", KINDS, indirect=True)
+def test_a_table_made_by_an_earlier_version_gains_full_key_and_keeps_its_locks(
+    sql_store: SqlStore, kind: str
+) -> None:
+    """A table without the full_key column (made by an earlier version) is upgraded on first
+    use: its held locks stay held, and long keys work."""
+    from singletask.backends import _mysql_sql, _postgres_sql
+
+    url, table = sql_store
+    # Given the table as an earlier version made it, with a held lock in it
+    schema = (_postgres_sql if kind == "postgresql" else _mysql_sql).SCHEMA
+    old = schema.replace(",\n    full_key text", "").replace(",\n    full_key MEDIUMBLOB NULL", "")
+    assert "full_key" not in old
+    now = "now()" if kind == "postgresql" else "UTC_TIMESTAMP(6)"
+    key = "key" if kind == "postgresql" else "`key`"
+    with session(kind) as conn:
+        cursor = conn.cursor()
+        cursor.execute(old.format(table=table, index=f"{table}_expires_at"))
+        if kind == "postgresql":
+            cursor.execute(f"CREATE INDEX {table}_expires_at ON {table} (expires_at)")
+        cursor.execute(
+            f"INSERT INTO {table} ({key}, token, meta, lease_expires, fence, expires_at) "
+            f"VALUES ('held', 't1', '{{}}', {now} + INTERVAL '30' SECOND, 1, "
+            f"{now} + INTERVAL '8' DAY)"
+        )
+        conn.commit()
+
+    # When a store of this version uses it
+    store = backend_from_url(url, table=table)
+    refused = store.acquire("held", "t2", 30)
+    long_key = _long_key(3000, 4)
+
+    # Then the lock made before is still held, and a long key works
+    with session(kind) as conn:
+        cursor = conn.cursor()
+        cursor.execute(f"SELECT full_key FROM {table} WHERE {key} = 'held'")
+        assert list(cursor.fetchall()) == [(None,)]
+    assert not refused.acquired
+    assert refused.holder.token == "t1"
+    assert store.acquire(long_key, "t3", 30).acquired
+    assert [key for key, _ in store.iter_locks("app:long:")] == [long_key]
+    store.close()
