@@ -1,4 +1,5 @@
-"""The SQL of the PostgreSQL lock store (:mod:`singletask.backends.postgres`).
+"""The SQL of the PostgreSQL lock store (:mod:`singletask.backends.postgres`), and how it
+classifies its driver's errors.
 
 Each operation's statement is formatted into ``SCRIPT``: one READ COMMITTED transaction with
 its own time limits, sent as one simple-query message. The table layout is described in
@@ -6,6 +7,15 @@ its own time limits, sent as one simple-query message. The table layout is descr
 """
 
 from __future__ import annotations
+
+import os
+import re
+import socket
+from typing import Any
+
+import psycopg
+
+from ..exceptions import BackendError, BackendTimeout, BackendUnavailable
 
 #: Created on first use. ``key`` sorts bytewise (COLLATE "C") so prefix scans use its index.
 SCHEMA = """
@@ -30,9 +40,19 @@ ADD_FULL_KEY = "ALTER TABLE {table} ADD COLUMN IF NOT EXISTS full_key text"
 #: ``_sql.stored_key``); a B-tree entry holds at most about 2,700 bytes.
 KEY_BYTES = 2000
 
-#: Every operation is this transaction, sent as one simple-query message (one round trip):
-#: isolation and server-side time limits are the transaction's own, so nothing depends on
-#: session state or startup parameters (PgBouncer in transaction mode keeps none).
+#: Run once on each new connection (a statement, not a startup parameter, which PgBouncer
+#: would refuse): the session's isolation and server-side time limits, whatever the server's,
+#: database's or role's defaults. Each operation is then one prepared statement in autocommit.
+SESSION = (
+    "SELECT set_config('statement_timeout', %(ms)s, false), "
+    "set_config('lock_timeout', %(ms)s, false), "
+    "set_config('default_transaction_isolation', 'read committed', false)"
+)
+
+#: With ``transaction_pooling``, every operation is this transaction instead, sent as one
+#: simple-query message (one round trip, arguments bound on the client, nothing prepared):
+#: isolation and time limits are the transaction's own, so nothing depends on session state,
+#: which PgBouncer in transaction mode does not keep.
 SCRIPT = (
     "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL statement_timeout = {ms}; "
     "SET LOCAL lock_timeout = {ms}; {statement}; COMMIT"
@@ -148,3 +168,40 @@ RECLAIM = """
 DELETE FROM {table} WHERE key IN (
     SELECT key FROM {table} WHERE expires_at < statement_timestamp()
     ORDER BY expires_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED)"""
+
+
+#: SQLSTATEs: serialization failure and deadlock (nothing was committed: sent again), and the
+#: server ending or refusing sessions (shutdown, crash recovery, too many connections).
+RETRIED = {"40001", "40P01"}
+ATTEMPTS = 3
+GONE = {"57P01", "57P02", "57P03", "53300"}
+#: Seconds the client waits past ``timeout`` before it drops a connection that does not answer
+#: (the server's own limits, set to ``timeout``, normally answer first).
+MARGIN = 1.0
+FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def error_class(exc: psycopg.Error) -> type[BackendError]:
+    """Timeouts; a connection that failed or a server that went away; anything else (an error
+    of the statement, bad input, a read-only server) is a plain BackendError."""
+    state = exc.sqlstate or ""
+    if isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable):
+        return BackendTimeout
+    if "timeout expired" in str(exc):  # libpq's connect_timeout
+        return BackendTimeout
+    if state.startswith("08") or state in GONE:
+        return BackendUnavailable
+    if isinstance(exc, psycopg.OperationalError) and not state:  # raised by the client: the link
+        return BackendUnavailable
+    return BackendError
+
+
+def shut(conn: psycopg.Connection[Any]) -> None:
+    """Shut the connection's socket down: a call blocked reading it returns at once."""
+    with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def scrub(text: str) -> str:
+    """A libpq parse error without the tokens it quotes (one may be the password)."""
+    return re.sub(r'"[^"]*"', '"***"', text)

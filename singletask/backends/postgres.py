@@ -3,30 +3,30 @@
 URL: ``postgresql://user:password@host:5432/dbname`` (also ``postgres://`` and
 ``postgresql+psycopg://``), with libpq's query options (``sslmode``, ``connect_timeout``, ...)
 and singletask's own: ``table`` (default ``singletask_locks``), ``pool_size`` (4),
-``timeout`` (5 seconds) and ``prepare_threshold`` (psycopg's; operations never prepare).
+``timeout`` (5 seconds), ``prepare_threshold`` (psycopg's, default 5) and
+``transaction_pooling`` (0; 1 behind PgBouncer in transaction mode).
 Needs ``pip install "singletask[postgres]"`` (psycopg 3).
 
 How it holds its guarantees (the table layout is in :mod:`singletask.backends._sql`, the SQL
 in :mod:`singletask.backends._postgres_sql`):
 
-* Every operation is one transaction sent as one message: ``BEGIN ISOLATION LEVEL READ
-  COMMITTED``, ``SET LOCAL statement_timeout`` and ``lock_timeout`` (the store's ``timeout``),
-  one statement, ``COMMIT``; arguments are bound on the client. Nothing depends on session
-  state or startup parameters, so it works behind PgBouncer in transaction mode, and a server
-  whose default isolation is stricter changes nothing. Acquire is ``INSERT ... ON CONFLICT DO
-  UPDATE`` whose every assignment is conditional on the old row, and ``RETURNING`` the row as
-  it now is, so the winner and, on a conflict, the holder come from one atomic step.
-* Leases are judged by the database's clock in ``timestamptz`` columns; a lease starts when
-  its row is taken (``clock_timestamp()`` read once after the row lock), not when a statement
-  that waited for a rival's row lock began. The workers' clocks never matter.
-* Waits are bounded on the client too: libpq's ``connect_timeout``, TCP keepalives and
+* Each new connection sets its session's isolation (READ COMMITTED) and server-side time limits
+  (``statement_timeout``, ``lock_timeout``: the store's ``timeout``) with one statement, never
+  with startup parameters; then every operation is a single statement in autocommit mode, its
+  own transaction. With ``transaction_pooling`` the session keeps nothing: each operation is
+  ``BEGIN ISOLATION LEVEL READ COMMITTED``, ``SET LOCAL`` limits, the statement and ``COMMIT``
+  in one message. Acquire is ``INSERT ... ON CONFLICT DO UPDATE`` whose every assignment is
+  conditional on the old row, ``RETURNING`` the row as it now is: one atomic step.
+* Leases are judged by the database's clock; a lease starts when its row is taken
+  (``clock_timestamp()`` read once after the row lock), not when a statement that waited for
+  a rival's row lock began. The workers' clocks never matter.
+* Waits are bounded on the client too: ``connect_timeout``, TCP keepalives and
   ``tcp_user_timeout``, and a deadline (``timeout`` + 1 s) after which the connection's socket
   is shut down, so a stalled server or link gives BackendTimeout instead of blocking.
-* Errors are classified: a timeout is BackendTimeout, a lost connection or a server going away
-  BackendUnavailable (the pool is emptied); a serialization failure or deadlock committed
-  nothing and is sent again (up to 3 times); anything else is a plain BackendError, and a key
-  PostgreSQL cannot store (NUL) a LockKeyError before anything is sent.
-* Keys over ``KEY_BYTES`` (2,000) UTF-8 bytes are stored in a fixed-size form (``_sql.stored_key``).
+* Errors are classified (``_postgres_sql.error_class``): a serialization failure or deadlock
+  committed nothing and is sent again (3 attempts in all); a key PostgreSQL cannot store (NUL)
+  is a LockKeyError before anything is sent. Keys over ``KEY_BYTES`` (2,000) UTF-8 bytes are
+  stored in a fixed-size form (``_sql.stored_key``).
 * A new fencing token is ``greatest(last + 1, database time in microseconds)``; the row keeps
   the last one after release, so tokens of a key strictly increase (the Redis store's rule).
 * The table and its index on ``expires_at`` are created on a process's first use, serialised by
@@ -38,8 +38,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
-import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
@@ -49,7 +47,6 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ..exceptions import (
-    BackendError,
     BackendTimeout,
     BackendUnavailable,
     ConfigurationError,
@@ -68,41 +65,6 @@ T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
-#: SQLSTATEs: serialization failure and deadlock (nothing was committed: sent again), and the
-#: server ending or refusing sessions (shutdown, crash recovery, too many connections).
-_RETRIED = {"40001", "40P01"}
-_ATTEMPTS = 3
-_GONE = {"57P01", "57P02", "57P03", "53300"}
-#: Seconds the client waits past ``timeout`` before it drops a connection that does not answer
-#: (the server's own limits, set to ``timeout``, normally answer first).
-_MARGIN = 1.0
-
-
-def _error_class(exc: psycopg.Error) -> type[BackendError]:
-    """Timeouts; a connection that failed or a server that went away; anything else (an error
-    of the statement, bad input, a read-only server) is a plain BackendError."""
-    state = exc.sqlstate or ""
-    if isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable):
-        return BackendTimeout
-    if "timeout expired" in str(exc):  # libpq's connect_timeout
-        return BackendTimeout
-    if state.startswith("08") or state in _GONE:
-        return BackendUnavailable
-    if isinstance(exc, psycopg.OperationalError) and not state:  # raised by the client: the link
-        return BackendUnavailable
-    return BackendError
-
-
-def _shut(conn: psycopg.Connection[Any]) -> None:
-    """Shut the connection's socket down: a call blocked reading it returns at once."""
-    with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
-        sock.shutdown(socket.SHUT_RDWR)
-
-
-def _scrub(text: str) -> str:
-    """A libpq parse error without the tokens it quotes (one may be the password)."""
-    return re.sub(r'"[^"]*"', '"***"', text)
-
 
 class PostgresBackend(LockBackend):
     """Locks in a PostgreSQL table; see the module docstring.
@@ -114,8 +76,11 @@ class PostgresBackend(LockBackend):
         timeout: Seconds allowed to connect, per statement (``statement_timeout``,
             ``lock_timeout``), and to wait for a free pooled connection; the client drops a
             connection that has not answered a second after it.
-        prepare_threshold: psycopg's, for the statements that create the table (operations
-            bind their arguments on the client and never prepare).
+        prepare_threshold: psycopg's: executions of a statement before it is prepared on the
+            server; None never prepares (for PgBouncer in transaction mode before 1.21).
+        transaction_pooling: Keep no session state (for PgBouncer in transaction mode): each
+            operation is one transaction that sets its own isolation and time limits, its
+            arguments bound on the client, never prepared (a little slower).
     """
 
     def __init__(
@@ -126,13 +91,16 @@ class PostgresBackend(LockBackend):
         pool_size: int = 4,
         timeout: float = 5.0,
         prepare_threshold: int | None = 5,
+        transaction_pooling: bool = False,
     ) -> None:
         options = _sql.SQLOptions(table=table, pool_size=pool_size, timeout=timeout)
         self._prepare_threshold = prepare_threshold
+        self.transaction_pooling = transaction_pooling
+        self._preamble = Q.PREAMBLE if transaction_pooling else 0
         try:
             params = conninfo_to_dict(conninfo)
         except psycopg.ProgrammingError as exc:
-            reason = _scrub(str(exc))  # chained as a copy: the driver's text quotes the token
+            reason = Q.scrub(str(exc))  # chained as a copy: the driver's text quotes the token
             raise ConfigurationError(
                 f"invalid PostgreSQL URL or conninfo: {reason} (percent-encode '%', '@', ':' "
                 "and '/' in a URL's user name and password)"
@@ -144,7 +112,7 @@ class PostgresBackend(LockBackend):
         params.setdefault("keepalives_idle", max(1, round(options.timeout)))
         params.setdefault("keepalives_interval", max(1, round(options.timeout / 3)))
         params.setdefault("keepalives_count", 3)
-        params.setdefault("tcp_user_timeout", int((options.timeout + _MARGIN) * 1000))
+        params.setdefault("tcp_user_timeout", int((options.timeout + Q.MARGIN) * 1000))
         params.setdefault("application_name", "singletask")
         self._conninfo = make_conninfo("", **params)
         self.table = options.table
@@ -153,15 +121,17 @@ class PostgresBackend(LockBackend):
         names = options.table.split(".")
         # An index is created in its table's schema; its name is never qualified.
         fmt = {"table": sql.Identifier(*names), "index": sql.Identifier(f"{names[-1]}_expires_at")}
-        ms = sql.Literal(int(options.timeout * 1000))
+        self._ms = int(options.timeout * 1000)
+        ms = sql.Literal(self._ms)
         self._q = {
             name: sql.SQL(text).format(**fmt)
             for name, text in {
                 "schema": Q.SCHEMA, "index": Q.INDEX, "add_full_key": Q.ADD_FULL_KEY,
             }.items()
         }  # fmt: skip
+        wrap = sql.SQL(Q.SCRIPT if transaction_pooling else "{statement}")
         self._q.update(
-            (name, sql.SQL(Q.SCRIPT).format(ms=ms, statement=sql.SQL(text).format(**fmt)))
+            (name, wrap.format(ms=ms, statement=sql.SQL(text).format(**fmt)))
             for name, text in {
                 "acquire": Q.ACQUIRE, "release": Q.RELEASE, "extend": Q.EXTEND,
                 "extend_many": Q.EXTEND_MANY, "claim_next": Q.CLAIM_NEXT,
@@ -190,7 +160,14 @@ class PostgresBackend(LockBackend):
         parts = urlsplit(plain)
         query = parse_qsl(parts.query, keep_blank_values=True)
         given = [value for name, value in query if name == "prepare_threshold"]
-        rest_query = urlencode([q for q in query if q[0] != "prepare_threshold"], quote_via=quote)
+        pooling = [value for name, value in query if name == "transaction_pooling"]
+        own_names = ("prepare_threshold", "transaction_pooling")
+        rest_query = urlencode([q for q in query if q[0] not in own_names], quote_via=quote)
+        flag = pooling[-1].lower() if pooling else "0"
+        if flag not in Q.FLAGS:
+            raise ConfigurationError(
+                f"URL option transaction_pooling={pooling[-1]!r}: expected 1 or 0 (true/false)"
+            )
         threshold: int | None = 5
         if given and given[-1].lower() == "none":
             threshold = None
@@ -203,6 +180,7 @@ class PostgresBackend(LockBackend):
         return cls(
             urlunsplit(parts._replace(query=rest_query)), table=own.table,
             pool_size=own.pool_size, timeout=own.timeout, prepare_threshold=threshold,
+            transaction_pooling=Q.FLAGS[flag],
         )  # fmt: skip
 
     @classmethod
@@ -215,13 +193,20 @@ class PostgresBackend(LockBackend):
     def _connect(self) -> psycopg.Connection[Any]:
         conn = psycopg.connect(self._conninfo, autocommit=True)
         conn.prepare_threshold = self._prepare_threshold
+        if not self.transaction_pooling:
+            try:
+                args = {"ms": str(self._ms)}
+                self._call(conn, "connect", lambda: conn.execute(Q.SESSION, args))
+            except BaseException:
+                conn.close()
+                raise
         return conn
 
     def _call(self, conn: psycopg.Connection[Any], what: str, call: Callable[[], T]) -> T:
         """Run ``call`` on ``conn``, bounded on the client: a server or link that stalls past
         ``timeout`` (plus a margin) has the connection's socket shut down, and is a timeout."""
-        limit = self.timeout + _MARGIN
-        with WATCHDOG.guard(limit, functools.partial(_shut, conn)) as alarm:
+        limit = self.timeout + Q.MARGIN
+        with WATCHDOG.guard(limit, functools.partial(Q.shut, conn)) as alarm:
             try:
                 result = call()
             except psycopg.Error as exc:
@@ -234,7 +219,7 @@ class PostgresBackend(LockBackend):
 
     def _run(
         self, operation: str, key: str, name: str, args: Mapping[str, Any],
-        read: Callable[[psycopg.ClientCursor[Any]], T],
+        read: Callable[[psycopg.Cursor[Any]], T],
     ) -> T:  # fmt: skip
         """Run the script ``name`` on a pooled connection and ``read`` the statement's result:
         the boundary where driver errors become singletask's. A serialization failure or
@@ -243,7 +228,7 @@ class PostgresBackend(LockBackend):
         script runs once more: every operation is safe to repeat (see the docs)."""
         what = f"{operation} {key!r}"
         stale_retried = False
-        for attempt in range(1, _ATTEMPTS + 1):
+        for attempt in range(1, Q.ATTEMPTS + 1):
             try:
                 with self._pool.checkout() as (conn, reused):
                     try:
@@ -258,9 +243,9 @@ class PostgresBackend(LockBackend):
                         return result
                     except psycopg.Error as exc:
                         conn.close()  # its state is unknown (maybe inside a failed transaction)
-                        if exc.sqlstate in _RETRIED and attempt < _ATTEMPTS:
+                        if exc.sqlstate in Q.RETRIED and attempt < Q.ATTEMPTS:
                             continue  # rolled back whole; the connection is replaced
-                        error = _error_class(exc)
+                        error = Q.error_class(exc)
                         if error is BackendUnavailable:
                             self._pool.clear()  # the server went away: the others are dead too
                             if reused and not stale_retried:
@@ -268,17 +253,17 @@ class PostgresBackend(LockBackend):
                                 continue
                         raise error(f"{self!r}: {what} failed: {exc}") from exc
             except psycopg.Error as exc:  # connecting failed
-                raise _error_class(exc)(f"{self!r}: {what} failed: {exc}") from exc
+                raise Q.error_class(exc)(f"{self!r}: {what} failed: {exc}") from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _script(
         self, conn: psycopg.Connection[Any], name: str, args: Mapping[str, Any]
-    ) -> psycopg.ClientCursor[Any]:
-        """Send the script ``name`` (see ``_postgres_sql.SCRIPT``); the cursor is left on the
-        result of its statement."""
-        cursor = psycopg.ClientCursor(conn)
+    ) -> psycopg.Cursor[Any]:
+        """Send the operation ``name`` (with ``transaction_pooling``, wrapped in
+        ``_postgres_sql.SCRIPT``); the cursor is left on the result of its statement."""
+        cursor = psycopg.ClientCursor(conn) if self.transaction_pooling else conn.cursor()
         cursor.execute(self._q[name], args)
-        for _ in range(Q.PREAMBLE):
+        for _ in range(self._preamble):
             cursor.nextset()
         return cursor
 

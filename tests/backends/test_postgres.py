@@ -84,11 +84,12 @@ def pgbouncer(sql_store: tuple[str, str], tmp_path: Path) -> Iterator[str]:
 def test_it_works_behind_pgbouncer_in_transaction_mode(
     sql_store: tuple[str, str], pgbouncer: str
 ) -> None:
-    """No startup parameter PgBouncer refuses, and no session state: six stores (more
-    connections than PgBouncer's two server connections) share the server connections, and
-    every operation still behaves, with its time limits in force."""
+    """With ``transaction_pooling=1``: no startup parameter PgBouncer refuses, no session
+    state and no prepared statement; six stores (more connections than PgBouncer's two server
+    connections) share the server connections, and every operation behaves."""
     table = sql_store[1]
-    stores = [backend_from_url(pgbouncer, table=table, timeout=2) for _ in range(6)]
+    url = f"{pgbouncer}?transaction_pooling=1"
+    stores = [backend_from_url(url, table=table, timeout=2) for _ in range(6)]
     for n, store in enumerate(stores):
         assert store.acquire(f"k{n}", "t", 30, meta={"task_id": f"id{n}"}).acquired
         assert not stores[(n + 1) % 6].acquire(f"k{n}", "rival", 30).acquired
@@ -99,3 +100,13 @@ def test_it_works_behind_pgbouncer_in_transaction_mode(
     for n, store in enumerate(stores):
         assert store.release_held_by(f"k{n}", f"id{n}") is not None
         store.close()
+
+
+@pytest.mark.parametrize("sql_store", ["postgresql"], indirect=True)
+def test_transaction_pooling_is_a_flag_of_the_url(sql_store: tuple[str, str]) -> None:
+    url, table = sql_store
+    assert backend_from_url(f"{url}?transaction_pooling=1", table=table).transaction_pooling
+    assert not backend_from_url(f"{url}?transaction_pooling=false").transaction_pooling
+    assert not backend_from_url(url).transaction_pooling
+    with pytest.raises(ConfigurationError, match="transaction_pooling"):
+        backend_from_url(f"{url}?transaction_pooling=sometimes")

@@ -164,31 +164,35 @@ def test_a_rival_row_lock_longer_than_the_timeout_is_a_backend_timeout(
 # -- stricter isolation, long keys, bad input (finding 2) ---------------------------------------
 
 
-def _stricter_isolation(kind: str, url: str, table: str) -> Any:
+def _stricter_isolation(kind: str, url: str, table: str, pooling: bool) -> Any:
     """A store whose server-side session default is REPEATABLE READ (PostgreSQL, as a role or
     database default would set it) or SERIALIZABLE (MySQL, through the connection's
     init_command), without touching the shared server's own defaults."""
     if kind == "postgresql":
         strict = "options=-c%20default_transaction_isolation%3Drepeatable%5C%20read"
-        return backend_from_url(f"{url}?{strict}", table=table)
+        return backend_from_url(f"{url}?{strict}&transaction_pooling={int(pooling)}", table=table)
     backend = backend_from_url(url, table=table)
     backend._connect_args["init_command"] = "SET SESSION TRANSACTION ISOLATION LEVEL SERIALIZABLE"
     return backend
 
 
 @pytest.mark.parametrize("sql_store", KINDS, indirect=True)
+@pytest.mark.parametrize("pooling", [False, True], ids=["session", "transaction_pooling"])
 def test_a_server_defaulting_to_a_stricter_isolation_never_fails_a_race(
-    sql_store: SqlStore,
+    sql_store: SqlStore, pooling: bool
 ) -> None:
     """Workers racing for one key on sessions whose default isolation is stricter than READ
-    COMMITTED see no error at all: the store sets its own isolation, and retries what the
-    server aborted to serialise them."""
+    COMMITTED see no error at all: the store sets its own isolation (per session, or per
+    transaction with transaction_pooling), and retries what the server aborted to serialise
+    them."""
     url, table = sql_store
     kind = kind_of(sql_store)
+    if kind == "mysql" and pooling:
+        pytest.skip("transaction_pooling is PostgreSQL's")
     setup = backend_from_url(url, table=table)
     setup.acquire("warm-up", "t", 1)  # the table exists
     setup.close()
-    stores = [_stricter_isolation(kind, url, table) for _ in range(6)]
+    stores = [_stricter_isolation(kind, url, table, pooling) for _ in range(6)]
     errors: list[BaseException] = []
     wins = [0]
 
