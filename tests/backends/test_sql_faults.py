@@ -140,14 +140,18 @@ def kind_of(sql_store: SqlStore) -> str:
 
 
 @pytest.mark.parametrize("sql_store", KINDS, indirect=True)
+@pytest.mark.parametrize("pooling", [False, True], ids=["session", "transaction_pooling"])
 def test_a_rival_row_lock_longer_than_the_timeout_is_a_backend_timeout(
-    sql_store: SqlStore,
+    sql_store: SqlStore, pooling: bool
 ) -> None:
-    """The server-side wait limit applies to each operation (set per transaction on
-    PostgreSQL, per session on MySQL): the caller gets BackendTimeout after about
-    ``timeout``, the server's error chained."""
+    """The server-side wait limit applies to each operation (set per session, or per
+    transaction with PostgreSQL's transaction_pooling): the caller gets BackendTimeout after
+    about ``timeout``, the server's error chained."""
     url, table = sql_store
-    store = backend_from_url(url, table=table, timeout=1)
+    if pooling and kind_of(sql_store) == "mysql":
+        pytest.skip("transaction_pooling is PostgreSQL's")
+    query = "?transaction_pooling=1" if pooling else ""
+    store = backend_from_url(f"{url}{query}", table=table, timeout=1)
     assert store.acquire("k", "t", 30).acquired
     rival = hold_row_lock(kind_of(sql_store), table, "k", 4.0)
 
