@@ -158,6 +158,11 @@ class PostgresBackend(LockBackend):
         plain, own = _sql.split_url(f"postgresql://{rest}", options)
         # psycopg's prepare_threshold is no libpq parameter: take it out of the query.
         parts = urlsplit(plain)
+        # The user info ends at the last '@' (as for every other store's URL); libpq would end
+        # it at the first, and put the rest of a password with a raw '@' in its host name.
+        userinfo, at, hostport = parts.netloc.rpartition("@")
+        if "@" in userinfo:
+            parts = parts._replace(netloc=userinfo.replace("@", "%40") + at + hostport)
         query = parse_qsl(parts.query, keep_blank_values=True)
         given = [value for name, value in query if name == "prepare_threshold"]
         pooling = [value for name, value in query if name == "transaction_pooling"]
