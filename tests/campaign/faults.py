@@ -1,0 +1,227 @@
+"""The faults a campaign injects, and the seeded schedule that draws them.
+
+Each injector blocks for the fault's duration and returns the :class:`~.history.Fault` it
+caused. The schedule (:func:`inject_until`) draws, from one ``random.Random(seed)``, the pause
+before each fault, its kind among those the store's environment offers, its target and its
+duration: the same seed replays the same schedule (the workers' timing still varies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+from .history import Fault
+
+__all__ = ["BackendFaults", "Injector", "inject_until", "link_faults", "pause_fault"]
+
+#: An injector: given the schedule's random source, cause one fault and return it.
+Injector = Callable[[random.Random], Fault]
+
+
+class Link(Protocol):
+    """What the campaign needs of a fault proxy (tests/faultproxy.py)."""
+
+    def delay_replies(self, seconds: float) -> None: ...
+    def stall(self) -> None: ...
+    def resume(self) -> None: ...
+    def cut(self) -> None: ...
+    def stop(self) -> None: ...
+    def start(self) -> None: ...
+
+
+def _timed(kind: str, target: str, action: Callable[[], Any], *, lossy: bool = False) -> Fault:
+    start = time.monotonic()
+    action()
+    return Fault(kind, target, start, time.monotonic(), lossy)
+
+
+def link_faults(links: Mapping[str, Link], longest: float) -> dict[str, Injector]:
+    """Faults between one worker and the store, through that worker's proxy: replies delayed,
+    the link stalled (requests accepted, never answered) for up to ``longest`` seconds, its
+    connections cut; and the store gone for every worker (every proxy stopped, then started:
+    how the campaign "restarts" a shared server it must not restart)."""
+    names = sorted(links)
+
+    def delay(rng: random.Random) -> Fault:
+        name = rng.choice(names)
+        seconds, lasting = rng.uniform(0.02, 0.4), rng.uniform(0.3, longest)
+
+        def act() -> None:
+            links[name].delay_replies(seconds)
+            try:
+                time.sleep(lasting)
+            finally:
+                links[name].delay_replies(0.0)
+
+        return _timed("delay", name, act)
+
+    def stall(rng: random.Random) -> Fault:
+        name, lasting = rng.choice(names), rng.uniform(0.2, longest)
+
+        def act() -> None:
+            links[name].stall()
+            try:
+                time.sleep(lasting)
+            finally:
+                links[name].resume()
+
+        return _timed("stall", name, act)
+
+    def cut(rng: random.Random) -> Fault:
+        name = rng.choice(names)
+        return _timed("cut", name, links[name].cut)
+
+    def outage(rng: random.Random) -> Fault:
+        lasting = rng.uniform(0.1, longest / 2)
+
+        def act() -> None:
+            for link in links.values():
+                link.stop()
+            try:
+                time.sleep(lasting)
+            finally:
+                for link in links.values():
+                    link.start()
+
+        return _timed("outage", "every link", act)
+
+    return {"delay": delay, "stall": stall, "cut": cut, "outage": outage}
+
+
+def pause_fault(pids: Callable[[], Sequence[int]], longest: float) -> Injector:
+    """A worker process stopped (SIGSTOP: its renewer too, as a VM pause or a debugger would)
+    for up to ``longest`` seconds, then continued."""
+
+    def pause(rng: random.Random) -> Fault:
+        alive = list(pids())
+        if not alive:
+            return Fault("pause", "no process", time.monotonic(), time.monotonic())
+        pid, lasting = rng.choice(alive), rng.uniform(0.2, longest)
+
+        def act() -> None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                time.sleep(lasting)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
+        return _timed("pause", f"pid {pid}", act)
+
+    return pause
+
+
+def sqlite_lock_fault(path: str, longest: float) -> Injector:
+    """Another process's write transaction holds the SQLite database for up to ``longest``
+    seconds (the file-level stall: writers wait for it, up to their busy timeout)."""
+
+    def locked(rng: random.Random) -> Fault:
+        lasting = rng.uniform(0.1, longest)
+
+        def act() -> None:
+            conn = sqlite3.connect(path, timeout=10, isolation_level=None)
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                time.sleep(lasting)
+                conn.execute("ROLLBACK")
+            finally:
+                conn.close()
+
+        return _timed("db-lock", path, act)
+
+    return locked
+
+
+class BackendFaults:
+    """Faults between threads and an in-process store (memory://), where there is no socket:
+    every reply delayed, or held back (a stall) until resumed. Wraps the store's calls."""
+
+    def __init__(self) -> None:
+        self.delay = 0.0
+        self._open = threading.Event()
+        self._open.set()
+
+    def wrap(self, backend: Any) -> Any:
+        faults = self
+
+        class Slow:
+            def __getattr__(self, name: str) -> Any:
+                method = getattr(backend, name)
+                if name not in {"acquire", "release", "extend", "extend_many"}:
+                    return method
+
+                def call(*args: Any, **kwargs: Any) -> Any:
+                    result = method(*args, **kwargs)  # the store acts; the reply is late
+                    faults._open.wait()
+                    if faults.delay:
+                        time.sleep(faults.delay)
+                    return result
+
+                return call
+
+        return Slow()
+
+    def injectors(self, longest: float) -> dict[str, Injector]:
+        def delay(rng: random.Random) -> Fault:
+            seconds, lasting = rng.uniform(0.01, 0.3), rng.uniform(0.3, longest)
+
+            def act() -> None:
+                self.delay = seconds
+                try:
+                    time.sleep(lasting)
+                finally:
+                    self.delay = 0.0
+
+            return _timed("delay", "every reply", act)
+
+        def stall(rng: random.Random) -> Fault:
+            lasting = rng.uniform(0.2, longest)
+
+            def act() -> None:
+                self._open.clear()
+                try:
+                    time.sleep(lasting)
+                finally:
+                    self._open.set()
+
+            return _timed("stall", "every reply", act)
+
+        return {"delay": delay, "stall": stall}
+
+
+def inject_until(
+    until: float, rng: random.Random, injectors: Mapping[str, Injector], faults: list[Fault]
+) -> None:
+    """Inject faults, drawn from ``rng``, until monotonic time ``until``; append each to
+    ``faults``. Every injector undoes its fault before it returns."""
+    kinds = sorted(injectors)
+    while kinds and time.monotonic() < until:
+        time.sleep(rng.uniform(0.1, 0.8))
+        if time.monotonic() >= until:
+            return
+        faults.append(injectors[rng.choice(kinds)](rng))
+
+
+@contextlib.contextmanager
+def injecting(
+    until: float, seed: int, injectors: Mapping[str, Injector]
+) -> Iterator[list[Fault]]:
+    """Run the schedule in a thread during the block; the list of faults fills as it runs."""
+    faults: list[Fault] = []
+    thread = threading.Thread(
+        target=inject_until, args=(until, random.Random(seed), injectors, faults), daemon=True
+    )
+    thread.start()
+    try:
+        yield faults
+    finally:
+        thread.join()
