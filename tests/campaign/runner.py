@@ -56,7 +56,7 @@ def run_campaign(env: Environment, seed: int, seconds: float, workdir: Path) -> 
     """Run ``env``'s workers for ``seconds`` under the faults of ``seed``; return the verdict."""
     rng = random.Random(seed)
     keys = tuple(f"campaign:{seed}:{env.store}:{n}" for n in range(env.keys))
-    startup = 3.0 if env.processes else 0.0  # spawned interpreters import singletask first
+    startup = 1.5 if env.processes else 0.0  # spawned interpreters import singletask first
     until = time.monotonic() + startup + seconds
     specs = [
         WorkerSpec(
@@ -104,12 +104,12 @@ def run_campaign(env: Environment, seed: int, seconds: float, workdir: Path) -> 
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
             process.join()
-    for spec in specs[env.threads :]:
+    for spec, process in zip(specs[env.threads :], processes, strict=True):
         path = Path(spec.out)
         if path.exists():
             histories[spec.name] = History.from_json(path.read_text())
         elif spec.name not in hung:
-            hung.append(f"{spec.name} (exited with {processes[0].exitcode}, no history)")
+            hung.append(f"{spec.name} (exited with {process.exitcode}, no history)")
     report = check(
         [hold for h in histories.values() for hold in h.holds],
         [error for h in histories.values() for error in h.errors],

@@ -9,7 +9,8 @@ every error a caller saw is a ``SingletaskError`` with its cause chained, and no
 longer than the store's timeouts allow.
 
 A short run per store is part of the default suite; the long one is its own step of .ci/run:
-``python -m pytest -m campaign`` (``SINGLETASK_CAMPAIGN_SECONDS`` per store, 150 by default).
+``python -m pytest -m campaign -n 0`` (``SINGLETASK_CAMPAIGN_SECONDS`` of faults per store, 75 by
+default).
 Every run prints its seed; ``SINGLETASK_CAMPAIGN_SEED=<seed>`` replays its fault schedule.
 """
 
@@ -25,11 +26,11 @@ from .runner import campaign_seed, run_campaign
 from .stores import STORES, sentinel_env
 
 #: Seconds of faults per store in the default suite (the README's command).
-SHORT = 4.0
+SHORT = 3.0
 
 
 def long_seconds() -> float:
-    return float(os.environ.get("SINGLETASK_CAMPAIGN_SECONDS", "150"))
+    return float(os.environ.get("SINGLETASK_CAMPAIGN_SECONDS", "75"))
 
 
 def verdict(store: str, seed: int, report: Report) -> None:
