@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from .history import Fault
 
-__all__ = ["BackendFaults", "Injector", "inject_until", "link_faults", "pause_fault"]
+__all__ = ["InProcessLink", "Injector", "inject_until", "link_faults", "pause_fault"]
 
 #: An injector: given the schedule's random source, cause one fault and return it.
 Injector = Callable[[random.Random], Fault]
@@ -43,12 +43,17 @@ def _timed(kind: str, target: str, action: Callable[[], Any], *, lossy: bool = F
     return Fault(kind, target, start, time.monotonic(), lossy)
 
 
-def link_faults(links: Mapping[str, Link], longest: float) -> dict[str, Injector]:
-    """Faults between one worker and the store, through that worker's proxy: replies delayed,
-    the link stalled (requests accepted, never answered) for up to ``longest`` seconds, its
-    connections cut; and the store gone for every worker (every proxy stopped, then started:
-    how the campaign "restarts" a shared server it must not restart)."""
+def link_faults(
+    links: Mapping[str, Link], longest: float, *, stall_longest: float | None = None
+) -> dict[str, Injector]:
+    """Faults between one worker and the store, through that worker's proxy: replies delayed
+    (for up to ``longest`` seconds), the link stalled (requests accepted, never answered) for up
+    to ``stall_longest`` seconds (default ``longest``; longer than a store's timeouts, a stall
+    must end in a timeout), its connections cut; and the store gone for every worker (every
+    proxy stopped, then started: how the campaign "restarts" a shared server it must not
+    restart)."""
     names = sorted(links)
+    stall_longest = longest if stall_longest is None else stall_longest
 
     def delay(rng: random.Random) -> Fault:
         name = rng.choice(names)
@@ -64,7 +69,7 @@ def link_faults(links: Mapping[str, Link], longest: float) -> dict[str, Injector
         return _timed("delay", name, act)
 
     def stall(rng: random.Random) -> Fault:
-        name, lasting = rng.choice(names), rng.uniform(0.2, longest)
+        name, lasting = rng.choice(names), rng.uniform(0.2, stall_longest)
 
         def act() -> None:
             links[name].stall()
@@ -141,19 +146,29 @@ def sqlite_lock_fault(path: str, longest: float) -> Injector:
     return locked
 
 
-class BackendFaults:
-    """Faults between threads and an in-process store (memory://), where there is no socket:
-    every reply delayed, or held back (a stall) until resumed. Wraps the store's calls."""
+class InProcessLink:
+    """A link between one thread and an in-process store (memory://), where there is no socket:
+    the store acts at once, and its reply is delayed, or held back until :meth:`resume` (a
+    stall). :meth:`wrap` gives the worker's view of the store."""
 
     def __init__(self) -> None:
         self.delay = 0.0
         self._open = threading.Event()
         self._open.set()
 
-    def wrap(self, backend: Any) -> Any:
-        faults = self
+    def delay_replies(self, seconds: float) -> None:
+        self.delay = seconds
 
-        class Slow:
+    def stall(self) -> None:
+        self._open.clear()
+
+    def resume(self) -> None:
+        self._open.set()
+
+    def wrap(self, backend: Any) -> Any:
+        link = self
+
+        class Linked:
             def __getattr__(self, name: str) -> Any:
                 method = getattr(backend, name)
                 if name not in {"acquire", "release", "extend", "extend_many"}:
@@ -161,41 +176,14 @@ class BackendFaults:
 
                 def call(*args: Any, **kwargs: Any) -> Any:
                     result = method(*args, **kwargs)  # the store acts; the reply is late
-                    faults._open.wait()
-                    if faults.delay:
-                        time.sleep(faults.delay)
+                    link._open.wait()
+                    if link.delay:
+                        time.sleep(link.delay)
                     return result
 
                 return call
 
-        return Slow()
-
-    def injectors(self, longest: float) -> dict[str, Injector]:
-        def delay(rng: random.Random) -> Fault:
-            seconds, lasting = rng.uniform(0.01, 0.3), rng.uniform(0.3, longest)
-
-            def act() -> None:
-                self.delay = seconds
-                try:
-                    time.sleep(lasting)
-                finally:
-                    self.delay = 0.0
-
-            return _timed("delay", "every reply", act)
-
-        def stall(rng: random.Random) -> Fault:
-            lasting = rng.uniform(0.2, longest)
-
-            def act() -> None:
-                self._open.clear()
-                try:
-                    time.sleep(lasting)
-                finally:
-                    self._open.set()
-
-            return _timed("stall", "every reply", act)
-
-        return {"delay": delay, "stall": stall}
+        return Linked()
 
 
 def inject_until(
@@ -212,9 +200,7 @@ def inject_until(
 
 
 @contextlib.contextmanager
-def injecting(
-    until: float, seed: int, injectors: Mapping[str, Injector]
-) -> Iterator[list[Fault]]:
+def injecting(until: float, seed: int, injectors: Mapping[str, Injector]) -> Iterator[list[Fault]]:
     """Run the schedule in a thread during the block; the list of faults fills as it runs."""
     faults: list[Fault] = []
     thread = threading.Thread(

@@ -22,6 +22,7 @@ one lease after the fault ended (its next renewal finds the lock gone).
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -34,13 +35,17 @@ class Hold:
 
     key: str
     worker: str
-    start: float  # monotonic, just before the acquire was sent
+    sent: float  # monotonic, just before the acquire was sent (where the holder's lease starts)
+    start: float  # monotonic, when the acquire's reply said "acquired" (where the belief starts)
     end: float  # monotonic, just after the last passing check()
     fence: int | None
     ttl: float
 
     def describe(self) -> str:
-        return f"{self.worker} [{self.start:.6f}, {self.end:.6f}] fence={self.fence}"
+        return (
+            f"{self.worker} [{self.start:.6f}, {self.end:.6f}] (acquire sent at "
+            f"{self.sent:.6f}) fence={self.fence}"
+        )
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class CallError:
     singletask: bool  # an instance of SingletaskError
     backend_error: bool  # an instance of BackendError
     cause: str | None  # class name of __cause__, if any
+    context: str | None  # class name of __context__ (the error being handled when it was raised)
     message: str
 
 
@@ -138,7 +144,7 @@ def check(
         by_key[hold.key].append(hold)
     for key, series in sorted(by_key.items()):
         series.sort(key=lambda hold: (hold.start, hold.end))
-        for previous, hold in zip(series, series[1:], strict=False):
+        for previous, hold in itertools.pairwise(series):
             if previous.fence is None or hold.fence is None:
                 report.violations.append(
                     f"key {key!r}: a hold without a fence: {previous.describe()} / "
@@ -170,10 +176,10 @@ def check(
                 f"{error.worker}: {error.call} raised {error.type}, not a SingletaskError: "
                 f"{error.message}"
             )
-        elif error.backend_error and error.cause is None:
+        elif error.backend_error and error.cause is None and error.context is not None:
             report.violations.append(
-                f"{error.worker}: {error.call} raised {error.type} without a chained cause: "
-                f"{error.message}"
+                f"{error.worker}: {error.call} raised {error.type} while handling "
+                f"{error.context} without chaining it as its cause: {error.message}"
             )
     pauses = [fault for fault in faults if fault.kind == "pause"]
     for call in calls:

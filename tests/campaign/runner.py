@@ -35,8 +35,8 @@ class Environment:
     """A store set up for a campaign.
 
     ``urls`` gives each worker's store URL (each through its own proxy, where the store has a
-    socket); threads and processes take them in that order. ``backend`` (memory://) is one
-    store object shared by the threads instead.
+    socket); threads and processes take them in that order. ``backend`` (memory://) gives
+    thread ``n`` its view of one store object shared by the threads instead.
     """
 
     store: str
@@ -48,7 +48,7 @@ class Environment:
     block_bound: float  # seconds: the longest a call may block (the store's timeouts)
     injectors: Callable[[Callable[[], list[int]]], Mapping[str, Injector]]
     keys: int = 4
-    backend: Any = None
+    backend: Callable[[int], Any] | None = None
     pids: list[int] = field(default_factory=list)
 
 
@@ -73,13 +73,13 @@ def run_campaign(env: Environment, seed: int, seconds: float, workdir: Path) -> 
     ]
     histories: dict[str, History] = {}
 
-    def thread_main(spec: WorkerSpec) -> None:
-        backend = env.backend
+    def thread_main(n: int, spec: WorkerSpec) -> None:
+        backend = env.backend(n) if env.backend is not None else None
         histories[spec.name] = run_worker(spec, backend)
 
     threads = [
-        threading.Thread(target=thread_main, args=(spec,), name=spec.name, daemon=True)
-        for spec in specs[: env.threads]
+        threading.Thread(target=thread_main, args=(n, spec), name=spec.name, daemon=True)
+        for n, spec in enumerate(specs[: env.threads])
     ]
     context = multiprocessing.get_context("spawn")
     processes = [

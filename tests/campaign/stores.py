@@ -38,14 +38,18 @@ from ..servers import (
     start_memcached,
     unavailable,
 )
-from .faults import BackendFaults, Injector, link_faults, pause_fault, sqlite_lock_fault
+from .faults import Injector, InProcessLink, link_faults, pause_fault, sqlite_lock_fault
 from .history import Fault
 from .runner import Environment
 
-__all__ = ["STORES", "environment"]
+__all__ = ["STORES", "sentinel_env"]
 
-#: Seconds every store call may take at most (the stores' client-side timeouts).
+#: The stores' client-side timeouts in the campaign (connect, read, statement, pool wait).
 TIMEOUT = 1.0
+
+#: The longest a call to a store behind a proxy may block: a few timeouts (a pool wait, a
+#: connect, a reply; Redis retries a dropped connection twice). Stalls last up to 2 s longer.
+BLOCK_BOUND = 3 * TIMEOUT + 2.0
 
 
 def _proxies(url: str, count: int) -> tuple[list[Any], list[str]]:
@@ -76,18 +80,25 @@ def _links(proxies: list[Any]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def memory_env(workdir: Path, scale: int) -> Iterator[Environment]:
-    faults = BackendFaults()
+    store = MemoryBackend()
+    threads = 4 * scale
+    links = [InProcessLink() for _ in range(threads)]
     ttls = (0.5, 1.0, 2.0)
+    kinds = {"delay", "stall"}  # no socket to cut, no server to stop
     yield Environment(
         store="memory",
         urls=[],
         options={},
-        threads=4 * scale,
+        threads=threads,
         processes=0,
         ttls=ttls,
         block_bound=2 * max(ttls) + 1.0,  # the longest stall the schedule draws, and then some
-        injectors=lambda pids: faults.injectors(2 * max(ttls)),
-        backend=faults.wrap(MemoryBackend()),
+        injectors=lambda pids: {
+            kind: injector
+            for kind, injector in link_faults(_links(links), 2 * max(ttls)).items()
+            if kind in kinds
+        },
+        backend=lambda n: links[n].wrap(store),
     )
 
 
@@ -111,7 +122,7 @@ def sqlite_env(workdir: Path, scale: int) -> Iterator[Environment]:
         ttls=ttls,
         # The busy timeout, plus the longest pause (a paused process's call is not blocked on
         # the store, but its clock runs on).
-        block_bound=TIMEOUT + 2 * max(ttls) + 1.0,
+        block_bound=TIMEOUT + 1.5,  # the busy timeout (a paused process's calls are not judged)
         injectors=injectors,
     )
 
@@ -223,7 +234,7 @@ def redis_env(workdir: Path, scale: int) -> Iterator[Environment]:
 
     def injectors(pids: Callable[[], list[int]]) -> Mapping[str, Injector]:
         return {
-            **link_faults(_links(proxies), 2 * max(ttls)),
+            **link_faults(_links(proxies), 2 * max(ttls), stall_longest=BLOCK_BOUND + 2.0),
             "pause": pause_fault(pids, 2 * max(ttls)),
             "failover": failover,
             "restart": restart,
@@ -240,7 +251,7 @@ def redis_env(workdir: Path, scale: int) -> Iterator[Environment]:
                 processes=processes,
                 ttls=ttls,
                 # One try and two retries of a dropped connection, each bounded by the timeout.
-                block_bound=3 * TIMEOUT + 2.0,
+                block_bound=BLOCK_BOUND,
                 injectors=injectors,
             )
     finally:
@@ -294,8 +305,10 @@ def sql_env(kind: str, workdir: Path, scale: int) -> Iterator[Environment]:
                 processes=0,
                 ttls=ttls,
                 # connect, statement and pool wait are each bounded by the timeout
-                block_bound=3 * TIMEOUT + 2.0,
-                injectors=lambda pids: link_faults(_links(proxies), 2 * max(ttls)),
+                block_bound=BLOCK_BOUND,
+                injectors=lambda pids: link_faults(
+                    _links(proxies), 2 * max(ttls), stall_longest=BLOCK_BOUND + 2.0
+                ),
             )
 
 
@@ -321,7 +334,7 @@ def memcached_env(workdir: Path, scale: int) -> Iterator[Environment]:
 
         def injectors(pids: Callable[[], list[int]]) -> Mapping[str, Injector]:
             return {
-                **link_faults(_links(proxies), 2 * max(ttls)),
+                **link_faults(_links(proxies), 2 * max(ttls), stall_longest=BLOCK_BOUND + 2.0),
                 "pause": pause_fault(pids, 2 * max(ttls)),
                 "restart": restart,
             }
@@ -334,7 +347,7 @@ def memcached_env(workdir: Path, scale: int) -> Iterator[Environment]:
                 threads=threads,
                 processes=processes,
                 ttls=ttls,
-                block_bound=3 * TIMEOUT + 2.0,
+                block_bound=BLOCK_BOUND,
                 injectors=injectors,
             )
     finally:
@@ -351,7 +364,3 @@ STORES: dict[str, Callable[[Path, int], contextlib.AbstractContextManager[Enviro
     "mysql": functools.partial(sql_env, "mysql"),
     "memcached": memcached_env,
 }
-
-
-def environment(store: str, workdir: Path, scale: int) -> contextlib.AbstractContextManager[Environment]:
-    return STORES[store](workdir, scale)

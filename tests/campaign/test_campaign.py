@@ -44,6 +44,8 @@ def verdict(store: str, seed: int, report: Report) -> None:
             file.write(line + "\n")
             for loss in report.documented_losses:
                 file.write(f"  documented loss: {loss}\n")
+            for violation in report.violations:
+                file.write(f"  VIOLATION: {violation}\n")
     if report.violations:
         shown = "\n  ".join(report.violations[:30])
         more = len(report.violations) - 30
@@ -59,7 +61,7 @@ def verdict(store: str, seed: int, report: Report) -> None:
 
 
 def hold(worker: str, start: float, end: float, fence: int, key: str = "k") -> Hold:
-    return Hold(key, worker, start, end, fence, ttl=1.0)
+    return Hold(key, worker, start - 0.01, start, end, fence, ttl=1.0)
 
 
 def judge(holds: list[Hold], faults: list[Fault] | None = None, **kwargs: object) -> Report:
@@ -75,8 +77,8 @@ def test_overlapping_believed_intervals_are_a_violation_naming_key_intervals_and
     report = judge([hold("a", 0, 1.2, 10), hold("b", 1.0, 2, 11)])
     assert len(report.violations) == 1
     assert "key 'k': believed intervals overlap by 0.200000s" in report.violations[0]
-    assert "a [0.000000, 1.200000] fence=10" in report.violations[0]
-    assert "b [1.000000, 2.000000] fence=11" in report.violations[0]
+    assert "a [0.000000, 1.200000] (acquire sent at -0.010000) fence=10" in report.violations[0]
+    assert "b [1.000000, 2.000000] (acquire sent at 0.990000) fence=11" in report.violations[0]
 
 
 def test_an_interval_inside_a_longer_one_is_found() -> None:
@@ -108,20 +110,32 @@ def test_an_overlap_across_a_lossy_fault_is_a_documented_loss_within_one_lease()
     assert len(judge([hold("a", 0, 2.0, 1), hold("b", 1.6, 3, 2)], [cut]).violations) == 1
 
 
-def test_errors_must_be_singletask_errors_and_backend_errors_must_chain_their_cause() -> None:
-    def error(type_: str, singletask: bool, backend: bool, cause: str | None) -> CallError:
-        return CallError("w", "acquire", type_, singletask, backend, cause, "boom")
+def test_errors_must_be_singletask_errors_chaining_the_error_they_were_raised_for() -> None:
+    def error(type_: str, singletask: bool, cause: str | None, context: str | None) -> CallError:
+        backend = type_.startswith("singletask.exceptions.Backend")
+        return CallError("w", "acquire", type_, singletask, backend, cause, context, "boom")
 
     errors = [
-        error("singletask.exceptions.BackendTimeout", True, True, "TimeoutError"),
-        error("singletask.exceptions.LockLost", True, False, None),
-        error("redis.exceptions.ReadOnlyError", False, False, None),
-        error("singletask.exceptions.BackendError", True, True, None),
+        error("singletask.exceptions.BackendTimeout", True, "TimeoutError", "TimeoutError"),
+        error("singletask.exceptions.LockLost", True, None, None),
+        # A condition the store itself decided (no driver error behind it): nothing to chain.
+        error("singletask.exceptions.BackendUnavailable", True, None, None),
+        error("redis.exceptions.ReadOnlyError", False, None, None),
+        # Raised while handling a driver error without `from` (or `from None`): not chained.
+        error("singletask.exceptions.BackendError", True, None, "ConnectionError"),
     ]
     report = judge([], errors=errors)
     assert len(report.violations) == 2
     assert "ReadOnlyError, not a SingletaskError" in report.violations[0]
-    assert "without a chained cause" in report.violations[1]
+    assert "while handling ConnectionError without chaining it" in report.violations[1]
+
+
+def test_a_request_in_flight_while_the_holder_finishes_is_no_overlap() -> None:
+    """The belief starts when the reply says "acquired": a rival's acquire sent while the holder
+    still works, and granted after its release, overlaps nothing."""
+    holder = Hold("k", "a", 0.0, 0.01, 1.0, 1, ttl=2.0)
+    rival = Hold("k", "b", 0.9, 1.05, 2.0, 2, ttl=2.0)
+    assert judge([holder, rival]).violations == []
 
 
 # -- the runs ------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ class WorkerSpec:
     ttls: tuple[float, ...]
     url: str = ""  # built in the worker process from url and options
     options: dict[str, Any] = field(default_factory=dict)
-    renew_share: float = 0.6  # share of holds that are renewed; the others run on one lease
+    renew_share: float = 0.5  # share of holds that are renewed; the others run on one lease
     out: str = ""  # a worker process writes its History here, as JSON
 
 
@@ -73,6 +73,7 @@ class History:
 def error_record(worker: str, call: str, exc: BaseException) -> CallError:
     kind = type(exc)
     cause = exc.__cause__
+    context = exc.__context__  # kept by `raise ... from None` too, which hides it
     return CallError(
         worker=worker,
         call=call,
@@ -80,6 +81,7 @@ def error_record(worker: str, call: str, exc: BaseException) -> CallError:
         singletask=isinstance(exc, SingletaskError),
         backend_error=isinstance(exc, BackendError),
         cause=None if cause is None else type(cause).__name__,
+        context=None if context is None else type(context).__name__,
         message=str(exc)[:300],
     )
 
@@ -132,6 +134,7 @@ def _hold(
     token = f"{spec.name}:{uuid.uuid4().hex}"
     sent = time.monotonic()
     result = _call(history, spec.name, "acquire", backend.acquire, key, token, ttl)
+    granted = time.monotonic()
     if result is None or not result.acquired:
         time.sleep(rng.uniform(0.0, 0.05))
         return
@@ -139,14 +142,14 @@ def _hold(
     renew = rng.random() < spec.renew_share
     if renew:
         renewer.add(handle)
-    # Most holds are short; one in five works up to two leases (renewed) or one and a half (not
+    # Most holds are short; three in ten work up to two leases (renewed) or one and a half (not
     # renewed: it runs past its lease and must find out through check()).
-    longest = (2.0 if renew else 1.5) * ttl if rng.random() < 0.2 else ttl / 2
+    longest = (2.0 if renew else 1.5) * ttl if rng.random() < 0.3 else ttl / 2
     work_until = time.monotonic() + rng.uniform(0.0, longest)
     last_passed: float | None = None
     try:
         while time.monotonic() < work_until:
-            time.sleep(rng.uniform(0.005, min(0.2, ttl / 4)))
+            time.sleep(rng.uniform(0.005, min(0.1, ttl / 8)))
             try:
                 handle.check()
             except LockLost as exc:
@@ -157,7 +160,7 @@ def _hold(
         renewer.remove(handle)
         _call(history, spec.name, "release", backend.release, key, token)
     if last_passed is not None:
-        history.holds.append(Hold(key, spec.name, sent, last_passed, result.fence, ttl))
+        history.holds.append(Hold(key, spec.name, sent, granted, last_passed, result.fence, ttl))
 
 
 def run_worker(spec: WorkerSpec, backend: LockBackend | None = None) -> History:
