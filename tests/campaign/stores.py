@@ -120,9 +120,8 @@ def sqlite_env(workdir: Path, scale: int) -> Iterator[Environment]:
         threads=0,
         processes=3 * scale,
         ttls=ttls,
-        # The busy timeout, plus the longest pause (a paused process's call is not blocked on
-        # the store, but its clock runs on).
-        block_bound=TIMEOUT + 1.5,  # the busy timeout (a paused process's calls are not judged)
+        # SQLite's busy timeout, and a margin (calls of a paused process are not judged).
+        block_bound=TIMEOUT + 1.5,
         injectors=injectors,
     )
 
