@@ -190,13 +190,18 @@ def inject_until(
     until: float, rng: random.Random, injectors: Mapping[str, Injector], faults: list[Fault]
 ) -> None:
     """Inject faults, drawn from ``rng``, until monotonic time ``until``; append each to
-    ``faults``. Every injector undoes its fault before it returns."""
-    kinds = sorted(injectors)
-    while kinds and time.monotonic() < until:
+    ``faults``. The kinds come in rounds, each a shuffle of every kind, so that a run long
+    enough for one round injects each at least once. Every injector undoes its fault before it
+    returns."""
+    kinds: list[str] = []
+    while injectors and time.monotonic() < until:
         time.sleep(rng.uniform(0.1, 0.8))
         if time.monotonic() >= until:
             return
-        faults.append(injectors[rng.choice(kinds)](rng))
+        if not kinds:
+            kinds = sorted(injectors)
+            rng.shuffle(kinds)
+        faults.append(injectors[kinds.pop()](rng))
 
 
 @contextlib.contextmanager
