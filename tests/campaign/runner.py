@@ -86,8 +86,10 @@ def run_campaign(env: Environment, seed: int, seconds: float, workdir: Path) -> 
         context.Process(target=process_main, args=(spec,), name=spec.name, daemon=True)
         for spec in specs[env.threads :]
     ]
-    for worker in [*threads, *processes]:
-        worker.start()
+    for thread in threads:
+        thread.start()
+    for process in processes:
+        process.start()
     env.pids[:] = [p.pid for p in processes if p.pid is not None]
     hung: list[str] = []
     with injecting(until, rng.randrange(2**31), env.injectors(lambda: env.pids)) as faults:

@@ -171,7 +171,7 @@ class _RedisPair:
         roles swap; wait until the new primary takes writes."""
         old = self._client(self.primary)
         try:
-            old.execute_command("FAILOVER", "TIMEOUT", "5000")
+            old.execute_command("FAILOVER", "TIMEOUT", "5000")  # type: ignore[no-untyped-call]
         finally:
             old.close()
         self.primary = 1 - self.primary
@@ -196,7 +196,9 @@ class _RedisPair:
         server.start()
         replica = self._client(1 - self.primary)
         try:
-            replica.execute_command("REPLICAOF", "127.0.0.1", str(server.port))
+            replica.execute_command(  # type: ignore[no-untyped-call]
+                "REPLICAOF", "127.0.0.1", str(server.port)
+            )
         finally:
             replica.close()
         self._wait_synced()
