@@ -5,9 +5,10 @@ the app's settings) and as ``singletask <command> --url URL`` (no app needed). `
 come from the ``SINGLETASK_BACKEND_URL`` environment variable, which keeps a password out of the
 process list.
 
-Exit status: 0 done; 1 refused or nothing found (lock not held, not held by that task, no lock
-listed, confirmation declined); 2 usage error (bad option, no store configured, a store that
-cannot list its keys); 3 the lock store failed (unreachable, timed out). Errors are one line.
+Exit status: 0 done (a listing that finds no lock is done too); 1 refused or nothing found (lock
+not held, not held by that task, confirmation declined); 2 usage error (bad option, no store
+configured, a store that cannot list its keys); 3 the lock store failed (unreachable, timed out).
+Errors are one line.
 """
 
 from __future__ import annotations
@@ -174,8 +175,8 @@ def locks(
     lease_left, fence and token (see the Operations page). The store is read in pages, so this
     works on large databases without loading them whole (Redis: SCAN, never KEYS).
 
-    Exit status: 0 when at least one lock is listed, 1 when none is, 2 usage error, 3 the lock
-    store failed.
+    Exit status: 0 when the store was read (also when it lists no lock: the JSON is then
+    ``[]``), 2 usage error, 3 the lock store failed.
     """
     store = _Store(ctx, url)
     with store.session() as backend:
@@ -195,7 +196,7 @@ def locks(
         f"in {store.where}" + (f" (--limit {limit})" if limit and count >= limit else ""),
         err=True,
     )
-    sys.exit(0 if count else 1)
+    sys.exit(0)
 
 
 @click.command(context_settings=CONTEXT)

@@ -3,26 +3,8 @@
 Every setting is optional. Each ``singletask_lock_*`` setting is the app-wide default of the
 task attribute of the same name without the prefix; a task attribute always wins.
 
-===================================  ====================  ====================================
-setting                              default               meaning
-===================================  ====================  ====================================
-``singletask_backend_url``           the broker, if Redis  where locks live
-``singletask_backend_table``         ``None``              table of a SQL lock store
-``singletask_key_prefix``            ``"singletask:"``     prefix of every lock key
-``singletask_lock_policy``           ``"skip"``            ``"skip"``, ``"retry"``, ``"raise"``
-``singletask_lock_scope``            ``"execution"``       also ``"queue"`` or ``"coalesce"``
-``singletask_lock_queue_ttl``        ``3600``              longest a sent message stays reserved
-``singletask_lock_ttl``              ``30``                lease of a lock, in seconds
-``singletask_lock_renew``            ``True``              renew the lease while the body runs
-``singletask_lock_max_hold``         ``None``              stop renewing after this many seconds
-``singletask_lock_retry_countdown``  ``10``                seconds between lock retries
-``singletask_lock_retry_max``        ``30``                lock retries before ``TaskLocked``
-``singletask_lock_on_backend_error`` ``"retry"``           ``"retry"`` or ``"run"`` unlocked
-``singletask_lock_backend_retry_max`` ``10``               store-outage retries before failing
-===================================  ====================  ====================================
-
-``singletask_backend_transport_options`` (default ``{}``) holds options of the lock store's
-client: a Sentinel master name, TLS files, socket timeouts, the replica wait.
+The settings, their defaults and bounds are listed once, in the configuration reference
+(docs/configuration.rst), which ``tests/test_docs_reference.py`` checks against :data:`DEFAULTS`.
 
 Settings are looked up with ``app.conf.get``, so Django's ``CELERY_`` namespace works
 (``CELERY_SINGLETASK_BACKEND_URL``), and so do old-style upper-case names

@@ -16,9 +16,10 @@ deduplication and the main-process recovery read.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -31,11 +32,17 @@ from .config import (
     check_scope,
     check_seconds,
 )
+from .exceptions import ConfigurationError
 from .keys import KeySpec, run_signature
 
 __all__ = ["ATTRIBUTE_CHECKS", "LockOptions", "TaskOptions"]
 
 logger = logging.getLogger("singletask")
+
+
+def _seconds(value: float) -> str:
+    """``value`` seconds as written, to the millisecond: 2592000, 0.25."""
+    return f"{value:.3f}".rstrip("0").rstrip(".")
 
 
 def _check_countdown(value: object, where: str) -> float:
@@ -55,6 +62,15 @@ ATTRIBUTE_CHECKS: Final[dict[str, Callable[[object, str], object]]] = {
     "lock_retry_max": check_count,
     "lock_on_backend_error": check_backend_error_policy,
     "lock_backend_retry_max": check_count,
+}
+
+
+#: The task options whose value becomes a lease or reservation in the lock store -> the setting
+#: an unset one takes its value from. ``queue_ttl`` counts only for the "queue" and "coalesce"
+#: scopes (the only ones that reserve a key when a message is sent).
+LEASE_OPTIONS: Final[dict[str, str]] = {
+    "ttl": "singletask_lock_ttl",
+    "queue_ttl": "singletask_lock_queue_ttl",
 }
 
 
@@ -122,15 +138,21 @@ class TaskOptions:
     backend_retry_max: int | None = None
 
     @classmethod
-    def from_class(cls, task_cls: type[Any]) -> TaskOptions:
+    def from_class(cls, task_cls: type[Any], known: Collection[str] = ()) -> TaskOptions:
         """Read and check the ``lock_*`` attributes of a task class.
 
+        ``known`` names every ``lock_*`` attribute the task class may have (its options and
+        its ``lock_*`` methods); any other ``lock_*`` attribute is a misspelt option.
+
         Raises:
-            ConfigurationError: An attribute is invalid; the message names the task and it.
+            ConfigurationError: An attribute is invalid or unknown; the message names the task
+                and it (and, for an unknown one, the closest known option).
         """
         name = task_cls.__dict__.get("name") or getattr(task_cls, "name", None)
         name = str(name or task_cls.__qualname__)
         where = f"task {name!r} attribute"
+        if known:
+            _refuse_unknown(task_cls, where, known)
         declared: dict[str, Any] = {}
         for attribute, check in ATTRIBUTE_CHECKS.items():
             value = getattr(task_cls, attribute)
@@ -155,6 +177,32 @@ class TaskOptions:
                 time_limit,
             )
 
+    def check_store(self, name: str, settings: Settings, max_lease: float, store: str) -> None:
+        """Refuse a lease option longer than the lock store accepts (its ``max_lease``).
+
+        Each option of :data:`LEASE_OPTIONS` that the task uses, declared on the task or taken
+        from the app's setting, must be at most ``max_lease`` seconds. ``store`` names the store
+        in the message (its URL scheme).
+
+        Raises:
+            ConfigurationError: An option is longer; the message names the task, the attribute
+                (or the setting it came from) and the store.
+        """
+        scope = settings.lock_scope if self.scope is None else self.scope
+        for field_name, setting in LEASE_OPTIONS.items():
+            if field_name == "queue_ttl" and scope == "execution":
+                continue  # never written to the store
+            declared = getattr(self, field_name)
+            value = getattr(settings, setting.removeprefix("singletask_"))
+            where = f"task {name!r}: setting {setting}"
+            if declared is not None:
+                value, where = declared, f"task {name!r} attribute lock_{field_name}"
+            if value > max_lease:
+                raise ConfigurationError(
+                    f"{where}: {_seconds(value)}s is longer than the {store} lock store accepts "
+                    f"(at most {_seconds(max_lease)}s); use a shorter lease"
+                )
+
     def resolve(self, name: str, settings: Settings) -> LockOptions:
         """These options for task ``name`` (its registered name), unset ones from ``settings``."""
 
@@ -176,3 +224,15 @@ class TaskOptions:
             on_backend_error=pick(self.on_backend_error, settings.lock_on_backend_error),
             backend_retry_max=pick(self.backend_retry_max, settings.lock_backend_retry_max),
         )
+
+
+def _refuse_unknown(task_cls: type[Any], where: str, known: Collection[str]) -> None:
+    """Refuse a ``lock_*`` attribute that is no option (``lock_polcy = "retry"`` would otherwise
+    be ignored, and the task would silently run with the default policy)."""
+    unknown = sorted(n for n in dir(task_cls) if n.startswith("lock_") and n not in known)
+    if unknown:
+        attribute = unknown[0]
+        options = [*ATTRIBUTE_CHECKS, "lock_args", "lock_key"]
+        close = difflib.get_close_matches(attribute, options, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else f"; the options are {', '.join(options)}"
+        raise ConfigurationError(f"{where} {attribute}: no such option{hint}")

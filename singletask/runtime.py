@@ -16,8 +16,9 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from .backends import backend_from_url
+from .backends import backend_class, backend_from_url
 from .config import Settings
+from .exceptions import ConfigurationError
 from .lease import Renewer
 from .options import LockOptions, TaskOptions
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
     from .backends.base import LockBackend
 
-__all__ = ["AppState", "app_state", "is_singleton", "lock_options"]
+__all__ = ["AppState", "app_state", "check_lease_options", "is_singleton", "lock_options"]
 
 #: A main-process release for the same task id within this many seconds is a repeat (Celery
 #: reports a hard time limit through two hooks and two signals).
@@ -107,6 +108,15 @@ class AppState:
         assert self._renewer is not None
         return self._renewer
 
+    @property
+    def store_limit(self) -> tuple[float, str] | None:
+        """The longest lease of this app's lock store and the store's name, from its class
+        (an override's, or the one the URL's scheme chooses); None while that is not known."""
+        if self._override is not None:
+            store = type(self._override)
+            return store.max_lease, store.__name__
+        return store_limit(self.settings)
+
     def first_release(self, task_id: str) -> bool:
         """True the first time a main-process release for ``task_id`` is asked for lately."""
         now = time.monotonic()
@@ -117,6 +127,38 @@ class AppState:
                 return False
             self._released[task_id] = now
             return True
+
+
+def store_limit(settings: Settings) -> tuple[float, str] | None:
+    """The longest lease the lock store of ``settings`` accepts (the ``max_lease`` of the class
+    its URL's scheme chooses) and its scheme as ``"scheme://"``; None when the URL is missing,
+    invalid or of a store that cannot be imported (each use of the store reports that)."""
+    try:
+        url = settings.backend_url
+        store = backend_class(url)
+    except (ConfigurationError, ImportError):  # a plug-in that cannot be imported, too
+        return None
+    return store.max_lease, f"{url.split('://', 1)[0].lower()}://"
+
+
+def check_lease_options(app: Celery, name: str, declared: TaskOptions) -> None:
+    """Refuse the lease options of task ``name`` that the lock store of ``app`` cannot keep.
+
+    Called when a task is bound to its app (Celery has read the app's configuration by then)
+    and when a worker starts. Settings that cannot be read, or a store URL that is missing or
+    unusable, are left to the first use of the store, which reports them: nothing is checked.
+
+    Raises:
+        ConfigurationError: An option is longer than the store's ``max_lease``; the message
+            names the task, the attribute and the store.
+    """
+    try:
+        settings = Settings.from_app(app)
+    except ConfigurationError:
+        return
+    limit = store_limit(settings)
+    if limit is not None:
+        declared.check_store(name, settings, *limit)
 
 
 def app_state(app: Celery) -> AppState:
@@ -141,7 +183,8 @@ def lock_options(task: Task[Any, Any]) -> LockOptions:
     on the task object.
 
     Raises:
-        ConfigurationError: The app's settings are invalid.
+        ConfigurationError: The app's settings are invalid, or a lease option is longer than
+            the lock store accepts.
         TypeError: ``task`` is not a singleton task.
     """
     options: LockOptions | None = task.__dict__.get("_singletask_lock_options")
@@ -149,6 +192,10 @@ def lock_options(task: Task[Any, Any]) -> LockOptions:
         declared = getattr(task, "_singletask_options", None)
         if not isinstance(declared, TaskOptions):
             raise TypeError(f"task {task.name!r} is not a singleton task")
-        options = declared.resolve(task.name, app_state(task.app).settings)
+        state = app_state(task.app)
+        options = declared.resolve(task.name, state.settings)
+        limit = state.store_limit
+        if limit is not None:  # first use: the store may be known only now
+            declared.check_store(task.name, state.settings, *limit)
         task.__dict__["_singletask_lock_options"] = options
     return options

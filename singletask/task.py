@@ -30,7 +30,7 @@ from celery.app.task import Context
 from . import enqueue, lifecycle, messages, policies, recovery
 from .exceptions import TaskLocked
 from .options import TaskOptions
-from .runtime import app_state, lock_options
+from .runtime import app_state, check_lease_options, lock_options
 from .worker import CheckLockStore
 
 if TYPE_CHECKING:
@@ -65,28 +65,10 @@ else:
 class SingletonTask(_TaskBase):
     """A Celery task of which one execution per lock key runs at a time, on every worker.
 
-    Configure it with class attributes or ``@app.task(...)`` options; ``None`` means "use the
-    app-wide ``singletask_<attribute>`` setting, else the library default":
-
-    * ``lock_policy``: what a locked-out execution does: ``"skip"`` (default: return a
-      :class:`~singletask.Skipped`), ``"retry"`` (retry later) or ``"raise"`` (fail with
-      :class:`~singletask.TaskLocked`).
-    * ``lock_scope``: where duplicates are stopped: ``"execution"`` (default: when a worker
-      runs them), ``"queue"`` (already in ``apply_async``: a duplicate gets the holder's
-      ``AsyncResult``) or ``"coalesce"`` (one run plus at most one pending follow-up).
-    * ``lock_queue_ttl``: the longest a sent message keeps its key reserved before a worker
-      starts it (default 3600, plus any countdown / ETA).
-    * ``lock_args``: None (one lock per task name), a sequence of parameter names, or ``"*"``.
-    * ``lock_key``: a format string over parameter names, or a callable taking the task's
-      arguments; replaces the suffix derived from ``lock_args``.
-    * ``lock_ttl``: the lease in seconds (default 30), renewed while the body runs.
-    * ``lock_renew``: renew the lease while the body runs (default True).
-    * ``lock_max_hold``: seconds after which renewal stops (default None: no cap).
-    * ``lock_retry_countdown``: seconds between lock retries, plus up to 25% jitter (default 10).
-    * ``lock_retry_max``: lock retries before failing with ``TaskLocked`` (default 30).
-    * ``lock_on_backend_error``: ``"retry"`` (default) or ``"run"`` when the lock store cannot
-      be reached as the task starts.
-    * ``lock_backend_retry_max``: retries while the lock store is unreachable (default 10).
+    Configure it with ``lock_*`` class attributes or ``@app.task(...)`` options (``lock_policy``,
+    ``lock_scope``, ``lock_args``, ``lock_key``, ``lock_ttl``, ...); ``None`` means "use the
+    app-wide ``singletask_<attribute>`` setting, else the library default". The options, their
+    defaults and bounds are listed once, in the configuration reference (docs/configuration.rst).
 
     Every attribute is validated when the task class is created.
     """
@@ -108,7 +90,7 @@ class SingletonTask(_TaskBase):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls._singletask_options = TaskOptions.from_class(cls)
+        cls._singletask_options = TaskOptions.from_class(cls, known=_LOCK_ATTRIBUTES)
         # A locked-out execution failing with TaskLocked is an expected outcome: Celery logs
         # exceptions listed in ``throws`` at INFO, without a traceback.
         throws = tuple(getattr(cls, "throws", ()) or ())
@@ -117,9 +99,13 @@ class SingletonTask(_TaskBase):
 
     @classmethod
     def on_bound(cls, app: Celery) -> None:
-        """Make the app's workers check the lock store at start (see :mod:`singletask.worker`)."""
+        """Make the app's workers check the lock store at start (see :mod:`singletask.worker`),
+        and refuse lease options longer than the configured store accepts."""
         super().on_bound(app)
         app.steps["worker"].add(CheckLockStore)
+        # Definition time: binding has read the app's configuration, so a lease option longer
+        # than the configured store accepts is refused now, naming the task and the store.
+        check_lease_options(app, cls.name, cls._singletask_options)
 
     # -- the lock, for callers and the task body -------------------------------------------
 
@@ -280,3 +266,8 @@ def override_lock_backend(app: Celery, backend: LockBackend | None) -> None:
     settings, if any, is left alone. The other settings still apply and are validated.
     """
     app_state(app).override(backend)
+
+
+#: Every ``lock_*`` name SingletonTask defines (its options and its ``lock_*`` methods): any other
+#: ``lock_*`` attribute of a subclass is a misspelt option, refused when the class is created.
+_LOCK_ATTRIBUTES = frozenset(name for name in dir(SingletonTask) if name.startswith("lock_"))

@@ -168,6 +168,13 @@ def parse_redis_url(url: str) -> dict[str, Any]:
     if parts.password:
         options["password"] = unquote(parts.password)
     if scheme == "unix":
+        if parts.netloc and "@" not in parts.netloc:
+            # No host here: this is user info cut short by a '/', '?' or '#' in the password,
+            # and the rest of it would be read as the socket's path.
+            raise ConfigurationError(
+                f"{shown!r}: a unix:// URL has no host; write unix://:password@/path/to.sock, "
+                "with a '/', '?', '#', '@' or '%' in the password percent-encoded"
+            )
         if not parts.path:
             raise ConfigurationError(
                 f"{shown!r}: a unix:// URL needs the socket's path, e.g. "

@@ -5,8 +5,9 @@ app it is bound to. When the worker starts, it builds the app's lock store from 
 connecting to it, and closes it again. A store that refuses its configuration raises
 :class:`~singletask.exceptions.ConfigurationError` there, and the worker does not start: for
 example ``django://`` naming a process-local Django cache, which would give no exclusion at all
-between the worker's processes. Settings that cannot be read, or a URL of no known scheme, are
-left to the first execution (which fails with the same error).
+between the worker's processes, or a singleton task whose ``lock_ttl`` (or ``lock_queue_ttl``)
+is longer than the store's ``max_lease``. Settings that cannot be read, or a URL of no known
+scheme, are left to the first execution (which fails with the same error).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from celery import bootsteps
 from .backends import backend_class
 from .config import Settings
 from .exceptions import ConfigurationError
+from .runtime import check_lease_options, is_singleton
 
 __all__ = ["CheckLockStore"]
 
@@ -35,3 +37,8 @@ class CheckLockStore(bootsteps.Step):
         except ConfigurationError:
             return  # not the store's refusal: each execution reports it
         store.from_url(settings.backend_url, **settings.backend_options()).close()
+        # Lease options longer than the store accepts (the app may have been configured after
+        # its tasks were bound, when nothing could check them).
+        for name, task in sorted(parent.app.tasks.items()):
+            if is_singleton(task):
+                check_lease_options(parent.app, name, task._singletask_options)

@@ -6,7 +6,10 @@ the test can change what the link does:
 
 * :meth:`~FaultProxy.delay_replies` / :meth:`~FaultProxy.delay_requests`: bytes from the server
   (or to it) are held that many seconds after they arrive. With a reply delay the server has
-  already acted when the client sees its answer late (or gives up on it).
+  already acted when the client sees its answer late (or gives up on it). The delay is read when
+  a byte is due, so changing it re-times what is held (``delay_replies(0)`` lets it all go), and
+  ``after=n`` lets the next ``n`` reads pass first (with one request in flight at a time, one
+  read is one reply: ``delay_replies(60, after=1)`` holds the reply to the second request).
 * :meth:`~FaultProxy.stall` / :meth:`~FaultProxy.resume`: nothing is forwarded either way, open
   connections stay open, and new ones are accepted but not connected onward (a black-holed
   link, or a server that hangs). :meth:`~FaultProxy.resume` forwards what was held.
@@ -61,7 +64,8 @@ class _Direction:
     __slots__ = ("blocked", "chunks", "eof", "held", "shut")
 
     def __init__(self) -> None:
-        self.chunks: deque[tuple[float, bytes]] = deque()
+        #: (arrival time, data, exempt from the delay)
+        self.chunks: deque[tuple[float, bytes, bool]] = deque()
         self.held = 0  # bytes in chunks
         self.eof = False  # the source sent its FIN
         self.shut = False  # the FIN was passed on (shutdown(SHUT_WR) of the sink)
@@ -108,6 +112,8 @@ class FaultProxy:
         self.accepted = 0
         self._reply_delay = 0.0
         self._request_delay = 0.0
+        self._replies_exempt = 0  # reads from servers that pass the reply delay
+        self._requests_exempt = 0
         self._stalled = False
         self._closed = False
         self._mutex = threading.RLock()
@@ -153,19 +159,36 @@ class FaultProxy:
             return len(self._connections)
 
     @property
+    def held_replies(self) -> int:
+        """Bytes from servers the proxy holds now (delayed or stalled)."""
+        with self._mutex:
+            return sum(c.down.held for c in self._connections)
+
+    @property
+    def held_requests(self) -> int:
+        """Bytes to servers the proxy holds now (delayed, stalled or not yet connected)."""
+        with self._mutex:
+            return sum(c.up.held for c in self._connections)
+
+    @property
     def listening(self) -> bool:
         with self._mutex:
             return self._listener is not None
 
     # -- controls -------------------------------------------------------------------------------
 
-    def delay_replies(self, seconds: float) -> None:
-        """Hold every byte from the server ``seconds`` after it arrives (0: no delay). Bytes
-        already held keep the time they were given."""
+    def delay_replies(self, seconds: float, *, after: int = 0) -> None:
+        """Hold every byte from the server until ``seconds`` after it arrived (0: no delay),
+        bytes already held included; the next ``after`` reads from servers pass at once."""
+        with self._mutex:
+            self._replies_exempt = max(0, after)
         self._set(reply_delay=seconds)
 
-    def delay_requests(self, seconds: float) -> None:
-        """Hold every byte to the server ``seconds`` after it arrives (0: no delay)."""
+    def delay_requests(self, seconds: float, *, after: int = 0) -> None:
+        """Hold every byte to the server until ``seconds`` after it arrived (0: no delay),
+        bytes already held included; the next ``after`` reads from clients pass at once."""
+        with self._mutex:
+            self._requests_exempt = max(0, after)
         self._set(request_delay=seconds)
 
     def stall(self) -> None:
@@ -305,9 +328,13 @@ class FaultProxy:
             return None
         soonest: float | None = None
         for connection in self._connections:
-            for direction in (connection.up, connection.down):
+            for direction, delay in (
+                (connection.up, self._request_delay),
+                (connection.down, self._reply_delay),
+            ):
                 if direction.chunks and not direction.blocked:
-                    at = direction.chunks[0][0]
+                    arrived, _, exempt = direction.chunks[0]
+                    at = arrived if exempt else arrived + delay
                     soonest = at if soonest is None else min(soonest, at)
         return None if soonest is None else max(0.0, soonest - time.monotonic())
 
@@ -380,8 +407,13 @@ class FaultProxy:
         if not data:
             direction.eof = True
             return
-        delay = self._request_delay if from_client else self._reply_delay
-        direction.chunks.append((time.monotonic() + delay, data))
+        if from_client:
+            exempt = self._requests_exempt > 0
+            self._requests_exempt -= exempt
+        else:
+            exempt = self._replies_exempt > 0
+            self._replies_exempt -= exempt
+        direction.chunks.append((time.monotonic(), data, exempt))
         direction.held += len(data)
 
     def _flush(self, connection: _Connection) -> None:
@@ -390,11 +422,16 @@ class FaultProxy:
             return
         now = time.monotonic()
         server = None if connection.connecting else connection.server
-        for direction, sink in ((connection.up, server), (connection.down, connection.client)):
+        for direction, sink, delay in (
+            (connection.up, server, self._request_delay),
+            (connection.down, connection.client, self._reply_delay),
+        ):
             if sink is None:
                 continue
-            while direction.chunks and not direction.blocked and direction.chunks[0][0] <= now:
-                at, data = direction.chunks[0]
+            while direction.chunks and not direction.blocked:
+                arrived, data, exempt = direction.chunks[0]
+                if not exempt and arrived + delay > now:
+                    break
                 try:
                     sent = sink.send(data)
                 except (BlockingIOError, InterruptedError):
@@ -405,7 +442,7 @@ class FaultProxy:
                     return
                 direction.held -= sent
                 if sent < len(data):
-                    direction.chunks[0] = (at, data[sent:])
+                    direction.chunks[0] = (arrived, data[sent:], exempt)
                     direction.blocked = True
                 else:
                     direction.chunks.popleft()

@@ -218,6 +218,45 @@ def test_lock_key_and_lock_args_together_fail_at_definition(app: celery.Celery) 
     assert "lock_args" in message
 
 
+def test_a_misspelt_lock_option_fails_at_definition_naming_the_closest_one(
+    app: celery.Celery,
+) -> None:
+    """An unknown lock_* attribute is not ignored: the task would run with the default policy."""
+    with pytest.raises(ConfigurationError) as caught:
+
+        @singleton(app, name="cfg.typo", lock_polcy="retry")
+        def typo() -> None: ...
+
+    message = str(caught.value)
+    assert "cfg.typo" in message
+    assert "lock_polcy" in message
+    assert "did you mean lock_policy?" in message
+
+
+def test_an_unknown_lock_attribute_of_a_task_class_lists_the_options() -> None:
+    with pytest.raises(
+        ConfigurationError, match=r"cfg\.Unknown.*lock_zzz: no such option.*lock_ttl"
+    ):
+
+        class Unknown(SingletonTask):
+            name = "cfg.Unknown"
+            lock_zzz = 3
+
+            def run(self) -> None: ...
+
+
+def test_the_lock_methods_of_singletontask_may_be_overridden() -> None:
+    class Custom(SingletonTask):
+        name = "cfg.Custom"
+
+        def lock_key_for(self, args: Any = (), kwargs: Any = None) -> str:
+            return "custom"
+
+        def run(self) -> None: ...
+
+    assert Custom.lock_key_for(Custom(), ()) == "custom"
+
+
 def test_a_class_based_task_is_validated_when_the_class_is_defined() -> None:
     """Subclassing SingletonTask with a bad attribute fails at the class statement."""
     with pytest.raises(ConfigurationError, match=r"cfg\.Klass.*lock_args"):

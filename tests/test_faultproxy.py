@@ -137,7 +137,9 @@ def test_stall_blocks_open_and_new_connections_until_resume(
         raw.settimeout(2)
         assert raw.recv(16) == b"+PONG\r\n"  # held, then forwarded
     open_client.close()
-    assert client_through(proxy, redis_url).ping()
+    fresh = client_through(proxy, redis_url)
+    assert fresh.ping()
+    fresh.close()
 
 
 def test_cut_resets_open_connections_and_keeps_listening(proxy: FaultProxy, redis_url: str) -> None:
@@ -177,7 +179,9 @@ def test_repoint_sends_new_connections_to_another_server(
         client.ping()
     assert client.get("test:faultproxy:where") is None  # a new connection: the second server
     client.set("test:faultproxy:where", "second", px=10_000)
-    assert redis.Redis.from_url(second_redis).get("test:faultproxy:where") == b"second"
+    second = redis.Redis.from_url(second_redis)
+    assert second.get("test:faultproxy:where") == b"second"
+    second.close()
     client.close()
 
 
@@ -217,4 +221,32 @@ def test_the_thread_runs_only_while_there_is_something_to_serve(
             assert time.monotonic() < deadline, "the thread outlived the last socket"
             time.sleep(0.01)
         proxy.start()
-        assert client_through(proxy, redis_url).ping()
+        client = client_through(proxy, redis_url)
+        assert client.ping()
+        client.close()
+
+
+def test_a_delay_can_spare_the_first_replies_and_be_lifted_while_held(
+    proxy: FaultProxy, redis_url: str
+) -> None:
+    client = client_through(proxy, redis_url)
+    client.ping()
+    proxy.delay_replies(60, after=1)
+    assert client.ping()  # the first reply passes
+    done = threading.Event()
+
+    def ping() -> None:
+        client.ping()
+        done.set()
+
+    thread = threading.Thread(target=ping)
+    thread.start()
+    deadline = time.monotonic() + SLACK
+    while proxy.held_replies == 0:  # the second is held
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not done.wait(0.3)
+    proxy.delay_replies(0)  # lifting the delay lets what is held go
+    assert done.wait(SLACK)
+    thread.join()
+    client.close()

@@ -11,10 +11,13 @@ the cache's *connection*, never its API, and runs singletask's own atomic primit
 
 * ``django.core.cache.backends.redis.RedisCache``: the Redis lock store
   (:class:`~singletask.backends.redis.RedisBackend`) over the cache's own redis-py client for
-  its first (write) server: the same Lua scripts, keys and guarantees as ``redis://``.
+  its first (write) server: the same Lua scripts, keys and guarantees as ``redis://``. Socket
+  timeouts the cache's ``OPTIONS`` leave unset get the Redis store's defaults (5 s), on every
+  redis-py (before 8, redis-py has none, and Django sets none).
 * ``django.core.cache.backends.memcached.PyMemcacheCache``: the memcached lock store
   (:class:`~singletask.backends.memcached.MemcachedBackend`) over the cache's servers and
-  timeouts, with ``add``/``gets``/``cas``, and memcached's limits (eviction, no listing).
+  timeouts (5 s where unset: pymemcache has none), with ``add``/``gets``/``cas``, and
+  memcached's limits (eviction, no listing).
 
 Every other cache is refused with a :class:`~singletask.exceptions.ConfigurationError` that says
 why, when the backend is built where Django is configured (a worker builds it at start) and
@@ -34,7 +37,7 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 from ..exceptions import ConfigurationError, UnsupportedOperation
-from ..urls import mask_url
+from ..urls import mask_url, parse_redis_url
 from .base import AcquireResult, Holder, LockBackend
 from .memcached import MAX_RELATIVE_EXPIRY
 
@@ -115,6 +118,12 @@ class DjangoCacheBackend(LockBackend):
             ConfigurationError: The URL is malformed, or the cache is one singletask refuses.
         """
         parts = urlsplit(url)
+        if "@" in url:
+            # Not the alias: user info, maybe a password (the message masks it).
+            raise ConfigurationError(
+                f"{mask_url(url)!r}: a Django cache lock URL is django://<alias of CACHES>, with "
+                "no user or password (the cache's own are in its CACHES entry)"
+            )
         if parts.path.strip("/") or parts.query or options:
             raise ConfigurationError(
                 f"{mask_url(url)!r}: a Django cache lock URL is django://<alias of CACHES>, with "
@@ -141,7 +150,7 @@ class DjangoCacheBackend(LockBackend):
             )
         try:
             return caches.create_connection(self.alias)
-        except InvalidCacheBackendError as exc:
+        except (InvalidCacheBackendError, ValueError, TypeError, ImportError) as exc:
             raise ConfigurationError(f"django://{self.alias}: {exc}") from exc
 
     def check(self) -> None:
@@ -185,17 +194,69 @@ class DjangoCacheBackend(LockBackend):
         return self._store
 
     def _build(self, cache: Any) -> LockBackend:
-        if self._kind(cache) == "redis":
-            from .redis import RedisBackend
+        """The store over ``cache``'s connection; a setting it cannot use is refused.
 
-            self._redis = cache._cache.get_client(write=True)
-            return RedisBackend(client=self._redis)
+        Raises:
+            ConfigurationError: The cache's ``LOCATION`` or ``OPTIONS`` cannot be used.
+        """
+        try:
+            if self._kind(cache) == "redis":
+                return self._redis_store(cache)
+            return self._memcached_store(cache)
+        except ConfigurationError:
+            raise
+        except (ValueError, TypeError, ImportError) as exc:
+            raise ConfigurationError(
+                f"django://{self.alias}: the cache's LOCATION or OPTIONS cannot be used: {exc}"
+            ) from exc
+
+    def _redis_store(self, cache: Any) -> LockBackend:
+        from .redis import CLIENT_DEFAULTS, RedisBackend
+
+        # The server Django writes to, checked as singletask checks its own Redis URLs:
+        # redis-py's parse errors quote parts of a malformed URL, password included.
+        location = cache._cache._servers[0]
+        try:
+            parse_redis_url(location)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"django://{self.alias}: LOCATION: {exc}") from exc
+        try:
+            client = cache._cache.get_client(write=True)
+        except (TypeError, ValueError):
+            # (not chained: redis-py's message may quote the password)
+            raise ConfigurationError(
+                f"django://{self.alias}: LOCATION {mask_url(location)!r} is not a Redis URL "
+                "redis-py accepts"
+            ) from None
+        # Django sets no socket timeout, and redis-py before 8 has none by default: a Redis that
+        # stops answering would block a worker for ever. The pool is this store's own (a new
+        # cache object, no connection made yet), so the connections it makes get the Redis
+        # store's timeouts wherever the cache's OPTIONS leave them unset (or None).
+        kwargs = getattr(client.connection_pool, "connection_kwargs", None)
+        if not isinstance(kwargs, dict):
+            raise ConfigurationError(
+                f"django://{self.alias}: cannot give the connections of the cache's pool "
+                f"({type(client.connection_pool).__name__}) a socket timeout; use a redis-py "
+                "ConnectionPool (the default)"
+            )
+        for name in ("socket_timeout", "socket_connect_timeout"):
+            if kwargs.get(name) is None:
+                kwargs[name] = CLIENT_DEFAULTS[name]
+        # A connection object (not connected) checks the options now, not on the first call.
+        client.connection_pool.connection_class(**kwargs)
+        self._redis = client
+        return RedisBackend(client=client)
+
+    def _memcached_store(self, cache: Any) -> LockBackend:
         from .memcached import MemcachedBackend
 
+        # Options left unset (or None) take the memcached store's defaults (5 s timeouts):
+        # pymemcache's own default is to wait for ever.
         options = {
             name: value
             for name, value in (cache._options or {}).items()
             if name in ("connect_timeout", "timeout", "max_pool_size", "tls_context")
+            and value is not None
         }
         return MemcachedBackend([_memcached_server(s) for s in cache._servers], **options)
 

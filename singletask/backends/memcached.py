@@ -4,14 +4,17 @@ URLs: ``memcached://host:11211`` and, for several servers, ``memcached://h1:1121
 (``,`` works too). Query options: ``timeout`` and ``connect_timeout`` (seconds) and
 ``max_pool_size``. Needs ``pip install singletask[memcached]`` (pymemcache).
 
-A lock is one item at the lock key holding a small JSON record: the owner token, its fencing token,
-the metadata, the deadline of the lease and the key's last completion marker. A released lock
-becomes a *free record* (no token) that keeps the last fencing token and completion marker, so
-a release and its marker are one ``cas``. Every change reads the record with ``gets`` and writes it
-with ``cas`` (or ``add`` where there is no item), so a concurrent change makes the write fail and
-the step is decided again on the new record. Fencing tokens come from a counter item per lock
-(``incr``, seeded with ``add``). A pending follow-up is one item (``add``; cleared by a ``cas``
-with a negative expiry, memcached's delete-if-unchanged).
+A lock is one item, named after the lock key, holding a JSON record: the owner token, its
+fencing token, the metadata, the deadline of the lease and the key's last completion marker. A
+released lock becomes a *free record* (no token) that keeps the last fencing token and
+completion marker, so a release and its marker are one ``cas``. Every change reads the record
+with ``gets`` and writes it with ``cas``, so a concurrent change makes the write fail and the
+step is decided again on the new record. A lock record is only ever created free (``add``) and
+taken with a ``cas``; the fencing token comes from a counter item per lock (``incr``, seeded
+with ``add``) read between that ``gets`` and that ``cas`` (why: the comment above
+``acquire``). A pending follow-up is one item (``add``; cleared by a ``cas`` with a negative
+expiry, memcached's delete-if-unchanged). The counter and the follow-up slot have names no lock
+key can have (see :func:`~singletask.backends.memcached_items.item_name`).
 
 What differs from Redis (the guarantees page has the details): memcached's own expiry ends a
 lease, in whole seconds of its clock, and the lease time reported is derived from a deadline the
@@ -26,24 +29,34 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
-import math
 import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ..exceptions import (
     BackendError,
     BackendTimeout,
     BackendUnavailable,
     ConfigurationError,
+    SingletaskError,
     UnsupportedOperation,
 )
-from ..urls import mask_url
-from .base import AcquireResult, Holder, LockBackend, check_lease
+from .base import AcquireResult, Holder, LockBackend
+from .memcached_items import (
+    CLIENT_DEFAULTS,
+    FENCE_EXPIRY,
+    MAX_RELATIVE_EXPIRY,
+    OPTION_TYPES,
+    RECORD_RETENTION,
+    decode,
+    encode,
+    expiry,
+    holder_of,
+    item_name,
+    parse_servers,
+)
 
 try:
     from pymemcache.client.base import PooledClient
@@ -51,119 +64,10 @@ try:
 except ImportError:  # pragma: no cover - the extra is not installed
     PooledClient = None
 
-__all__ = ["MAX_RELATIVE_EXPIRY", "MemcachedBackend", "parse_servers"]
-
-#: memcached reads an expiry above 30 days as an absolute Unix time, not as seconds from now.
-MAX_RELATIVE_EXPIRY = 30 * 24 * 3600
-
-#: How long a free record (last fence, last completion marker) outlives the release.
-RECORD_RETENTION = 7 * 24 * 3600
-
-#: How long a fence counter lives; ``incr`` does not renew it, the time seed covers its end.
-FENCE_EXPIRY = MAX_RELATIVE_EXPIRY
+__all__ = ["MAX_RELATIVE_EXPIRY", "MemcachedBackend", "expiry", "item_name", "parse_servers"]
 
 #: How often a step is decided again when the record keeps changing under it.
 CAS_ATTEMPTS = 50
-
-#: Client defaults; URL query options and ``from_url`` options win.
-CLIENT_DEFAULTS: dict[str, Any] = {"connect_timeout": 5.0, "timeout": 5.0}
-
-_OPTION_TYPES: dict[str, type] = {"connect_timeout": float, "timeout": float, "max_pool_size": int}
-
-#: memcached's key limit is 250 bytes of printable, non-space ASCII.
-_MAX_KEY = 250
-
-
-def parse_servers(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
-    """The ``(host, port)`` servers and the client options of a ``memcached://`` URL.
-
-    Raises:
-        ConfigurationError: The URL is not a memcached URL or an option is invalid.
-    """
-    shown = mask_url(url)  # memcached has no passwords; any user info is masked all the same
-    parts = urlsplit(url)
-    if parts.scheme != "memcached":
-        raise ConfigurationError(f"{shown!r} is not a memcached:// URL")
-    where = parts.netloc.replace(",", ";") + parts.path.rstrip("/").replace(",", ";")
-    servers: list[tuple[str, int]] = []
-    for item in filter(None, (part.strip() for part in where.split(";"))):
-        item = item.removeprefix("memcached://").rsplit("@", 1)[-1]
-        host, _, port = item.rpartition(":") if item.count(":") == 1 else (item, "", "")
-        try:
-            servers.append((unquote(host or item), int(port or 11211)))
-        except ValueError as exc:
-            raise ConfigurationError(f"{shown!r}: bad memcached server {item!r}") from exc
-    if not servers:
-        raise ConfigurationError(
-            f"{shown!r}: no server; expected memcached://host:11211 or memcached://h1:11211;h2:11211"
-        )
-    options: dict[str, Any] = {}
-    for name, value in parse_qsl(parts.query):
-        if name not in _OPTION_TYPES:
-            raise ConfigurationError(
-                f"{shown!r}: unknown option {name!r}; known: {', '.join(sorted(_OPTION_TYPES))}"
-            )
-        try:
-            options[name] = _OPTION_TYPES[name](value)
-        except ValueError as exc:
-            raise ConfigurationError(f"{shown!r}: option {name}={value!r} is invalid") from exc
-    return servers, options
-
-
-def expiry(seconds: float) -> int:
-    """memcached's expiry for an item that must live at least ``seconds`` from now.
-
-    memcached counts in whole seconds of a clock that ticks once a second, so an item can expire
-    up to a second before ``expiry`` seconds have passed: one more second makes up for it.
-
-    Raises:
-        ConfigurationError: ``seconds`` is not a lease :func:`check_lease` accepts, or is over
-            memcached's 30 days of relative expiry (a larger value would be read as an absolute
-            Unix time, and expire at once).
-    """
-    exptime = math.ceil(check_lease(seconds)) + 1
-    if exptime > MAX_RELATIVE_EXPIRY:
-        raise ConfigurationError(
-            f"memcached cannot keep a lock for {seconds:.0f}s: its longest relative expiry is "
-            f"{MAX_RELATIVE_EXPIRY}s (30 days) minus one second; use a shorter lease"
-        )
-    return exptime
-
-
-def _item_key(key: str) -> bytes:
-    raw = key.encode()
-    if len(raw) <= _MAX_KEY and all(32 < byte < 127 for byte in raw):
-        return raw
-    # Too long, or with spaces / control / non-ASCII characters: memcached cannot take it as is.
-    return b"singletask:sha256:" + hashlib.sha256(raw).hexdigest().encode()
-
-
-def _encode(record: Mapping[str, Any]) -> bytes:
-    return json.dumps(record, separators=(",", ":")).encode()
-
-
-def _decode(value: bytes | str | None, key: str) -> dict[str, Any] | None:
-    if value is None:
-        return None
-    try:
-        record = json.loads(value)
-    except ValueError:
-        record = None
-    if not isinstance(record, dict):
-        raise BackendError(f"memcached item {key!r} is not a singletask lock record: {value!r}")
-    return record
-
-
-def _holder(record: Mapping[str, Any], *, full: bool = True) -> Holder:
-    meta: dict[str, str] = dict(record.get("m") or {})
-    left = float(record["d"]) - time.time()
-    return Holder(
-        str(record["t"]),
-        meta.get("task_id"),
-        left if left > 0 else None,
-        meta if full else {},
-        int(record["f"]),
-    )
 
 
 def _text(value: bytes | str) -> str:
@@ -191,7 +95,7 @@ class MemcachedBackend(LockBackend):
             raise ConfigurationError(
                 "the memcached:// lock store needs pymemcache: pip install 'singletask[memcached]'"
             )
-        unknown = set(options) - {*_OPTION_TYPES, "tls_context"}
+        unknown = set(options) - {*OPTION_TYPES, "tls_context"}
         if unknown:
             raise ConfigurationError(f"MemcachedBackend: unknown options {sorted(unknown)}")
         self.servers = [(str(host), int(port)) for host, port in servers]
@@ -200,8 +104,10 @@ class MemcachedBackend(LockBackend):
         self._clients: dict[tuple[str, int], Any] = {}
         self._pid: int | None = None
 
-    #: memcached's relative expiry ends at 30 days, and an item is kept a second longer than its
-    #: lease.
+    #: The longest lease and follow-up claim, 30 days less a second: memcached reads an expiry
+    #: over 30 days (2,592,000 s) as an absolute Unix time, and an item is kept a second longer
+    #: than its lease (see :func:`expiry`). Longer leases as absolute times are not offered:
+    #: they would rest on the agreement of the workers' and the server's clocks.
     max_lease = float(MAX_RELATIVE_EXPIRY - 1)
 
     @classmethod
@@ -240,14 +146,30 @@ class MemcachedBackend(LockBackend):
 
     @contextlib.contextmanager
     def _translate(self, operation: str, key: str) -> Iterator[None]:
-        """pymemcache's and the socket's errors, raised inside, as singletask's."""
+        """pymemcache's and the socket's errors, raised inside, as singletask's, chained.
+
+        A timeout is :class:`BackendTimeout`; a refused, reset or closed connection, or no free
+        connection in a pool of ``max_pool_size``, :class:`BackendUnavailable`; what memcached
+        or pymemcache refuses, and anything else unexpected, :class:`BackendError`.
+        """
         try:
             yield
+        except SingletaskError:
+            raise
         except TimeoutError as exc:
             raise BackendTimeout(f"{self!r}: {operation} {key!r} timed out: {exc}") from exc
         except (OSError, MemcacheUnexpectedCloseError) as exc:
             raise BackendUnavailable(f"{self!r}: {operation} {key!r} failed: {exc!r}") from exc
+        except RuntimeError as exc:
+            if not str(exc).startswith("Too many objects"):  # pymemcache's full pool
+                raise BackendError(f"{self!r}: {operation} {key!r} failed: {exc!r}") from exc
+            raise BackendUnavailable(
+                f"{self!r}: {operation} {key!r}: every connection of the pool "
+                f"(max_pool_size={self._options.get('max_pool_size')}) is in use: {exc}"
+            ) from exc
         except MemcacheError as exc:
+            raise BackendError(f"{self!r}: {operation} {key!r} failed: {exc!r}") from exc
+        except Exception as exc:  # every error a caller sees is singletask's, with its cause
             raise BackendError(f"{self!r}: {operation} {key!r} failed: {exc!r}") from exc
 
     def _changing(self, operation: str, key: str) -> BackendError:
@@ -260,11 +182,13 @@ class MemcachedBackend(LockBackend):
     def _next_fence(self, client: Any, key: str, floor: int | None, *, fresh: bool) -> int:
         """A fencing token greater than every one issued before (and than ``floor``).
 
-        A missing counter (new key, or evicted / expired / lost in a restart) is seeded with the
-        time, so that the fence keeps growing as long as the hosts' clocks do. With ``fresh``
-        (the key has no record) the counter is most likely missing too: seeding is tried first.
+        Called between the ``gets`` of the record and its ``cas`` (see the comment above
+        :meth:`acquire`). A missing counter (new key, or evicted / expired / lost in a restart)
+        is seeded with the time, so that the fence keeps growing as long as the hosts' clocks
+        do. With ``fresh`` (the record was just created) the counter is most likely missing
+        too: seeding is tried first.
         """
-        counter = _item_key(f"{key}|fence")
+        counter = item_name(key, "fence")
         seed = max(int(time.time() * 1_000_000), (floor or 0) + 1)
         if fresh and client.add(counter, str(seed).encode(), expire=FENCE_EXPIRY):
             return seed
@@ -277,10 +201,33 @@ class MemcachedBackend(LockBackend):
                 raise BackendError(f"{self!r}: the fence counter of {key!r} vanished twice")
         if floor is not None and int(value) <= floor:
             value = client.incr(counter, floor + 1 - int(value))
+            if value is None:
+                raise BackendError(f"{self!r}: the fence counter of {key!r} vanished")
         return int(value)
 
     # -- the primitives --------------------------------------------------------------------------
 
+    # Why a fence is never below one issued before it for the key, whatever the interleaving:
+    #
+    # * A lock record is created only as a *free* record, with ``add`` (which fails when any item
+    #   is there). Every acquisition is a ``cas`` over a record its ``gets`` read, and the fence is
+    #   taken from the key's counter (``incr``) *between* that ``gets`` and that ``cas``.
+    # * A ``cas`` succeeds only if the item was not changed, deleted, expired or re-created since
+    #   the ``gets`` (memcached gives every store of an item a new cas value, never reused until it
+    #   restarts, which loses every lock anyway). So the
+    #   ``incr`` of a successful acquisition A ran while the record was still in the state A read.
+    # * Every earlier holder B made that state's past: B's ``cas`` happened before A's ``gets``
+    #   (had it happened after, A's ``cas`` would fail), and B's ``incr`` before B's ``cas``. So
+    #   B's ``incr`` came before A's, and the counter only grows: B's fence < A's fence.
+    # * A paused acquisition cannot issue a stale fence: if a rival acquired (and released, or let
+    #   its lease expire) meanwhile, the paused ``cas`` fails and the step is decided again, with a
+    #   new ``incr``. Creating the record with ``add`` (where the old version put the *held*
+    #   record, with a fence taken before it) is what makes this hold when no item is there: a
+    #   rival's whole lease could begin and end between the ``incr`` and an ``add``, and ``add``
+    #   cannot tell (seen: A took N, B took N+1 and expired, A's ``add`` stored N).
+    # * The counter is kept above the fence in the record (``floor``). A lost counter (evicted,
+    #   expired after 30 days, or a restart) is seeded again from the host's clock in microseconds:
+    #   there, and only there, fences rest on the hosts' clocks (see the guarantees page).
     def acquire(
         self,
         key: str,
@@ -290,35 +237,36 @@ class MemcachedBackend(LockBackend):
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
     ) -> AcquireResult:
-        exptime = expiry(ttl)
-        item = _item_key(key)
+        exptime = expiry(ttl, "acquire")
+        item = item_name(key)
         with self._translate("acquire", key):
             client = self._client(key)
+            created = False
             for _ in range(CAS_ATTEMPTS):
                 value, cas = client.gets(item)
-                record = _decode(value, key)
-                current = record.get("t") if record else None
+                record = decode(value, key)
+                if record is None:
+                    # No item: create it free, then take it with a cas like any free record.
+                    # A failed add means another item is there now: decided on next turn.
+                    created = client.add(item, encode({"c": None}), expire=RECORD_RETENTION)
+                    continue
+                current = record.get("t")
                 if (
-                    record is not None
-                    and current is not None
+                    current is not None
                     and current != token
                     and not (takeover_prefix and str(current).startswith(takeover_prefix))
                 ):
-                    return AcquireResult(False, _holder(record, full=False))
-                if record is not None and current == token:
+                    return AcquireResult(False, holder_of(record, full=False))
+                if current == token:
                     fence = int(record["f"])
                 else:
-                    floor = int(record["f"]) if record and "f" in record else None
-                    fence = self._next_fence(client, key, floor, fresh=record is None)
-                done = record.get("c") if record else None
+                    floor = record.get("f")
+                    fence = self._next_fence(client, key, floor, fresh=created)
+                done = record.get("c")
                 fields = {"t": token, "f": fence, "d": time.time() + ttl, "m": dict(meta or {})}
-                new = _encode({**fields, "c": done})
-                if record is None:
-                    stored = client.add(item, new, expire=exptime)
-                else:
-                    stored = client.cas(item, new, cas, expire=exptime)
-                if stored:
+                if client.cas(item, encode({**fields, "c": done}), cas, expire=exptime):
                     return AcquireResult(True, fence=fence, completed=done)
+                created = False
         raise self._changing("acquire", key)
 
     def _free(
@@ -334,21 +282,21 @@ class MemcachedBackend(LockBackend):
 
         With neither, whoever holds it. Returns the holder removed, or None.
         """
-        item = _item_key(key)
+        item = item_name(key)
         with self._translate(operation, key):
             client = self._client(key)
             for _ in range(CAS_ATTEMPTS):
                 value, cas = client.gets(item)
-                record = _decode(value, key)
+                record = decode(value, key)
                 if record is None or record.get("t") is None:
                     return None
-                holder = _holder(record)
+                holder = holder_of(record)
                 if held_by is not None and holder.token != held_by:
                     return None
                 if task_id is not None and holder.task_id != task_id:
                     return None
                 done = completed if completed is not None else record.get("c")
-                free = _encode({"f": record["f"], "c": done})
+                free = encode({"f": record["f"], "c": done})
                 stored = client.cas(item, free, cas, expire=RECORD_RETENTION)
                 if stored:
                     return holder
@@ -367,15 +315,15 @@ class MemcachedBackend(LockBackend):
 
     def _extend(self, client: Any, key: str, token: str, ttl: float, seen: Any) -> bool:
         """Extend from an already read ``(value, cas)``; read again while the record changes."""
-        item = _item_key(key)
-        exptime = expiry(ttl)
+        item = item_name(key)
+        exptime = expiry(ttl, "extend")
         value, cas = seen
         for _ in range(CAS_ATTEMPTS):
-            record = _decode(value, key)
+            record = decode(value, key)
             if record is None or record.get("t") != token:
                 return False
             record["d"] = time.time() + ttl
-            stored = client.cas(item, _encode(record), cas, expire=exptime)
+            stored = client.cas(item, encode(record), cas, expire=exptime)
             if stored is not None:
                 if stored:
                     return True
@@ -387,31 +335,31 @@ class MemcachedBackend(LockBackend):
     def extend(self, key: str, token: str, ttl: float) -> bool:
         with self._translate("extend", key):
             client = self._client(key)
-            return self._extend(client, key, token, ttl, client.gets(_item_key(key)))
+            return self._extend(client, key, token, ttl, client.gets(item_name(key)))
 
     def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool]:
         """One ``gets`` of many keys per server, then one ``cas`` per lease still held."""
         if not leases:
             return []
         for _, _, ttl in leases:
-            expiry(ttl)  # every lease checked before any changes
+            expiry(ttl, "extend")  # every lease checked before any changes
         by_server: dict[tuple[str, int], list[str]] = {}
         for key, _, _ in leases:
             by_server.setdefault(self._server(key), []).append(key)
         seen: dict[bytes, Any] = {}
         with self._translate("extend", leases[0][0]):
             for keys in by_server.values():
-                seen.update(self._client(keys[0]).gets_many([_item_key(k) for k in keys]))
+                seen.update(self._client(keys[0]).gets_many([item_name(k) for k in keys]))
             return [
                 self._extend(
-                    self._client(key), key, token, ttl, seen.get(_item_key(key), (None, None))
+                    self._client(key), key, token, ttl, seen.get(item_name(key), (None, None))
                 )
                 for key, token, ttl in leases
             ]
 
     def claim_next(self, key: str, task_id: str, ttl: float) -> str:
-        item = _item_key(f"{key}|next")
-        exptime = expiry(ttl)
+        item = item_name(key, "next")
+        exptime = expiry(ttl, "claim_next")
         with self._translate("claim_next", key):
             client = self._client(key)
             for _ in range(CAS_ATTEMPTS):
@@ -423,7 +371,7 @@ class MemcachedBackend(LockBackend):
         raise self._changing("claim_next", key)
 
     def clear_next(self, key: str, task_id: str) -> bool:
-        item = _item_key(f"{key}|next")
+        item = item_name(key, "next")
         with self._translate("clear_next", key):
             client = self._client(key)
             for _ in range(CAS_ATTEMPTS):
@@ -444,10 +392,10 @@ class MemcachedBackend(LockBackend):
 
     def holder(self, key: str) -> Holder | None:
         with self._translate("inspect", key):
-            record = _decode(self._client(key).get(_item_key(key)), key)
+            record = decode(self._client(key).get(item_name(key)), key)
         if record is None or record.get("t") is None:
             return None
-        return _holder(record)
+        return holder_of(record)
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """Not supported: memcached cannot list its keys.

@@ -31,7 +31,7 @@ from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
-from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
+from ..exceptions import BackendError, ConfigurationError, LockKeyError
 from ..urls import mask_url, parse_redis_url
 from .base import AcquireResult, Holder, LockBackend
 from .redis_options import connection_options, retentions
@@ -43,6 +43,7 @@ from .redis_wire import (
     _EXTEND_MANY,
     _OPERATOR_RELEASE,
     _RELEASE,
+    NOT_RUN_CODES,
     _conflict_task_id,
     _Connection,
     _glob_escape,
@@ -52,10 +53,13 @@ from .redis_wire import (
     _removed,
     _Script,
     _text,
+    driver_error,
+    drop_idle,
     encode_meta,
+    not_run,
 )
 
-__all__ = ["RedisBackend"]
+__all__ = ["NOT_RUN_CODES", "RedisBackend", "fence_key", "not_run"]
 
 #: What redis-py raises; translated to singletask's errors at this module's boundary.
 _DRIVER_ERRORS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException)
@@ -77,20 +81,30 @@ CLIENT_DEFAULTS: dict[str, Any] = {
 
 
 def fence_key(key: str) -> str:
-    """The key of ``key``'s companion hash, in the same Redis Cluster slot as ``key``: a
-    coalescing task's pending follow-up claim (and, written by 0.1.0, the last fencing token and
-    completion marker; that version named it the fence hash).
+    """The key of ``key``'s companion hash, which holds a coalescing task's pending follow-up
+    claim: ``{<key>}:fence``, or ``<key>}:fence`` when ``key`` has a ``}`` already.
 
-    A key that has a hash tag keeps it with any suffix; any other key becomes the tag. (A key
-    with a ``}`` but no hash tag cannot be a tag: its companion lands in another slot, which only
-    matters under Redis Cluster.)
+    The name is out of reach of every lock key: it has a ``}`` after the key's prefix, which a
+    lock key built by singletask never has there (the task name and the key's suffix are
+    escaped, :mod:`singletask.keys`), so a ``lock_key`` whose text ends in ``:fence`` cannot
+    name another lock's companion. It is in the lock key's Redis Cluster slot whenever the key
+    has a hash tag or no ``}`` at all (``{<key>}`` then is the tag; a tag already in the key
+    stays the first one). A key with a ``}`` but no hash tag has its companion in another slot,
+    which does no harm: no script uses the two keys together.
+
+    Earlier versions named the companion of a key with a ``}`` ``<key>:fence``, which a lock key
+    under a hash-tagged prefix could be as well (see docs/backends.rst on rolling upgrades);
+    0.1.0 named this hash the fence hash and kept fences and completion markers in it.
     """
-    start = key.find("{")
-    if start != -1 and key.find("}", start + 2) != -1 and key[start + 1] != "}":
-        return f"{key}:fence"
     if "}" in key:
-        return f"{key}:fence"
+        return f"{key}}}:fence"
     return f"{{{key}}}:fence"
+
+
+#: How every companion hash name ends (see :func:`fence_key`). A key built by singletask never
+#: ends so (a ``}`` in its text is escaped); a raw key that does is refused as a lock key, since it
+#: may be another lock's companion.
+_COMPANION_END = "}:fence"
 
 
 class RedisBackend(LockBackend):
@@ -193,12 +207,9 @@ class RedisBackend(LockBackend):
         return self._client
 
     def _error(self, exc: Exception, operation: str, key: str) -> BackendError:
-        """singletask's error for a redis-py one, naming the server but never its password."""
-        if isinstance(exc, redis.exceptions.TimeoutError):
-            return BackendTimeout(f"{self!r}: {operation} {key!r} timed out: {exc}")
-        if isinstance(exc, redis.exceptions.ConnectionError):
-            return BackendUnavailable(f"{self!r}: {operation} {key!r} failed: {exc}")
-        return BackendError(f"{self!r}: {operation} {key!r} failed: {exc}")
+        """singletask's error for a redis-py one, naming the server but never its password
+        (see :func:`~singletask.backends.redis_wire.driver_error`)."""
+        return driver_error(exc, f"{self!r}: {operation} {key!r}")
 
     @contextlib.contextmanager
     def _translate(self, operation: str, key: str) -> Iterator[None]:
@@ -213,7 +224,7 @@ class RedisBackend(LockBackend):
         operation: str,
         script: _Script,
         keys: Sequence[str],
-        args: Sequence[str | int],
+        args: Sequence[str | int | bytes],
     ) -> Any:
         """Run ``script``: one round trip, two when the server does not have it cached.
 
@@ -225,9 +236,14 @@ class RedisBackend(LockBackend):
             if self._own_connections:
                 return self._send(client, script, keys, args)
             try:
-                return client.evalsha(script.sha, len(keys), *keys, *args)
-            except redis.exceptions.NoScriptError:
-                return client.eval(script.text, len(keys), *keys, *args)
+                try:
+                    return client.evalsha(script.sha, len(keys), *keys, *args)
+                except redis.exceptions.NoScriptError:
+                    return client.eval(script.text, len(keys), *keys, *args)
+            except _DRIVER_ERRORS as exc:
+                if not_run(exc):
+                    drop_idle(client)
+                raise
         except _DRIVER_ERRORS as exc:
             raise self._error(exc, operation, keys[0]) from exc
 
@@ -236,16 +252,22 @@ class RedisBackend(LockBackend):
         client: redis.Redis,
         script: _Script,
         keys: Sequence[str],
-        args: Sequence[str | int],
+        args: Sequence[str | int | bytes],
     ) -> Any:
         """Run ``script`` on one of this backend's own connections.
 
         A connection serves one call at a time: it is taken from the idle list (or made with the
-        client's connection settings) and put back once the reply is read. One that fails is
-        closed; if it had been idle, the others may be stale as well (a server restart drops
-        them all), so they are closed too and the call is made again on a new connection. A new
-        connection that fails is not tried again here: connecting already retries as the
-        client's ``retry`` says, and a timeout is never retried.
+        client's connection settings) and put back once the reply is read. One that fails, or
+        whose reply says the server did not run the script and cannot take writes now
+        (:data:`NOT_RUN_CODES`: a failover moved the primary away from the address the
+        connection was made to), is closed; if it had been idle, the others may be stale as well
+        (a server restart drops them all, a failover leaves them on the demoted primary), so
+        they are closed too and the call is made once more, on a new connection. That retry is
+        safe: the script did not run (or its connection was found broken before its reply came,
+        as before sending). A new connection that fails is not tried again here: connecting
+        already retries as the client's ``retry`` says, a timeout is never retried (the script
+        may have run), and a new connection that gets one of those replies raises
+        :class:`BackendUnavailable` (the next call connects again).
         """
         while True:
             try:
@@ -263,22 +285,33 @@ class RedisBackend(LockBackend):
                     # the text runs the script and caches it again.
                     connection.send_packed_command([script.command(keys, args, text=True)])
                     reply = connection.read_response()
-            except redis.exceptions.ResponseError:
-                self._idle.append(connection)  # the reply was read: the connection is sound
-                raise
-            except redis.exceptions.ConnectionError:
-                connection.disconnect()
+            except redis.exceptions.ResponseError as exc:
+                if not not_run(exc):
+                    self._idle.append(connection)  # the reply was read: the connection is sound
+                    raise
+                self._drop(connection, fresh)
                 if fresh:
                     raise
-                while self._idle:
-                    with contextlib.suppress(IndexError):
-                        self._idle.pop().disconnect()
+                continue
+            except redis.exceptions.ConnectionError:
+                self._drop(connection, fresh)
+                if fresh:
+                    raise
                 continue
             except BaseException:
                 connection.disconnect()  # a reply may still be on its way: never reuse it
                 raise
             self._idle.append(connection)
             return reply
+
+    def _drop(self, connection: _Connection, fresh: bool) -> None:
+        """Close ``connection``, which failed; and every idle one too, if it had been idle."""
+        connection.disconnect()
+        if fresh:
+            return
+        while self._idle:
+            with contextlib.suppress(IndexError):
+                self._idle.pop().disconnect()
 
     def acquire(
         self,
@@ -289,6 +322,11 @@ class RedisBackend(LockBackend):
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
     ) -> AcquireResult:
+        if key.endswith(_COMPANION_END):
+            raise LockKeyError(
+                f"{self!r}: acquire {key!r}: a lock key ending in {_COMPANION_END!r} may name "
+                "another lock's companion hash; singletask never builds one (it escapes '}')"
+            )
         since, fields = encode_meta(key, token, meta or {})
         args: list[str | int] = [token, _ms(ttl, "acquire"), takeover_prefix or "", since, *fields]
         reply = self._call("acquire", _ACQUIRE, (key,), args)

@@ -54,7 +54,7 @@ from .redis_options import (
     url_db,
     url_query,
 )
-from .redis_wire import _ACQUIRE, _holder, _Script
+from .redis_wire import _ACQUIRE, _ACQUIRE_KEEPING, _RESTORE, _holder, _Script
 
 __all__ = ["RedisClusterBackend", "RedisSentinelBackend"]
 
@@ -98,6 +98,14 @@ class _Deployed(RedisBackend):
         # Through the client's methods: its pool asks the sentinels where the master is (a
         # bare connection would not), and a cluster client routes each key to its node.
         self._own_connections = False
+        timeout = {**self._options, **self._target(url)[1]}.get("socket_timeout")
+        if self._wait is not None and timeout is not None and self._wait.timeout >= timeout:
+            # WAIT answers after up to wait_timeout: the read would time out first, leaving an
+            # acquisition whose outcome is unknown.
+            raise ConfigurationError(
+                f"{where}: option wait_timeout ({self._wait.timeout}s) must be less than "
+                f"socket_timeout ({timeout}s)"
+            )
 
     @classmethod
     def from_url(
@@ -123,6 +131,12 @@ class _Deployed(RedisBackend):
     def _error(self, exc: Exception, operation: str, key: str) -> BackendError:
         """As for one server; besides, what a topology change answers for a moment (the
         cluster down, a slot being migrated: TRYAGAIN) means the store is unavailable."""
+        cause = exc.__cause__
+        if isinstance(exc, redis.exceptions.RedisClusterException) and isinstance(
+            cause, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError
+        ):
+            # No node could be reached ("Redis Cluster cannot be connected"): as its cause.
+            return super()._error(cause, operation, key)
         if isinstance(exc, _TRANSIENT):
             return BackendUnavailable(
                 f"{self!r}: {operation} {key!r} failed while the deployment changes "
@@ -140,28 +154,41 @@ class _Deployed(RedisBackend):
         operation: str,
         script: _Script,
         keys: Sequence[str],
-        args: Sequence[str | int],
+        args: Sequence[str | int | bytes],
     ) -> Any:
         wait = self._wait
         if wait is None or script is not _ACQUIRE:
             return super()._call(operation, script, keys, args)
         try:
-            reply, acks = self._acquire_and_wait(script, keys, args, wait)
+            reply, acks = self._acquire_and_wait(_ACQUIRE_KEEPING, keys, args, wait)
         except _DRIVER_ERRORS as exc:
             raise self._error(exc, operation, keys[0]) from exc
-        if reply[0] == 1 and acks < wait.replicas:
-            # Not on enough replicas: a failover now could lose it. Give it back (best effort:
-            # it expires anyway) and let the caller's store-error policy decide.
-            with contextlib.suppress(BackendUnavailable):
-                self.release(keys[0], str(args[0]))
-            raise BackendUnavailable(
-                f"{self!r}: acquire {keys[0]!r}: only {acks} of {wait.replicas} replica(s) "
-                f"confirmed the lock within {wait.timeout}s (wait_replicas); it was released"
-            )
-        return reply
+        if reply[0] != 1:
+            return reply
+        if acks >= wait.replicas:
+            return reply[:3]
+        # Not on enough replicas: a failover now could lose it. Put the key back as it was
+        # before (free, a released record, a queue reservation this acquisition took over, the
+        # caller's own earlier acquisition), if it is still this acquisition's; best effort: if
+        # that fails too, the acquisition ends with its lease. The caller's store-error policy
+        # then decides.
+        fence, before = reply[1], reply[3]
+        try:
+            undone = super()._call("acquire", _RESTORE, keys, (args[0], fence, *before))
+            outcome = "the key was put back as it was" if undone else "the key has changed since"
+        except BackendError as exc:
+            outcome = f"putting the key back failed too, so it is held until its lease ends ({exc})"
+        raise BackendUnavailable(
+            f"{self!r}: acquire {keys[0]!r}: only {acks} of {wait.replicas} replica(s) "
+            f"confirmed the lock within {wait.timeout}s (wait_replicas); {outcome}"
+        )
 
     def _acquire_and_wait(
-        self, script: _Script, keys: Sequence[str], args: Sequence[str | int], wait: ReplicaWait
+        self,
+        script: _Script,
+        keys: Sequence[str],
+        args: Sequence[str | int | bytes],
+        wait: ReplicaWait,
     ) -> tuple[Any, int]:
         """Run the acquire script then WAIT on one connection, pipelined: one round trip."""
         client: Any = self.client
@@ -232,9 +259,16 @@ class RedisSentinelBackend(_Deployed):
     def _connect(self, options: dict[str, Any]) -> redis.Redis:
         assert self._url is not None
         nodes, master = self._target(self._url)
+        # The master's options: the defaults, overridden by the URL and transport options.
+        options = {**options, **master}
         sentinel_kwargs = dict(self._transport.get("sentinel_kwargs", {}))
         if not sentinel_kwargs:  # as redis-py does without it: the socket options only
             sentinel_kwargs = {k: v for k, v in options.items() if k.startswith("socket_")}
+        # Bounded waits on the sentinels too, when sentinel_kwargs gives (say) only a password:
+        # the master's timeouts unless it names its own.
+        for name in ("socket_timeout", "socket_connect_timeout"):
+            if name in options:
+                sentinel_kwargs.setdefault(name, options[name])
         # The master's retry policy (a dropped connection, twice) rather than redis-py's
         # default, which retries each unreachable sentinel for seconds on every call.
         if options.get("retry") is not None:
@@ -246,7 +280,7 @@ class RedisSentinelBackend(_Deployed):
             min_other_sentinels=self._transport.get("min_other_sentinels", 0),
         )
         name = self._transport["master_name"]
-        client = self._sentinel.master_for(name, redis_class=redis.Redis, **{**options, **master})
+        client = self._sentinel.master_for(name, redis_class=redis.Redis, **options)
         return cast(redis.Redis, client)
 
     def close(self) -> None:
@@ -314,7 +348,11 @@ class RedisClusterBackend(_Deployed):
         return self.client
 
     def _acquire_and_wait(
-        self, script: _Script, keys: Sequence[str], args: Sequence[str | int], wait: ReplicaWait
+        self,
+        script: _Script,
+        keys: Sequence[str],
+        args: Sequence[str | int | bytes],
+        wait: ReplicaWait,
     ) -> tuple[Any, int]:
         """Run the acquire script and WAIT pipelined on the connection of the key's master.
 

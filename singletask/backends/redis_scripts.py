@@ -32,6 +32,7 @@ from __future__ import annotations
 from .base import MAX_LEASE
 
 __all__ = [
+    "ACQUIRE_KEEPING_SCRIPT",
     "ACQUIRE_SCRIPT",
     "CLAIM_NEXT_SCRIPT",
     "CLEAR_NEXT_SCRIPT",
@@ -40,6 +41,7 @@ __all__ = [
     "MAX_LEASE_MS",
     "OPERATOR_RELEASE_SCRIPT",
     "RELEASE_SCRIPT",
+    "RESTORE_SCRIPT",
 ]
 
 #: The longest duration a script accepts, in milliseconds (the backends' MAX_LEASE).
@@ -94,9 +96,9 @@ end
 # the key holds (held or released record); a retried acquire by the holder keeps its fence. The
 # last completion marker (d) is carried into the new held record.
 # Errors (before any write) when ARGV[2] is out of range.
-ACQUIRE_SCRIPT = (
-    _CHECK_MS
-    + """
+# (The body is the Lua function acquire(), which ACQUIRE_KEEPING_SCRIPT calls as well.)
+_ACQUIRE_FUNCTION = """
+local function acquire()
 local lease = ms(ARGV[2])
 local rec = redis.call('HMGET', KEYS[1], 'token', 'fence', 'f', 'd')
 local cur, last, marker = rec[1], rec[2] or rec[3], rec[4]
@@ -125,8 +127,83 @@ end
 redis.call('HSET', KEYS[1], unpack(record))
 redis.call('PEXPIRE', KEYS[1], lease)
 return {1, fence, marker}
+end
+"""
+
+ACQUIRE_SCRIPT = _CHECK_MS + _ACQUIRE_FUNCTION + "return acquire()\n"
+
+# KEYS[1]  lock key
+# ARGV     as ACQUIRE_SCRIPT's
+# Returns ACQUIRE_SCRIPT's reply; when the caller holds the lock now, with a fourth element: what
+# the key was before, {server time in ms, its PTTL then (-2: no key, -1: no expiry), field,
+# value, ...} (RESTORE_SCRIPT's ARGV[3...]). The acquisition of the opt-in replica wait, which
+# puts the key back as it was when too few replicas confirm the acquisition.
+# Errors (before any write) as ACQUIRE_SCRIPT.
+ACQUIRE_KEEPING_SCRIPT = (
+    _CHECK_MS
+    + _ACQUIRE_FUNCTION
+    + """
+local fields = redis.call('HGETALL', KEYS[1])
+local pttl = redis.call('PTTL', KEYS[1])
+local now = redis.call('TIME')
+local reply = acquire()
+if reply[1] == 1 then
+  local before = {tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000), pttl}
+  for i = 1, #fields do
+    before[i + 2] = fields[i]
+  end
+  reply[4] = before
+end
+return reply
 """
 )
+
+# KEYS[1]  lock key
+# ARGV[1]  owner token of the acquisition being undone
+# ARGV[2]  the fencing token that acquisition issued
+# ARGV[3]  the server time in ms when it read the key (ACQUIRE_KEEPING_SCRIPT's reply)
+# ARGV[4]  the key's PTTL then: -2 (no key), -1 (no expiry) or milliseconds
+# ARGV[5…] the key's fields then: field, value, field, value, …
+# Returns 1 when the key was put back as it was, 0 when ARGV[1] no longer holds it (nothing is
+# changed: its lease ended, or another took it since).
+# The key gets back its fields and what was left of its expiry (ARGV[4] less the time since
+# ARGV[3]; the key is deleted when nothing is left, or when there was no key). A released
+# record (no token) keeps as f the larger of its own fence and ARGV[2], so that fences never go
+# back; a held record (a queue reservation taken over, the caller's own earlier acquisition) is
+# put back exactly. A key that had no expiry (not written by singletask) gets none.
+RESTORE_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
+  return 0
+end
+local pttl = tonumber(ARGV[4])
+redis.call('DEL', KEYS[1])
+if pttl == -2 or #ARGV < 6 then
+  return 1
+end
+local left = -1
+if pttl >= 0 then
+  local now = redis.call('TIME')
+  local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+  left = pttl - (now_ms - tonumber(ARGV[3]))
+  if left <= 0 then
+    return 1
+  end
+end
+local record, token, fence = {}, false, false
+for i = 5, #ARGV - 1, 2 do
+  if ARGV[i] == 'token' then token = true end
+  if ARGV[i] == 'f' then fence = i - 3 end
+  record[#record + 1], record[#record + 2] = ARGV[i], ARGV[i + 1]
+end
+if not token and fence and tonumber(ARGV[2]) > (tonumber(record[fence]) or 0) then
+  record[fence] = ARGV[2]
+end
+redis.call('HSET', KEYS[1], unpack(record))
+if left > 0 then
+  redis.call('PEXPIRE', KEYS[1], left)
+end
+return 1
+"""
 
 # KEYS[1]  lock key
 # ARGV[1]  owner token

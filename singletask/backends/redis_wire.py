@@ -3,17 +3,23 @@
 :mod:`singletask.backends.redis` sends the Lua scripts of
 :mod:`singletask.backends.redis_scripts` over connections of its own, with the RESP command
 encoded here once per script (its SHA1 digest computed at import), and turns the lock hashes
-that scripts and pipelines return into :class:`~singletask.backends.base.Holder` values.
+that scripts and pipelines return into :class:`~singletask.backends.base.Holder` values, and
+redis-py's errors into singletask's (:func:`driver_error`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+import redis
+
+from ..exceptions import BackendError, BackendTimeout, BackendUnavailable
 from .base import Holder, check_lease
 from .redis_scripts import (
+    ACQUIRE_KEEPING_SCRIPT,
     ACQUIRE_SCRIPT,
     CLAIM_NEXT_SCRIPT,
     CLEAR_NEXT_SCRIPT,
@@ -21,9 +27,10 @@ from .redis_scripts import (
     EXTEND_SCRIPT,
     OPERATOR_RELEASE_SCRIPT,
     RELEASE_SCRIPT,
+    RESTORE_SCRIPT,
 )
 
-__all__: list[str] = []
+__all__ = ["NOT_RUN_CODES", "driver_error", "drop_idle", "not_run"]
 
 
 class _Connection(Protocol):
@@ -64,16 +71,20 @@ class _Script:
         self._eval = _bulk(b"EVAL") + _bulk(text.encode())
 
     def command(
-        self, keys: Sequence[str], args: Sequence[str | int], *, text: bool = False
+        self, keys: Sequence[str], args: Sequence[str | int | bytes], *, text: bool = False
     ) -> bytes:
-        """The RESP-encoded EVALSHA (or, with ``text``, EVAL) of this script; strings as UTF-8."""
+        """The RESP-encoded EVALSHA (or, with ``text``, EVAL) of this script; strings as UTF-8,
+        bytes as they are."""
         parts = [
             b"*%d\r\n" % (3 + len(keys) + len(args)),
             self._eval if text else self._evalsha,
             _bulk(b"%d" % len(keys)),
         ]
         for value in (*keys, *args):
-            parts.append(_bulk(value.encode() if isinstance(value, str) else b"%d" % value))
+            if isinstance(value, str):
+                parts.append(_bulk(value.encode()))
+            else:
+                parts.append(_bulk(value if isinstance(value, bytes) else b"%d" % value))
         return b"".join(parts)
 
 
@@ -84,6 +95,8 @@ _EXTEND_MANY = _Script(EXTEND_MANY_SCRIPT)
 _CLAIM_NEXT = _Script(CLAIM_NEXT_SCRIPT)
 _CLEAR_NEXT = _Script(CLEAR_NEXT_SCRIPT)
 _OPERATOR_RELEASE = _Script(OPERATOR_RELEASE_SCRIPT)
+_ACQUIRE_KEEPING = _Script(ACQUIRE_KEEPING_SCRIPT)
+_RESTORE = _Script(RESTORE_SCRIPT)
 
 
 def _text(value: bytes | str) -> str:
@@ -266,3 +279,69 @@ def _removed(key: str, reply: Sequence[Any]) -> Holder | None:
 def _glob_escape(text: str) -> str:
     """``text`` with the glob characters of SCAN MATCH escaped, to match it literally."""
     return "".join("\\" + char if char in "*?[]\\" else char for char in text)
+
+
+#: The error codes of a reply saying the server did not run the command because it cannot take
+#: writes now: a primary demoted by a failover (READONLY: the name or address that used to lead
+#: to the primary now leads to a replica), a server loading its data set (LOADING), a replica
+#: whose primary is down (MASTERDOWN), a cluster that is down or a slot being migrated
+#: (CLUSTERDOWN, TRYAGAIN). Nothing was written: every script fails at its first write.
+NOT_RUN_CODES = ("READONLY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN")
+
+_NOT_RUN_TYPES = (
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.BusyLoadingError,
+    redis.exceptions.ClusterDownError,  # and MasterDownError, its subclass
+    redis.exceptions.TryAgainError,
+)
+
+
+def not_run(exc: BaseException) -> bool:
+    """Whether ``exc`` is a reply of :data:`NOT_RUN_CODES`: by its class, or by its text (a
+    redis-py that does not map the code, or a server that wraps a script's error in ``ERR``)."""
+    if isinstance(exc, _NOT_RUN_TYPES):
+        return True
+    if not isinstance(exc, redis.exceptions.ResponseError):
+        return False
+    text = str(exc)
+    return text.startswith(NOT_RUN_CODES) or any(f"-{code} " in text for code in NOT_RUN_CODES)
+
+
+def drop_idle(client: Any) -> None:
+    """Close the idle connections of a client's pool (after a :func:`not_run` reply: they may
+    all lead to a demoted primary); those in use are closed by their users' next errors."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        with contextlib.suppress(Exception):
+            pool.disconnect(inuse_connections=False)
+
+
+def driver_error(exc: BaseException, where: str) -> BackendError:
+    """singletask's error for redis-py's ``exc``, its message starting with ``where``.
+
+    A timeout is :class:`BackendTimeout` (the command may have run); a lost connection and a
+    reply of :data:`NOT_RUN_CODES` (the command did not run: the server cannot take writes now)
+    are :class:`BackendUnavailable`, so the task's store-error policy applies; any other reply
+    is a :class:`BackendError` that says what to look at.
+    """
+    if isinstance(exc, redis.exceptions.TimeoutError):
+        return BackendTimeout(f"{where} timed out: {exc}")
+    if not_run(exc):
+        return BackendUnavailable(
+            f"{where} failed: the server cannot take writes now (a failover, a restart or a "
+            f"slot migration in progress); the connection was dropped and the next call "
+            f"connects again: {exc}"
+        )
+    if isinstance(exc, redis.exceptions.ConnectionError):
+        return BackendUnavailable(f"{where} failed: {exc}")
+    if str(exc).startswith("WRONGTYPE"):
+        return BackendError(
+            f"{where} failed: the key holds a value that is not a singletask lock (another "
+            f"application's key? give singletask a key prefix of its own): {exc}"
+        )
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return BackendError(
+            f"{where} failed: the server's ACL does not let this user run a command the lock "
+            f"store needs (scripts, and for listings SCAN, HGETALL and PTTL): {exc}"
+        )
+    return BackendError(f"{where} failed: {exc}")

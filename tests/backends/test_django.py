@@ -7,15 +7,19 @@ kind of cache.
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from django.test import override_settings
 
 from singletask.backends import backend_from_url
 from singletask.backends.django import DjangoCacheBackend
 from singletask.backends.memcached import MemcachedBackend
 from singletask.backends.redis import RedisBackend
-from singletask.exceptions import ConfigurationError, UnsupportedOperation
+from singletask.exceptions import BackendTimeout, ConfigurationError, UnsupportedOperation
 
 LEASE = 60.0
 
@@ -138,3 +142,91 @@ def test_operator_releases_go_through_to_the_store(
     assert forced is not None
     assert forced.token == "token-b"
     assert django_memcached.holder(key) is None
+
+
+# -- bounded waits and clear errors ----------------------------------------------------------------
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port whose listener takes connections (the kernel does) and never answers."""
+    with socket.create_server(("127.0.0.1", 0), backlog=16) as listener:
+        yield listener.getsockname()[1]
+
+
+def with_cache(
+    django_caches: dict[str, dict[str, object]], alias: str, **cache: Any
+) -> override_settings:
+    return override_settings(CACHES={**django_caches, alias: cache})
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"socket_timeout": None}],
+    ids=["no-options", "timeout-none"],
+)
+def test_a_redis_cache_without_a_socket_timeout_still_times_out(
+    django_caches: dict[str, dict[str, object]],
+    silent_port: int,
+    key: str,
+    options: dict[str, object],
+) -> None:
+    """Django sets no socket timeout and redis-py before 8 has none: a Redis cache that does not
+    answer still fails the call with BackendTimeout after the Redis store's 5 s."""
+    cache = {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": f"redis://127.0.0.1:{silent_port}",
+        "OPTIONS": options,
+    }
+    with with_cache(django_caches, "silent", **cache):
+        backend = backend_from_url("django://silent")
+        started = time.monotonic()
+        with pytest.raises(BackendTimeout) as caught:
+            backend.acquire(key, "token-a", LEASE)
+        assert time.monotonic() - started < 5 + 3
+        assert caught.value.__cause__ is not None
+        backend.close()
+
+
+def test_a_memcached_cache_with_timeouts_of_none_still_times_out(
+    django_caches: dict[str, dict[str, object]], silent_port: int, key: str
+) -> None:
+    """pymemcache waits for ever by default: timeouts left unset or None get the store's."""
+    cache = {
+        "BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
+        "LOCATION": f"127.0.0.1:{silent_port}",
+        "OPTIONS": {"timeout": None, "connect_timeout": None},
+    }
+    with with_cache(django_caches, "silent", **cache):
+        backend = backend_from_url("django://silent")
+        started = time.monotonic()
+        with pytest.raises(BackendTimeout) as caught:
+            backend.holder(key)
+        assert time.monotonic() - started < 5 + 3
+        assert caught.value.__cause__ is not None
+        backend.close()
+
+
+@pytest.mark.parametrize(
+    ("backend_path", "location", "options"),
+    [
+        ("django.core.cache.backends.redis.RedisCache", "not-a-redis-url", {}),
+        ("django.core.cache.backends.redis.RedisCache", "redis://127.0.0.1:1", {"nope": 1}),
+        ("django.core.cache.backends.memcached.PyMemcacheCache", "cache-1:port", {}),
+    ],
+    ids=["redis-location", "redis-option", "memcached-location"],
+)
+def test_a_location_or_option_the_store_cannot_use_is_a_configuration_error(
+    django_caches: dict[str, dict[str, object]],
+    backend_path: str,
+    location: str,
+    options: dict[str, object],
+) -> None:
+    """A cache's LOCATION or OPTIONS the driver refuses: ConfigurationError naming the alias,
+    with the driver's error chained, on the first call (not a driver error on some later one)."""
+    cache = {"BACKEND": backend_path, "LOCATION": location, "OPTIONS": options}
+    with with_cache(django_caches, "broken", **cache):
+        backend = DjangoCacheBackend("broken")
+        with pytest.raises(ConfigurationError, match="django://broken") as caught:
+            backend.acquire("any:key", "token-a", LEASE)
+        assert caught.value.__cause__ is not None

@@ -6,21 +6,28 @@ own memcached servers where they stop, restart or starve one.
 
 from __future__ import annotations
 
+import hashlib
 import socket
+import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from pymemcache.client.base import Client
 
 from singletask.backends import backend_from_url
+from singletask.backends.django import DjangoCacheBackend
 from singletask.backends.memcached import (
     MAX_RELATIVE_EXPIRY,
     MemcachedBackend,
     expiry,
+    item_name,
     parse_servers,
 )
 from singletask.exceptions import (
+    BackendError,
     BackendTimeout,
     BackendUnavailable,
     ConfigurationError,
@@ -29,6 +36,9 @@ from singletask.exceptions import (
 
 from ..servers import MemcachedServer, private_memcached, unavailable
 from .memcached_records import memcached_records
+
+#: memcached's longest relative expiry (30 days), less the second an item is kept longer.
+LONGEST = 30 * 24 * 3600 - 1
 
 LEASE = 60.0
 
@@ -93,7 +103,7 @@ def test_url_options_are_typed_and_checked() -> None:
     assert options == {"timeout": 0.5, "connect_timeout": 2.0, "max_pool_size": 8}
     with pytest.raises(ConfigurationError, match="unknown option 'noreply'"):
         parse_servers("memcached://a:1?noreply=true")
-    with pytest.raises(ConfigurationError, match="bad memcached server"):
+    with pytest.raises(ConfigurationError, match="a server address is not host"):
         parse_servers("memcached://a:port")
 
 
@@ -133,6 +143,150 @@ def test_a_lease_over_thirty_days_is_refused_and_writes_nothing(
     with pytest.raises(ConfigurationError, match="30 days"):
         store.extend(key, "token-a", 40 * 24 * 3600.0)
     assert store.release(key, "token-a")
+
+
+# -- fences only grow, whatever the interleaving ----------------------------------------------
+
+
+@pytest.mark.parametrize("rival_lease_ends_by", ["expiry", "release"])
+def test_an_acquire_paused_before_its_write_never_issues_a_fence_below_a_rivals(
+    memcached_url: str, key: str, monkeypatch: pytest.MonkeyPatch, rival_lease_ends_by: str
+) -> None:
+    """A takes a fence and pauses before it writes; B acquires (a larger fence) and its lease
+    ends; A's acquisition then succeeds with a fence above B's, never the one it took first."""
+    first = MemcachedBackend.from_url(memcached_url)
+    rival = MemcachedBackend.from_url(memcached_url)
+    rivals: list[int] = []
+    take_fence = first._next_fence
+
+    def pause_after_the_fence(*args: Any, **kwargs: Any) -> int:
+        fence = take_fence(*args, **kwargs)
+        if not rivals:  # the first time only: the rival's whole lease happens in the pause
+            won = rival.acquire(key, "token-b", 1.0)
+            assert won.acquired
+            assert won.fence is not None
+            rivals.append(won.fence)
+            if rival_lease_ends_by == "release":
+                assert rival.release(key, "token-b")
+            deadline = time.monotonic() + 10
+            while rival.holder(key) is not None:  # memcached ends the lease in whole seconds
+                assert time.monotonic() < deadline, "the rival's lease never ended"
+                time.sleep(0.05)
+        return fence
+
+    monkeypatch.setattr(first, "_next_fence", pause_after_the_fence)
+
+    # When A's acquisition goes on after the pause
+    result = first.acquire(key, "token-a", LEASE)
+
+    # Then it holds the key with a fence above the rival's
+    assert result.acquired
+    assert result.fence is not None
+    assert result.fence > rivals[0]
+    holder = first.holder(key)
+    assert holder is not None
+    assert (holder.token, holder.fence) == ("token-a", result.fence)
+    first.close()
+    rival.close()
+
+
+# -- the store's own items and lock keys --------------------------------------------------------
+
+
+def test_lock_keys_that_spell_the_stores_own_item_names_are_locks_of_their_own(
+    store: MemcachedBackend, key: str
+) -> None:
+    """No lock key, whatever its text, reaches another lock's record, fence counter or follow-up
+    slot: keys spelling their item names (old and new) are independent locks."""
+    long_key = f"{key}{'x' * 300}"  # stored under a digest of itself
+    spelled = [
+        f"{key}|fence",
+        f"{key}|next",
+        f"singletask::fence:{key}",
+        f"singletask::next:{key}",
+        f"singletask:sha256:{hashlib.sha256(long_key.encode()).hexdigest()}",
+    ]
+    # Given a lock on the first spelled key, then the key itself held with a pending follow-up,
+    # and the long key held
+    assert store.acquire(spelled[0], "token-0", LEASE).acquired
+    first = store.acquire(key, "token-a", LEASE)
+    assert first.acquired
+    assert store.claim_next(key, "next-a", LEASE) == "next-a"
+    assert store.acquire(long_key, "token-long", LEASE).acquired
+
+    # When every spelled key is locked, claimed and released in turn
+    for n, other in enumerate(spelled):
+        result = store.acquire(other, f"token-{n}", LEASE)
+        assert result.acquired, other
+        assert store.claim_next(other, f"next-{n}", LEASE) == f"next-{n}"
+        assert store.clear_next(other, f"next-{n}")
+        assert store.release(other, f"token-{n}")
+
+    # Then the key and the long key are as they were: same holders, same follow-up
+    held = store.holder(key)
+    assert held is not None
+    assert (held.token, held.fence) == ("token-a", first.fence)
+    long_holder = store.holder(long_key)
+    assert long_holder is not None
+    assert long_holder.token == "token-long"
+    assert store.claim_next(key, "next-b", LEASE) == "next-a"
+    # And the key's next holder still gets a larger fence
+    assert store.release(key, "token-a")
+    again = store.acquire(key, "token-c", LEASE)
+    assert again.fence is not None
+    assert first.fence is not None
+    assert again.fence > first.fence
+
+
+def test_an_item_that_is_not_a_lock_record_is_a_backend_error(
+    store: MemcachedBackend, memcached_url: str, key: str
+) -> None:
+    """Another program's item at a lock's name: a BackendError naming it, not a KeyError."""
+    client = raw_client(memcached_url)
+    for value in (b"not json", b"[1]", b'{"t": "x"}', b'{"t": "x", "f": "1", "d": 1}'):
+        client.set(key.encode(), value, expire=60)
+        with pytest.raises(BackendError, match="not a singletask lock record"):
+            store.acquire(key, "token-a", LEASE)
+        with pytest.raises(BackendError, match="not a singletask lock record"):
+            store.holder(key)
+    client.close()
+
+
+# -- the longest lease --------------------------------------------------------------------------
+
+
+def test_the_longest_lease_is_memcacheds_longest_relative_expiry_less_a_second(
+    store: MemcachedBackend, memcached_server: MemcachedServer, key: str
+) -> None:
+    """max_lease is what memcached keeps as a relative expiry; every write checks against it."""
+    assert MemcachedBackend.max_lease == LONGEST
+    assert DjangoCacheBackend.max_lease == LONGEST
+
+    # When a lock and a follow-up claim are written with the longest lease
+    assert store.acquire(key, "token-a", LONGEST).acquired
+    assert store.extend(key, "token-a", LONGEST)
+    assert store.claim_next(key, "next-a", LONGEST) == "next-a"
+
+    # Then memcached keeps them for 30 days (not read as a date of 1970: gone at once)
+    records = memcached_records(memcached_server.port, key)
+    for name in (key, f"singletask::next:{key}"):
+        left = records[name]
+        assert left is not None
+        assert LONGEST - 5 < left <= MAX_RELATIVE_EXPIRY + 1, (name, left)
+
+    # And a second more is refused by every write, naming the store and the operation
+    other = f"{key}:other"
+    calls: list[tuple[str, Callable[[], object]]] = [
+        ("acquire", lambda: store.acquire(other, "token-b", LONGEST + 1)),
+        ("extend", lambda: store.extend(key, "token-a", LONGEST + 1)),
+        ("extend", lambda: store.extend_many([(key, "token-a", LONGEST + 1)])),
+        ("claim_next", lambda: store.claim_next(other, "next-b", LONGEST + 1)),
+    ]
+    for operation, call in calls:
+        with pytest.raises(ConfigurationError, match=rf"memcached:// {operation}: .*2591999s"):
+            call()
+    assert store.holder(other) is None
+    assert store.claim_next(other, "next-c", LEASE) == "next-c"
 
 
 # -- what memcached cannot do -----------------------------------------------------------------
@@ -195,7 +349,13 @@ def test_every_item_the_store_writes_expires(
     records = memcached_records(memcached_server.port, key)
 
     # Then there are the records, counters and the slot, each with an expiry within 30 days
-    assert set(records) == {key, f"{key}|fence", f"{key}|next", f"{key}:2", f"{key}:2|fence"}
+    assert set(records) == {
+        key,
+        f"singletask::fence:{key}",
+        f"singletask::next:{key}",
+        f"{key}:2",
+        f"singletask::fence:{key}:2",
+    }
     for name, left in records.items():
         assert left is not None, f"{name} never expires"
         assert 0 < left <= MAX_RELATIVE_EXPIRY + 2, (name, left)
@@ -261,7 +421,7 @@ def test_a_lost_fence_counter_restarts_above_every_earlier_fence(
 
     # When its counter item disappears (eviction, expiry)
     client = raw_client(memcached_url)
-    assert client.delete(f"{key}|fence".encode(), noreply=False)
+    assert client.delete(item_name(key, "fence"), noreply=False)
     client.close()
 
     # Then the next acquisition still gets a larger fence
@@ -320,6 +480,155 @@ def test_a_server_that_does_not_answer_times_out() -> None:
             store.acquire("silent:lock", "token-a", LEASE)
         assert caught.value.__cause__ is not None
         store.close()
+
+
+class StallingForwarder:
+    """127.0.0.1:``port`` forwarded to a memcached; :meth:`stall` keeps every connection open and
+    accepting but passes no more bytes on (a stalled server, or a black-holed link)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.url = f"memcached://127.0.0.1:{self.port}"
+        self.stalled = threading.Event()
+        self.held = threading.Event()  # set when a stalled request was held back
+        self._sockets: list[socket.socket] = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def stall(self) -> None:
+        self.stalled.set()
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                near, _ = self.listener.accept()
+            except OSError:
+                return
+            far = socket.create_connection(("127.0.0.1", self.target_port))
+            self._sockets += [near, far]
+            for source, sink in ((near, far), (far, near)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                if self.stalled.is_set():
+                    self.held.set()
+                    return  # never passed on; the connection stays open
+                sink.sendall(data)
+        except OSError:
+            return
+
+
+@pytest.fixture
+def forwarder(memcached_server: MemcachedServer) -> Iterator[StallingForwarder]:
+    proxy = StallingForwarder(memcached_server.port)
+    yield proxy
+    proxy.close()
+
+
+def test_every_call_to_a_stalled_server_times_out_within_its_timeout(
+    forwarder: StallingForwarder, key: str
+) -> None:
+    """A server that stops answering mid-session: every primitive raises BackendTimeout, with
+    the socket's error chained, within the read timeout (each call waits on one reply at most)."""
+    store = MemcachedBackend.from_url(f"{forwarder.url}?timeout=0.3&connect_timeout=0.3")
+    # Given a lock held and a follow-up claimed through the link
+    assert store.acquire(key, "token-a", LEASE).acquired
+    assert store.claim_next(key, "next-a", LEASE) == "next-a"
+
+    # When the link stalls
+    forwarder.stall()
+
+    # Then every call times out within the timeout (and a margin), none hangs
+    calls: list[Callable[[], object]] = [
+        lambda: store.acquire(key, "token-b", LEASE),
+        lambda: store.extend(key, "token-a", LEASE),
+        lambda: store.extend_many([(key, "token-a", LEASE)]),
+        lambda: store.release(key, "token-a"),
+        lambda: store.claim_next(key, "next-b", LEASE),
+        lambda: store.clear_next(key, "next-a"),
+        lambda: store.holder(key),
+        lambda: store.release_held_by(key, "id-a"),
+        lambda: store.force_release(key),
+    ]
+    for call in calls:
+        started = time.monotonic()
+        with pytest.raises(BackendTimeout) as caught:
+            call()
+        assert time.monotonic() - started < 2.0
+        assert isinstance(caught.value.__cause__, TimeoutError)
+    store.close()
+
+
+def test_a_connect_that_is_never_answered_times_out() -> None:
+    """A server whose accept queue is full (SYNs dropped, as behind a black hole): connecting
+    raises BackendTimeout after connect_timeout."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    port = listener.getsockname()[1]
+    queued: list[socket.socket] = []
+    try:
+        for _ in range(16):  # fill the accept queue until a connect is left unanswered
+            probe = socket.socket()
+            probe.settimeout(0.3)
+            queued.append(probe)
+            try:
+                probe.connect(("127.0.0.1", port))
+            except TimeoutError:
+                break
+        else:
+            pytest.skip("this kernel answers every connect; cannot stall one")
+        store = MemcachedBackend.from_url(
+            f"memcached://127.0.0.1:{port}?connect_timeout=0.5&timeout=0.5"
+        )
+        started = time.monotonic()
+        with pytest.raises(BackendTimeout) as caught:
+            store.acquire("stalled:lock", "token-a", LEASE)
+        assert time.monotonic() - started < 2.0
+        assert isinstance(caught.value.__cause__, TimeoutError)
+        store.close()
+    finally:
+        for sock in (*queued, listener):
+            sock.close()
+
+
+def test_a_pool_with_every_connection_in_use_is_unavailable_at_once(
+    forwarder: StallingForwarder, key: str
+) -> None:
+    """With max_pool_size connections all waiting on a stalled server, another call does not
+    wait: BackendUnavailable (pymemcache's error chained), so the store-error policy applies."""
+    store = MemcachedBackend.from_url(f"{forwarder.url}?timeout=2&max_pool_size=1")
+    assert store.holder(key) is None  # the pool's one connection is open
+    forwarder.stall()
+    outcomes: list[BaseException] = []
+
+    def wait_on_the_stalled_server() -> None:
+        try:
+            store.holder(key)
+        except Exception as exc:
+            outcomes.append(exc)
+
+    waiting = threading.Thread(target=wait_on_the_stalled_server)
+    waiting.start()
+    assert forwarder.held.wait(5)  # the one connection waits on the stalled server
+
+    # When another call comes meanwhile
+    started = time.monotonic()
+    with pytest.raises(BackendUnavailable, match="max_pool_size=1") as caught:
+        store.acquire(key, "token-a", LEASE)
+
+    # Then it fails at once, with the driver's error chained
+    assert time.monotonic() - started < 1.0
+    assert caught.value.__cause__ is not None
+    # And the call that held the connection times out
+    waiting.join()
+    assert [type(exc) for exc in outcomes] == [BackendTimeout]
+    store.close()
 
 
 # -- several servers ----------------------------------------------------------------------------

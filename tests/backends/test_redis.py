@@ -551,7 +551,8 @@ def test_fences_keep_growing_when_the_key_is_lost(
     ("key", "expected"),
     [
         ("singletask:sync", "{singletask:sync}:fence"),
-        ("singletask:{tenant-1}:sync", "singletask:{tenant-1}:sync:fence"),
+        ("singletask:{tenant-1}:sync", "singletask:{tenant-1}:sync}:fence"),
+        ("{:sync", "{{:sync}:fence"),
     ],
 )
 def test_the_companion_hash_shares_the_locks_cluster_slot(key: str, expected: str) -> None:
@@ -560,6 +561,58 @@ def test_the_companion_hash_shares_the_locks_cluster_slot(key: str, expected: st
 
     assert fence_key(key) == expected
     assert key_slot(fence_key(key).encode()) == key_slot(key.encode())
+
+
+#: Key prefixes: plain, hash-tagged (every lock in one Cluster slot), with a stray "}".
+PREFIXES = ["singletask:", "{app}:singletask:", "app}:", "{}:"]
+#: lock_key texts that try to name the companion hash of the lock whose text is "x".
+REACHING = ["x:fence", "x}:fence", "{x}:fence", "x%7D:fence", "x:fence}", "x}"]
+
+
+@pytest.mark.parametrize("prefix", PREFIXES)
+def test_no_lock_key_names_another_locks_companion_hash(prefix: str) -> None:
+    """Whatever a lock_key's text, its key is never the companion hash of another lock under
+    the same prefix (nor of its own)."""
+    from singletask.keys import KeySpec
+
+    spec = KeySpec("tasks.sync", None, None, lambda text: text)
+    lock = spec.key(prefix, "tasks.sync", ("x",), {})
+    for text in REACHING:
+        other = spec.key(prefix, "tasks.sync", (text,), {})
+        assert other != fence_key(lock)
+        assert lock != fence_key(other)
+    for name in ("tasks.sync:x:fence", "tasks.sync:x}:fence"):  # nor a task name
+        assert KeySpec(name, None, None, None).key(prefix, name, (), {}) != fence_key(lock)
+
+
+@pytest.mark.parametrize("prefix", PREFIXES)
+def test_a_lock_whose_text_ends_in_fence_leaves_another_locks_follow_up_claim_alone(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str, prefix: str
+) -> None:
+    """The lock key "<...>:x:fence" and the companion hash of the lock "<...>:x" (a coalescing
+    task's pending follow-up) are two keys, also under a hash-tagged prefix: taking, renewing
+    or releasing the one never touches the other."""
+    from singletask.keys import KeySpec
+
+    spec = KeySpec("tasks.sync", None, None, lambda text: text)
+    lock = spec.key(key_prefix + prefix, "tasks.sync", ("x",), {})
+    other = spec.key(key_prefix + prefix, "tasks.sync", ("x:fence",), {})
+    # Given a held lock with a short lease, and a follow-up claimed for the lock "x"
+    assert redis_backend.acquire(other, "holder", 2.0).acquired
+    assert redis_backend.claim_next(lock, "follow-up-1", 60.0) == "follow-up-1"
+
+    # Then the held lock keeps its own lease and fields
+    assert redis_client.pttl(other) <= 2000
+    assert redis_client.hget(other, "next") is None
+
+    # When the held lock is released and taken again
+    assert redis_backend.release(other, "holder")
+    assert redis_backend.acquire(other, "holder-2", LEASE).acquired
+    assert redis_backend.release(other, "holder-2")
+
+    # Then the follow-up claim is still pending: a second claim gets the first
+    assert redis_backend.claim_next(lock, "follow-up-2", 60.0) == "follow-up-1"
+    assert redis_backend.clear_next(lock, "follow-up-1")
 
 
 # -- no key without an expiry, whatever a script is given ----------------------------------------

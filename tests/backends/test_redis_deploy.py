@@ -24,6 +24,7 @@ from singletask.backends.redis import FENCE_RETENTION, MARKER_RETENTION
 from singletask.backends.redis_deploy import RedisClusterBackend, RedisSentinelBackend
 from singletask.backends.redis_options import mask
 from singletask.exceptions import BackendError, BackendUnavailable, ConfigurationError
+from singletask.tokens import reservation_token
 
 from ..deployments import (
     ClusterDeployment,
@@ -105,6 +106,11 @@ def raw_errors(outcomes: list[object]) -> list[object]:
         ("sentinel://h:26379/0", {"master_name": "m", "sentinel_kwargs": 3}, "sentinel_kwargs"),
         ("sentinel://h/0", {"master_name": "m", "wait_replicas": -1}, "wait_replicas"),
         ("sentinel://h/0", {"master_name": "m", "wait_replicas": 1, "wait_timeout": 0}, "0"),
+        (
+            "redis+cluster://h:7000?socket_timeout=1",
+            {"wait_replicas": 1, "wait_timeout": 2},
+            "less than socket_timeout",
+        ),
         ("redis+cluster://h:7000/1", {}, "database 0 only"),
         ("redis+cluster:///0", {}, "no node address"),
         ("redis+cluster://h:7000?ssl_cert_reqs=required", {}, r"rediss\+cluster"),
@@ -454,6 +460,67 @@ def test_the_replica_wait_confirms_or_refuses_an_acquisition(
         with pytest.raises(BackendUnavailable, match="only 1 of 2 replica"):
             b.acquire(key, "t", LEASE)
         assert b.holder(key) is None
+
+
+@pytest.mark.deployments
+def test_a_refused_replica_wait_leaves_the_key_as_it_was(
+    redis_sentinel: SentinelDeployment,
+) -> None:
+    """When too few replicas confirm an acquisition that took over a queue reservation, or
+    renewed the caller's own lock, or took a released record, the key is put back as it was:
+    the reservation is still there for its task (its removal would let a duplicate be sent),
+    the caller's own lock keeps its lease, the released record its fence."""
+    base = {**redis_sentinel.transport_options, "wait_timeout": 0.1, "fence_retention": 3600}
+    reservation = reservation_token("task-1", 0)
+    prefix = reservation.rsplit(":", 2)[0] + ":"
+    reserved, own, released = (f"wait:{uuid.uuid4().hex[:8]}:{n}" for n in range(3))
+    with (
+        backend_from_url(redis_sentinel.url, transport_options=base) as plain,
+        backend_from_url(redis_sentinel.url, transport_options={**base, "wait_replicas": 2}) as b,
+    ):
+        # Given a queue reservation, a lock held by "mine" and a released record
+        first = plain.acquire(reserved, reservation, LEASE)
+        assert first.acquired
+        assert plain.acquire(own, "mine", 20.0).acquired
+        assert plain.acquire(released, "gone", LEASE).acquired
+        assert plain.release(released, "gone")
+        last_fence = plain.acquire(released, "probe", LEASE).fence  # and given back again
+        assert plain.release(released, "probe")
+
+        # When the worker takes over the reservation, "mine" acquires again, and another
+        # takes the released key, each on a store whose replica wait cannot be met
+        for key, token, takeover in (
+            (reserved, "task-1:0:h:1:n", prefix),
+            (own, "mine", None),
+            (released, "new", None),
+        ):
+            with pytest.raises(BackendUnavailable, match="only 1 of 2 replica") as refused:
+                b.acquire(key, token, LEASE, takeover_prefix=takeover)
+            assert "put back as it was" in str(refused.value)
+
+        # Then the reservation still holds its key, with its fence and lease
+        holder = plain.holder(reserved)
+        assert holder is not None
+        assert holder.token == reservation
+        assert holder.fence == first.fence
+        assert holder.ttl is not None
+        assert 20 < holder.ttl <= LEASE
+        # And "mine" still holds its lock, with the lease it had (not the refused one's)
+        mine = plain.holder(own)
+        assert mine is not None
+        assert mine.token == "mine"
+        assert mine.ttl is not None
+        assert mine.ttl <= 20.0
+        # And the released key is still free, and its next fence is greater than every fence
+        # issued before, the refused acquisition's too
+        assert plain.holder(released) is None
+        after = plain.acquire(released, "after", LEASE)
+        assert after.acquired
+        assert after.fence is not None
+        assert last_fence is not None
+        assert after.fence > last_fence
+        for key, token in ((reserved, reservation), (own, "mine"), (released, "after")):
+            assert plain.release(key, token)
 
 
 @pytest.mark.deployments
