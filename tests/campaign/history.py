@@ -94,6 +94,7 @@ class Report:
     violations: list[str] = field(default_factory=list)
     documented_losses: list[str] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
+    longest_call: float = 0.0  # seconds, calls of paused processes left out
 
     def summary(self, store: str, seed: int) -> str:
         faults = ", ".join(f"{kind} {n}" for kind, n in sorted(self.faults.items())) or "none"
@@ -101,6 +102,7 @@ class Report:
         return (
             f"campaign {store} seed={seed}: operations {self.operations}, holds {self.holds}, "
             f"faults injected {sum(self.faults.values())} ({faults}), errors seen ({errors}), "
+            f"longest call {self.longest_call:.1f}s, "
             f"documented losses {len(self.documented_losses)}, "
             f"violations: {len(self.violations)}"
         )
@@ -189,6 +191,8 @@ def check(
             and call.start <= fault.end
             for fault in pauses
         )
+        if not paused:
+            report.longest_call = max(report.longest_call, call.seconds)
         if call.seconds > block_bound and not paused:
             report.violations.append(
                 f"{call.worker}: {call.call} blocked {call.seconds:.1f}s, over the store's "
