@@ -9,6 +9,7 @@ duration: the same seed replays the same schedule (the workers' timing still var
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import signal
@@ -21,6 +22,8 @@ from typing import Any, Protocol
 from .history import Fault
 
 __all__ = ["InProcessLink", "Injector", "inject_until", "link_faults", "pause_fault"]
+
+logger = logging.getLogger(__name__)
 
 #: An injector: given the schedule's random source, cause one fault and return it.
 Injector = Callable[[random.Random], Fault]
@@ -192,7 +195,7 @@ def inject_until(
     """Inject faults, drawn from ``rng``, until monotonic time ``until``; append each to
     ``faults``. The kinds come in rounds, each a shuffle of every kind, so that a run long
     enough for one round injects each at least once. Every injector undoes its fault before it
-    returns."""
+    returns; one that fails (the harness, not the store) is listed as ``<kind> (failed)``."""
     kinds: list[str] = []
     while injectors and time.monotonic() < until:
         time.sleep(rng.uniform(0.1, 0.8))
@@ -201,7 +204,13 @@ def inject_until(
         if not kinds:
             kinds = sorted(injectors)
             rng.shuffle(kinds)
-        faults.append(injectors[kinds.pop()](rng))
+        kind = kinds.pop()
+        started = time.monotonic()
+        try:
+            faults.append(injectors[kind](rng))
+        except Exception as exc:  # the harness failed (e.g. Sentinel did not fail over in time)
+            logger.warning("campaign: injecting %s failed: %r", kind, exc)
+            faults.append(Fault(f"{kind} (failed)", repr(exc), started, time.monotonic()))
 
 
 @contextlib.contextmanager
