@@ -1,16 +1,20 @@
 """What the campaign's workers record, and the checker that judges it.
 
-Every worker writes down, for each hold, the *believed interval*: from the moment just before it
-sent the acquire (``time.monotonic()``) to the moment its last ``check()`` passed, and the fence
-the store gave. ``time.monotonic()`` is ``CLOCK_MONOTONIC`` on Linux: one clock for the whole
-host, so the intervals of threads and of separate processes are on the same time line.
+Every worker writes down, for each hold, the *believed interval*: from the moment the acquire's
+reply said "acquired" to just after its last passing ``check()``, and the fence the store gave
+(and when the acquire was sent: the holder's lease counts from then). The belief starts at the
+reply, not at the send: a rival's acquire sent while the holder still works, and granted after
+the holder's release (a Redis call in flight, a SQL statement waiting for the holder's row
+lock), would otherwise count as an overlap that never was. ``time.monotonic()`` is
+``CLOCK_MONOTONIC`` on Linux: one clock for the whole host, so the intervals of threads and of
+separate processes are on the same time line.
 
 The checker asserts the store's promise over all workers' histories:
 
 * no two believed intervals of one key overlap;
 * fences strictly increase between successive holders of a key (ordered by interval start);
-* every error a caller saw is a ``SingletaskError``; a ``BackendError`` chains the driver's
-  error as its ``__cause__``;
+* every error a caller saw is a ``SingletaskError``; a ``BackendError`` raised while handling
+  another error (the driver's) chains it as its ``__cause__``;
 * no call blocked for longer than the store's bound (its configured timeouts).
 
 Faults that the store documents as losing locks (a memcached restart, which keeps nothing) are

@@ -6,7 +6,7 @@ Each hold is built as the task path builds it (singletask/lifecycle.py): a
 :class:`~singletask.lease.LockHandle` whose deadline counts from just before the acquire was sent
 (``sent_at``), renewed, when the hold renews, by a :class:`~singletask.lease.Renewer`. The
 worker's critical section is a series of slices, each ended by ``check()``: the believed
-interval ends at the last one that passed.
+interval starts when the acquire's reply came and ends at the last check that passed.
 """
 
 from __future__ import annotations
