@@ -10,9 +10,6 @@ for 1.5 s (a 2 s lease, no renewal) and watch both sides from the body: the hold
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -24,59 +21,21 @@ from singletask import LockLost, SingletonTask
 from singletask.backends import backend_from_url
 from singletask.lease import drift_margin
 
-from .e2e.proxy import TcpProxy
+from .faultproxy import FaultProxy
 
 LEASE = 2.0
 HELD_BACK = 1.5  # the reply held back: most of the lease
 
 
-class ReplyDelayingProxy(TcpProxy):
-    """A :class:`TcpProxy` that can hold back the n-th chunk the server sends from now on."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        super().__init__(target)
-        self._gate = threading.Lock()
-        self._countdown = 0  # chunks left to pass before the held one (0: none armed)
-        self._hold = 0.0
-
-    def hold_reply(self, nth: int, seconds: float) -> None:
-        """Delay the ``nth`` chunk from the server (counting from 1) by ``seconds``."""
-        with self._gate:
-            self._countdown, self._hold = nth, seconds
-
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        if source.getpeername()[1] != self.target[1]:  # client -> server: as it comes
-            super()._pump(source, sink)
-            return
-        try:
-            while data := source.recv(65536):
-                delay = 0.0
-                with self._gate:
-                    if self._countdown:
-                        self._countdown -= 1
-                        if self._countdown == 0:
-                            delay = self._hold
-                if delay:
-                    time.sleep(delay)
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            with contextlib.suppress(OSError):
-                sink.shutdown(socket.SHUT_WR)
+@pytest.fixture
+def proxy_and_url(redis_url: str) -> Iterator[tuple[FaultProxy, str]]:
+    proxy, url = FaultProxy.for_url(redis_url)
+    with proxy:
+        yield proxy, url
 
 
 @pytest.fixture
-def proxy_and_url(redis_url: str) -> Iterator[tuple[ReplyDelayingProxy, str]]:
-    proxy, url = ReplyDelayingProxy.for_url(redis_url)
-    assert isinstance(proxy, ReplyDelayingProxy)
-    proxy.start()
-    yield proxy, url
-    proxy.stop()
-
-
-@pytest.fixture
-def app(proxy_and_url: tuple[ReplyDelayingProxy, str], key_prefix: str) -> Iterator[Any]:
+def app(proxy_and_url: tuple[FaultProxy, str], key_prefix: str) -> Iterator[Any]:
     app = celery.Celery("lease-start", set_as_current=False)
     app.conf.update(
         singletask_backend_url=proxy_and_url[1],  # the workers reach Redis through the proxy
@@ -96,7 +55,7 @@ def app(proxy_and_url: tuple[ReplyDelayingProxy, str], key_prefix: str) -> Itera
     ],
 )
 def test_check_fails_before_the_store_frees_the_key_whatever_the_reply_took(
-    app: Any, proxy_and_url: tuple[ReplyDelayingProxy, str], redis_url: str, scope: str,
+    app: Any, proxy_and_url: tuple[FaultProxy, str], redis_url: str, scope: str,
     slow_reply: int,
 ) -> None:  # fmt: skip
     """Holder and rival never both believe they hold the key: check() raises first."""
@@ -137,7 +96,8 @@ def test_check_fails_before_the_store_frees_the_key_whatever_the_reply_took(
         # Given a client whose connection and scripts are warm (so the next replies are ours)
         hold.apply(args=(False,))
         # And the acquire's reply (or the follow-up call's) held back 1.5 s of a 2 s lease
-        proxy.hold_reply(slow_reply, HELD_BACK)
+        # (every later reply is held back too: that only slows the release down)
+        proxy.delay_replies(HELD_BACK, after=slow_reply - 1)
         sent = time.monotonic()
 
         # When the holder runs without renewal while a rival tries to take the key

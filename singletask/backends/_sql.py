@@ -5,7 +5,10 @@ The SQL itself lives in each store's module (:mod:`~singletask.backends.postgres
 
 One row per lock key, in one table (``singletask_locks`` unless a setting names another)::
 
-    key            the lock key (primary key: every operation finds its row through it)
+    key            the stored key (primary key: every operation finds its row through it): the
+                   lock key itself, or for a key longer than the store's limit a fixed-size
+                   form, its first bytes + "#" + its SHA-256 (see :func:`stored_key`)
+    full_key       the lock key when ``key`` holds the fixed-size form, else NULL
     token          owner token of the holder, NULL once released
     task_id        the holder's task id (release_held_by compares it in SQL)
     meta           the holder's metadata, a JSON object
@@ -25,6 +28,7 @@ are due (at most once per RECLAIM_INTERVAL per process), through the index on ``
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -35,7 +39,7 @@ from contextlib import contextmanager
 from typing import Generic, TypeVar
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
-from ..exceptions import BackendTimeout, ConfigurationError
+from ..exceptions import BackendTimeout, ConfigurationError, LockKeyError
 from ..urls import check_port
 from .base import Holder
 
@@ -52,6 +56,7 @@ __all__ = [
     "like_prefix",
     "load_holder",
     "split_url",
+    "stored_key",
 ]
 
 #: URL schemes of the stores that keep locks in a table (setting ``singletask_backend_table``).
@@ -162,6 +167,32 @@ def load_holder(token: str, meta: str | None, ttl: float | None, fence: int | No
     return Holder(token, fields.get("task_id"), ttl, fields, fence)
 
 
+def _head(raw: bytes, limit: int) -> str:
+    """The longest start of the UTF-8 text ``raw`` of at most ``limit`` bytes."""
+    return raw[:limit].decode("utf-8", "ignore")
+
+
+def stored_key(key: str, limit: int) -> tuple[str, str | None]:
+    """The ``key`` and ``full_key`` column values of lock key ``key``.
+
+    A key of at most ``limit`` UTF-8 bytes is stored as it is (``full_key`` NULL). A longer one
+    is stored as its first ``limit`` bytes (cut at a character boundary), ``#`` and the hex
+    SHA-256 of the whole key: a fixed size that fits the primary key's index, longer than
+    ``limit`` bytes so it never equals a key stored as it is, and sharing the key's start so a
+    prefix scan still finds it. ``full_key`` then keeps the key for listing.
+
+    Raises:
+        LockKeyError: The key cannot be encoded as UTF-8 (a lone surrogate).
+    """
+    try:
+        raw = key.encode()
+    except UnicodeEncodeError as exc:
+        raise LockKeyError(f"lock key {key!r} is not valid Unicode text: {exc}") from exc
+    if len(raw) <= limit:
+        return key, None
+    return f"{_head(raw, limit)}#{hashlib.sha256(raw).hexdigest()}", key
+
+
 def like_prefix(prefix: str) -> str:
     """A LIKE pattern (escape character ``!``) matching the strings that start with ``prefix``."""
     return prefix.replace("!", "!!").replace("%", "!%").replace("_", "!_") + "%"
@@ -172,13 +203,18 @@ def pages(
     prefix: str,
     page_size: int,
     key_of: Callable[[R], str],
+    limit: int,
 ) -> Iterator[R]:
-    """The rows of the lock table's listing query under ``prefix``, in key order, fetched in
-    pages of ``page_size``: ``fetch(args)`` runs the query with the arguments ``pattern``,
-    ``after`` (the last key of the page before) and ``limit``; ``key_of`` reads a row's key."""
+    """The rows of the lock table's listing query under ``prefix``, in stored-key order, fetched
+    in pages of ``page_size``: ``fetch(args)`` runs the query with the arguments ``scan`` (a
+    pattern on the stored key: its index finds every candidate, see :func:`stored_key` whose
+    ``limit`` is given), ``pattern`` (on the full key), ``after`` (the last stored key of the
+    page before) and ``limit``; ``key_of`` reads a row's stored key."""
     after = ""
+    scan = like_prefix(_head(prefix.encode(errors="surrogatepass"), limit - 4))
     while True:
-        rows = fetch({"pattern": like_prefix(prefix), "after": after, "limit": page_size})
+        args = {"scan": scan, "pattern": like_prefix(prefix), "after": after, "limit": page_size}
+        rows = fetch(args)
         yield from rows
         if len(rows) < page_size:
             return
@@ -190,7 +226,8 @@ class Pool(Generic[C]):
 
     A process forked from the one that opened them never uses (nor closes: that would end the
     parent's sessions) the parent's connections; it opens its own. A connection that saw an
-    error is closed, not reused: after a driver error its state is unknown.
+    error, or that ``broken`` says is unusable, is closed, not reused: after a driver error its
+    state is unknown.
     """
 
     def __init__(
@@ -201,8 +238,10 @@ class Pool(Generic[C]):
         size: int,
         timeout: float,
         describe: str,
+        broken: Callable[[C], bool] | None = None,
     ) -> None:
         self._connect = connect
+        self._broken = broken
         self._close = close
         self._size = size
         self._timeout = timeout
@@ -257,6 +296,9 @@ class Pool(Generic[C]):
             except BaseException:
                 self._discard(conn)
                 raise
+            if self._broken is not None and self._broken(conn):
+                self._discard(conn)
+                return
             with self._mutex:
                 if slots is self._slots:
                     self._idle.append(conn)

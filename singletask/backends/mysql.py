@@ -37,7 +37,9 @@ from pymysql.constants import CLIENT
 
 from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
 from ..urls import mask_url
+from . import _mysql_sql as Q
 from . import _sql
+from ._mysql_sql import KEY_BYTES
 from .base import AcquireResult, Holder, LockBackend, check_lease
 
 __all__ = ["MySQLBackend"]
@@ -46,112 +48,8 @@ T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS {table} (
-    `key` VARBINARY(1024) NOT NULL PRIMARY KEY,
-    token VARBINARY(255) NULL,
-    task_id VARBINARY(255) NULL,
-    meta TEXT NULL,
-    lease_expires DATETIME(6) NOT NULL,
-    fence BIGINT NOT NULL,
-    done TEXT NULL,
-    next_task VARBINARY(255) NULL,
-    next_expires DATETIME(6) NULL,
-    expires_at DATETIME(6) NOT NULL,
-    INDEX {index} (expires_at)
-) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"""
-
-#: Run once on every new connection.
-_SESSION = (
-    "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED; "
-    "SET SESSION sql_mode = 'STRICT_ALL_TABLES,NO_ENGINE_SUBSTITUTION', "
-    "innodb_lock_wait_timeout = %(wait)s"
-)
-
-_CLOCK_US = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01', @st_now)"
-
-# Insert the caller's row if the key has none (else just lock the row), then take it where the
-# WHERE allows: free, expired, the caller's token, or a holder starting with the takeover prefix.
-# The fence is assigned before token and lease_expires, so it tests their old values. The final
-# SELECT returns the row as it now is: the caller holds the lock iff its token is the holder's.
-_ACQUIRE = f"""
-SET @st_now = UTC_TIMESTAMP(6);
-START TRANSACTION;
-INSERT INTO {{table}} (`key`, token, task_id, meta, lease_expires, fence, expires_at)
-VALUES (%(key)s, %(token)s, %(task_id)s, %(meta)s, @st_now + INTERVAL %(lease_us)s MICROSECOND,
-        {_CLOCK_US}, @st_now + INTERVAL %(row_us)s MICROSECOND)
-ON DUPLICATE KEY UPDATE `key` = `key`;
-UPDATE {{table}} SET
-    fence = IF(token <=> %(token)s AND lease_expires > @st_now, fence,
-               GREATEST(fence + 1, {_CLOCK_US})),
-    task_id = %(task_id)s,
-    meta = %(meta)s,
-    expires_at = GREATEST(expires_at, @st_now + INTERVAL %(row_us)s MICROSECOND),
-    lease_expires = @st_now + INTERVAL %(lease_us)s MICROSECOND,
-    token = %(token)s
-WHERE `key` = %(key)s AND (token IS NULL OR lease_expires <= @st_now OR token = %(token)s
-    OR (%(prefix)s <> '' AND LEFT(token, LENGTH(%(prefix)s)) = %(prefix)s));
-SELECT token, meta, fence, done, TIMESTAMPDIFF(MICROSECOND, @st_now, lease_expires)
-FROM {{table}} WHERE `key` = %(key)s;
-COMMIT"""
-
-_LIVE = "token IS NOT NULL AND lease_expires > UTC_TIMESTAMP(6)"
-
-_RELEASE = f"""
-UPDATE {{table}} SET done = COALESCE(%(done)s, done), token = NULL, task_id = NULL, meta = NULL,
-    lease_expires = UTC_TIMESTAMP(6)
-WHERE `key` = %(key)s AND token = %(token)s AND {_LIVE}"""
-
-_EXTEND = f"""
-UPDATE {{table}} SET
-    expires_at = GREATEST(expires_at, UTC_TIMESTAMP(6) + INTERVAL %(row_us)s MICROSECOND),
-    lease_expires = UTC_TIMESTAMP(6) + INTERVAL %(lease_us)s MICROSECOND
-WHERE `key` = %(key)s AND token = %(token)s AND {_LIVE}"""
-
-# Lock the row (inserting a free one if the key has none), then set the follow-up unless a live
-# one is pending; return the pending one.
-_CLAIM_NEXT = """
-SET @st_now = UTC_TIMESTAMP(6);
-START TRANSACTION;
-INSERT INTO {table} (`key`, lease_expires, fence, expires_at)
-VALUES (%(key)s, @st_now, 0, @st_now + INTERVAL %(row_us)s MICROSECOND)
-ON DUPLICATE KEY UPDATE `key` = `key`;
-UPDATE {table} SET next_task = %(task_id)s,
-    expires_at = GREATEST(expires_at, @st_now + INTERVAL %(row_us)s MICROSECOND),
-    next_expires = @st_now + INTERVAL %(ttl_us)s MICROSECOND
-WHERE `key` = %(key)s AND (next_task IS NULL OR next_expires <= @st_now);
-SELECT next_task FROM {table} WHERE `key` = %(key)s;
-COMMIT"""
-
-_CLEAR_NEXT = """
-UPDATE {table} SET next_task = NULL, next_expires = NULL
-WHERE `key` = %(key)s AND next_task = %(task_id)s"""
-
-_HOLDER = f"""
-SELECT token, meta, fence, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), lease_expires)
-FROM {{table}} WHERE `key` = %(key)s AND {_LIVE}"""
-
-_ITER = f"""
-SELECT `key`, token, meta, fence, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), lease_expires)
-FROM {{table}} WHERE `key` LIKE %(pattern)s ESCAPE '!' AND `key` > %(after)s AND {_LIVE}
-ORDER BY `key` LIMIT %(limit)s"""
-
-# Lock and read the live holder (of task_id, when given), then free the row; same clock for both.
-_RELEASE_HOLDER = """
-SET @st_now = UTC_TIMESTAMP(6);
-START TRANSACTION;
-SELECT token, meta, fence, TIMESTAMPDIFF(MICROSECOND, @st_now, lease_expires)
-FROM {table} WHERE `key` = %(key)s AND token IS NOT NULL AND lease_expires > @st_now
-    AND (%(task_id)s IS NULL OR task_id = %(task_id)s) FOR UPDATE;
-UPDATE {table} SET token = NULL, task_id = NULL, meta = NULL, lease_expires = @st_now
-WHERE `key` = %(key)s AND token IS NOT NULL AND lease_expires > @st_now
-    AND (%(task_id)s IS NULL OR task_id = %(task_id)s);
-COMMIT"""
-
-_RECLAIM = """
-DELETE FROM {table} WHERE expires_at < UTC_TIMESTAMP(6) ORDER BY expires_at LIMIT %(limit)s"""
-
-#: Server error codes: deadlock victim (retried), and waits that timed out.
+#: Server error codes: deadlock victim (retried), waits that timed out, a column that exists.
+_DUPLICATE_COLUMN = 1060
 _DEADLOCK = 1213
 _TIMEOUTS = {1205, 1969, 3024}  # lock wait timeout, MariaDB / MySQL statement time limits
 _RETRIES = 3
@@ -166,6 +64,12 @@ def _error_class(exc: pymysql.MySQLError) -> type[BackendError]:
     if isinstance(exc, pymysql.err.InterfaceError) or code in {2003, 2006, 2013, 2055}:
         return BackendUnavailable
     return BackendError
+
+
+def _keys(key: str) -> dict[str, str | None]:
+    """The ``key`` and ``full_key`` arguments of lock key ``key``."""
+    stored, full = _sql.stored_key(key, KEY_BYTES)
+    return {"key": stored, "full_key": full}
 
 
 def _text(value: bytes | str | None) -> str | None:
@@ -230,9 +134,10 @@ class MySQLBackend(LockBackend):
         self._q = {
             name: text.format(table=quoted, index=index)
             for name, text in {
-                "schema": _SCHEMA, "acquire": _ACQUIRE, "release": _RELEASE, "extend": _EXTEND,
-                "claim_next": _CLAIM_NEXT, "clear_next": _CLEAR_NEXT, "holder": _HOLDER,
-                "iter": _ITER, "release_holder": _RELEASE_HOLDER, "reclaim": _RECLAIM,
+                "schema": Q.SCHEMA, "add_full_key": Q.ADD_FULL_KEY, "acquire": Q.ACQUIRE,
+                "release": Q.RELEASE, "extend": Q.EXTEND,
+                "claim_next": Q.CLAIM_NEXT, "clear_next": Q.CLEAR_NEXT, "holder": Q.HOLDER,
+                "iter": Q.ITER, "release_holder": Q.RELEASE_HOLDER, "reclaim": Q.RECLAIM,
             }.items()
         }  # fmt: skip
         self._pool: _sql.Pool[pymysql.connections.Connection[Any]] = _sql.Pool(
@@ -286,18 +191,26 @@ class MySQLBackend(LockBackend):
         conn = pymysql.connect(**self._connect_args)
         try:
             with conn.cursor() as cursor:
-                _script(cursor, _SESSION, {"wait": max(1, round(self.timeout))})
+                _script(cursor, Q.SESSION, {"wait": max(1, round(self.timeout))})
                 # Created on a connection's first use, if missing (looked up first: CREATE
                 # TABLE IF NOT EXISTS needs the CREATE privilege even when the table exists).
                 # MySQL's metadata lock makes racing CREATE TABLE IF NOT EXISTS safe.
                 schema, _, name = self.table.rpartition(".")
                 cursor.execute(
-                    "SELECT 1 FROM information_schema.tables "
-                    "WHERE table_schema = COALESCE(%s, DATABASE()) AND table_name = %s",
+                    "SELECT column_name = 'full_key' FROM information_schema.columns "
+                    "WHERE table_schema = COALESCE(%s, DATABASE()) AND table_name = %s "
+                    "AND column_name IN ('key', 'full_key')",
                     (schema or None, name),
                 )
-                if cursor.fetchone() is None:
+                found = {row[0] for row in cursor.fetchall()}
+                if not found:
                     _script(cursor, self._q["schema"], {})
+                elif 1 not in found:
+                    try:
+                        cursor.execute(self._q["add_full_key"])
+                    except pymysql.MySQLError as exc:
+                        if exc.args[:1] != (_DUPLICATE_COLUMN,):  # another worker added it
+                            raise
         except BaseException:
             conn.close()
             raise
@@ -350,7 +263,7 @@ class MySQLBackend(LockBackend):
         ttl = check_lease(ttl, "acquire")
         stored, task_id = _sql.dump_meta(meta)
         args = {
-            "key": key, "token": token, "task_id": task_id, "meta": stored,
+            **_keys(key), "token": token, "task_id": task_id, "meta": stored,
             "lease_us": _us(ttl), "row_us": _us(ttl + _sql.FENCE_RETENTION),
             "prefix": takeover_prefix or "",
         }  # fmt: skip
@@ -361,7 +274,7 @@ class MySQLBackend(LockBackend):
         return AcquireResult(False, _holder((token_now, meta_now, fence, left_us)))
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
-        args = {"key": key, "token": token, "done": completed}
+        args = {**_keys(key), "token": token, "done": completed}
         return self._run("release", key, lambda c: c.execute(self._q["release"], args) > 0)
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
@@ -380,7 +293,8 @@ class MySQLBackend(LockBackend):
             )
             args: dict[str, Any] = {}
             for i, (key, token, ttl) in enumerate(leases):
-                args.update({f"{i}_key": key, f"{i}_token": token, f"{i}_lease_us": _us(ttl),
+                args.update({f"{i}_key": _keys(key)["key"], f"{i}_token": token,
+                             f"{i}_lease_us": _us(ttl),
                              f"{i}_row_us": _us(ttl + _sql.FENCE_RETENTION)})  # fmt: skip
             cursor.execute(text, args)
             counts = [cursor.rowcount]
@@ -393,19 +307,19 @@ class MySQLBackend(LockBackend):
     def claim_next(self, key: str, task_id: str, ttl: float) -> str:
         ttl = check_lease(ttl, "claim_next")
         args = {
-            "key": key, "task_id": task_id, "ttl_us": _us(ttl),
+            **_keys(key), "task_id": task_id, "ttl_us": _us(ttl),
             "row_us": _us(max(ttl, _sql.FENCE_RETENTION)),
         }  # fmt: skip
         rows = self._run("claim_next", key, lambda c: _script(c, self._q["claim_next"], args)[4])
         return _text(rows[0][0]) or task_id
 
     def clear_next(self, key: str, task_id: str) -> bool:
-        args = {"key": key, "task_id": task_id}
+        args = {**_keys(key), "task_id": task_id}
         return self._run("clear_next", key, lambda c: c.execute(self._q["clear_next"], args) > 0)
 
     def holder(self, key: str) -> Holder | None:
         def work(cursor: pymysql.cursors.Cursor) -> Holder | None:
-            cursor.execute(self._q["holder"], {"key": key})
+            cursor.execute(self._q["holder"], _keys(key))
             row = cursor.fetchone()
             return None if row is None else _holder(row)
 
@@ -425,8 +339,8 @@ class MySQLBackend(LockBackend):
         def key_of(row: Any) -> str:
             return _text(row[0]) or ""
 
-        for row in _sql.pages(fetch, prefix, page_size, key_of):
-            yield key_of(row), _holder(row[1:])
+        for row in _sql.pages(fetch, prefix, page_size, key_of, KEY_BYTES):
+            yield _text(row[1]) or "", _holder(row[2:])
 
     def release_held_by(self, key: str, task_id: str) -> Holder | None:
         return self._release_holder("release_held_by", key, task_id)
@@ -435,8 +349,9 @@ class MySQLBackend(LockBackend):
         return self._release_holder("force_release", key, None)
 
     def _release_holder(self, operation: str, key: str, task_id: str | None) -> Holder | None:
-        args = {"key": key, "task_id": task_id}
-        rows = self._run(operation, key, lambda c: _script(c, self._q["release_holder"], args)[2])
+        args = {**_keys(key), "task_id": task_id}
+        results = self._run(operation, key, lambda c: _script(c, self._q["release_holder"], args))
+        rows = next((rows for rows in results if rows), None)  # only the holder's SELECT has rows
         return _holder(rows[0]) if rows else None
 
     def close(self) -> None:

@@ -1,21 +1,32 @@
-"""The PostgreSQL lock store: one row per lock key, every operation one SQL statement.
+"""The PostgreSQL lock store: one row per lock key, every operation one round trip.
 
 URL: ``postgresql://user:password@host:5432/dbname`` (also ``postgres://`` and
 ``postgresql+psycopg://``), with libpq's query options (``sslmode``, ``connect_timeout``, ...)
 and singletask's own: ``table`` (default ``singletask_locks``), ``pool_size`` (4),
-``timeout`` (5 seconds) and ``prepare_threshold`` (psycopg's, default 5; ``none`` behind a
-PgBouncer in transaction mode older than 1.21).
+``timeout`` (5 seconds), ``prepare_threshold`` (psycopg's, default 5) and
+``transaction_pooling`` (0; 1 behind PgBouncer in transaction mode).
 Needs ``pip install "singletask[postgres]"`` (psycopg 3).
 
-How it holds its guarantees (the table layout is in :mod:`singletask.backends._sql`):
+How it holds its guarantees (the table layout is in :mod:`singletask.backends._sql`, the SQL
+in :mod:`singletask.backends._postgres_sql`):
 
-* Every operation is a single statement in autocommit mode, so it is its own READ COMMITTED
-  transaction, committed before the call returns: an acquire is never left uncommitted, and no
-  open transaction ages the clock. Acquire is ``INSERT ... ON CONFLICT DO UPDATE`` whose every
-  assignment is conditional on the old row, and ``RETURNING`` the row as it now is, so the winner
-  and, on a conflict, the holder come from one atomic step.
-* Leases are judged by the database's clock, ``statement_timestamp()`` in ``timestamptz``
-  columns: the workers' clocks (and their time zones) never matter.
+* Each new connection sets its session's isolation (READ COMMITTED) and server-side time limits
+  (``statement_timeout``, ``lock_timeout``: the store's ``timeout``) with one statement, never
+  with startup parameters; then every operation is a single statement in autocommit mode, its
+  own transaction. With ``transaction_pooling`` the session keeps nothing: each operation is
+  ``BEGIN ISOLATION LEVEL READ COMMITTED``, ``SET LOCAL`` limits, the statement and ``COMMIT``
+  in one message. Acquire is ``INSERT ... ON CONFLICT DO UPDATE`` whose every assignment is
+  conditional on the old row, ``RETURNING`` the row as it now is: one atomic step.
+* Leases are judged by the database's clock; a lease starts when its row is taken
+  (``clock_timestamp()`` read once after the row lock), not when a statement that waited for
+  a rival's row lock began. The workers' clocks never matter.
+* Waits are bounded on the client too: ``connect_timeout``, TCP keepalives and
+  ``tcp_user_timeout``, and a deadline (``timeout`` + 1 s) after which the connection's socket
+  is shut down, so a stalled server or link gives BackendTimeout instead of blocking.
+* Errors are classified (``_postgres_sql.error_class``): a serialization failure or deadlock
+  committed nothing and is sent again (3 attempts in all); a key PostgreSQL cannot store (NUL)
+  is a LockKeyError before anything is sent. Keys over ``KEY_BYTES`` (2,000) UTF-8 bytes are
+  stored in a fixed-size form (``_sql.stored_key``).
 * A new fencing token is ``greatest(last + 1, database time in microseconds)``; the row keeps
   the last one after release, so tokens of a key strictly increase (the Redis store's rule).
 * The table and its index on ``expires_at`` are created on a process's first use, serialised by
@@ -24,6 +35,7 @@ How it holds its guarantees (the table layout is in :mod:`singletask.backends._s
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,9 +46,17 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
+from ..exceptions import (
+    BackendTimeout,
+    BackendUnavailable,
+    ConfigurationError,
+    LockKeyError,
+)
 from ..urls import mask_url
+from . import _postgres_sql as Q
 from . import _sql
+from ._postgres_sql import KEY_BYTES
+from ._watchdog import WATCHDOG
 from .base import AcquireResult, Holder, LockBackend, check_lease
 
 __all__ = ["PostgresBackend"]
@@ -44,132 +64,6 @@ __all__ = ["PostgresBackend"]
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
-
-#: Created on first use. ``key`` sorts bytewise (COLLATE "C") so prefix scans use its index.
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS {table} (
-    key text COLLATE "C" PRIMARY KEY,
-    token text,
-    task_id text,
-    meta text,
-    lease_expires timestamptz NOT NULL,
-    fence bigint NOT NULL,
-    done text,
-    next_task text,
-    next_expires timestamptz,
-    expires_at timestamptz NOT NULL
-)"""
-_INDEX = "CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at)"
-
-#: True when the old row ``l`` may be taken by the caller: free, expired, the caller's own token,
-#: or a holder whose token starts with the (non-empty) takeover prefix.
-_TAKE = (
-    "(l.token IS NULL OR l.lease_expires <= statement_timestamp() OR l.token = EXCLUDED.token "
-    "OR (%(prefix)s <> '' AND starts_with(l.token, %(prefix)s)))"
-)
-
-# Insert the caller's row, or rewrite the existing one only where _TAKE holds (PostgreSQL
-# evaluates every SET expression against the old row). Returns the row as it now is: the caller
-# holds the lock iff its token is the holder's. The fence stays for a re-acquire by the live
-# holder, else becomes max(last + 1, clock in microseconds).
-_ACQUIRE = f"""
-INSERT INTO {{table}} AS l
-    (key, token, task_id, meta, lease_expires, fence, expires_at)
-VALUES (%(key)s, %(token)s, %(task_id)s, %(meta)s,
-        statement_timestamp() + %(ttl)s * interval '1 second',
-        (extract(epoch FROM statement_timestamp()) * 1000000)::bigint,
-        statement_timestamp() + (%(ttl)s + %(keep)s) * interval '1 second')
-ON CONFLICT (key) DO UPDATE SET
-    fence = CASE
-        WHEN l.token = EXCLUDED.token AND l.lease_expires > statement_timestamp() THEN l.fence
-        WHEN {_TAKE} THEN greatest(l.fence + 1, EXCLUDED.fence)
-        ELSE l.fence END,
-    token = CASE WHEN {_TAKE} THEN EXCLUDED.token ELSE l.token END,
-    task_id = CASE WHEN {_TAKE} THEN EXCLUDED.task_id ELSE l.task_id END,
-    meta = CASE WHEN {_TAKE} THEN EXCLUDED.meta ELSE l.meta END,
-    lease_expires = CASE WHEN {_TAKE} THEN EXCLUDED.lease_expires ELSE l.lease_expires END,
-    expires_at = CASE WHEN {_TAKE} THEN greatest(l.expires_at, EXCLUDED.expires_at)
-        ELSE l.expires_at END
-RETURNING token, meta, fence, done,
-    extract(epoch FROM lease_expires - statement_timestamp())::float8"""
-
-_LIVE = "token IS NOT NULL AND lease_expires > statement_timestamp()"
-
-# Frees the row (keeping fence and follow-up) if the token holds it; records the marker if given.
-_RELEASE = """
-UPDATE {table} SET token = NULL, task_id = NULL, meta = NULL,
-    lease_expires = statement_timestamp(), done = coalesce(%(done)s, done)
-WHERE key = %(key)s AND token = %(token)s AND lease_expires > statement_timestamp()"""
-
-_EXTEND = f"""
-UPDATE {{table}} SET lease_expires = statement_timestamp() + %(ttl)s * interval '1 second',
-    expires_at = greatest(expires_at,
-        statement_timestamp() + (%(ttl)s + %(keep)s) * interval '1 second')
-WHERE key = %(key)s AND token = %(token)s AND {_LIVE}"""
-
-# One statement for every lease: returns the (key, token) pairs renewed.
-_EXTEND_MANY = """
-UPDATE {table} AS l SET lease_expires = statement_timestamp() + v.ttl * interval '1 second',
-    expires_at = greatest(l.expires_at,
-        statement_timestamp() + (v.ttl + %(keep)s) * interval '1 second')
-FROM unnest(%(keys)s::text[], %(tokens)s::text[], %(ttls)s::float8[]) AS v(key, token, ttl)
-WHERE l.key = v.key AND l.token = v.token AND l.lease_expires > statement_timestamp()
-RETURNING l.key, l.token"""
-
-# Makes task_id the pending follow-up unless a live one is pending; returns the pending one.
-_CLAIM_NEXT = """
-INSERT INTO {table} AS l (key, lease_expires, fence, next_task, next_expires, expires_at)
-VALUES (%(key)s, statement_timestamp(), 0, %(task_id)s,
-        statement_timestamp() + %(ttl)s * interval '1 second',
-        statement_timestamp() + greatest(%(ttl)s, %(keep)s) * interval '1 second')
-ON CONFLICT (key) DO UPDATE SET
-    next_task = CASE WHEN l.next_task IS NOT NULL AND l.next_expires > statement_timestamp()
-        THEN l.next_task ELSE EXCLUDED.next_task END,
-    next_expires = CASE WHEN l.next_task IS NOT NULL AND l.next_expires > statement_timestamp()
-        THEN l.next_expires ELSE EXCLUDED.next_expires END,
-    expires_at = greatest(l.expires_at, EXCLUDED.expires_at)
-RETURNING next_task"""
-
-_CLEAR_NEXT = """
-UPDATE {table} SET next_task = NULL, next_expires = NULL
-WHERE key = %(key)s AND next_task = %(task_id)s"""
-
-_HOLDER = f"""
-SELECT token, meta, fence, extract(epoch FROM lease_expires - statement_timestamp())::float8
-FROM {{table}} WHERE key = %(key)s AND {_LIVE}"""
-
-# One page of live locks under a prefix, after the last key of the previous page.
-_ITER = f"""
-SELECT key, token, meta, fence, extract(epoch FROM lease_expires - statement_timestamp())::float8
-FROM {{table}} WHERE key LIKE %(pattern)s ESCAPE '!' AND key > %(after)s AND {_LIVE}
-ORDER BY key LIMIT %(limit)s"""
-
-# Frees a live lock (if held by task_id, when given) and returns the holder it removed; the row
-# is locked first so the returned holder is the one the update removed.
-_RELEASE_HOLDER = f"""
-WITH old AS (
-    SELECT key, token, meta, fence,
-        extract(epoch FROM lease_expires - statement_timestamp())::float8 AS ttl
-    FROM {{table}} WHERE key = %(key)s AND {_LIVE}
-        AND (%(task_id)s::text IS NULL OR task_id = %(task_id)s::text)
-    FOR UPDATE)
-UPDATE {{table}} AS l SET token = NULL, task_id = NULL, meta = NULL,
-    lease_expires = statement_timestamp()
-FROM old WHERE l.key = old.key
-RETURNING old.token, old.meta, old.fence, old.ttl"""
-
-_RECLAIM = """
-DELETE FROM {table} WHERE key IN (
-    SELECT key FROM {table} WHERE expires_at < statement_timestamp()
-    ORDER BY expires_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED)"""
-
-
-def _error_class(exc: psycopg.Error) -> type[BackendError]:
-    if isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable):
-        return BackendTimeout
-    if isinstance(exc, psycopg.OperationalError):
-        return BackendUnavailable
-    return BackendError
 
 
 class PostgresBackend(LockBackend):
@@ -180,9 +74,13 @@ class PostgresBackend(LockBackend):
         table: The lock table, ``name`` or ``schema.name``; created when missing.
         pool_size: Most connections one process opens.
         timeout: Seconds allowed to connect, per statement (``statement_timeout``,
-            ``lock_timeout``), and to wait for a free pooled connection.
+            ``lock_timeout``), and to wait for a free pooled connection; the client drops a
+            connection that has not answered a second after it.
         prepare_threshold: psycopg's: executions of a statement before it is prepared on the
             server; None never prepares (for PgBouncer in transaction mode before 1.21).
+        transaction_pooling: Keep no session state (for PgBouncer in transaction mode): each
+            operation is one transaction that sets its own isolation and time limits, its
+            arguments bound on the client, never prepared (a little slower).
     """
 
     def __init__(
@@ -193,19 +91,29 @@ class PostgresBackend(LockBackend):
         pool_size: int = 4,
         timeout: float = 5.0,
         prepare_threshold: int | None = 5,
+        transaction_pooling: bool = False,
     ) -> None:
         options = _sql.SQLOptions(table=table, pool_size=pool_size, timeout=timeout)
         self._prepare_threshold = prepare_threshold
+        self.transaction_pooling = transaction_pooling
+        self._preamble = Q.PREAMBLE if transaction_pooling else 0
         try:
             params = conninfo_to_dict(conninfo)
         except psycopg.ProgrammingError as exc:
-            raise ConfigurationError(f"invalid PostgreSQL URL or conninfo: {exc}") from None
+            reason = Q.scrub(str(exc))  # chained as a copy: the driver's text quotes the token
+            raise ConfigurationError(
+                f"invalid PostgreSQL URL or conninfo: {reason} (percent-encode '%', '@', ':' "
+                "and '/' in a URL's user name and password)"
+            ) from type(exc)(reason)
+        # Client-side bounds (libpq's own, never sent to the server): connecting, and TCP
+        # keepalives with a user timeout, so a dead link is noticed even between statements.
         params.setdefault("connect_timeout", max(2, round(options.timeout)))
+        params.setdefault("keepalives", 1)
+        params.setdefault("keepalives_idle", max(1, round(options.timeout)))
+        params.setdefault("keepalives_interval", max(1, round(options.timeout / 3)))
+        params.setdefault("keepalives_count", 3)
+        params.setdefault("tcp_user_timeout", int((options.timeout + Q.MARGIN) * 1000))
         params.setdefault("application_name", "singletask")
-        ms = int(options.timeout * 1000)
-        # Bounded waits; the URL's own options come after, so they win.
-        own = f"-c statement_timeout={ms} -c lock_timeout={ms}"
-        params["options"] = f"{own} {params.get('options') or ''}".strip()
         self._conninfo = make_conninfo("", **params)
         self.table = options.table
         self.timeout = options.timeout
@@ -213,18 +121,28 @@ class PostgresBackend(LockBackend):
         names = options.table.split(".")
         # An index is created in its table's schema; its name is never qualified.
         fmt = {"table": sql.Identifier(*names), "index": sql.Identifier(f"{names[-1]}_expires_at")}
+        self._ms = int(options.timeout * 1000)
+        ms = sql.Literal(self._ms)
         self._q = {
             name: sql.SQL(text).format(**fmt)
             for name, text in {
-                "schema": _SCHEMA, "index": _INDEX, "acquire": _ACQUIRE, "release": _RELEASE,
-                "extend": _EXTEND, "extend_many": _EXTEND_MANY, "claim_next": _CLAIM_NEXT,
-                "clear_next": _CLEAR_NEXT, "holder": _HOLDER, "iter": _ITER,
-                "release_holder": _RELEASE_HOLDER, "reclaim": _RECLAIM,
+                "schema": Q.SCHEMA, "index": Q.INDEX, "add_full_key": Q.ADD_FULL_KEY,
             }.items()
         }  # fmt: skip
+        wrap = sql.SQL(Q.SCRIPT if transaction_pooling else "{statement}")
+        self._q.update(
+            (name, wrap.format(ms=ms, statement=sql.SQL(text).format(**fmt)))
+            for name, text in {
+                "acquire": Q.ACQUIRE, "release": Q.RELEASE, "extend": Q.EXTEND,
+                "extend_many": Q.EXTEND_MANY, "claim_next": Q.CLAIM_NEXT,
+                "clear_next": Q.CLEAR_NEXT,
+                "holder": Q.HOLDER, "iter": Q.ITER, "release_holder": Q.RELEASE_HOLDER,
+                "reclaim": Q.RECLAIM,
+            }.items()
+        )  # fmt: skip
         self._pool: _sql.Pool[psycopg.Connection[Any]] = _sql.Pool(
             self._connect, lambda conn: conn.close(), size=options.pool_size,
-            timeout=options.timeout, describe=repr(self),
+            timeout=options.timeout, describe=repr(self), broken=lambda conn: conn.closed,
         )  # fmt: skip
         self._ready: tuple[int, int] | None = None  # (pid, pool generation) the table was checked
         self._reclaimer = _sql.Reclaimer()
@@ -240,9 +158,21 @@ class PostgresBackend(LockBackend):
         plain, own = _sql.split_url(f"postgresql://{rest}", options)
         # psycopg's prepare_threshold is no libpq parameter: take it out of the query.
         parts = urlsplit(plain)
+        # The user info ends at the last '@' (as for every other store's URL); libpq would end
+        # it at the first, and put the rest of a password with a raw '@' in its host name.
+        userinfo, at, hostport = parts.netloc.rpartition("@")
+        if "@" in userinfo:
+            parts = parts._replace(netloc=userinfo.replace("@", "%40") + at + hostport)
         query = parse_qsl(parts.query, keep_blank_values=True)
         given = [value for name, value in query if name == "prepare_threshold"]
-        rest_query = urlencode([q for q in query if q[0] != "prepare_threshold"], quote_via=quote)
+        pooling = [value for name, value in query if name == "transaction_pooling"]
+        own_names = ("prepare_threshold", "transaction_pooling")
+        rest_query = urlencode([q for q in query if q[0] not in own_names], quote_via=quote)
+        flag = pooling[-1].lower() if pooling else "0"
+        if flag not in Q.FLAGS:
+            raise ConfigurationError(
+                f"URL option transaction_pooling={pooling[-1]!r}: expected 1 or 0 (true/false)"
+            )
         threshold: int | None = 5
         if given and given[-1].lower() == "none":
             threshold = None
@@ -255,6 +185,7 @@ class PostgresBackend(LockBackend):
         return cls(
             urlunsplit(parts._replace(query=rest_query)), table=own.table,
             pool_size=own.pool_size, timeout=own.timeout, prepare_threshold=threshold,
+            transaction_pooling=Q.FLAGS[flag],
         )  # fmt: skip
 
     @classmethod
@@ -267,40 +198,89 @@ class PostgresBackend(LockBackend):
     def _connect(self) -> psycopg.Connection[Any]:
         conn = psycopg.connect(self._conninfo, autocommit=True)
         conn.prepare_threshold = self._prepare_threshold
+        if not self.transaction_pooling:
+            try:
+                args = {"ms": str(self._ms)}
+                self._call(conn, "connect", lambda: conn.execute(Q.SESSION, args))
+            except BaseException:
+                conn.close()
+                raise
         return conn
 
-    def _run(self, operation: str, key: str, work: Callable[[psycopg.Cursor[Any]], T]) -> T:
-        """Run ``work`` with a cursor of a pooled connection: the boundary where driver errors
-        become singletask's. A pooled connection that turns out to be dead (the server closed
-        it while it was idle, or restarted) is replaced and ``work`` runs once more: every
-        operation is safe to repeat (see the docs)."""
-        for attempt in (1, 2):
+    def _call(self, conn: psycopg.Connection[Any], what: str, call: Callable[[], T]) -> T:
+        """Run ``call`` on ``conn``, bounded on the client: a server or link that stalls past
+        ``timeout`` (plus a margin) has the connection's socket shut down, and is a timeout."""
+        limit = self.timeout + Q.MARGIN
+        with WATCHDOG.guard(limit, functools.partial(Q.shut, conn)) as alarm:
+            try:
+                result = call()
+            except psycopg.Error as exc:
+                if alarm.fired:
+                    raise BackendTimeout(f"{self!r}: {what}: no reply within {limit}s") from exc
+                raise
+        if alarm.fired:  # answered as the socket was shut: the pool must not keep it
+            conn.close()
+        return result
+
+    def _run(
+        self, operation: str, key: str, name: str, args: Mapping[str, Any],
+        read: Callable[[psycopg.Cursor[Any]], T],
+    ) -> T:  # fmt: skip
+        """Run the script ``name`` on a pooled connection and ``read`` the statement's result:
+        the boundary where driver errors become singletask's. A serialization failure or
+        deadlock committed nothing and is sent again; a pooled connection that turns out to be
+        dead (the server closed it while it was idle, or restarted) is replaced and the
+        script runs once more: every operation is safe to repeat (see the docs)."""
+        what = f"{operation} {key!r}"
+        stale_retried = False
+        for attempt in range(1, Q.ATTEMPTS + 1):
             try:
                 with self._pool.checkout() as (conn, reused):
                     try:
                         if self._ready != (os.getpid(), self._pool.generation):
-                            self._create_table(conn)
+                            self._call(conn, what, lambda: self._create_table(conn))
                             self._ready = (os.getpid(), self._pool.generation)
-                        with conn.cursor() as cursor:
-                            result = work(cursor)
-                            if self._reclaimer.due():
-                                self._reclaim(cursor)
-                            return result
+                        result = self._call(
+                            conn, what, lambda: read(self._script(conn, name, args))
+                        )
+                        if self._reclaimer.due():
+                            self._call(conn, "reclaim", lambda: self._reclaim(conn))
+                        return result
                     except psycopg.Error as exc:
-                        error = _error_class(exc)
+                        conn.close()  # its state is unknown (maybe inside a failed transaction)
+                        if exc.sqlstate in Q.RETRIED and attempt < Q.ATTEMPTS:
+                            continue  # rolled back whole; the connection is replaced
+                        error = Q.error_class(exc)
                         if error is BackendUnavailable:
                             self._pool.clear()  # the server went away: the others are dead too
-                            if reused and attempt == 1:
+                            if reused and not stale_retried:
+                                stale_retried = True
                                 continue
-                        raise error(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
+                        raise error(f"{self!r}: {what} failed: {exc}") from exc
             except psycopg.Error as exc:  # connecting failed
-                raise _error_class(exc)(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
+                raise Q.error_class(exc)(f"{self!r}: {what} failed: {exc}") from exc
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _script(
+        self, conn: psycopg.Connection[Any], name: str, args: Mapping[str, Any]
+    ) -> psycopg.Cursor[Any]:
+        """Send the operation ``name`` (with ``transaction_pooling``, wrapped in
+        ``_postgres_sql.SCRIPT``); the cursor is left on the result of its statement."""
+        cursor = psycopg.ClientCursor(conn) if self.transaction_pooling else conn.cursor()
+        cursor.execute(self._q[name], args)
+        for _ in range(self._preamble):
+            cursor.nextset()
+        return cursor
 
     def _create_table(self, conn: psycopg.Connection[Any]) -> None:
         # Looked up first: CREATE ... IF NOT EXISTS needs the CREATE privilege even when the
         # table exists, and a user may have only been given the table.
-        if conn.execute("SELECT to_regclass(%s) IS NOT NULL", (self.table,)).fetchone() == (True,):
+        found = conn.execute(
+            "SELECT to_regclass(%(t)s) IS NOT NULL, EXISTS (SELECT FROM pg_attribute WHERE "
+            "attrelid = to_regclass(%(t)s) AND attname = 'full_key' AND NOT attisdropped)",
+            {"t": self.table},
+        ).fetchone()
+        if found == (True, True):
             return
         # CREATE TABLE IF NOT EXISTS alone can fail when two sessions race to create the same
         # table (a unique violation in the catalog): an advisory lock serialises them.
@@ -309,14 +289,28 @@ class PostgresBackend(LockBackend):
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (lock_name,))
             conn.execute(self._q["schema"])
             conn.execute(self._q["index"])
+            conn.execute(self._q["add_full_key"])
 
-    def _reclaim(self, cursor: psycopg.Cursor[Any]) -> None:
+    def _reclaim(self, conn: psycopg.Connection[Any]) -> None:
         """Delete a batch of expired rows; a failure (a read-only database) only logs: the
         operation it follows has succeeded."""
         try:
-            cursor.execute(self._q["reclaim"], {"limit": _sql.RECLAIM_BATCH})
+            self._script(conn, "reclaim", {"limit": _sql.RECLAIM_BATCH})
         except psycopg.Error as exc:
             logger.warning("%r: could not delete expired rows: %s", self, exc)
+            if not conn.closed:
+                conn.close()  # left inside the failed transaction: not reusable
+
+    def _keys(self, key: str) -> dict[str, str | None]:
+        """The ``key`` and ``full_key`` arguments of lock key ``key``.
+
+        Raises:
+            LockKeyError: The key holds a NUL character, which PostgreSQL text cannot hold.
+        """
+        if "\x00" in key:
+            raise LockKeyError(f"lock key {key!r}: PostgreSQL text cannot hold a NUL character")
+        stored, full = _sql.stored_key(key, KEY_BYTES)
+        return {"key": stored, "full_key": full}
 
     def acquire(
         self,
@@ -330,10 +324,10 @@ class PostgresBackend(LockBackend):
         ttl = check_lease(ttl, "acquire")
         stored, task_id = _sql.dump_meta(meta)
         args = {
-            "key": key, "token": token, "task_id": task_id, "meta": stored, "ttl": ttl,
+            **self._keys(key), "token": token, "task_id": task_id, "meta": stored, "ttl": ttl,
             "keep": _sql.FENCE_RETENTION, "prefix": takeover_prefix or "",
         }  # fmt: skip
-        row = self._run("acquire", key, lambda c: c.execute(self._q["acquire"], args).fetchone())
+        row = self._run("acquire", key, "acquire", args, lambda c: c.fetchone())
         assert row is not None  # an upsert always returns its row
         holder, meta_text, fence, done, left = row
         if holder == token:
@@ -341,48 +335,42 @@ class PostgresBackend(LockBackend):
         return AcquireResult(False, _sql.load_holder(holder, meta_text, left, fence))
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
-        args = {"key": key, "token": token, "done": completed}
-        return self._run("release", key, lambda c: c.execute(self._q["release"], args).rowcount > 0)
+        args = {**self._keys(key), "token": token, "done": completed}
+        return self._run("release", key, "release", args, lambda c: c.rowcount > 0)
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
-        args = {"key": key, "token": token, "ttl": check_lease(ttl, "extend")}
+        args = {**self._keys(key), "token": token, "ttl": check_lease(ttl, "extend")}
         args["keep"] = _sql.FENCE_RETENTION
-        return self._run("extend", key, lambda c: c.execute(self._q["extend"], args).rowcount > 0)
+        return self._run("extend", key, "extend", args, lambda c: c.rowcount > 0)
 
     def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool]:
         if not leases:
             return []
-        keys, tokens, ttls = (list(column) for column in zip(*leases, strict=True))
+        keys = [self._keys(key)["key"] for key, _, _ in leases]
         args = {
-            "keys": keys, "tokens": tokens, "ttls": [check_lease(t, "extend") for t in ttls],
+            "keys": keys, "tokens": [token for _, token, _ in leases],
+            "ttls": [check_lease(ttl, "extend") for _, _, ttl in leases],
             "keep": _sql.FENCE_RETENTION,
         }  # fmt: skip
-        rows = self._run(
-            "extend", f"{len(leases)} locks",
-            lambda c: c.execute(self._q["extend_many"], args).fetchall(),
-        )  # fmt: skip
-        renewed = set(rows)
-        return [(key, token) in renewed for key, token, _ in leases]
+        what = f"{len(leases)} locks"
+        renewed = set(self._run("extend", what, "extend_many", args, lambda c: c.fetchall()))
+        return [
+            (stored, token) in renewed for stored, (_, token, _) in zip(keys, leases, strict=True)
+        ]
 
     def claim_next(self, key: str, task_id: str, ttl: float) -> str:
         ttl = check_lease(ttl, "claim_next")
-        args = {"key": key, "task_id": task_id, "ttl": ttl, "keep": _sql.FENCE_RETENTION}
-        row = self._run(
-            "claim_next", key, lambda c: c.execute(self._q["claim_next"], args).fetchone()
-        )
+        args = {**self._keys(key), "task_id": task_id, "ttl": ttl, "keep": _sql.FENCE_RETENTION}
+        row = self._run("claim_next", key, "claim_next", args, lambda c: c.fetchone())
         assert row is not None
         return str(row[0])
 
     def clear_next(self, key: str, task_id: str) -> bool:
-        args = {"key": key, "task_id": task_id}
-        return self._run(
-            "clear_next", key, lambda c: c.execute(self._q["clear_next"], args).rowcount > 0
-        )
+        args = {**self._keys(key), "task_id": task_id}
+        return self._run("clear_next", key, "clear_next", args, lambda c: c.rowcount > 0)
 
     def holder(self, key: str) -> Holder | None:
-        row = self._run(
-            "inspect", key, lambda c: c.execute(self._q["holder"], {"key": key}).fetchone()
-        )
+        row = self._run("inspect", key, "holder", self._keys(key), lambda c: c.fetchone())
         return None if row is None else _sql.load_holder(row[0], row[1], row[3], row[2])
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
@@ -390,9 +378,10 @@ class PostgresBackend(LockBackend):
         order (each page one indexed range scan)."""
 
         def fetch(args: dict[str, object]) -> list[Any]:
-            return self._run("list", prefix, lambda c: c.execute(self._q["iter"], args).fetchall())
+            return self._run("list", prefix, "iter", args, lambda c: c.fetchall())
 
-        for key, token, meta, fence, left in _sql.pages(fetch, prefix, page_size, lambda r: r[0]):
+        rows = _sql.pages(fetch, prefix, page_size, lambda r: r[0], KEY_BYTES)
+        for _, key, token, meta, fence, left in rows:
             yield key, _sql.load_holder(token, meta, left, fence)
 
     def release_held_by(self, key: str, task_id: str) -> Holder | None:
@@ -402,10 +391,8 @@ class PostgresBackend(LockBackend):
         return self._release_holder("force_release", key, None)
 
     def _release_holder(self, operation: str, key: str, task_id: str | None) -> Holder | None:
-        args = {"key": key, "task_id": task_id}
-        row = self._run(
-            operation, key, lambda c: c.execute(self._q["release_holder"], args).fetchone()
-        )
+        args = {**self._keys(key), "task_id": task_id}
+        row = self._run(operation, key, "release_holder", args, lambda c: c.fetchone())
         return None if row is None else _sql.load_holder(row[0], row[1], row[3], row[2])
 
     def close(self) -> None:

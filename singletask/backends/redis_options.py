@@ -53,7 +53,7 @@ SOCKET_OPTIONS: Final[dict[str, type]] = {
 }
 
 #: The transport options of how long a released key keeps its last fencing token and its
-#: completion marker (see docs/backends.rst).
+#: completion marker (see docs/store-redis.rst, "What a released key keeps").
 RETENTION_OPTIONS: Final = ("fence_retention", "marker_retention")
 
 #: The longest retention accepted, in seconds: the longest duration the scripts take.

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..exceptions import BackendError, BackendTimeout, ConfigurationError
 from ..urls import mask_url, query_options
-from ._sql import load_holder
+from ._sql import load_holder, stored_key
 from .base import AcquireResult, Holder, LockBackend, check_lease
 
 __all__ = ["SQLiteBackend"]
@@ -179,7 +179,13 @@ class SQLiteBackend(LockBackend):
 
     @contextmanager
     def _transaction(self, operation: str, key: str) -> Iterator[sqlite3.Connection]:
-        """One serialised write transaction; SQLite errors become singletask's."""
+        """One serialised write transaction; SQLite errors become singletask's.
+
+        Raises:
+            LockKeyError: ``key`` is not valid Unicode text (a lone surrogate). A key of any
+                length is stored as it is: SQLite has no limit on a primary key's size.
+        """
+        stored_key(key, len(key) * 4)  # only checks the text
         with self._mutex:
             try:
                 conn = self._connection()

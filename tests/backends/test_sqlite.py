@@ -12,6 +12,7 @@ import pytest
 from singletask import ConfigurationError
 from singletask.backends import backend_from_url
 from singletask.backends.sqlite import SQLiteBackend
+from singletask.exceptions import LockKeyError
 
 
 def test_sqlite_urls_follow_the_sqlalchemy_convention(
@@ -93,3 +94,24 @@ def test_processes_sharing_the_file_never_hold_the_lock_together(tmp_path: Path)
     assert all(process.exitcode == 0 for process in workers)
     assert sum(wins for wins, _ in outcomes) > 0
     assert sum(overlaps for _, overlaps in outcomes) == 0
+
+
+def test_a_lock_key_of_thousands_of_characters_is_an_ordinary_lock(tmp_path: Path) -> None:
+    """No size limit on a key: a 12,000-character one is acquired, listed under a long prefix,
+    renewed and released like any other; a key that is not valid text is a LockKeyError, not
+    a driver error."""
+    backend = SQLiteBackend(tmp_path / "locks.db")
+    key = "app:long:" + "é" * 12_000  # 24,000 bytes
+    twin = key[:-1] + "e"
+
+    first = backend.acquire(key, "t1", 30)
+    assert first.acquired
+    assert backend.acquire(twin, "t2", 30).acquired
+    assert not backend.acquire(key, "rival", 30).acquired
+    assert sorted(k for k, _ in backend.iter_locks(key[:11_000])) == sorted([key, twin])
+    assert backend.extend(key, "t1", 30)
+    assert backend.release(key, "t1")
+    assert backend.acquire(key, "t3", 30).fence > first.fence
+    with pytest.raises(LockKeyError):
+        backend.acquire("bad\ud800key", "t", 30)
+    backend.close()

@@ -126,7 +126,7 @@ def test_locks_lists_the_running_holders_field_by_field(
 
     # And another task name filters them out; --limit bounds the listing
     other = command(cluster, way, "locks", "--task", "e2e.ops.other", "--json")
-    assert other.returncode == 1, other.stderr
+    assert other.returncode == 0, other.stderr  # an empty listing is an answer
     assert json.loads(other.stdout) == []
     limited = command(cluster, way, "locks", "--task", "e2e.ops.hold", "--limit", "1", "--json")
     assert limited.returncode == 0, limited.stderr

@@ -1,0 +1,207 @@
+"""The SQL of the PostgreSQL lock store (:mod:`singletask.backends.postgres`), and how it
+classifies its driver's errors.
+
+Each operation's statement is formatted into ``SCRIPT``: one READ COMMITTED transaction with
+its own time limits, sent as one simple-query message. The table layout is described in
+:mod:`singletask.backends._sql`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from typing import Any
+
+import psycopg
+
+from ..exceptions import BackendError, BackendTimeout, BackendUnavailable
+
+#: Created on first use. ``key`` sorts bytewise (COLLATE "C") so prefix scans use its index.
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS {table} (
+    key text COLLATE "C" PRIMARY KEY,
+    token text,
+    task_id text,
+    meta text,
+    lease_expires timestamptz NOT NULL,
+    fence bigint NOT NULL,
+    done text,
+    next_task text,
+    next_expires timestamptz,
+    expires_at timestamptz NOT NULL,
+    full_key text
+)"""
+INDEX = "CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at)"
+# A table made before full_key existed gains it (a nullable column: no rewrite, no long lock).
+ADD_FULL_KEY = "ALTER TABLE {table} ADD COLUMN IF NOT EXISTS full_key text"
+
+#: Lock keys longer than this many UTF-8 bytes are stored in a fixed-size form (see
+#: ``_sql.stored_key``); a B-tree entry holds at most about 2,700 bytes.
+KEY_BYTES = 2000
+
+#: Run once on each new connection (a statement, not a startup parameter, which PgBouncer
+#: would refuse): the session's isolation and server-side time limits, whatever the server's,
+#: database's or role's defaults. Each operation is then one prepared statement in autocommit.
+SESSION = (
+    "SELECT set_config('statement_timeout', %(ms)s, false), "
+    "set_config('lock_timeout', %(ms)s, false), "
+    "set_config('default_transaction_isolation', 'read committed', false)"
+)
+
+#: With ``transaction_pooling``, every operation is this transaction instead, sent as one
+#: simple-query message (one round trip, arguments bound on the client, nothing prepared):
+#: isolation and time limits are the transaction's own, so nothing depends on session state,
+#: which PgBouncer in transaction mode does not keep.
+SCRIPT = (
+    "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL statement_timeout = {ms}; "
+    "SET LOCAL lock_timeout = {ms}; {statement}; COMMIT"
+)
+PREAMBLE = 3  # results before the statement's own: BEGIN, SET, SET
+
+# The row as the caller may take it, judged at ``n.now``: the clock read once, after the row
+# is locked (a sub-SELECT of the SET is evaluated on the locked row), so a lease never starts
+# before the wait for a rival's row lock ends. True when the old row ``l`` is free, expired,
+# the caller's own token, or a holder whose token starts with the (non-empty) takeover prefix.
+NOW = """(SELECT c.now, (extract(epoch FROM c.now) * 1000000)::bigint AS us,
+    (l.token IS NULL OR l.lease_expires <= c.now OR l.token = EXCLUDED.token
+     OR (%(prefix)s <> '' AND starts_with(l.token, %(prefix)s))) AS take
+    FROM (SELECT clock_timestamp() AS now) AS c) AS n"""
+
+# Insert the caller's row, or rewrite the existing one only where ``n.take`` holds. Returns the
+# row as it now is: the caller holds the lock iff its token is the holder's. The fence stays for
+# a re-acquire by the live holder, else becomes max(last + 1, clock in microseconds).
+ACQUIRE = f"""
+INSERT INTO {{table}} AS l
+    (key, full_key, token, task_id, meta, lease_expires, fence, expires_at)
+VALUES (%(key)s, %(full_key)s, %(token)s, %(task_id)s, %(meta)s,
+        clock_timestamp() + %(ttl)s * interval '1 second',
+        (extract(epoch FROM clock_timestamp()) * 1000000)::bigint,
+        clock_timestamp() + (%(ttl)s + %(keep)s) * interval '1 second')
+ON CONFLICT (key) DO UPDATE SET
+    (fence, token, task_id, meta, lease_expires, expires_at, full_key) = (SELECT
+        CASE WHEN l.token = EXCLUDED.token AND l.lease_expires > n.now THEN l.fence
+            WHEN n.take THEN greatest(l.fence + 1, n.us) ELSE l.fence END,
+        CASE WHEN n.take THEN EXCLUDED.token ELSE l.token END,
+        CASE WHEN n.take THEN EXCLUDED.task_id ELSE l.task_id END,
+        CASE WHEN n.take THEN EXCLUDED.meta ELSE l.meta END,
+        CASE WHEN n.take THEN n.now + %(ttl)s * interval '1 second' ELSE l.lease_expires END,
+        CASE WHEN n.take THEN greatest(l.expires_at,
+            n.now + (%(ttl)s + %(keep)s) * interval '1 second') ELSE l.expires_at END,
+        EXCLUDED.full_key
+    FROM {NOW})
+RETURNING token, meta, fence, done,
+    extract(epoch FROM lease_expires - clock_timestamp())::float8"""
+
+LIVE = "token IS NOT NULL AND lease_expires > statement_timestamp()"
+
+# Frees the row (keeping fence and follow-up) if the token holds it; records the marker if given.
+RELEASE = """
+UPDATE {table} SET token = NULL, task_id = NULL, meta = NULL,
+    lease_expires = clock_timestamp(), done = coalesce(%(done)s, done)
+WHERE key = %(key)s AND token = %(token)s AND lease_expires > clock_timestamp()"""
+
+# Updates that may wait for a row lock read the clock when they run (clock_timestamp()): a
+# renewed lease starts when the row is taken, and an expiry during the wait counts.
+EXTEND = """
+UPDATE {table} SET lease_expires = clock_timestamp() + %(ttl)s * interval '1 second',
+    expires_at = greatest(expires_at,
+        clock_timestamp() + (%(ttl)s + %(keep)s) * interval '1 second')
+WHERE key = %(key)s AND token = %(token)s AND token IS NOT NULL
+    AND lease_expires > clock_timestamp()"""
+
+# One statement for every lease: returns the (key, token) pairs renewed.
+EXTEND_MANY = """
+UPDATE {table} AS l SET lease_expires = clock_timestamp() + v.ttl * interval '1 second',
+    expires_at = greatest(l.expires_at,
+        clock_timestamp() + (v.ttl + %(keep)s) * interval '1 second')
+FROM unnest(%(keys)s::text[], %(tokens)s::text[], %(ttls)s::float8[]) AS v(key, token, ttl)
+WHERE l.key = v.key AND l.token = v.token AND l.lease_expires > clock_timestamp()
+RETURNING l.key, l.token"""
+
+# Makes task_id the pending follow-up unless a live one is pending; returns the pending one.
+CLAIM_NEXT = """
+INSERT INTO {table} AS l
+    (key, full_key, lease_expires, fence, next_task, next_expires, expires_at)
+VALUES (%(key)s, %(full_key)s, statement_timestamp(), 0, %(task_id)s,
+        statement_timestamp() + %(ttl)s * interval '1 second',
+        statement_timestamp() + greatest(%(ttl)s, %(keep)s) * interval '1 second')
+ON CONFLICT (key) DO UPDATE SET
+    next_task = CASE WHEN l.next_task IS NOT NULL AND l.next_expires > statement_timestamp()
+        THEN l.next_task ELSE EXCLUDED.next_task END,
+    next_expires = CASE WHEN l.next_task IS NOT NULL AND l.next_expires > statement_timestamp()
+        THEN l.next_expires ELSE EXCLUDED.next_expires END,
+    expires_at = greatest(l.expires_at, EXCLUDED.expires_at)
+RETURNING next_task"""
+
+CLEAR_NEXT = """
+UPDATE {table} SET next_task = NULL, next_expires = NULL
+WHERE key = %(key)s AND next_task = %(task_id)s"""
+
+HOLDER = f"""
+SELECT token, meta, fence, extract(epoch FROM lease_expires - statement_timestamp())::float8
+FROM {{table}} WHERE key = %(key)s AND {LIVE}"""
+
+# One page of live locks under a prefix, after the last key of the previous page.
+ITER = f"""
+SELECT key, coalesce(full_key, key), token, meta, fence,
+    extract(epoch FROM lease_expires - statement_timestamp())::float8
+FROM {{table}} WHERE key LIKE %(scan)s ESCAPE '!' AND key > %(after)s
+    AND coalesce(full_key, key) LIKE %(pattern)s ESCAPE '!' AND {LIVE}
+ORDER BY key LIMIT %(limit)s"""
+
+# Frees a live lock (if held by task_id, when given) and returns the holder it removed; the row
+# is locked first so the returned holder is the one the update removed.
+RELEASE_HOLDER = f"""
+WITH old AS (
+    SELECT key, token, meta, fence,
+        extract(epoch FROM lease_expires - statement_timestamp())::float8 AS ttl
+    FROM {{table}} WHERE key = %(key)s AND {LIVE}
+        AND (%(task_id)s::text IS NULL OR task_id = %(task_id)s::text)
+    FOR UPDATE)
+UPDATE {{table}} AS l SET token = NULL, task_id = NULL, meta = NULL,
+    lease_expires = statement_timestamp()
+FROM old WHERE l.key = old.key
+RETURNING old.token, old.meta, old.fence, old.ttl"""
+
+RECLAIM = """
+DELETE FROM {table} WHERE key IN (
+    SELECT key FROM {table} WHERE expires_at < statement_timestamp()
+    ORDER BY expires_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED)"""
+
+
+#: SQLSTATEs: serialization failure and deadlock (nothing was committed: sent again), and the
+#: server ending or refusing sessions (shutdown, crash recovery, too many connections).
+RETRIED = {"40001", "40P01"}
+ATTEMPTS = 3
+GONE = {"57P01", "57P02", "57P03", "53300"}
+#: Seconds the client waits past ``timeout`` before it drops a connection that does not answer
+#: (the server's own limits, set to ``timeout``, normally answer first).
+MARGIN = 1.0
+FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def error_class(exc: psycopg.Error) -> type[BackendError]:
+    """Timeouts; a connection that failed or a server that went away; anything else (an error
+    of the statement, bad input, a read-only server) is a plain BackendError."""
+    state = exc.sqlstate or ""
+    if isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable):
+        return BackendTimeout
+    if "timeout expired" in str(exc):  # libpq's connect_timeout
+        return BackendTimeout
+    if state.startswith("08") or state in GONE:
+        return BackendUnavailable
+    if isinstance(exc, psycopg.OperationalError) and not state:  # raised by the client: the link
+        return BackendUnavailable
+    return BackendError
+
+
+def shut(conn: psycopg.Connection[Any]) -> None:
+    """Shut the connection's socket down: a call blocked reading it returns at once."""
+    with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def scrub(text: str) -> str:
+    """A libpq parse error without the tokens it quotes (one may be the password)."""
+    return re.sub(r'"[^"]*"', '"***"', text)
