@@ -1,0 +1,181 @@
+"""The fault campaign: the store's promise checked over whole histories, under faults.
+
+Workers (threads, and processes where the store is shared across processes) take, renew,
+check and release random keys while a seeded schedule delays, stalls and cuts their links,
+pauses their processes, restarts the servers the tests own and fails Redis over. Then the
+checker (tests/campaign/history.py) asserts, over every worker's history: no two believed
+holding intervals of one key overlap, fences strictly increase between successive holders,
+every error a caller saw is a ``SingletaskError`` with its cause chained, and no call blocked
+longer than the store's timeouts allow.
+
+A short run per store is part of the default suite; the long one is its own step of .ci/run:
+``python -m pytest -m campaign -n 0`` (``SINGLETASK_CAMPAIGN_SECONDS`` of faults per store, 75 by
+default).
+Every run prints its seed; ``SINGLETASK_CAMPAIGN_SEED=<seed>`` replays its fault schedule.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from .history import CallError, Fault, Hold, Report, check
+from .runner import campaign_seed, run_campaign
+from .stores import STORES, sentinel_env
+
+#: Seconds of faults per store in the default suite (the README's command).
+SHORT = 3.0
+
+
+def long_seconds() -> float:
+    return float(os.environ.get("SINGLETASK_CAMPAIGN_SECONDS", "75"))
+
+
+def verdict(store: str, seed: int, report: Report) -> None:
+    """Print the run's figures (and append them to ``SINGLETASK_CAMPAIGN_REPORT``, if set);
+    fail with every violation and the seed that replays the schedule."""
+    line = report.summary(store, seed)
+    print(line)
+    out = os.environ.get("SINGLETASK_CAMPAIGN_REPORT")
+    if out:
+        with open(out, "a", encoding="utf-8") as file:
+            file.write(line + "\n")
+            for loss in report.documented_losses:
+                file.write(f"  documented loss: {loss}\n")
+            for violation in report.violations:
+                file.write(f"  VIOLATION: {violation}\n")
+    if report.violations:
+        shown = "\n  ".join(report.violations[:30])
+        more = len(report.violations) - 30
+        pytest.fail(
+            f"{line}\n  {shown}"
+            + (f"\n  ... and {more} more" if more > 0 else "")
+            + f"\nreplay: SINGLETASK_CAMPAIGN_SEED={seed}",
+            pytrace=False,
+        )
+
+
+# -- the checker, on histories written by hand ---------------------------------------------
+
+
+def hold(worker: str, start: float, end: float, fence: int, key: str = "k") -> Hold:
+    return Hold(key, worker, start - 0.01, start, end, fence, ttl=1.0)
+
+
+def judge(holds: list[Hold], faults: list[Fault] | None = None, **kwargs: object) -> Report:
+    return check(holds, kwargs.get("errors", []), [], faults or [], operations=1, block_bound=5)  # type: ignore[arg-type]
+
+
+def test_successive_holders_with_growing_fences_pass() -> None:
+    report = judge([hold("a", 0, 1, 10), hold("b", 1.5, 2, 11), hold("a", 3, 4, 12)])
+    assert report.violations == []
+
+
+def test_overlapping_believed_intervals_are_a_violation_naming_key_intervals_and_fences() -> None:
+    report = judge([hold("a", 0, 1.2, 10), hold("b", 1.0, 2, 11)])
+    assert len(report.violations) == 1
+    assert "key 'k': believed intervals overlap by 0.200000s" in report.violations[0]
+    assert "a [0.000000, 1.200000] (acquire sent at -0.010000) fence=10" in report.violations[0]
+    assert "b [1.000000, 2.000000] (acquire sent at 0.990000) fence=11" in report.violations[0]
+
+
+def test_an_interval_inside_a_longer_one_is_found() -> None:
+    report = judge([hold("a", 0, 5, 1), hold("b", 1, 2, 2), hold("c", 3, 4, 3)])
+    assert len(report.violations) == 2
+
+
+def test_a_fence_that_does_not_grow_between_successive_holders_is_a_violation() -> None:
+    report = judge([hold("a", 0, 1, 11), hold("b", 2, 3, 11), hold("c", 4, 5, 10)])
+    assert len(report.violations) == 2
+    assert "fence did not increase" in report.violations[0]
+
+
+def test_keys_are_judged_apart() -> None:
+    report = judge([hold("a", 0, 2, 5, key="x"), hold("b", 1, 3, 1, key="y")])
+    assert report.violations == []
+
+
+def test_an_overlap_across_a_lossy_fault_is_a_documented_loss_within_one_lease() -> None:
+    restart = Fault("restart", "memcached", 1.0, 1.5, lossy=True)
+    excused = judge([hold("a", 0, 2.0, 1), hold("b", 1.6, 3, 2)], [restart])
+    assert excused.violations == []
+    assert len(excused.documented_losses) == 1
+    # The old holder still believed more than a lease after the fault: not excused.
+    late = judge([hold("a", 0, 2.6, 1), hold("b", 1.6, 3, 2)], [restart])
+    assert len(late.violations) == 1
+    # A lossless fault excuses nothing.
+    cut = Fault("cut", "link-0", 1.0, 1.0)
+    assert len(judge([hold("a", 0, 2.0, 1), hold("b", 1.6, 3, 2)], [cut]).violations) == 1
+
+
+def test_errors_must_be_singletask_errors_chaining_the_error_they_were_raised_for() -> None:
+    def error(type_: str, singletask: bool, cause: str | None, context: str | None) -> CallError:
+        backend = type_.startswith("singletask.exceptions.Backend")
+        return CallError("w", "acquire", type_, singletask, backend, cause, context, "boom")
+
+    errors = [
+        error("singletask.exceptions.BackendTimeout", True, "TimeoutError", "TimeoutError"),
+        error("singletask.exceptions.LockLost", True, None, None),
+        # A condition the store itself decided (no driver error behind it): nothing to chain.
+        error("singletask.exceptions.BackendUnavailable", True, None, None),
+        error("redis.exceptions.ReadOnlyError", False, None, None),
+        # Raised while handling a driver error without `from` (or `from None`): not chained.
+        error("singletask.exceptions.BackendError", True, None, "ConnectionError"),
+    ]
+    report = judge([], errors=errors)
+    assert len(report.violations) == 2
+    assert "ReadOnlyError, not a SingletaskError" in report.violations[0]
+    assert "while handling ConnectionError without chaining it" in report.violations[1]
+
+
+def test_a_request_in_flight_while_the_holder_finishes_is_no_overlap() -> None:
+    """The belief starts when the reply says "acquired": a rival's acquire sent while the holder
+    still works, and granted after its release, overlaps nothing."""
+    holder = Hold("k", "a", 0.0, 0.01, 1.0, 1, ttl=2.0)
+    rival = Hold("k", "b", 0.9, 1.05, 2.0, 2, ttl=2.0)
+    assert judge([holder, rival]).violations == []
+
+
+# -- the runs ------------------------------------------------------------------------------
+
+
+def run(store: str, tmp_path: Path, seconds: float, scale: int) -> None:
+    seed = campaign_seed()
+    with STORES[store](tmp_path, scale) as env:
+        report = run_campaign(env, seed, seconds, tmp_path)
+    verdict(store, seed, report)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("store", sorted(STORES))
+def test_short_campaign(store: str, tmp_path: Path) -> None:
+    run(store, tmp_path, SHORT, scale=1)
+
+
+@pytest.mark.campaign
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("store", sorted(STORES))
+def test_long_campaign(store: str, tmp_path: Path) -> None:
+    run(store, tmp_path, long_seconds(), scale=2)
+
+
+def _sentinel(request: pytest.FixtureRequest, tmp_path: Path, seconds: float) -> None:
+    deployment = request.getfixturevalue("redis_sentinel")
+    seed = campaign_seed()
+    with sentinel_env(tmp_path, 1, deployment) as env:
+        report = run_campaign(env, seed, seconds, tmp_path)
+    verdict("sentinel", seed, report)
+
+
+@pytest.mark.deployments
+@pytest.mark.timeout(180)
+def test_short_campaign_sentinel(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    _sentinel(request, tmp_path, 3 * SHORT)
+
+
+@pytest.mark.campaign
+@pytest.mark.timeout(1800)
+def test_long_campaign_sentinel(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    _sentinel(request, tmp_path, long_seconds())
