@@ -26,7 +26,7 @@ NEWS, BLOG = "https://example.org/news.rss", "https://example.org/blog.rss"
 
 @app.task(base=SingletonTask, lock_key="feed:{feed_url}")
 def import_feed(feed_url: str) -> str:
-    time.sleep(1)  # stand-in for fetching the feed and storing its entries
+    time.sleep(2)  # stand-in for fetching the feed and storing its entries
     return f"imported {feed_url}"
 
 

@@ -39,6 +39,15 @@ class CheckLockStore(bootsteps.Step):
         store.from_url(settings.backend_url, **settings.backend_options()).close()
         # Lease options longer than the store accepts (the app may have been configured after
         # its tasks were bound, when nothing could check them).
+        # Every task is checked, and every refusal named in one error.
+        refused = []
         for name, task in sorted(parent.app.tasks.items()):
             if is_singleton(task):
-                check_lease_options(parent.app, name, task._singletask_options)
+                try:
+                    check_lease_options(parent.app, name, task._singletask_options)
+                except ConfigurationError as exc:
+                    refused.append(str(exc))
+        if len(refused) == 1:
+            raise ConfigurationError(refused[0])
+        if refused:
+            raise ConfigurationError(f"{len(refused)} tasks: " + "; ".join(refused))
