@@ -59,6 +59,7 @@ from ..servers import (
     start_memcached,
     unavailable,
 )
+from .test_contract import wait_until_free
 
 T = TypeVar("T")
 
@@ -259,15 +260,6 @@ def primitives(backend: LockBackend, key: str, token: str) -> dict[str, Callable
         "release": lambda: backend.release(key, token),
         "holder": lambda: backend.holder(key),
     }
-
-
-def wait_until_free(backend: LockBackend, key: str, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if backend.holder(key) is None:
-            return True
-        time.sleep(0.05)
-    return backend.holder(key) is None
 
 
 # -- (a) a reply later than the client's timeout ------------------------------------------------
