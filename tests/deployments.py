@@ -7,8 +7,9 @@ All run on loopback ports, from the ``redis-server`` and ``redis-cli`` found on 
   ports are at most 55535, because each node also listens on port + 10000 (the cluster bus).
 * :class:`SentinelDeployment`: 1 master, 1 replica, 3 sentinels watching them as ``mymaster``,
   with a 1 s down-after so that failovers take seconds.
-* :class:`FailoverPair`: a primary and its replica behind one address (a :class:`Forwarder`),
-  failed over by hand (``REPLICAOF``), as a managed service's primary endpoint or a VIP moves.
+* :class:`FailoverPair`: a primary and its replica behind one address (a
+  :class:`~tests.faultproxy.FaultProxy`), failed over by hand (``REPLICAOF``), as a managed
+  service's primary endpoint or a VIP moves.
 * :class:`TLSServer`: a redis-server speaking TLS only, with a throwaway CA, server and client
   certificates made by ``openssl`` (needs a redis-server built with TLS; see
   :func:`tls_redis_binary`).
@@ -23,13 +24,13 @@ import os
 import shutil
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import redis
 
+from .faultproxy import FaultProxy
 from .servers import RedisServer, free_port, redis_server_binary
 
 #: The master name the Sentinel deployment's sentinels watch.
@@ -489,75 +490,18 @@ def default_binary() -> str:
     return binary
 
 
-class Forwarder:
-    """A TCP forwarder to a server on 127.0.0.1 (a virtual IP, a managed service's endpoint):
-    :meth:`repoint` sends the connections made from then on to another port, leaving those
-    already open where they are (as a DNS name or a VIP moved by a failover does); :meth:`stall`
-    makes it accept and read but never answer, on every connection (a black-holed link)."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(64)
-        self.port = int(self.listener.getsockname()[1])
-        self.stalled = threading.Event()
-        self._sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def repoint(self, target_port: int) -> None:
-        self.target_port = target_port
-
-    def stall(self) -> None:
-        self.stalled.set()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return  # closed
-            if self.stalled.is_set():
-                self._sockets.append(client)  # held open, never answered
-                continue
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
-                upstream.settimeout(None)
-            except OSError:
-                client.close()
-                continue
-            self._sockets += [client, upstream]
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                if not self.stalled.is_set():
-                    sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            with contextlib.suppress(OSError):
-                sink.shutdown(socket.SHUT_WR)
-
-    def close(self) -> None:
-        self.listener.close()
-        for sock in self._sockets:
-            with contextlib.suppress(OSError):
-                sock.close()
-
-
 class FailoverPair:
-    """A primary, its replica, and a :class:`Forwarder` in front of the primary: one address
-    for the store, which a failover moves (:meth:`failover`)."""
+    """A primary, its replica, and a :class:`~tests.faultproxy.FaultProxy` in front of the
+    primary: one address for the store (a virtual IP, a managed service's endpoint), which
+    :meth:`failover` leaves where it is and ``vip.repoint(target)`` moves, for new connections
+    only (as a moved DNS name or VIP does)."""
 
     def __init__(self, binary: str, workdir: Path) -> None:
         # No diskless-sync delay (5 s by default): a replica syncs at once.
         fast = ("--repl-diskless-sync-delay", "0")
         self.first = RedisServer(binary, workdir / "a", extra_args=fast)
         self.second = RedisServer(binary, workdir / "b", extra_args=fast)
-        self.vip: Forwarder | None = None
+        self.vip: FaultProxy | None = None
 
     @property
     def url(self) -> str:
@@ -569,7 +513,7 @@ class FailoverPair:
         self.second.extra_args += ("--replicaof", "127.0.0.1", str(self.first.port))
         self.second.start()
         wait_until(lambda: self._linked(self.second.port), "the replica to sync")
-        self.vip = Forwarder(self.first.port)
+        self.vip = FaultProxy(("127.0.0.1", self.first.port))
 
     @staticmethod
     def _linked(port: int) -> bool:
@@ -577,7 +521,7 @@ class FailoverPair:
 
     def failover(self) -> None:
         """Promote the replica (REPLICAOF NO ONE), make the old primary its replica; the
-        forwarder still leads to the old primary (see :meth:`Forwarder.repoint`)."""
+        address still leads to the old primary (``vip.repoint`` moves it)."""
         with contextlib.closing(redis.Redis(port=self.second.port, socket_timeout=5)) as second:
             second.execute_command("REPLICAOF", "NO", "ONE")
         with contextlib.closing(redis.Redis(port=self.first.port, socket_timeout=5)) as first:

@@ -23,7 +23,8 @@ from singletask import BackendError, BackendTimeout, BackendUnavailable
 from singletask.backends import backend_from_url
 from singletask.backends.redis import CLIENT_DEFAULTS, RedisBackend
 
-from ..deployments import FailoverPair, Forwarder, default_binary, wait_until
+from ..deployments import FailoverPair, default_binary, wait_until
+from ..faultproxy import FaultProxy, address_of
 from ..servers import unavailable
 
 LEASE = 30.0
@@ -88,7 +89,7 @@ def test_a_demoted_primary_is_dropped_and_the_store_is_unavailable_until_the_add
 
     # When the address moves to the new primary
     assert pair.vip is not None
-    pair.vip.repoint(pair.second.port)
+    pair.vip.repoint(("127.0.0.1", pair.second.port))
 
     # Then the next calls go there: the lock taken before the failover is still held, and a
     # new one is taken on the new primary
@@ -114,7 +115,7 @@ def test_a_call_that_meets_the_demoted_primary_after_the_address_moved_goes_thro
     # When the primary fails over and the address moves, the idle connection left where it was
     pair.failover()
     assert pair.vip is not None
-    pair.vip.repoint(pair.second.port)
+    pair.vip.repoint(("127.0.0.1", pair.second.port))
 
     # Then the next release goes through, on the new primary
     assert backend.release(key, "held")
@@ -155,11 +156,10 @@ def test_the_client_defaults_bound_connect_read_and_write() -> None:
 
 
 def test_a_store_that_stalls_costs_a_bounded_wait(redis_url: str, key_prefix: str) -> None:
-    """redis://: a link that goes silent mid-use (the forwarder reads and never answers) ->
+    """redis://: a link that goes silent mid-use (the proxy forwards nothing, closes nothing) ->
     BackendTimeout after the socket timeout, for a held connection and for new ones."""
-    # Given a store used through a forwarder, with a connection already made
-    port = int(redis_url.rsplit(":", 1)[1].split("/", 1)[0])
-    vip = Forwarder(port)
+    # Given a store used through a proxy, with a connection already made
+    vip = FaultProxy(address_of(redis_url))
     backend = RedisBackend.from_url(f"redis://127.0.0.1:{vip.port}/0?socket_timeout=0.5")
     key = f"{key_prefix}stall"
     try:
@@ -181,9 +181,9 @@ def test_a_store_that_stalls_costs_a_bounded_wait(redis_url: str, key_prefix: st
         vip.close()
 
 
-def silent_port() -> tuple[Forwarder, int]:
-    """A port that accepts connections and never answers (a stalled forwarder)."""
-    vip = Forwarder(1)  # never reached: the forwarder is stalled and forwards nothing
+def silent_port() -> tuple[FaultProxy, int]:
+    """A port that accepts connections and never answers (a stalled proxy)."""
+    vip = FaultProxy(("127.0.0.1", 1))  # never reached: the proxy is stalled, connects nowhere
     vip.stall()
     return vip, vip.port
 
