@@ -11,7 +11,6 @@ from __future__ import annotations
 import multiprocessing
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
@@ -29,19 +28,6 @@ KINDS = ["postgresql", "mysql"]
 pytestmark = pytest.mark.parametrize("sql_store", KINDS, indirect=True)
 
 SqlStore = tuple[str, str]
-
-
-@pytest.fixture
-def kind(sql_store: SqlStore) -> str:
-    return "postgresql" if sql_store[0].startswith("postgresql") else "mysql"
-
-
-@pytest.fixture
-def store(sql_store: SqlStore) -> Iterator[Any]:
-    url, table = sql_store
-    backend = backend_from_url(url, table=table)
-    yield backend
-    backend.close()
 
 
 def run_sql(kind: str, statement: str) -> list[tuple[Any, ...]]:

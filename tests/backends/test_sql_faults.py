@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import random
-import socket
 import string
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -26,24 +24,12 @@ from singletask.backends import backend_from_url
 from singletask.backends.mysql import MySQLBackend
 from singletask.exceptions import BackendError, BackendTimeout, LockKeyError
 
+from ..faultproxy import FaultProxy
 from ..servers import SQL_URLS, free_port
 
 KINDS = ["postgresql", "mysql"]
 SqlStore = tuple[str, str]
 T = TypeVar("T")
-
-
-@pytest.fixture
-def kind(sql_store: SqlStore) -> str:
-    return "postgresql" if sql_store[0].startswith("postgresql") else "mysql"
-
-
-@pytest.fixture
-def store(sql_store: SqlStore) -> Iterator[Any]:
-    url, table = sql_store
-    backend = backend_from_url(url, table=table)
-    yield backend
-    backend.close()
 
 
 @contextlib.contextmanager
@@ -305,69 +291,18 @@ def test_a_key_postgresql_cannot_store_is_a_lock_key_error_not_an_outage(
 # -- a link that stalls (finding 4) -------------------------------------------------------------
 
 
-class StallingProxy:
-    """A TCP forwarder that can stall: while stalled it keeps every connection open and
-    accepts new ones, but forwards nothing in either direction (a hung server or a
-    black-holed link, as the client sees them)."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self.port = free_port()
-        self._go = threading.Event()
-        self._go.set()
-        self._listener = socket.create_server(("127.0.0.1", self.port))
-        self._sockets: list[socket.socket] = [self._listener]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def url(self, url: str) -> str:
-        parts = urlsplit(url)
-        userinfo = parts.netloc.rpartition("@")[0]
-        netloc = f"127.0.0.1:{self.port}"
-        return urlunsplit(parts._replace(netloc=f"{userinfo}@{netloc}" if userinfo else netloc))
-
-    def stall(self) -> None:
-        self._go.clear()
-
-    def resume(self) -> None:
-        self._go.set()
-
-    def close(self) -> None:
-        self._go.set()
-        for sock in self._sockets:
-            with contextlib.suppress(OSError):
-                sock.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.target)
-            self._sockets += [client, server]
-            for source, sink in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := source.recv(65536):
-                self._go.wait()  # stalled: hold the bytes, close nothing
-                sink.sendall(data)
-
-
 @pytest.fixture
-def stalling(sql_store: SqlStore) -> Iterator[tuple[StallingProxy, str]]:
-    url, _ = sql_store
-    parts = urlsplit(url)
-    assert parts.hostname
-    proxy = StallingProxy((parts.hostname, parts.port or 0))
-    yield proxy, proxy.url(url)
-    proxy.close()
+def stalling(sql_store: SqlStore) -> Iterator[tuple[FaultProxy, str]]:
+    """The test's server through a fault proxy (which can stall: every connection kept open,
+    new ones accepted, nothing forwarded either way), and its URL through the proxy."""
+    proxy, url = FaultProxy.for_url(sql_store[0])
+    with proxy:
+        yield proxy, url
 
 
 @pytest.mark.parametrize("sql_store", KINDS, indirect=True)
 def test_a_stalled_server_gives_backend_timeout_in_bounded_time_and_frees_the_slot(
-    sql_store: SqlStore, stalling: tuple[StallingProxy, str]
+    sql_store: SqlStore, stalling: tuple[FaultProxy, str]
 ) -> None:
     """A server (or link) that stops answering without closing the connection: acquire,
     renew and release each return BackendTimeout within the timeout plus a margin, never
