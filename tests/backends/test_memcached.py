@@ -34,6 +34,7 @@ from singletask.exceptions import (
     UnsupportedOperation,
 )
 
+from ..faultproxy import FaultProxy
 from ..servers import MemcachedServer, private_memcached, unavailable
 from .memcached_records import memcached_records
 
@@ -482,62 +483,23 @@ def test_a_server_that_does_not_answer_times_out() -> None:
         store.close()
 
 
-class StallingForwarder:
-    """127.0.0.1:``port`` forwarded to a memcached; :meth:`stall` keeps every connection open and
-    accepting but passes no more bytes on (a stalled server, or a black-holed link)."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.url = f"memcached://127.0.0.1:{self.port}"
-        self.stalled = threading.Event()
-        self.held = threading.Event()  # set when a stalled request was held back
-        self._sockets: list[socket.socket] = [self.listener]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def stall(self) -> None:
-        self.stalled.set()
-
-    def close(self) -> None:
-        for sock in self._sockets:
-            sock.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                near, _ = self.listener.accept()
-            except OSError:
-                return
-            far = socket.create_connection(("127.0.0.1", self.target_port))
-            self._sockets += [near, far]
-            for source, sink in ((near, far), (far, near)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                if self.stalled.is_set():
-                    self.held.set()
-                    return  # never passed on; the connection stays open
-                sink.sendall(data)
-        except OSError:
-            return
-
-
 @pytest.fixture
-def forwarder(memcached_server: MemcachedServer) -> Iterator[StallingForwarder]:
-    proxy = StallingForwarder(memcached_server.port)
-    yield proxy
-    proxy.close()
+def forwarder(memcached_server: MemcachedServer) -> Iterator[FaultProxy]:
+    """The session's memcached through a fault proxy (``url_through`` gives its URL)."""
+    with FaultProxy(("127.0.0.1", memcached_server.port)) as proxy:
+        yield proxy
+
+
+def url_through(proxy: FaultProxy) -> str:
+    return f"memcached://127.0.0.1:{proxy.port}"
 
 
 def test_every_call_to_a_stalled_server_times_out_within_its_timeout(
-    forwarder: StallingForwarder, key: str
+    forwarder: FaultProxy, key: str
 ) -> None:
     """A server that stops answering mid-session: every primitive raises BackendTimeout, with
     the socket's error chained, within the read timeout (each call waits on one reply at most)."""
-    store = MemcachedBackend.from_url(f"{forwarder.url}?timeout=0.3&connect_timeout=0.3")
+    store = MemcachedBackend.from_url(f"{url_through(forwarder)}?timeout=0.3&connect_timeout=0.3")
     # Given a lock held and a follow-up claimed through the link
     assert store.acquire(key, "token-a", LEASE).acquired
     assert store.claim_next(key, "next-a", LEASE) == "next-a"
@@ -598,13 +560,13 @@ def test_a_connect_that_is_never_answered_times_out() -> None:
 
 
 def test_a_pool_with_every_connection_in_use_is_unavailable_at_once(
-    forwarder: StallingForwarder, key: str
+    forwarder: FaultProxy, key: str
 ) -> None:
     """With max_pool_size connections all waiting on a stalled server, another call does not
     wait: BackendUnavailable (pymemcache's error chained), so the store-error policy applies."""
-    store = MemcachedBackend.from_url(f"{forwarder.url}?timeout=2&max_pool_size=1")
+    store = MemcachedBackend.from_url(f"{url_through(forwarder)}?timeout=2&max_pool_size=1")
     assert store.holder(key) is None  # the pool's one connection is open
-    forwarder.stall()
+    forwarder.delay_requests(60)  # the server sees no request (and answers none) in the test
     outcomes: list[BaseException] = []
 
     def wait_on_the_stalled_server() -> None:
@@ -615,7 +577,10 @@ def test_a_pool_with_every_connection_in_use_is_unavailable_at_once(
 
     waiting = threading.Thread(target=wait_on_the_stalled_server)
     waiting.start()
-    assert forwarder.held.wait(5)  # the one connection waits on the stalled server
+    deadline = time.monotonic() + 5
+    while forwarder.held_requests == 0:  # the one connection waits on the stalled server
+        assert time.monotonic() < deadline, "the request never reached the proxy"
+        time.sleep(0.01)
 
     # When another call comes meanwhile
     started = time.monotonic()
