@@ -10,6 +10,9 @@ the test can change what the link does:
   a byte is due, so changing it re-times what is held (``delay_replies(0)`` lets it all go), and
   ``after=n`` lets the next ``n`` reads pass first (with one request in flight at a time, one
   read is one reply: ``delay_replies(60, after=1)`` holds the reply to the second request).
+* :meth:`~FaultProxy.delay_reply_to`: only the reply to a request containing given bytes is held
+  (``delay_reply_to(b"EVALSHA", 1.5)``: the next script call is answered late, once), everything
+  else passes at once.
 * :meth:`~FaultProxy.stall` / :meth:`~FaultProxy.resume`: nothing is forwarded either way, open
   connections stay open, and new ones are accepted but not connected onward (a black-holed
   link, or a server that hangs). :meth:`~FaultProxy.resume` forwards what was held.
@@ -55,6 +58,8 @@ _CHUNK = 65536
 _HELD_LIMIT = 1 << 20
 #: SO_LINGER on, 0 seconds: close() sends a reset instead of a FIN.
 _RESET = struct.pack("ii", 1, 0)
+#: Which delay a held chunk waits for: its direction's, none, or that of delay_reply_to.
+_DELAYED, _EXEMPT, _TRIGGERED = 0, 1, 2
 
 
 class _Direction:
@@ -64,8 +69,8 @@ class _Direction:
     __slots__ = ("blocked", "chunks", "eof", "held", "shut")
 
     def __init__(self) -> None:
-        #: (arrival time, data, exempt from the delay)
-        self.chunks: deque[tuple[float, bytes, bool]] = deque()
+        #: (arrival time, data, which delay applies: _DELAYED, _EXEMPT or _TRIGGERED)
+        self.chunks: deque[tuple[float, bytes, int]] = deque()
         self.held = 0  # bytes in chunks
         self.eof = False  # the source sent its FIN
         self.shut = False  # the FIN was passed on (shutdown(SHUT_WR) of the sink)
@@ -75,7 +80,17 @@ class _Direction:
 class _Connection:
     """A client connection and its connection to the server (None until connected)."""
 
-    __slots__ = ("client", "closed", "connecting", "down", "masks", "server", "up")
+    __slots__ = (
+        "client",
+        "closed",
+        "connecting",
+        "down",
+        "masks",
+        "seen",
+        "server",
+        "triggered",
+        "up",
+    )
 
     def __init__(self, client: socket.socket) -> None:
         self.client = client
@@ -85,6 +100,8 @@ class _Connection:
         self.up = _Direction()  # client -> server (requests)
         self.down = _Direction()  # server -> client (replies)
         self.masks: dict[socket.socket, int] = {}  # selector events registered per socket
+        self.seen = b""  # the last request bytes, to find a trigger split over two reads
+        self.triggered = 0  # replies to hold for delay_reply_to
 
     def sockets(self) -> list[socket.socket]:
         return [self.client] if self.server is None else [self.client, self.server]
@@ -114,6 +131,9 @@ class FaultProxy:
         self._request_delay = 0.0
         self._replies_exempt = 0  # reads from servers that pass the reply delay
         self._requests_exempt = 0
+        self._trigger = b""  # delay_reply_to: the request bytes ...
+        self._triggers_left = 0  # ... how many more requests it applies to ...
+        self._trigger_delay = 0.0  # ... and the delay of their replies
         self._stalled = False
         self._closed = False
         self._mutex = threading.RLock()
@@ -191,6 +211,25 @@ class FaultProxy:
             self._requests_exempt = max(0, after)
         self._set(request_delay=seconds)
 
+    def delay_reply_to(self, request: bytes, seconds: float, *, times: int = 1) -> None:
+        """Hold the reply to each of the next ``times`` requests containing ``request`` (on any
+        connection) until ``seconds`` after it arrived; every other byte passes as before.
+
+        The reply is the first read from the server on that connection after the request was
+        read (one request in flight at a time, as for ``after``); ``request`` is found even if it
+        is split over two reads. The delay is read when the reply is due, so ``heal()`` or
+        ``delay_reply_to(request, 0)`` lets a held reply go.
+        """
+        if not request:
+            raise ValueError("delay_reply_to needs the bytes of a request")
+        with self._mutex:
+            self._trigger = request
+            self._triggers_left = max(0, times)
+            self._trigger_delay = max(0.0, seconds)
+            for connection in self._connections:
+                connection.seen = b""
+        self._wake()
+
     def stall(self) -> None:
         """Forward nothing either way, keep connections open, accept new ones but do not connect
         them onward, until :meth:`resume`."""
@@ -201,7 +240,11 @@ class FaultProxy:
         self._set(stalled=False)
 
     def heal(self) -> None:
-        """No stall and no delays (connections that were cut stay cut)."""
+        """No stall and no delays, :meth:`delay_reply_to` included (connections that were cut
+        stay cut)."""
+        with self._mutex:
+            self._triggers_left = 0
+            self._trigger_delay = 0.0
         self._set(stalled=False, reply_delay=0.0, request_delay=0.0)
 
     def cut(self) -> None:
@@ -333,8 +376,8 @@ class FaultProxy:
                 (connection.down, self._reply_delay),
             ):
                 if direction.chunks and not direction.blocked:
-                    arrived, _, exempt = direction.chunks[0]
-                    at = arrived if exempt else arrived + delay
+                    arrived, _, kind = direction.chunks[0]
+                    at = arrived + self._delay_of(kind, delay)
                     soonest = at if soonest is None else min(soonest, at)
         return None if soonest is None else max(0.0, soonest - time.monotonic())
 
@@ -407,14 +450,36 @@ class FaultProxy:
         if not data:
             direction.eof = True
             return
+        kind = _DELAYED
         if from_client:
-            exempt = self._requests_exempt > 0
-            self._requests_exempt -= exempt
-        else:
-            exempt = self._replies_exempt > 0
-            self._replies_exempt -= exempt
-        direction.chunks.append((time.monotonic(), data, exempt))
+            if self._triggers_left:
+                self._watch(connection, data)
+            if self._requests_exempt > 0:
+                self._requests_exempt -= 1
+                kind = _EXEMPT
+        elif connection.triggered:
+            connection.triggered -= 1
+            kind = _TRIGGERED
+        elif self._replies_exempt > 0:
+            self._replies_exempt -= 1
+            kind = _EXEMPT
+        direction.chunks.append((time.monotonic(), data, kind))
         direction.held += len(data)
+
+    def _watch(self, connection: _Connection, data: bytes) -> None:
+        """Arm ``connection`` to hold its next reply if ``data`` completes a trigger request."""
+        window = connection.seen + data
+        if self._trigger in window:
+            connection.triggered += 1
+            self._triggers_left -= 1
+            window = b""  # a trigger is counted once
+        connection.seen = window[-(len(self._trigger) - 1) :] if len(self._trigger) > 1 else b""
+
+    def _delay_of(self, kind: int, delay: float) -> float:
+        """The delay a held chunk waits for, ``delay`` being its direction's."""
+        if kind == _TRIGGERED:
+            return self._trigger_delay
+        return 0.0 if kind == _EXEMPT else delay
 
     def _flush(self, connection: _Connection) -> None:
         """Send what is due, pass FINs on, close a connection both ends have finished."""
@@ -429,8 +494,8 @@ class FaultProxy:
             if sink is None:
                 continue
             while direction.chunks and not direction.blocked:
-                arrived, data, exempt = direction.chunks[0]
-                if not exempt and arrived + delay > now:
+                arrived, data, kind = direction.chunks[0]
+                if arrived + self._delay_of(kind, delay) > now:
                     break
                 try:
                     sent = sink.send(data)
@@ -442,7 +507,7 @@ class FaultProxy:
                     return
                 direction.held -= sent
                 if sent < len(data):
-                    direction.chunks[0] = (arrived, data[sent:], exempt)
+                    direction.chunks[0] = (arrived, data[sent:], kind)
                     direction.blocked = True
                 else:
                     direction.chunks.popleft()

@@ -250,3 +250,46 @@ def test_a_delay_can_spare_the_first_replies_and_be_lifted_while_held(
     assert done.wait(SLACK)
     thread.join()
     client.close()
+
+
+def test_delay_reply_to_holds_only_the_reply_to_a_matching_request(
+    proxy: FaultProxy, redis_url: str, redis_client: redis.Redis
+) -> None:
+    key = "test:faultproxy:only"
+    redis_client.set(key, "v", px=10_000)
+    client = client_through(proxy, redis_url)
+    client.ping()
+    proxy.delay_reply_to(b"GET", 0.5)
+    started = time.monotonic()
+    assert client.ping()  # other requests pass at once
+    assert client.set(f"{key}:other", "w", px=10_000)
+    assert time.monotonic() - started < 0.5
+    started = time.monotonic()
+    assert client.get(key) == b"v"  # the one matching request is answered late
+    assert 0.5 <= time.monotonic() - started < 0.5 + SLACK
+    started = time.monotonic()
+    assert client.get(key) == b"v"  # once: the next one is not
+    assert time.monotonic() - started < 0.5
+    client.close()
+
+
+def test_delay_reply_to_finds_a_split_request_and_heal_lets_its_reply_go(
+    proxy: FaultProxy, redis_url: str
+) -> None:
+    proxy.delay_reply_to(b"PING", 60)
+    with socket.create_connection(proxy.address, timeout=2) as raw:
+        raw.sendall(b"PI")
+        time.sleep(0.1)  # two reads for the proxy
+        raw.sendall(b"NG\r\n")
+        deadline = time.monotonic() + SLACK
+        while proxy.held_replies == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        raw.settimeout(0.3)
+        with pytest.raises(socket.timeout):
+            raw.recv(16)
+        proxy.heal()
+        raw.settimeout(2)
+        assert raw.recv(16) == b"+PONG\r\n"
+        raw.sendall(b"PING\r\n")  # healed: no delay left
+        assert raw.recv(16) == b"+PONG\r\n"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import threading
@@ -21,6 +20,7 @@ from singletask.backends.redis import RedisBackend, fence_key
 from singletask.exceptions import UnknownBackendError
 from singletask.tokens import execution_token
 
+from ..faultproxy import FaultProxy, address_of
 from ..servers import free_port
 
 LEASE = 30.0
@@ -668,57 +668,6 @@ def test_a_script_given_a_duration_out_of_range_writes_nothing(
 # -- an acquire whose reply comes too late ------------------------------------------------------
 
 
-class LateProxy:
-    """A TCP proxy to a Redis server that holds back its reply to the first script call
-    (``EVALSHA``) for ``delay`` seconds, and forwards everything else at once: a store that
-    answers too late, once."""
-
-    def __init__(self, target_port: int, delay: float) -> None:
-        self.delay = delay
-        self.target_port = target_port
-        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(8)
-        self.port = self.listener.getsockname()[1]
-        self._armed = threading.Event()  # a script call went to the server
-        self._delayed = False
-        self._sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self.target_port))
-            self._sockets += [client, server]
-            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
-
-    def _pipe(self, source: socket.socket, sink: socket.socket, replies: bool) -> None:
-        try:
-            while data := source.recv(65536):
-                if not replies and b"EVALSHA" in data:
-                    self._armed.set()
-                if replies and self._armed.is_set() and not self._delayed:
-                    self._delayed = True
-                    time.sleep(self.delay)
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            with contextlib.suppress(OSError):
-                sink.shutdown(socket.SHUT_WR)
-
-    def close(self) -> None:
-        self.listener.close()
-        for sock in self._sockets:
-            with contextlib.suppress(OSError):
-                sock.close()
-
-
 def test_an_acquire_that_times_out_blocks_the_key_for_one_lease_at_most(
     redis_url: str, redis_client: redis.Redis, key: str
 ) -> None:
@@ -730,8 +679,8 @@ def test_an_acquire_that_times_out_blocks_the_key_for_one_lease_at_most(
     with RedisBackend.from_url(redis_url) as direct:
         assert direct.acquire(f"{key}:warm-up", "token", LEASE).acquired
         assert direct.release(f"{key}:warm-up", "token")
-    port = int(redis_url.rsplit(":", 1)[1].split("/", 1)[0])
-    proxy = LateProxy(port, delay=1.5)
+    proxy = FaultProxy(address_of(redis_url))
+    proxy.delay_reply_to(b"EVALSHA", 1.5)  # the first script call is answered late, once
     backend = RedisBackend.from_url(f"redis://127.0.0.1:{proxy.port}/0?socket_timeout=0.5")
     lease = 2.0
     try:
