@@ -166,12 +166,17 @@ def _hold(
 def run_worker(spec: WorkerSpec, backend: LockBackend | None = None) -> History:
     """Hold random keys until ``spec.until``; returns what the worker believed and saw."""
     history = History()
+    owned = backend is None
     if backend is None:
         backend = backend_from_url(spec.url, **spec.options)
     rng = random.Random(spec.seed)
     renewer = Renewer(_TimedRenewals(backend, spec.name, history))  # type: ignore[arg-type]
-    while time.monotonic() < spec.until:
-        _hold(spec, rng, backend, renewer, history)
+    try:
+        while time.monotonic() < spec.until:
+            _hold(spec, rng, backend, renewer, history)
+    finally:
+        if owned:  # its connections are closed here, not left to the garbage collector
+            backend.close()
     return history
 
 
