@@ -65,7 +65,8 @@ OTHER_DB = 3
 #: Stores whose backend takes no pool_size option.
 SERVERLESS = ("redis", "sqlite")
 
-#: PostgreSQL with ``synchronous_commit=off`` for the lock sessions (see docs/store-sql.rst, "Durability").
+#: PostgreSQL with ``synchronous_commit=off`` for the lock sessions (see docs/store-sql.rst,
+#: "Durability").
 ASYNC_COMMIT = "options=-c%20synchronous_commit%3Doff"
 
 
