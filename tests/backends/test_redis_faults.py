@@ -83,7 +83,10 @@ def test_a_demoted_primary_is_dropped_and_the_store_is_unavailable_until_the_add
     # Then a write through the address gets READONLY: the store is unavailable
     with pytest.raises(BackendUnavailable, match="cannot take writes") as caught:
         backend.acquire(f"{key}:other", "new", LEASE)
-    assert isinstance(caught.value.__cause__, redis.exceptions.ReadOnlyError)
+    # (Redis 7 replies READONLY to the script as such; 6.2 wraps it in a script error)
+    cause = caught.value.__cause__
+    assert isinstance(cause, redis.exceptions.ResponseError)
+    assert "READONLY" in str(cause), cause
     # And no connection is kept on the demoted primary
     wait_until(lambda: script_clients(pair.first.port) == 0, "the connection to be closed", 10)
 

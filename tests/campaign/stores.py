@@ -10,6 +10,8 @@
   every proxy is re-pointed to the new primary, as a managed endpoint or a VIP moves.
 * ``sentinel``: the session's Sentinel deployment, failed over with ``SENTINEL FAILOVER``;
   acquisitions wait for one replica (``wait_replicas``).
+* ``cluster``: the session's Redis Cluster (3 masters, 3 replicas), a random master failed over
+  to its replica with ``CLUSTER FAILOVER``; acquisitions wait for one replica.
 * ``postgresql``, ``mysql``: the machine's shared servers (a table of the campaign's own), each
   worker through its own proxy; an outage is every proxy stopped, then started (the campaign
   never restarts a shared server).
@@ -42,7 +44,7 @@ from .faults import Injector, InProcessLink, link_faults, pause_fault, sqlite_lo
 from .history import Fault
 from .runner import Environment
 
-__all__ = ["STORES", "sentinel_env"]
+__all__ = ["STORES", "cluster_env", "sentinel_env"]
 
 #: The stores' client-side timeouts in the campaign (connect, read, statement, pool wait).
 TIMEOUT = 1.0
@@ -281,6 +283,38 @@ def sentinel_env(workdir: Path, scale: int, deployment: Any) -> Iterator[Environ
     }
     yield Environment(
         store="sentinel",
+        urls=[deployment.url],
+        options=options,
+        threads=3 * scale,
+        processes=2 * scale,
+        ttls=ttls,
+        block_bound=3 * TIMEOUT + 3.0,
+        injectors=injectors,
+    )
+
+
+@contextlib.contextmanager
+def cluster_env(workdir: Path, scale: int, deployment: Any) -> Iterator[Environment]:
+    ttls = (1.0, 2.0, 3.0)
+
+    def failover(rng: Any) -> Fault:
+        start = time.monotonic()
+        deployment.failover(deployment.replica_of(rng.choice(deployment.masters())))
+        return Fault("failover", "a master", start, time.monotonic())
+
+    def injectors(pids: Callable[[], list[int]]) -> Mapping[str, Injector]:
+        return {"pause": pause_fault(pids, 2 * max(ttls)), "failover": failover}
+
+    options = {
+        "transport_options": {
+            "socket_timeout": TIMEOUT,
+            "socket_connect_timeout": TIMEOUT,
+            "wait_replicas": 1,
+            "wait_timeout": TIMEOUT / 2,
+        }
+    }
+    yield Environment(
+        store="cluster",
         urls=[deployment.url],
         options=options,
         threads=3 * scale,

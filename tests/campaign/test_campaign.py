@@ -23,7 +23,7 @@ import pytest
 
 from .history import CallError, Fault, Hold, Report, check
 from .runner import campaign_seed, run_campaign
-from .stores import STORES, sentinel_env
+from .stores import STORES, cluster_env, sentinel_env
 
 #: Seconds of faults per store in the default suite (the README's command).
 SHORT = 3.0
@@ -179,3 +179,15 @@ def test_short_campaign_sentinel(request: pytest.FixtureRequest, tmp_path: Path)
 @pytest.mark.timeout(1800)
 def test_long_campaign_sentinel(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     _sentinel(request, tmp_path, long_seconds())
+
+
+@pytest.mark.campaign
+@pytest.mark.timeout(1800)
+def test_long_campaign_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Redis Cluster in the long run only: its failovers change the session's cluster, which
+    the deployment tests of the same session share."""
+    deployment = request.getfixturevalue("redis_cluster")
+    seed = campaign_seed()
+    with cluster_env(tmp_path, 1, deployment) as env:
+        report = run_campaign(env, seed, long_seconds(), tmp_path)
+    verdict("cluster", seed, report)
