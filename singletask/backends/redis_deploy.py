@@ -54,7 +54,15 @@ from .redis_options import (
     url_db,
     url_query,
 )
-from .redis_wire import _ACQUIRE, _ACQUIRE_KEEPING, _RESTORE, _holder, _Script
+from .redis_wire import (
+    _ACQUIRE,
+    _ACQUIRE_KEEPING,
+    _RESTORE,
+    _holder,
+    _Script,
+    drop_idle,
+    not_run,
+)
 
 __all__ = ["RedisClusterBackend", "RedisSentinelBackend"]
 
@@ -162,6 +170,10 @@ class _Deployed(RedisBackend):
         try:
             reply, acks = self._acquire_and_wait(_ACQUIRE_KEEPING, keys, args, wait)
         except _DRIVER_ERRORS as exc:
+            if not_run(exc):
+                # The pipeline's connection went back to the pool, still to the demoted
+                # master: close the idle ones, so that the next call asks where the master is.
+                drop_idle(self.client)
             raise self._error(exc, operation, keys[0]) from exc
         if reply[0] != 1:
             return reply

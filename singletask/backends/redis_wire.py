@@ -296,15 +296,23 @@ _NOT_RUN_TYPES = (
 )
 
 
+#: The reply of a replica to the replica wait's ``WAIT``: the connection leads to a demoted
+#: master, where the acquire script before it could not write (a write gets READONLY).
+_WAIT_ON_A_REPLICA = "WAIT cannot be used with replica instances"
+
+
 def not_run(exc: BaseException) -> bool:
     """Whether ``exc`` is a reply of :data:`NOT_RUN_CODES`: by its class, or by its text (a
-    redis-py that does not map the code, or a server that wraps a script's error in ``ERR``)."""
+    redis-py that does not map the code, or a server that wraps a script's error in ``ERR``);
+    or a replica's refusal of ``WAIT``."""
     if isinstance(exc, _NOT_RUN_TYPES):
         return True
     if not isinstance(exc, redis.exceptions.ResponseError):
         return False
     text = str(exc)
-    return text.startswith(NOT_RUN_CODES) or any(f"-{code} " in text for code in NOT_RUN_CODES)
+    return text.startswith((*NOT_RUN_CODES, _WAIT_ON_A_REPLICA)) or any(
+        f"-{code} " in text for code in NOT_RUN_CODES
+    )
 
 
 def drop_idle(client: Any) -> None:

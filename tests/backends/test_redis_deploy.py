@@ -463,6 +463,50 @@ def test_the_replica_wait_confirms_or_refuses_an_acquisition(
 
 
 @pytest.mark.deployments
+def test_after_a_failover_a_replica_waiting_store_reaches_the_new_master_at_once(
+    sentinel: SentinelDeployment,
+) -> None:
+    """With ``wait_replicas``, an acquisition is a pipeline (the script, then WAIT) on a pooled
+    connection. After a failover its reply is READONLY: that connection, back in the pool, still
+    leads to the demoted master, and is closed, so the next call asks the sentinels again
+    (it used to be reused, and every acquisition failed until the worker restarted)."""
+    options = {**sentinel.transport_options, "wait_replicas": 1, "wait_timeout": 1.0}
+    key = f"sentinel-wait:{uuid.uuid4().hex[:8]}"
+    with backend_from_url(sentinel.url, transport_options=options) as backend:
+        # Given a store that acquires all through a failover (so that some of its pooled
+        # connections are made to the old master after it was demoted)
+        stop = threading.Event()
+
+        def acquire_meanwhile() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(BackendUnavailable, BackendError):
+                    backend.acquire(f"{key}:meanwhile:{uuid.uuid4().hex[:6]}", "t", LEASE)
+
+        workers = [threading.Thread(target=acquire_meanwhile) for _ in range(4)]
+        for worker in workers:
+            worker.start()
+        try:
+            # When the sentinels fail the master over (and the old one follows the new)
+            sentinel.failover()
+            time.sleep(1.0)
+        finally:
+            stop.set()
+            for worker in workers:
+                worker.join()
+
+        # Then at most one call meets the demoted master, and the next one takes the lock
+        outcomes: list[object] = []
+        for attempt in range(3):
+            try:
+                outcomes.append(backend.acquire(f"{key}:{attempt}", "t", LEASE).acquired)
+                break
+            except BackendUnavailable as exc:
+                outcomes.append(exc)
+        assert outcomes[-1] is True, outcomes
+        assert len(outcomes) <= 2, outcomes
+
+
+@pytest.mark.deployments
 def test_a_refused_replica_wait_leaves_the_key_as_it_was(
     redis_sentinel: SentinelDeployment,
 ) -> None:

@@ -22,6 +22,7 @@ import redis
 from singletask import BackendError, BackendTimeout, BackendUnavailable
 from singletask.backends import backend_from_url
 from singletask.backends.redis import CLIENT_DEFAULTS, RedisBackend
+from singletask.backends.redis_wire import driver_error, not_run
 
 from ..deployments import FailoverPair, default_binary, wait_until
 from ..faultproxy import FaultProxy, address_of
@@ -219,3 +220,18 @@ def test_a_sentinel_or_cluster_node_that_stalls_costs_a_bounded_wait(
         with contextlib.suppress(BackendError):
             backend.close()
         vip.close()
+
+
+def test_a_replicas_refusal_of_the_replica_wait_counts_as_a_write_refused(
+    pair: FailoverPair,
+) -> None:
+    """With ``wait_replicas``, an acquisition on a connection to a demoted master gets, for a
+    script that only read (a conflict), the replica's refusal of ``WAIT``: like READONLY, the
+    store could not write there, so the call is unavailable and its idle connections dropped."""
+    with (
+        contextlib.closing(redis.Redis(port=pair.second.port)) as replica,
+        pytest.raises(redis.exceptions.ResponseError) as caught,
+    ):
+        replica.execute_command("WAIT", 1, 100)
+    assert not_run(caught.value)
+    assert isinstance(driver_error(caught.value, "acquire"), BackendUnavailable)
