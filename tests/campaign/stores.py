@@ -261,29 +261,36 @@ def redis_env(workdir: Path, scale: int) -> Iterator[Environment]:
         pair.stop()
 
 
-@contextlib.contextmanager
-def sentinel_env(workdir: Path, scale: int, deployment: Any) -> Iterator[Environment]:
+def _replicated_env(
+    store: str,
+    url: str,
+    scale: int,
+    transport_options: Mapping[str, Any],
+    promote: Callable[[Any], str],
+) -> Environment:
+    """A Redis deployment with replicas (Sentinel, Cluster): workers pause, ``promote(rng)``
+    fails a master over (and names it), acquisitions wait for one replica."""
     ttls = (1.0, 2.0, 3.0)
 
     def failover(rng: Any) -> Fault:
         start = time.monotonic()
-        deployment.failover()
-        return Fault("failover", "master", start, time.monotonic())
+        which = promote(rng)
+        return Fault("failover", which, start, time.monotonic())
 
     def injectors(pids: Callable[[], list[int]]) -> Mapping[str, Injector]:
         return {"pause": pause_fault(pids, 2 * max(ttls)), "failover": failover}
 
     options = {
         "transport_options": {
-            **deployment.transport_options,
+            **transport_options,
             "socket_timeout": TIMEOUT,
             "socket_connect_timeout": TIMEOUT,
             "wait_replicas": 1,
         }
     }
-    yield Environment(
-        store="sentinel",
-        urls=[deployment.url],
+    return Environment(
+        store=store,
+        urls=[url],
         options=options,
         threads=3 * scale,
         processes=2 * scale,
@@ -291,38 +298,24 @@ def sentinel_env(workdir: Path, scale: int, deployment: Any) -> Iterator[Environ
         block_bound=3 * TIMEOUT + 3.0,
         injectors=injectors,
     )
+
+
+@contextlib.contextmanager
+def sentinel_env(workdir: Path, scale: int, deployment: Any) -> Iterator[Environment]:
+    def promote(rng: Any) -> str:
+        deployment.failover()
+        return "master"
+
+    yield _replicated_env("sentinel", deployment.url, scale, deployment.transport_options, promote)
 
 
 @contextlib.contextmanager
 def cluster_env(workdir: Path, scale: int, deployment: Any) -> Iterator[Environment]:
-    ttls = (1.0, 2.0, 3.0)
-
-    def failover(rng: Any) -> Fault:
-        start = time.monotonic()
+    def promote(rng: Any) -> str:
         deployment.failover(deployment.replica_of(rng.choice(deployment.masters())))
-        return Fault("failover", "a master", start, time.monotonic())
+        return "a master"
 
-    def injectors(pids: Callable[[], list[int]]) -> Mapping[str, Injector]:
-        return {"pause": pause_fault(pids, 2 * max(ttls)), "failover": failover}
-
-    options = {
-        "transport_options": {
-            "socket_timeout": TIMEOUT,
-            "socket_connect_timeout": TIMEOUT,
-            "wait_replicas": 1,
-            "wait_timeout": TIMEOUT / 2,
-        }
-    }
-    yield Environment(
-        store="cluster",
-        urls=[deployment.url],
-        options=options,
-        threads=3 * scale,
-        processes=2 * scale,
-        ttls=ttls,
-        block_bound=3 * TIMEOUT + 3.0,
-        injectors=injectors,
-    )
+    yield _replicated_env("cluster", deployment.url, scale, {"wait_timeout": TIMEOUT / 2}, promote)
 
 
 @contextlib.contextmanager
