@@ -89,17 +89,25 @@ def _reject_one(
 
     slow = variant == "celery-heimdall"  # blocks ~1 s per duplicate by default
     duplicate(0)
-    before = counters.snapshot()
-    _, done = batch(5 if slow else count)
-    delta = ServerCounters.delta(before, counters.snapshot())
+    # The counters are the server's: anything else that reaches it during a batch (the
+    # holder's lease renewal, a worker of an earlier measurement still shutting down) adds to
+    # them and never takes away. So each batch is counted, and the fewest per duplicate wins.
+    counted: list[tuple[float, dict[str, float]]] = []
+    for _ in range(2):
+        before = counters.snapshot()
+        _, done = batch(5 if slow else count)
+        delta = ServerCounters.delta(before, counters.snapshot())
+        commands = {k: v / done for k, v in sorted(delta["commands"].items())}
+        counted.append((delta["round_trips"] / done, commands))
+    round_trips, commands = min(counted, key=lambda row: row[0])
     timings = [batch(3 if slow else count)[0] for _ in range(rounds)]
     release.set()
     holder.join(30)
     bench_app.WAITERS.pop(name, None)
     return {
         "us_per_duplicate": summary(timings),
-        "round_trips": delta["round_trips"] / done,
-        "commands": {k: v / done for k, v in sorted(delta["commands"].items())},
+        "round_trips": round_trips,
+        "commands": commands,
         "outcomes": outcomes,
         "raised": sorted(raised),
     }

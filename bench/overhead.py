@@ -98,11 +98,16 @@ def count_round_trips(
     server: RedisServer, run: Callable[[int], Any], count: int, budget: float
 ) -> dict[str, Any]:
     counters = ServerCounters(server.url(LOCK_DB))
-    before = counters.snapshot()
-    _, done = _batch(run, count, budget)
-    after = counters.snapshot()
-    delta = ServerCounters.delta(before, after)
+    # Whatever else reaches the server during a batch only adds to its counters: of two
+    # batches, the one with fewer requests per execution is the measurement.
+    rows: list[tuple[float, int, dict[str, Any]]] = []
+    for _ in range(2):
+        before = counters.snapshot()
+        _, done = _batch(run, count, budget)
+        delta = ServerCounters.delta(before, counters.snapshot())
+        rows.append((delta["round_trips"] / done, done, delta))
     counters.client.close()
+    _, done, delta = min(rows, key=lambda row: row[0])
     return {
         "executions": done,
         "round_trips": delta["round_trips"] / done,
