@@ -12,6 +12,9 @@ Policy (which key, which token, what to do when a lock is held, when to release)
 * every acquisition gets a fencing token, strictly increasing per key;
 * a release can leave a completion marker that later acquisitions of the key see;
 * a key can have one pending follow-up task id, claimed and cleared atomically;
+* ``lock_limit``: a key can have up to N holders, one per *holder slot*; a slot is a store key
+  of its own (:mod:`singletask.slots`) that shares the key's fence record, and
+  :meth:`LockBackend.acquire_slot` takes a free one in one atomic step;
 * for operators (``singletask locks / inspect / release``): the held locks can be listed by key
   prefix, in bounded pages, and a lock can be released by its holder's task id or by force.
 
@@ -27,7 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..exceptions import ConfigurationError
+from ..exceptions import ConfigurationError, UnsupportedOperation
 
 __all__ = ["MAX_LEASE", "AcquireResult", "Holder", "LockBackend", "check_lease"]
 
@@ -90,12 +93,18 @@ class AcquireResult:
             token issued earlier for the key (see :meth:`LockBackend.acquire`).
         completed: When acquired, the marker the key's last normal release recorded (see
             :meth:`LockBackend.release`), if the store still remembers one.
+        key: When acquired by :meth:`LockBackend.acquire_slot`, the store key of the slot
+            taken (renew and release that one).
+        holders: When :meth:`LockBackend.acquire_slot` found every slot held, every holder,
+            slot 0 first (``holder`` is the first of them).
     """
 
     acquired: bool
     holder: Holder | None = None
     fence: int | None = None
     completed: str | None = None
+    key: str | None = None
+    holders: tuple[Holder, ...] = ()
 
 
 class LockBackend(abc.ABC):
@@ -109,6 +118,9 @@ class LockBackend(abc.ABC):
     #: the same URL is another, empty store. For any other store a second instance reaches the
     #: same locks: under gevent or eventlet the lease renewer builds one for its own OS thread.
     in_process: ClassVar[bool] = False
+
+    #: Whether the store implements :meth:`acquire_slot` (tasks with ``lock_limit`` above 1).
+    supports_limit: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
@@ -156,6 +168,33 @@ class LockBackend(abc.ABC):
         Raises:
             BackendError: The store failed.
         """
+
+    def acquire_slot(
+        self,
+        key: str,
+        limit: int,
+        token: str,
+        ttl: float,
+        *,
+        meta: Mapping[str, str] | None = None,
+        takeover_prefix: str | None = None,
+    ) -> AcquireResult:
+        """Take one of the ``limit`` holder slots of ``key`` for ``token``, in one atomic step.
+
+        The slots are the store keys ``slots.slot_keys(key, limit)`` (slot 0 is ``key``). Like
+        :meth:`acquire` for the first slot that qualifies, in this order: a slot ``token``
+        holds already (its fence is kept); else a slot whose holder's token starts with
+        ``takeover_prefix``; else the lowest free slot (free, or its lease ran out). The result
+        names the slot taken in :attr:`AcquireResult.key`; its fence is greater than every
+        fence issued before for ``key`` or any of its slots, and ``completed`` is the key's
+        marker. When every slot is held, nothing changes and the result lists every holder in
+        :attr:`AcquireResult.holders`.
+
+        Raises:
+            UnsupportedOperation: The store has no holder slots (:attr:`supports_limit`).
+            BackendError: The store failed.
+        """
+        raise UnsupportedOperation(f"{self!r} cannot keep more than one holder per lock key")
 
     @abc.abstractmethod
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
@@ -227,7 +266,9 @@ class LockBackend(abc.ABC):
         with ``prefix``, reading the store in pages of at most ``page_size`` keys (bounded memory,
         streamed: never load the whole keyspace; Redis uses SCAN MATCH COUNT, never KEYS). Only live
         (unexpired) locks are yielded, each with the same Holder ``holder(key)`` returns (token,
-        task_id, ttl, meta, fence). A lock acquired or released during the iteration may or may not
+        task_id, ttl, meta, fence). The holder slots of a key under ``prefix`` are yielded too,
+        each under its own store key (``{<key>}:slot:<i>``, see :mod:`singletask.slots`). A lock
+        acquired or released during the iteration may or may not
         appear. Bookkeeping keys of the store (fence records, follow-up slots) are never yielded.
 
         Raises:

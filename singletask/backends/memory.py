@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..exceptions import ConfigurationError
+from ..slots import base_key, slot_keys
 from ..urls import mask_url
 from .base import AcquireResult, Holder, LockBackend, check_lease
 
@@ -52,6 +53,7 @@ class MemoryBackend(LockBackend):
     """Locks in a dict guarded by a mutex; leases use the monotonic clock."""
 
     in_process = True
+    supports_limit = True
 
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
@@ -104,22 +106,58 @@ class MemoryBackend(LockBackend):
                 and entry.token != token
                 and not (takeover_prefix and entry.token.startswith(takeover_prefix))
             ):
-                holder = Holder(
-                    entry.token, entry.meta.get("task_id"), entry.expires_at - now, {}, entry.fence
-                )
-                return AcquireResult(False, holder)
-            record = self._fence(key, now)
-            if entry is not None and entry.token == token:
-                fence = entry.fence
-            else:
-                # Like Redis: grows while the record is kept, and with the clock after that.
-                last = record.fence if record is not None else 0
-                fence = max(last + 1, time.time_ns() // 1000)
-            if record is None:
-                record = self._fences[key] = _Fence(fence, now + FENCE_RETENTION)
-            record.fence, record.expires_at = fence, now + FENCE_RETENTION
-            self._entries[key] = _Entry(token, now + ttl, dict(meta or {}), fence)
-            return AcquireResult(True, fence=fence, completed=record.done)
+                return AcquireResult(False, self._holder(entry, now, brief=True))
+            return self._take(key, entry, token, ttl, meta, now)
+
+    def acquire_slot(
+        self,
+        key: str,
+        limit: int,
+        token: str,
+        ttl: float,
+        *,
+        meta: Mapping[str, str] | None = None,
+        takeover_prefix: str | None = None,
+    ) -> AcquireResult:
+        ttl = check_lease(ttl, "acquire")
+        now = time.monotonic()
+        with self._mutex:
+            slots = [(name, self._live(name, now)) for name in slot_keys(key, limit)]
+            for wanted in (
+                lambda e: e is not None and e.token == token,
+                lambda e: e is not None and bool(takeover_prefix)
+                and e.token.startswith(takeover_prefix or ""),
+                lambda e: e is None,
+            ):  # fmt: skip
+                for name, entry in slots:
+                    if wanted(entry):
+                        return self._take(name, entry, token, ttl, meta, now)
+            holders = tuple(self._holder(e, now, brief=True) for _, e in slots if e is not None)
+            return AcquireResult(False, holders[0], holders=holders)
+
+    def _take(
+        self,
+        name: str,
+        entry: _Entry | None,
+        token: str,
+        ttl: float,
+        meta: Mapping[str, str] | None,
+        now: float,
+    ) -> AcquireResult:
+        """Give ``name`` (a key or a holder slot) to ``token``; the mutex is held."""
+        key = base_key(name)  # a slot shares its key's fence record
+        record = self._fence(key, now)
+        if entry is not None and entry.token == token:
+            fence = entry.fence
+        else:
+            # Like Redis: grows while the record is kept, and with the clock after that.
+            last = record.fence if record is not None else 0
+            fence = max(last + 1, time.time_ns() // 1000)
+        if record is None:
+            record = self._fences[key] = _Fence(fence, now + FENCE_RETENTION)
+        record.fence, record.expires_at = max(record.fence, fence), now + FENCE_RETENTION
+        self._entries[name] = _Entry(token, now + ttl, dict(meta or {}), fence)
+        return AcquireResult(True, fence=fence, completed=record.done, key=name)
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         with self._mutex:
@@ -127,7 +165,7 @@ class MemoryBackend(LockBackend):
             if entry is None or entry.token != token:
                 return False
             del self._entries[key]
-            record = self._fence(key, time.monotonic())
+            record = self._fence(base_key(key), time.monotonic())
             if completed is not None and record is not None:
                 record.done = completed
             return True
@@ -190,7 +228,7 @@ class MemoryBackend(LockBackend):
                     (
                         key
                         for key in self._entries
-                        if key.startswith(prefix) and (after is None or key > after)
+                        if base_key(key).startswith(prefix) and (after is None or key > after)
                     ),
                 )
                 page = [(key, self._entries[key]) for key in keys]
@@ -217,8 +255,9 @@ class MemoryBackend(LockBackend):
         return self._operator_release(key, None)
 
     @staticmethod
-    def _holder(entry: _Entry, now: float) -> Holder:
+    def _holder(entry: _Entry, now: float, *, brief: bool = False) -> Holder:
+        """The holder of ``entry``; ``brief``: without the metadata, as a conflict reports it."""
         return Holder(
-            entry.token, entry.meta.get("task_id"), entry.expires_at - now, dict(entry.meta),
-            entry.fence,
+            entry.token, entry.meta.get("task_id"), entry.expires_at - now,
+            {} if brief else dict(entry.meta), entry.fence,
         )  # fmt: skip

@@ -59,6 +59,7 @@ _INSPECTING = threading.Lock()
 #: backend does not have are skipped; one that writes is added here.)
 OPERATIONS = (
     "acquire",
+    "acquire_slot",
     "release",
     "extend",
     "extend_many",

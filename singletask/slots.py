@@ -1,0 +1,68 @@
+"""Holder slots: how ``lock_limit = N`` stores up to N holders of one lock key.
+
+Slot 0 of a key is the key itself, so a limit of 1 is exactly the singleton, and a task whose
+limit changes from 1 to N keeps excluding the holder it already has. Slot ``i`` (1 <= i < N) is
+the store key :func:`slot_key` names, shaped like the Redis companion of a key:
+
+* ``{<key>}:slot:<i>`` for a key without ``}``: its Redis Cluster hash tag is the key's own
+  text, so every slot of a key hashes to the key's own cluster slot;
+* ``<key>}:slot:<i>`` for a key with ``}`` (its prefix carries a hash tag, the one the slot
+  key keeps).
+
+A key singletask builds never holds ``{`` or ``}`` after the app's key prefix
+(:mod:`singletask.keys`), so no built key is another key's slot. Every store keeps one fence
+record per *key*: a slot's fencing tokens, completion marker and follow-up are those of
+:func:`base_key` of its store key, so fences grow across all the slots of a key.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MAX_LIMIT", "SLOT_MARK", "base_key", "slot_index", "slot_key", "slot_keys", "split_slot",
+]  # fmt: skip
+
+#: What a slot key has between its key (and the closing brace) and its index.
+SLOT_MARK = "}:slot:"
+
+#: The largest ``lock_limit``: a limit names a handful of holders, not a pool of thousands.
+MAX_LIMIT = 1000
+
+
+def slot_key(key: str, index: int) -> str:
+    """The store key of holder slot ``index`` of ``key`` (slot 0 is ``key`` itself)."""
+    if index == 0:
+        return key
+    if index < 0:
+        raise ValueError(f"a slot index is at least 0, got {index}")
+    return f"{key}{SLOT_MARK}{index}" if "}" in key else f"{{{key}{SLOT_MARK}{index}"
+
+
+def slot_keys(key: str, limit: int) -> list[str]:
+    """The store keys of the ``limit`` holder slots of ``key``, slot 0 (``key``) first."""
+    return [slot_key(key, index) for index in range(limit)]
+
+
+def split_slot(stored: str) -> tuple[str, int]:
+    """``(key, index)`` of a store key: the inverse of :func:`slot_key`; ``(stored, 0)`` for a
+    key that is no slot key."""
+    head, mark, tail = stored.rpartition(SLOT_MARK)
+    if not mark or not tail.isascii() or not tail.isdigit() or tail != str(int(tail)):
+        return stored, 0
+    index = int(tail)
+    if index == 0:
+        return stored, 0
+    if "}" in head:
+        return head, index
+    if head.startswith("{"):
+        return head[1:], index
+    return stored, 0
+
+
+def base_key(stored: str) -> str:
+    """The lock key a store key belongs to: the key of a slot key, else the key itself."""
+    return split_slot(stored)[0]
+
+
+def slot_index(stored: str) -> int:
+    """The holder slot a store key is: 0 for a plain key."""
+    return split_slot(stored)[1]
