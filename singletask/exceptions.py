@@ -58,15 +58,27 @@ class TaskLocked(SingletaskError):
         key: The lock key.
         holder: Task id of the execution holding the lock, when known.
         ttl: Seconds left on the holder's lease, when known.
+        holders: With ``lock_limit`` above 1, the task id of every holder (``holder`` is the
+            first); empty for a singleton task.
     """
 
-    def __init__(self, key: str, holder: str | None = None, ttl: float | None = None) -> None:
-        super().__init__(key, holder, ttl)
+    def __init__(
+        self,
+        key: str,
+        holder: str | None = None,
+        ttl: float | None = None,
+        holders: tuple[str | None, ...] = (),
+    ) -> None:
+        super().__init__(key, holder, ttl, tuple(holders))
         self.key = key
         self.holder = holder
         self.ttl = ttl
+        self.holders = tuple(holders)
 
     def __str__(self) -> str:
+        if self.holders:
+            names = ", ".join(f"task {h}" if h else "a direct call" for h in self.holders)
+            return f"lock {self.key!r} is held by its {len(self.holders)} holders: {names}"
         who = f"task {self.holder}" if self.holder else "another execution"
         left = f" ({self.ttl:.1f}s left on its lease)" if self.ttl is not None else ""
         return f"lock {self.key!r} is held by {who}{left}"

@@ -63,12 +63,13 @@ from .messages import is_redelivery, seconds_until
 from .policies import Conflict, locked_out, store_unreachable
 from .runtime import app_state
 from .signals import lock_acquired, lock_lost
+from .slots import base_key
 from .tokens import direct_token, execution_token, process_state, reservation_token
 
 if TYPE_CHECKING:
     from celery import Task
 
-    from .backends.base import LockBackend
+    from .backends.base import AcquireResult, Holder, LockBackend
     from .options import LockOptions
 
 __all__ = ["ENDINGS", "Ending", "current_lock", "ending_of", "execute"]
@@ -149,7 +150,7 @@ def execute(
     nested = any(f.task == task.name and f.request_id == task_id for f in frames)
     direct = bool(request.called_directly) or task_id is None or nested
     key = options.key(args, kwargs)
-    if direct and any(f.handle.key == key for f in frames):
+    if direct and any(base_key(f.handle.key) == key for f in frames):
         # Re-entrant: the body of the execution holding this key calls the task directly.
         return body(*args, **kwargs)
     state = app_state(task.app)
@@ -182,14 +183,12 @@ def execute(
     # counts from the send (LockHandle's sent_at), not from the reply or what follows it.
     sent_at = time.monotonic()
     try:
-        result = backend.acquire(key, token, options.ttl, meta=meta, takeover_prefix=takeover)
-        holder = result.holder
-        if holder is not None and attempt is not None and process_state(holder.token) == "gone":
+        result = _take(backend, options, key, token, meta, takeover)
+        holder = _gone_holder(result) if attempt is not None else None
+        if holder is not None:
             # Same host, and the holder's process is gone: no need to wait for its lease.
             sent_at = time.monotonic()
-            result = backend.acquire(
-                key, token, options.ttl, meta=meta, takeover_prefix=holder.token
-            )
+            result = _take(backend, options, key, token, meta, holder.token)
             if result.acquired:
                 logger.warning(
                     "Task %s[%s] took over lock %r from %s, whose process is gone",
@@ -198,7 +197,10 @@ def execute(
     except (BackendUnavailable, BackendTimeout) as exc:
         return store_unreachable(task, options, exc, direct, body, args, kwargs)
     if not result.acquired:
-        return locked_out(Conflict(task, options, backend, key, result.holder, direct))
+        conflict = Conflict(task, options, backend, key, result.holder, direct, result.holders)
+        return locked_out(conflict)
+    # With lock_limit above 1 the execution holds one of the key's slots: renew and release it.
+    key = result.key or key
 
     if attempt is not None and result.completed == attempt and is_redelivery(request):
         # This very message already ran to completion: a redelivered copy must not run.
@@ -252,6 +254,30 @@ def execute(
             completed=attempt if row.completed and task.acks_late else None,
             meta=meta,
         )
+
+
+def _take(
+    backend: LockBackend,
+    options: LockOptions,
+    key: str,
+    token: str,
+    meta: Mapping[str, str],
+    takeover: str | None,
+) -> AcquireResult:
+    """Acquire ``key`` for ``token``: the key itself, or one of its ``lock_limit`` slots."""
+    if options.limit > 1:
+        return backend.acquire_slot(
+            key, options.limit, token, options.ttl, meta=meta, takeover_prefix=takeover
+        )
+    return backend.acquire(key, token, options.ttl, meta=meta, takeover_prefix=takeover)
+
+
+def _gone_holder(result: AcquireResult) -> Holder | None:
+    """A holder of the refused key whose process, on this host, is gone."""
+    for holder in result.holders or ((result.holder,) if result.holder else ()):
+        if process_state(holder.token) == "gone":
+            return holder
+    return None
 
 
 def _end(

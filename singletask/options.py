@@ -28,6 +28,7 @@ from .config import (
     check_backend_error_policy,
     check_bool,
     check_count,
+    check_limit,
     check_policy,
     check_scope,
     check_seconds,
@@ -62,7 +63,13 @@ ATTRIBUTE_CHECKS: Final[dict[str, Callable[[object, str], object]]] = {
     "lock_retry_max": check_count,
     "lock_on_backend_error": check_backend_error_policy,
     "lock_backend_retry_max": check_count,
+    "lock_limit": check_limit,
 }
+
+#: The lock scopes a task with ``lock_limit`` above 1 can have. "queue" and "coalesce" keep at
+#: most one queued message per key (a reservation, a follow-up): with several holders per key
+#: there is no single run for a duplicate to join, so such a combination is refused.
+LIMIT_SCOPES: Final = ("execution",)
 
 
 #: The task options whose value becomes a lease or reservation in the lock store -> the setting
@@ -92,6 +99,7 @@ class LockOptions:
         retry_max: Lock retries before ``TaskLocked``.
         on_backend_error: ``"retry"`` or ``"run"`` when the store is unreachable at start.
         backend_retry_max: Retries while the store is unreachable.
+        limit: Executions per lock key at a time (``lock_limit``; 1: the singleton).
     """
 
     name: str
@@ -107,6 +115,7 @@ class LockOptions:
     retry_max: int
     on_backend_error: str
     backend_retry_max: int
+    limit: int = 1
 
     def key(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         """The lock key of a call with these arguments.
@@ -136,6 +145,7 @@ class TaskOptions:
     retry_max: int | None = None
     on_backend_error: str | None = None
     backend_retry_max: int | None = None
+    limit: int | None = None
 
     @classmethod
     def from_class(cls, task_cls: type[Any], known: Collection[str] = ()) -> TaskOptions:
@@ -164,6 +174,11 @@ class TaskOptions:
             lock_key = lock_key.__get__(None, task_cls)
         keys = KeySpec(name, run_signature(task_cls), task_cls.lock_args, lock_key)
         options = cls(name=name, keys=keys, **declared)
+        if (options.limit or 1) > 1 and options.scope not in (None, *LIMIT_SCOPES):
+            raise ConfigurationError(
+                f"{where} lock_scope: {options.scope!r} keeps one queued run per key, which "
+                f"cannot go with lock_limit = {options.limit}; use lock_scope = 'execution'"
+            )
         options._warn_about_time_limit(getattr(task_cls, "time_limit", None))
         return options
 
@@ -177,8 +192,12 @@ class TaskOptions:
                 time_limit,
             )
 
-    def check_store(self, name: str, settings: Settings, max_lease: float, store: str) -> None:
-        """Refuse a lease option longer than the lock store accepts (its ``max_lease``).
+    def check_store(
+        self, name: str, settings: Settings, max_lease: float, store: str, slots: bool = True
+    ) -> None:
+        """Refuse a lease option longer than the lock store accepts (its ``max_lease``), and a
+        ``lock_limit`` above 1 on a store without holder slots (``slots`` False) or with an
+        app-wide ``singletask_lock_scope`` that cannot go with it.
 
         Each option of :data:`LEASE_OPTIONS` that the task uses, declared on the task or taken
         from the app's setting, must be at most ``max_lease`` seconds. ``store`` names the store
@@ -189,6 +208,18 @@ class TaskOptions:
                 (or the setting it came from) and the store.
         """
         scope = settings.lock_scope if self.scope is None else self.scope
+        if (self.limit or 1) > 1:
+            where = f"task {name!r} attribute lock_limit"
+            if not slots:
+                raise ConfigurationError(
+                    f"{where}: the {store} lock store keeps one holder per key, so it cannot run "
+                    f"{self.limit} at a time; use Redis, PostgreSQL, MySQL, SQLite or memory"
+                )
+            if scope not in LIMIT_SCOPES:
+                raise ConfigurationError(
+                    f"{where}: {self.limit} holders cannot go with the app's "
+                    f"singletask_lock_scope {scope!r}; set lock_scope = 'execution' on the task"
+                )
         for field_name, setting in LEASE_OPTIONS.items():
             if field_name == "queue_ttl" and scope == "execution":
                 continue  # never written to the store
@@ -223,6 +254,7 @@ class TaskOptions:
             retry_max=pick(self.retry_max, settings.lock_retry_max),
             on_backend_error=pick(self.on_backend_error, settings.lock_on_backend_error),
             backend_retry_max=pick(self.backend_retry_max, settings.lock_backend_retry_max),
+            limit=pick(self.limit, 1),
         )
 
 

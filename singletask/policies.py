@@ -81,6 +81,7 @@ class Conflict:
         key: The lock key.
         holder: Who holds the key, when the store said.
         direct: Whether the execution is a direct call ``task(...)``.
+        holders: With ``lock_limit`` above 1, every holder of the key (``holder`` is the first).
     """
 
     task: Task[Any, Any]
@@ -89,11 +90,24 @@ class Conflict:
     key: str
     holder: Holder | None
     direct: bool
+    holders: tuple[Holder, ...] = ()
 
     @property
     def holder_id(self) -> str | None:
         """The holder's task id, when known."""
         return self.holder.task_id if self.holder else None
+
+    @property
+    def holder_ids(self) -> tuple[str | None, ...]:
+        """With ``lock_limit`` above 1, the task id of every holder (empty for a singleton)."""
+        return tuple(h.task_id for h in self.holders) if len(self.holders) > 1 else ()
+
+    @property
+    def who(self) -> str:
+        """The holder or holders, for a log line."""
+        if len(self.holders) > 1:
+            return f"{len(self.holders)} holders ({', '.join(map(str, self.holder_ids))})"
+        return str(self.holder_id)
 
     @property
     def ttl(self) -> float | None:
@@ -143,10 +157,10 @@ class Skip(Policy):
         conflict.report("skip")
         logger.warning(
             "Task %s[%s] skipped: lock %r is held by %s (lease left: %s)",
-            conflict.task.name, conflict.task.request.id, conflict.key, conflict.holder_id,
+            conflict.task.name, conflict.task.request.id, conflict.key, conflict.who,
             conflict.lease_left,
         )  # fmt: skip
-        return Skipped(conflict.key, conflict.holder_id, conflict.ttl)
+        return Skipped(conflict.key, conflict.holder_id, conflict.ttl, conflict.holder_ids)
 
 
 class Raise(Policy):
@@ -163,10 +177,10 @@ class Raise(Policy):
         conflict.report("raise")
         logger.warning(
             "Task %s[%s] raises TaskLocked: lock %r is held by %s (lease left: %s)%s",
-            conflict.task.name, conflict.task.request.id, conflict.key, conflict.holder_id,
+            conflict.task.name, conflict.task.request.id, conflict.key, conflict.who,
             conflict.lease_left, why,
         )  # fmt: skip
-        raise TaskLocked(conflict.key, conflict.holder_id, conflict.ttl)
+        raise TaskLocked(conflict.key, conflict.holder_id, conflict.ttl, conflict.holder_ids)
 
 
 class Retry(Policy):
@@ -191,9 +205,9 @@ class Retry(Policy):
         logger.info(
             "Task %s[%s] retries in %.1fs (lock retry %d of %d): lock %r is held by %s",
             conflict.task.name, request.id, countdown, spent + 1, options.retry_max,
-            conflict.key, conflict.holder_id,
+            conflict.key, conflict.who,
         )  # fmt: skip
-        locked = TaskLocked(conflict.key, conflict.holder_id, conflict.ttl)
+        locked = TaskLocked(conflict.key, conflict.holder_id, conflict.ttl, conflict.holder_ids)
         republish(conflict.task, countdown, {LOCK_RETRIES_HEADER: spent + 1}, locked)
 
 
@@ -204,9 +218,9 @@ POLICIES: Final[Mapping[str, Policy]] = {p.name: p for p in (Skip(), Retry(), Ra
 def locked_out(conflict: Conflict) -> Any:
     """Act for an execution that found its key held: return its value, or raise to end it."""
     request = conflict.task.request
-    holder = conflict.holder
-    if holder is not None and not conflict.direct and holder.task_id == request.id:
-        _held_by_same_task(conflict, holder)
+    for holder in conflict.holders or ((conflict.holder,) if conflict.holder else ()):
+        if not conflict.direct and holder.task_id == request.id:
+            _held_by_same_task(conflict, holder)
     if conflict.options.scope == "coalesce" and not conflict.direct and not request.is_eager:
         _wait_as_follow_up(conflict)
     return POLICIES[conflict.options.policy].apply(conflict)

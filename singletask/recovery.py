@@ -26,12 +26,13 @@ from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import signals as celery_signals
 
 from .runtime import app_state, is_singleton, lock_options
+from .slots import slot_keys
 from .tokens import process_state, reservation_token
 
 if TYPE_CHECKING:
     from celery import Task
 
-    from .backends.base import LockBackend
+    from .backends.base import Holder, LockBackend
 
 __all__ = [
     "release_dead",
@@ -112,9 +113,10 @@ def release_for(
     if not state.first_release(task_id):
         return False
     try:
-        key = lock_options(task).key(args or (), kwargs or {})
+        options = lock_options(task)
         backend = state.backend
-        holder = backend.holder(key)
+        key, holder = _held_slot(backend, options.key(args or (), kwargs or {}), options.limit,
+                                 task_id)  # fmt: skip
     except Exception:
         logger.exception(
             "Task %s[%s]: could not look up its lock after %s; it expires by itself",
@@ -137,6 +139,21 @@ def release_for(
     return False
 
 
+def _held_slot(
+    backend: LockBackend, key: str, limit: int, task_id: str
+) -> tuple[str, Holder | None]:
+    """The store key (``key`` or one of its ``limit`` slots) that ``task_id`` holds, and its
+    holder; ``(key, holder of key)`` when it holds none of them."""
+    first = backend.holder(key)
+    if limit == 1 or (first is not None and first.task_id == task_id):
+        return key, first
+    for slot in slot_keys(key, limit)[1:]:
+        holder = backend.holder(slot)
+        if holder is not None and holder.task_id == task_id:
+            return slot, holder
+    return key, first
+
+
 def release_reservation(
     task: Task[Any, Any],
     task_id: str,
@@ -153,7 +170,9 @@ def release_reservation(
         options = lock_options(task)
         key = options.key(args or (), kwargs or {})
         backend = app_state(task.app).backend
-        released = backend.release(key, reservation_token(task_id, retries))
+        token = reservation_token(task_id, retries)
+        # With lock_limit above 1 the reservation is in one of the key's slots.
+        released = any(backend.release(slot, token) for slot in slot_keys(key, options.limit))
         # A follow-up that will not run frees its slot, so the next call can take it.
         freed = options.scope == "coalesce" and backend.clear_next(key, task_id)
     except Exception:

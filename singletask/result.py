@@ -31,13 +31,18 @@ class Skipped:
         key: The lock key.
         holder: Task id of the execution holding the lock, when known.
         ttl: Seconds that were left on the holder's lease, when known.
+        holders: With ``lock_limit`` above 1, the task id of every holder (``holder`` is the
+            first); empty for a singleton task.
     """
 
     key: str
     holder: str | None = None
     ttl: float | None = None
+    holders: tuple[str | None, ...] = ()
 
     def __str__(self) -> str:
+        if self.holders:
+            return f"skipped: lock {self.key!r} is held by its {len(self.holders)} holders"
         who = self.holder or "another execution"
         return f"skipped: lock {self.key!r} is held by {who}"
 
@@ -47,7 +52,7 @@ def _encode(value: Skipped) -> dict[str, Any]:
 
 
 def _decode(value: dict[str, Any]) -> Skipped:
-    return Skipped(**value)
+    return Skipped(**{**value, "holders": tuple(value.get("holders") or ())})
 
 
 register_type(Skipped, "singletask.skipped", _encode, _decode)

@@ -85,6 +85,7 @@ class SingletonTask(_TaskBase):
     lock_retry_max: ClassVar[int | None] = None
     lock_on_backend_error: ClassVar[str | None] = None
     lock_backend_retry_max: ClassVar[int | None] = None
+    lock_limit: ClassVar[int | None] = None
 
     _singletask_options: ClassVar[TaskOptions]
 

@@ -1,0 +1,181 @@
+"""``lock_limit = N``: up to N executions per lock key at a time (issue 24).
+
+In one process (eager mode), against the memory store and the session's private Redis: an
+execution takes a free holder slot of its key, runs, and frees that slot; with every slot held,
+the lock policy decides and names every holder. Definition time refuses a bad limit, a scope
+that cannot go with it and a store without holder slots. Real workers: tests/e2e/test_limit.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import celery
+import pytest
+
+from singletask import ConfigurationError, SingletonTask, Skipped, TaskLocked
+from singletask.backends.base import LockBackend
+from singletask.slots import slot_key
+
+LEASE = 30.0
+
+
+@pytest.fixture(params=["memory", "redis", "sqlite"])
+def app(request: pytest.FixtureRequest, key_prefix: str, tmp_path: Any) -> Iterator[celery.Celery]:
+    if request.param == "memory":
+        url = "memory://"
+    elif request.param == "sqlite":
+        url = f"sqlite:///{tmp_path}/locks.db"
+    else:
+        url = request.getfixturevalue("redis_url")
+        request.getfixturevalue("redis_client")  # fails / skips when the server is missing
+    app = celery.Celery("limit", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True, singletask_backend_url=url, singletask_key_prefix=key_prefix
+    )
+    yield app
+    app.close()
+
+
+def backend_of(task: Any) -> LockBackend:
+    backend: LockBackend = task.lock_backend
+    return backend
+
+
+def hold(backend: LockBackend, key: str, limit: int, n: int) -> list[int]:
+    """``n`` other executions take slots of ``key``; their fences."""
+    fences = []
+    for i in range(n):
+        taken = backend.acquire_slot(key, limit, f"other-{i}", LEASE, meta={"task_id": f"t-{i}"})
+        assert taken.acquired
+        assert taken.fence is not None
+        fences.append(taken.fence)
+    return fences
+
+
+def test_an_execution_takes_a_free_slot_and_frees_only_that_one(app: celery.Celery) -> None:
+    """With 2 of 3 slots held, an execution runs in the third, with a larger fence, and its
+    end frees that slot only."""
+    seen: dict[str, Any] = {}
+
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_limit=3, bind=True)
+    def export(self: Any) -> str:
+        seen["key"], seen["fence"] = self.lock.key, self.lock.fence
+        return "ran"
+
+    # Given two other holders of the task's key
+    backend, key = backend_of(export), export.lock_key_for()
+    fences = hold(backend, key, 3, 2)
+
+    # When the task runs
+    assert export.delay().get() == "ran"
+
+    # Then it held slot 2, with a fence above the others', and freed it
+    assert seen["key"] == slot_key(key, 2)
+    assert seen["fence"] > max(fences)
+    assert backend.holder(slot_key(key, 2)) is None
+    assert backend.holder(key) is not None
+    assert backend.holder(slot_key(key, 1)) is not None
+
+
+def test_with_every_slot_held_a_skip_names_every_holder(app: celery.Celery) -> None:
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_limit=2, lock_policy="skip")
+    def export() -> str:
+        return "ran"
+
+    key = export.lock_key_for()
+    hold(backend_of(export), key, 2, 2)
+
+    value = export.delay().get()
+
+    assert isinstance(value, Skipped)
+    assert value.holders == ("t-0", "t-1")
+    assert value.holder == "t-0"
+    assert "2 holders" in str(value)
+
+
+def test_with_every_slot_held_raise_fails_naming_every_holder(app: celery.Celery) -> None:
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_limit=2, lock_policy="raise")
+    def export() -> str:
+        return "ran"
+
+    hold(backend_of(export), export.lock_key_for(), 2, 2)
+
+    with pytest.raises(TaskLocked) as raised:
+        export.apply(throw=True)
+    assert raised.value.holders == ("t-0", "t-1")
+    assert "task t-0, task t-1" in str(raised.value)
+
+
+def test_per_argument_keys_have_slots_of_their_own(app: celery.Celery) -> None:
+    """``lock_args`` with a limit: N per customer, other customers unaffected."""
+
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_limit=2, lock_args=("customer",))
+    def export(customer: int) -> str:
+        return f"ran {customer}"
+
+    backend = backend_of(export)
+    hold(backend, export.lock_key_for((1,)), 2, 2)
+
+    assert isinstance(export.delay(1).get(), Skipped)
+    assert export.delay(customer=2).get() == "ran 2"
+
+
+# -- definition time ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [0, -1, 1001, 2.0, "3", True, None.__class__])
+def test_a_bad_limit_is_refused_naming_task_and_attribute(value: object) -> None:
+    app = celery.Celery("limit-bad", set_as_current=False)
+    with pytest.raises(ConfigurationError, match=r"task 'limit\.bad' attribute lock_limit"):
+
+        @app.task(base=SingletonTask, shared=False, lazy=False, name="limit.bad", lock_limit=value)
+        def bad() -> None: ...
+
+
+@pytest.mark.parametrize("scope", ["queue", "coalesce"])
+def test_a_limit_with_a_queueing_scope_is_refused(scope: str) -> None:
+    app = celery.Celery("limit-scope", set_as_current=False)
+    with pytest.raises(ConfigurationError, match=r"attribute lock_scope: .* lock_limit = 2"):
+
+        @app.task(
+            base=SingletonTask, shared=False, lazy=False, name="limit.scope", lock_limit=2,
+            lock_scope=scope,
+        )  # fmt: skip
+        def bad() -> None: ...
+
+
+def test_a_limit_with_an_app_wide_queueing_scope_is_refused_at_definition() -> None:
+    app = celery.Celery("limit-app-scope", set_as_current=False)
+    app.conf.update(singletask_backend_url="memory://", singletask_lock_scope="queue")
+    with pytest.raises(ConfigurationError, match=r"lock_limit: .*singletask_lock_scope 'queue'"):
+
+        @app.task(base=SingletonTask, shared=False, lazy=False, name="limit.s", lock_limit=2)
+        def bad() -> None: ...
+
+
+@pytest.mark.parametrize("url", ["memcached://127.0.0.1:1", "django://default"])
+def test_a_store_without_holder_slots_refuses_a_limit_at_definition(url: str) -> None:
+    """memcached and Django caches keep one holder per key: the task is refused, not
+    silently run as a singleton."""
+    pytest.importorskip("pymemcache" if url.startswith("memcached") else "django")
+    app = celery.Celery("limit-store", set_as_current=False)
+    app.conf.update(singletask_backend_url=url)
+    scheme = url.split(":", 1)[0]
+    with pytest.raises(ConfigurationError, match=rf"lock_limit: the {scheme}:// lock store"):
+
+        @app.task(base=SingletonTask, shared=False, lazy=False, name="limit.m", lock_limit=2)
+        def bad() -> None: ...
+
+
+def test_a_limit_of_one_is_the_singleton(app: celery.Celery) -> None:
+    """``lock_limit = 1`` takes the key itself, as a task without the option does."""
+    seen: dict[str, Any] = {}
+
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_limit=1, bind=True)
+    def sync(self: Any) -> None:
+        seen["key"] = self.lock.key
+
+    sync.delay().get()
+    assert seen["key"] == sync.lock_key_for()
