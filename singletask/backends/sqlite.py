@@ -24,16 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from ..exceptions import BackendError, BackendTimeout, ConfigurationError
-from ..urls import mask_url, query_options
 from ._sql import load_holder, stored_key
+from ._sqlite_files import (
+    LIMITS,
+    NETWORK_FILESYSTEMS,
+    filesystem_type,
+    path_from_url,
+    timeout_from_url,
+)
 from .base import AcquireResult, Holder, LockBackend, check_lease
 
 __all__ = ["SQLiteBackend"]
-
-#: Filesystem types on which SQLite's file locking cannot be trusted.
-NETWORK_FILESYSTEMS = frozenset(
-    {"nfs", "nfs4", "cifs", "smbfs", "smb3", "fuse.sshfs", "9p", "afs", "ceph", "glusterfs"}
-)
 
 _SCHEMA = (
     """
@@ -62,64 +63,6 @@ _SCHEMA = (
 #: How long a key's last fencing token and completion marker outlive its last use.
 FENCE_RETENTION = 7 * 24 * 3600.0
 
-_LIMITS = (
-    "the sqlite:// lock backend serves the worker processes of one host, from a database file "
-    "on a local filesystem"
-)
-
-
-def _path_from_url(url: str) -> Path:
-    shown = mask_url(url)
-    if url.split("?", 1)[0] in ("sqlite:", "sqlite://"):
-        url = "sqlite:///:memory:"  # SQLAlchemy's spelling of an in-memory database
-    if not url.startswith("sqlite:///"):
-        raise ConfigurationError(
-            f"{shown!r}: a SQLite lock URL looks like sqlite:///relative/locks.db or "
-            f"sqlite:////absolute/locks.db ({_LIMITS})"
-        )
-    raw = url[len("sqlite:///") :].split("?", 1)[0]
-    if raw in ("", ":memory:"):
-        raise ConfigurationError(
-            f"{shown!r}: an in-memory SQLite database is private to one process; {_LIMITS}. "
-            "For in-process locks use memory://"
-        )
-    return Path(raw).expanduser()
-
-
-def _timeout_from_url(url: str) -> dict[str, float]:
-    """The ``timeout`` query option of a SQLite URL, checked, as keyword arguments."""
-    options = query_options(url, {"timeout"})
-    if "timeout" not in options:
-        return {}
-    try:
-        timeout = float(options["timeout"])
-    except ValueError:
-        timeout = -1.0
-    if not 0 < timeout <= 3600:
-        raise ConfigurationError(
-            f"{mask_url(url)!r}: timeout must be a number of seconds above 0 and at most 3600"
-        )
-    return {"timeout": timeout}
-
-
-def _filesystem_type(path: Path) -> str | None:
-    """The type of the filesystem holding ``path`` (Linux only; None when unknown)."""
-    try:
-        mounts = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return None
-    target = str(path.resolve())
-    best, kind = "", None
-    for line in mounts:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mountpoint = parts[1].replace("\\040", " ")
-        inside = target == mountpoint or target.startswith(mountpoint.rstrip("/") + "/")
-        if inside and len(mountpoint) >= len(best):
-            best, kind = mountpoint, parts[2]
-    return kind
-
 
 class SQLiteBackend(LockBackend):
     """Locks in a SQLite database file shared by the processes of one host.
@@ -136,13 +79,13 @@ class SQLiteBackend(LockBackend):
         if not folder.is_dir():
             raise ConfigurationError(
                 f"SQLite lock database {str(self.path)!r}: folder {str(folder)!r} does not exist "
-                f"({_LIMITS})"
+                f"({LIMITS})"
             )
-        kind = _filesystem_type(folder)
+        kind = filesystem_type(folder)
         if kind in NETWORK_FILESYSTEMS:
             raise ConfigurationError(
                 f"SQLite lock database {str(self.path)!r} is on a {kind} network filesystem, "
-                f"where SQLite's locking is unreliable: {_LIMITS}. Use redis:// for several hosts"
+                f"where SQLite's locking is unreliable: {LIMITS}. Use redis:// for several hosts"
             )
         self._mutex = threading.Lock()
         self._conn: sqlite3.Connection | None = None
@@ -150,12 +93,12 @@ class SQLiteBackend(LockBackend):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> SQLiteBackend:
-        return cls(_path_from_url(url), **{**_timeout_from_url(url), **options})
+        return cls(path_from_url(url), **{**timeout_from_url(url), **options})
 
     @classmethod
     def check_url(cls, url: str) -> None:
-        _path_from_url(url)
-        _timeout_from_url(url)
+        path_from_url(url)
+        timeout_from_url(url)
 
     def __repr__(self) -> str:
         return f"<SQLiteBackend {str(self.path)!r}>"
