@@ -4,7 +4,8 @@ URL: ``sqlite:///relative/path/locks.db`` or ``sqlite:////absolute/path/locks.db
 SQLAlchemy convention), with one optional query option, ``?timeout=<seconds>`` (default 5).
 Every operation is one ``BEGIN IMMEDIATE`` transaction, so writers are
 serialised by SQLite's file lock; the database runs in WAL mode with a busy timeout, so concurrent
-worker processes wait for each other instead of failing.
+worker processes wait for each other instead of failing. Holder slots (``lock_limit``) are rows
+of their own, sharing their key's row in the fence table; one transaction takes a free one.
 
 Limits: every process using the file must run on the same host (SQLite's locking does not work
 across machines, and is unreliable on network filesystems such as NFS or SMB, which this backend
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..exceptions import BackendError, BackendTimeout, ConfigurationError
+from ..slots import base_key, slot_keys
 from ._sql import load_holder, stored_key
 from ._sqlite_files import (
     LIMITS,
@@ -63,6 +65,18 @@ _SCHEMA = (
 #: How long a key's last fencing token and completion marker outlive its last use.
 FENCE_RETENTION = 7 * 24 * 3600.0
 
+_Row = tuple[str, float, str, int]  # token, expires_at, meta (JSON), fence
+
+
+def _takes_over(row: _Row, takeover_prefix: str | None) -> bool:
+    return bool(takeover_prefix) and row[0].startswith(takeover_prefix or "")
+
+
+def _brief(row: _Row, now: float) -> Holder:
+    """The holder of ``row`` as a refused acquisition reports it (no metadata)."""
+    token, expires_at, stored, fence = row
+    return Holder(token, json.loads(stored).get("task_id"), expires_at - now, {}, fence)
+
 
 class SQLiteBackend(LockBackend):
     """Locks in a SQLite database file shared by the processes of one host.
@@ -71,6 +85,8 @@ class SQLiteBackend(LockBackend):
         path: The database file; created (with its table) when missing. Its folder must exist.
         timeout: Seconds to wait for another process's transaction before giving up.
     """
+
+    supports_limit = True
 
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 5.0) -> None:
         self.path = Path(path)
@@ -148,8 +164,8 @@ class SQLiteBackend(LockBackend):
                 raise BackendError(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
 
     @staticmethod
-    def _row(conn: sqlite3.Connection, key: str, now: float) -> tuple[str, float, str, int] | None:
-        row: tuple[str, float, str, int] | None = conn.execute(
+    def _row(conn: sqlite3.Connection, key: str, now: float) -> _Row | None:
+        row: _Row | None = conn.execute(
             "SELECT token, expires_at, meta, fence FROM singletask_locks WHERE key = ?", (key,)
         ).fetchone()
         if row is not None and row[1] <= now:
@@ -170,33 +186,67 @@ class SQLiteBackend(LockBackend):
         with self._transaction("acquire", key) as conn:
             now = time.time()
             row = self._row(conn, key, now)
-            if row is not None:
-                current, expires_at, stored, fence = row
-                if current != token and not (
-                    takeover_prefix and current.startswith(takeover_prefix)
-                ):
-                    task_id = json.loads(stored).get("task_id")
-                    holder = Holder(current, task_id, expires_at - now, {}, fence)
-                    return AcquireResult(False, holder)
-            last = conn.execute(
-                "SELECT fence, done FROM singletask_fences WHERE key = ?", (key,)
-            ).fetchone()
-            if row is not None and row[0] == token:
-                fence = row[3]
-            else:
-                # Like Redis: grows while the fence row is kept, and with the clock after that.
-                fence = max((last[0] if last else 0) + 1, int(now * 1_000_000))
-            conn.execute(
-                "INSERT INTO singletask_fences (key, fence, touched) VALUES (?, ?, ?) ON CONFLICT "
-                "(key) DO UPDATE SET fence = excluded.fence, touched = excluded.touched",
-                (key, fence, now),
-            )
-            conn.execute(
-                "INSERT OR REPLACE INTO singletask_locks (key, token, expires_at, meta, fence) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (key, token, now + ttl, json.dumps(dict(meta or {})), fence),
-            )
-            return AcquireResult(True, fence=fence, completed=last[1] if last else None)
+            if row is not None and row[0] != token and not _takes_over(row, takeover_prefix):
+                return AcquireResult(False, _brief(row, now))
+            return self._take(conn, key, row, token, ttl, meta, now)
+
+    def acquire_slot(
+        self,
+        key: str,
+        limit: int,
+        token: str,
+        ttl: float,
+        *,
+        meta: Mapping[str, str] | None = None,
+        takeover_prefix: str | None = None,
+    ) -> AcquireResult:
+        ttl = check_lease(ttl, "acquire")
+        with self._transaction("acquire", key) as conn:
+            now = time.time()
+            slots = [(name, self._row(conn, name, now)) for name in slot_keys(key, limit)]
+            for wanted in (
+                lambda r: r is not None and r[0] == token,
+                lambda r: r is not None and _takes_over(r, takeover_prefix),
+                lambda r: r is None,
+            ):
+                for name, row in slots:
+                    if wanted(row):
+                        return self._take(conn, name, row, token, ttl, meta, now)
+            holders = tuple(_brief(row, now) for _, row in slots if row is not None)
+            return AcquireResult(False, holders[0], holders=holders)
+
+    @staticmethod
+    def _take(
+        conn: sqlite3.Connection,
+        name: str,
+        row: _Row | None,
+        token: str,
+        ttl: float,
+        meta: Mapping[str, str] | None,
+        now: float,
+    ) -> AcquireResult:
+        """Give ``name`` (a key or a holder slot, live row ``row``) to ``token``, inside the
+        caller's transaction; a slot shares its key's fence record."""
+        key = base_key(name)
+        last = conn.execute(
+            "SELECT fence, done FROM singletask_fences WHERE key = ?", (key,)
+        ).fetchone()
+        if row is not None and row[0] == token:
+            fence = row[3]
+        else:
+            # Like Redis: grows while the fence row is kept, and with the clock after that.
+            fence = max((last[0] if last else 0) + 1, int(now * 1_000_000))
+        conn.execute(
+            "INSERT INTO singletask_fences (key, fence, touched) VALUES (?, ?, ?) ON CONFLICT "
+            "(key) DO UPDATE SET fence = max(fence, excluded.fence), touched = excluded.touched",
+            (key, fence, now),
+        )
+        conn.execute(
+            "INSERT OR REPLACE INTO singletask_locks (key, token, expires_at, meta, fence) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (name, token, now + ttl, json.dumps(dict(meta or {})), fence),
+        )
+        return AcquireResult(True, fence=fence, completed=last[1] if last else None, key=name)
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         with self._transaction("release", key) as conn:
@@ -208,7 +258,7 @@ class SQLiteBackend(LockBackend):
             if completed is not None:
                 conn.execute(
                     "UPDATE singletask_fences SET done = ?, touched = ? WHERE key = ?",
-                    (completed, now, key),
+                    (completed, now, base_key(key)),
                 )
             return True
 
@@ -260,8 +310,20 @@ class SQLiteBackend(LockBackend):
         return load_holder(token, stored, expires_at - now, fence)
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
-        """Pages of ``page_size`` rows in key order, each read in its own short transaction."""
+        """Pages of ``page_size`` rows in key order, each read in its own short transaction.
+
+        Two key ranges: the keys that start with ``prefix`` (plain keys, and slots of keys with
+        a ``}``), then those that start with ``{`` + ``prefix`` (the other slots), unless the
+        first range holds them already (a prefix of only ``{``)."""
         page_size = max(1, page_size)
+        starts = [prefix] if ("{" + prefix).startswith(prefix) else [prefix, "{" + prefix]
+        for start in starts:
+            for key, holder in self._iter_range(start, page_size):
+                if base_key(key).startswith(prefix):
+                    yield key, holder
+
+    def _iter_range(self, start: str, page_size: int) -> Iterator[tuple[str, Holder]]:
+        """The live rows whose key starts with ``start``, in pages."""
         after: str | None = None
         while True:
             with self._mutex:
@@ -271,13 +333,13 @@ class SQLiteBackend(LockBackend):
                     rows: list[tuple[str, str, float, str, int]] = conn.execute(
                         "SELECT key, token, expires_at, meta, fence FROM singletask_locks "
                         f"WHERE key {'>=' if after is None else '>'} ? ORDER BY key LIMIT ?",
-                        (prefix if after is None else after, page_size),
+                        (start if after is None else after, page_size),
                     ).fetchall()
                 except sqlite3.Error as exc:
-                    raise BackendError(f"{self!r}: list {prefix!r} failed: {exc}") from exc
+                    raise BackendError(f"{self!r}: list {start!r} failed: {exc}") from exc
             now = time.time()
             for key, token, expires_at, stored, fence in rows:
-                if not key.startswith(prefix):
+                if not key.startswith(start):
                     return
                 if expires_at > now:
                     yield key, load_holder(token, stored, expires_at - now, fence)
