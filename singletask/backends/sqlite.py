@@ -4,7 +4,8 @@ URL: ``sqlite:///relative/path/locks.db`` or ``sqlite:////absolute/path/locks.db
 SQLAlchemy convention), with one optional query option, ``?timeout=<seconds>`` (default 5).
 Every operation is one ``BEGIN IMMEDIATE`` transaction, so writers are
 serialised by SQLite's file lock; the database runs in WAL mode with a busy timeout, so concurrent
-worker processes wait for each other instead of failing.
+worker processes wait for each other instead of failing. Holder slots (``lock_limit``) are rows
+of their own, sharing their key's row in the fence table; one transaction takes a free one.
 
 Limits: every process using the file must run on the same host (SQLite's locking does not work
 across machines, and is unreliable on network filesystems such as NFS or SMB, which this backend
@@ -24,16 +25,18 @@ from pathlib import Path
 from typing import Any
 
 from ..exceptions import BackendError, BackendTimeout, ConfigurationError
-from ..urls import mask_url, query_options
+from ..slots import base_key, slot_keys
 from ._sql import load_holder, stored_key
+from ._sqlite_files import (
+    LIMITS,
+    NETWORK_FILESYSTEMS,
+    filesystem_type,
+    path_from_url,
+    timeout_from_url,
+)
 from .base import AcquireResult, Holder, LockBackend, check_lease
 
 __all__ = ["SQLiteBackend"]
-
-#: Filesystem types on which SQLite's file locking cannot be trusted.
-NETWORK_FILESYSTEMS = frozenset(
-    {"nfs", "nfs4", "cifs", "smbfs", "smb3", "fuse.sshfs", "9p", "afs", "ceph", "glusterfs"}
-)
 
 _SCHEMA = (
     """
@@ -62,63 +65,17 @@ _SCHEMA = (
 #: How long a key's last fencing token and completion marker outlive its last use.
 FENCE_RETENTION = 7 * 24 * 3600.0
 
-_LIMITS = (
-    "the sqlite:// lock backend serves the worker processes of one host, from a database file "
-    "on a local filesystem"
-)
+_Row = tuple[str, float, str, int]  # token, expires_at, meta (JSON), fence
 
 
-def _path_from_url(url: str) -> Path:
-    shown = mask_url(url)
-    if url.split("?", 1)[0] in ("sqlite:", "sqlite://"):
-        url = "sqlite:///:memory:"  # SQLAlchemy's spelling of an in-memory database
-    if not url.startswith("sqlite:///"):
-        raise ConfigurationError(
-            f"{shown!r}: a SQLite lock URL looks like sqlite:///relative/locks.db or "
-            f"sqlite:////absolute/locks.db ({_LIMITS})"
-        )
-    raw = url[len("sqlite:///") :].split("?", 1)[0]
-    if raw in ("", ":memory:"):
-        raise ConfigurationError(
-            f"{shown!r}: an in-memory SQLite database is private to one process; {_LIMITS}. "
-            "For in-process locks use memory://"
-        )
-    return Path(raw).expanduser()
+def _takes_over(row: _Row, takeover_prefix: str | None) -> bool:
+    return bool(takeover_prefix) and row[0].startswith(takeover_prefix or "")
 
 
-def _timeout_from_url(url: str) -> dict[str, float]:
-    """The ``timeout`` query option of a SQLite URL, checked, as keyword arguments."""
-    options = query_options(url, {"timeout"})
-    if "timeout" not in options:
-        return {}
-    try:
-        timeout = float(options["timeout"])
-    except ValueError:
-        timeout = -1.0
-    if not 0 < timeout <= 3600:
-        raise ConfigurationError(
-            f"{mask_url(url)!r}: timeout must be a number of seconds above 0 and at most 3600"
-        )
-    return {"timeout": timeout}
-
-
-def _filesystem_type(path: Path) -> str | None:
-    """The type of the filesystem holding ``path`` (Linux only; None when unknown)."""
-    try:
-        mounts = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return None
-    target = str(path.resolve())
-    best, kind = "", None
-    for line in mounts:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mountpoint = parts[1].replace("\\040", " ")
-        inside = target == mountpoint or target.startswith(mountpoint.rstrip("/") + "/")
-        if inside and len(mountpoint) >= len(best):
-            best, kind = mountpoint, parts[2]
-    return kind
+def _brief(row: _Row, now: float) -> Holder:
+    """The holder of ``row`` as a refused acquisition reports it (no metadata)."""
+    token, expires_at, stored, fence = row
+    return Holder(token, json.loads(stored).get("task_id"), expires_at - now, {}, fence)
 
 
 class SQLiteBackend(LockBackend):
@@ -129,6 +86,8 @@ class SQLiteBackend(LockBackend):
         timeout: Seconds to wait for another process's transaction before giving up.
     """
 
+    supports_limit = True
+
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 5.0) -> None:
         self.path = Path(path)
         self.timeout = timeout
@@ -136,13 +95,13 @@ class SQLiteBackend(LockBackend):
         if not folder.is_dir():
             raise ConfigurationError(
                 f"SQLite lock database {str(self.path)!r}: folder {str(folder)!r} does not exist "
-                f"({_LIMITS})"
+                f"({LIMITS})"
             )
-        kind = _filesystem_type(folder)
+        kind = filesystem_type(folder)
         if kind in NETWORK_FILESYSTEMS:
             raise ConfigurationError(
                 f"SQLite lock database {str(self.path)!r} is on a {kind} network filesystem, "
-                f"where SQLite's locking is unreliable: {_LIMITS}. Use redis:// for several hosts"
+                f"where SQLite's locking is unreliable: {LIMITS}. Use redis:// for several hosts"
             )
         self._mutex = threading.Lock()
         self._conn: sqlite3.Connection | None = None
@@ -150,12 +109,12 @@ class SQLiteBackend(LockBackend):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> SQLiteBackend:
-        return cls(_path_from_url(url), **{**_timeout_from_url(url), **options})
+        return cls(path_from_url(url), **{**timeout_from_url(url), **options})
 
     @classmethod
     def check_url(cls, url: str) -> None:
-        _path_from_url(url)
-        _timeout_from_url(url)
+        path_from_url(url)
+        timeout_from_url(url)
 
     def __repr__(self) -> str:
         return f"<SQLiteBackend {str(self.path)!r}>"
@@ -205,8 +164,8 @@ class SQLiteBackend(LockBackend):
                 raise BackendError(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
 
     @staticmethod
-    def _row(conn: sqlite3.Connection, key: str, now: float) -> tuple[str, float, str, int] | None:
-        row: tuple[str, float, str, int] | None = conn.execute(
+    def _row(conn: sqlite3.Connection, key: str, now: float) -> _Row | None:
+        row: _Row | None = conn.execute(
             "SELECT token, expires_at, meta, fence FROM singletask_locks WHERE key = ?", (key,)
         ).fetchone()
         if row is not None and row[1] <= now:
@@ -227,33 +186,67 @@ class SQLiteBackend(LockBackend):
         with self._transaction("acquire", key) as conn:
             now = time.time()
             row = self._row(conn, key, now)
-            if row is not None:
-                current, expires_at, stored, fence = row
-                if current != token and not (
-                    takeover_prefix and current.startswith(takeover_prefix)
-                ):
-                    task_id = json.loads(stored).get("task_id")
-                    holder = Holder(current, task_id, expires_at - now, {}, fence)
-                    return AcquireResult(False, holder)
-            last = conn.execute(
-                "SELECT fence, done FROM singletask_fences WHERE key = ?", (key,)
-            ).fetchone()
-            if row is not None and row[0] == token:
-                fence = row[3]
-            else:
-                # Like Redis: grows while the fence row is kept, and with the clock after that.
-                fence = max((last[0] if last else 0) + 1, int(now * 1_000_000))
-            conn.execute(
-                "INSERT INTO singletask_fences (key, fence, touched) VALUES (?, ?, ?) ON CONFLICT "
-                "(key) DO UPDATE SET fence = excluded.fence, touched = excluded.touched",
-                (key, fence, now),
-            )
-            conn.execute(
-                "INSERT OR REPLACE INTO singletask_locks (key, token, expires_at, meta, fence) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (key, token, now + ttl, json.dumps(dict(meta or {})), fence),
-            )
-            return AcquireResult(True, fence=fence, completed=last[1] if last else None)
+            if row is not None and row[0] != token and not _takes_over(row, takeover_prefix):
+                return AcquireResult(False, _brief(row, now))
+            return self._take(conn, key, row, token, ttl, meta, now)
+
+    def acquire_slot(
+        self,
+        key: str,
+        limit: int,
+        token: str,
+        ttl: float,
+        *,
+        meta: Mapping[str, str] | None = None,
+        takeover_prefix: str | None = None,
+    ) -> AcquireResult:
+        ttl = check_lease(ttl, "acquire")
+        with self._transaction("acquire", key) as conn:
+            now = time.time()
+            slots = [(name, self._row(conn, name, now)) for name in slot_keys(key, limit)]
+            for wanted in (
+                lambda r: r is not None and r[0] == token,
+                lambda r: r is not None and _takes_over(r, takeover_prefix),
+                lambda r: r is None,
+            ):
+                for name, row in slots:
+                    if wanted(row):
+                        return self._take(conn, name, row, token, ttl, meta, now)
+            holders = tuple(_brief(row, now) for _, row in slots if row is not None)
+            return AcquireResult(False, holders[0], holders=holders)
+
+    @staticmethod
+    def _take(
+        conn: sqlite3.Connection,
+        name: str,
+        row: _Row | None,
+        token: str,
+        ttl: float,
+        meta: Mapping[str, str] | None,
+        now: float,
+    ) -> AcquireResult:
+        """Give ``name`` (a key or a holder slot, live row ``row``) to ``token``, inside the
+        caller's transaction; a slot shares its key's fence record."""
+        key = base_key(name)
+        last = conn.execute(
+            "SELECT fence, done FROM singletask_fences WHERE key = ?", (key,)
+        ).fetchone()
+        if row is not None and row[0] == token:
+            fence = row[3]
+        else:
+            # Like Redis: grows while the fence row is kept, and with the clock after that.
+            fence = max((last[0] if last else 0) + 1, int(now * 1_000_000))
+        conn.execute(
+            "INSERT INTO singletask_fences (key, fence, touched) VALUES (?, ?, ?) ON CONFLICT "
+            "(key) DO UPDATE SET fence = max(fence, excluded.fence), touched = excluded.touched",
+            (key, fence, now),
+        )
+        conn.execute(
+            "INSERT OR REPLACE INTO singletask_locks (key, token, expires_at, meta, fence) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (name, token, now + ttl, json.dumps(dict(meta or {})), fence),
+        )
+        return AcquireResult(True, fence=fence, completed=last[1] if last else None, key=name)
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         with self._transaction("release", key) as conn:
@@ -265,7 +258,7 @@ class SQLiteBackend(LockBackend):
             if completed is not None:
                 conn.execute(
                     "UPDATE singletask_fences SET done = ?, touched = ? WHERE key = ?",
-                    (completed, now, key),
+                    (completed, now, base_key(key)),
                 )
             return True
 
@@ -317,8 +310,20 @@ class SQLiteBackend(LockBackend):
         return load_holder(token, stored, expires_at - now, fence)
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
-        """Pages of ``page_size`` rows in key order, each read in its own short transaction."""
+        """Pages of ``page_size`` rows in key order, each read in its own short transaction.
+
+        Two key ranges: the keys that start with ``prefix`` (plain keys, and slots of keys with
+        a ``}``), then those that start with ``{`` + ``prefix`` (the other slots), unless the
+        first range holds them already (a prefix of only ``{``)."""
         page_size = max(1, page_size)
+        starts = [prefix] if ("{" + prefix).startswith(prefix) else [prefix, "{" + prefix]
+        for start in starts:
+            for key, holder in self._iter_range(start, page_size):
+                if base_key(key).startswith(prefix):
+                    yield key, holder
+
+    def _iter_range(self, start: str, page_size: int) -> Iterator[tuple[str, Holder]]:
+        """The live rows whose key starts with ``start``, in pages."""
         after: str | None = None
         while True:
             with self._mutex:
@@ -328,13 +333,13 @@ class SQLiteBackend(LockBackend):
                     rows: list[tuple[str, str, float, str, int]] = conn.execute(
                         "SELECT key, token, expires_at, meta, fence FROM singletask_locks "
                         f"WHERE key {'>=' if after is None else '>'} ? ORDER BY key LIMIT ?",
-                        (prefix if after is None else after, page_size),
+                        (start if after is None else after, page_size),
                     ).fetchall()
                 except sqlite3.Error as exc:
-                    raise BackendError(f"{self!r}: list {prefix!r} failed: {exc}") from exc
+                    raise BackendError(f"{self!r}: list {start!r} failed: {exc}") from exc
             now = time.time()
             for key, token, expires_at, stored, fence in rows:
-                if not key.startswith(prefix):
+                if not key.startswith(start):
                     return
                 if expires_at > now:
                     yield key, load_holder(token, stored, expires_at - now, fence)

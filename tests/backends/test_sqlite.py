@@ -13,6 +13,7 @@ from singletask import ConfigurationError
 from singletask.backends import backend_from_url
 from singletask.backends.sqlite import SQLiteBackend
 from singletask.exceptions import LockKeyError
+from singletask.slots import slot_index, slot_keys
 
 
 def test_sqlite_urls_follow_the_sqlalchemy_convention(
@@ -94,6 +95,73 @@ def test_processes_sharing_the_file_never_hold_the_lock_together(tmp_path: Path)
     assert all(process.exitcode == 0 for process in workers)
     assert sum(wins for wins, _ in outcomes) > 0
     assert sum(overlaps for _, overlaps in outcomes) == 0
+
+
+def _contend_for_slots(path: str, worker: int, rounds: int, results: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    """In a separate process: take one of 2 slots, check nobody else is in it, leave, repeat."""
+    backend = SQLiteBackend(path)
+    wins = overlaps = 0
+    for n in range(rounds):
+        token = f"w{worker}-{n}"
+        taken = backend.acquire_slot("shared", 2, token, 10)
+        if taken.acquired:
+            assert taken.key is not None
+            wins += 1
+            inside = Path(path).with_suffix(f".inside-{slot_index(taken.key)}")
+            try:
+                inside.mkdir()  # atomic: fails if another holder of this slot is inside
+            except FileExistsError:
+                overlaps += 1
+            else:
+                time.sleep(0.001)
+                inside.rmdir()
+            assert backend.release(taken.key, token)
+    results.put((wins, overlaps))
+
+
+def test_processes_sharing_the_file_never_share_a_holder_slot(tmp_path: Path) -> None:
+    # Given four processes competing for the two slots of one key in the same database file
+    path = str(tmp_path / "locks.db")
+    SQLiteBackend(path).acquire("warm-up", "t", 1)  # create the database before the race
+    results: multiprocessing.Queue = multiprocessing.Queue()  # type: ignore[type-arg]
+    workers = [
+        multiprocessing.Process(target=_contend_for_slots, args=(path, i, 100, results))
+        for i in range(4)
+    ]
+
+    # When they all acquire and release as fast as they can
+    for process in workers:
+        process.start()
+    for process in workers:
+        process.join(60)
+    outcomes = [results.get(timeout=5) for _ in workers]
+
+    # Then each finished, won sometimes, and no slot ever had two holders at once
+    assert all(process.exitcode == 0 for process in workers)
+    assert sum(wins for wins, _ in outcomes) > 0
+    assert sum(overlaps for _, overlaps in outcomes) == 0
+
+
+def test_slots_are_listed_under_a_hash_tagged_or_brace_prefix(tmp_path: Path) -> None:
+    """A key prefix with a hash tag keeps its slots in one key range; a prefix of only ``{``
+    lists each slot once; a prefix that only a slot key's brace starts with lists nothing."""
+    backend = SQLiteBackend(tmp_path / "locks.db")
+    tagged, plain = "{st}:app.export", "app.sync"
+    for key in (tagged, plain):
+        for n in range(3):
+            assert backend.acquire_slot(key, 3, f"{key}-{n}", 30).acquired
+
+    def listed(prefix: str) -> list[str]:
+        keys = [k for k, _ in backend.iter_locks(prefix, page_size=2)]
+        assert len(keys) == len(set(keys))
+        return sorted(keys)
+
+    assert listed("{st}:") == sorted(slot_keys(tagged, 3))
+    assert listed("app.") == sorted(slot_keys(plain, 3))
+    assert listed("") == sorted(slot_keys(tagged, 3) + slot_keys(plain, 3))
+    assert listed("{") == sorted(slot_keys(tagged, 3))
+    assert listed("{app.") == []
+    backend.close()
 
 
 def test_a_lock_key_of_thousands_of_characters_is_an_ordinary_lock(tmp_path: Path) -> None:
