@@ -63,7 +63,7 @@ from .messages import is_redelivery, seconds_until
 from .policies import Conflict, locked_out, store_unreachable
 from .runtime import app_state
 from .signals import lock_acquired, lock_lost
-from .slots import base_key
+from .slots import base_key, slot_keys
 from .tokens import direct_token, execution_token, process_state, reservation_token
 
 if TYPE_CHECKING:
@@ -200,7 +200,13 @@ def execute(
         conflict = Conflict(task, options, backend, key, result.holder, direct, result.holders)
         return locked_out(conflict)
     # With lock_limit above 1 the execution holds one of the key's slots: renew and release it.
-    key = result.key or key
+    lock_key, key = key, result.key or key
+    if options.limit > 1:
+        twin = _twin(backend, options, request, lock_key, key)
+        if twin is not None:
+            # A copy of a message that still runs in another slot: it must not run twice.
+            _end(task, options, backend, key, token, None)
+            return locked_out(Conflict(task, options, backend, lock_key, twin, direct, (twin,)))
 
     if attempt is not None and result.completed == attempt and is_redelivery(request):
         # This very message already ran to completion: a redelivered copy must not run.
@@ -270,6 +276,25 @@ def _take(
             key, options.limit, token, options.ttl, meta=meta, takeover_prefix=takeover
         )
     return backend.acquire(key, token, options.ttl, meta=meta, takeover_prefix=takeover)
+
+
+def _twin(
+    backend: LockBackend, options: LockOptions, request: Any, lock_key: str, held: str
+) -> Holder | None:
+    """With ``lock_limit`` above 1: another slot of ``lock_key`` held by this very message.
+
+    The singleton sees such a copy as a conflict on its one key; with several slots the copy
+    would take a free one. Only a redelivered message can have a twin, so only then are the
+    other slots read (one request each). Returns that holder, or None.
+    """
+    if request.id is None or not is_redelivery(request):
+        return None
+    for slot in slot_keys(lock_key, options.limit):
+        if slot != held:
+            holder = backend.holder(slot)
+            if holder is not None and holder.task_id == request.id:
+                return holder
+    return None
 
 
 def _gone_holder(result: AcquireResult) -> Holder | None:

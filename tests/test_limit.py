@@ -179,3 +179,29 @@ def test_a_limit_of_one_is_the_singleton(app: celery.Celery) -> None:
 
     sync.delay().get()
     assert seen["key"] == sync.lock_key_for()
+
+
+def test_a_redelivered_copy_of_a_running_message_does_not_take_a_second_slot(
+    app: celery.Celery,
+) -> None:
+    """A singleton sees a copy of a running message as a conflict on its one key; with free
+    slots the copy must still not run beside the original."""
+    from singletask.messages import REDELIVERED_HEADER
+
+    ran: list[str] = []
+
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_limit=3, lock_policy="skip")
+    def export() -> None:
+        ran.append("body")
+
+    # Given the original execution of message "msg-1" holding slot 0
+    backend, key = backend_of(export), export.lock_key_for()
+    assert backend.acquire_slot(key, 3, "msg-1:0:x", LEASE, meta={"task_id": "msg-1"}).acquired
+
+    # When a redelivered copy of it starts
+    outcome = export.apply(task_id="msg-1", headers={REDELIVERED_HEADER: 1})
+
+    # Then its body did not run, and it left no slot behind
+    assert ran == []
+    assert outcome.state != "SUCCESS" or not ran
+    assert backend.holder(slot_key(key, 1)) is None
