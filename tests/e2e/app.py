@@ -24,6 +24,7 @@ TASK_MODULES = [
     "tests.e2e.tasks_scopes",
     "tests.e2e.tasks_ops",
     "tests.e2e.tasks_pools",
+    "tests.e2e.tasks_limits",
 ]
 
 #: Optional: a JSON object merged into ``broker_transport_options`` (e.g. a short
