@@ -20,13 +20,22 @@ from singletask.slots import slot_key
 from .conftest import Cluster
 from .tasks_limits import TTL
 from .tasks_policies import gate_key
-from .test_endings import stopped  # noqa: F401 - the fixture that waits for a restored pool
+from .test_endings import wait_pool_restored
 
 pytestmark = pytest.mark.e2e
 
 NAME = "e2e.limits.export"
 #: Generous bound for what the worker does by itself (release after a lost process).
 BOUND = 15.0
+
+
+@pytest.fixture
+def stopped(cluster: Cluster) -> Iterator[list[int]]:
+    """Pool processes a test kills: afterwards, wait until the worker has replaced them."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        wait_pool_restored(cluster, pid)
 
 
 @pytest.fixture
