@@ -18,11 +18,15 @@ CREATE TABLE IF NOT EXISTS {table} (
     next_expires DATETIME(6) NULL,
     expires_at DATETIME(6) NOT NULL,
     full_key MEDIUMBLOB NULL,
+    slot_fence BIGINT NULL,
     INDEX {index} (expires_at)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"""
 
 # A table made before full_key existed gains it (instant on MariaDB 10.3+ and MySQL 8.0.12+).
 ADD_FULL_KEY = "ALTER TABLE {table} ADD COLUMN full_key MEDIUMBLOB NULL"
+ADD_SLOT_FENCE = "ALTER TABLE {table} ADD COLUMN slot_fence BIGINT NULL"
+#: The columns an older version's table may lack, and the statement that adds each.
+ADDED_COLUMNS = {"full_key": "add_full_key", "slot_fence": "add_slot_fence"}
 
 #: Lock keys longer than this many bytes are stored in a fixed-size form (see
 #: ``_sql.stored_key``), which fits the VARBINARY(1024) primary key.
@@ -53,7 +57,7 @@ SET @st_now = UTC_TIMESTAMP(6);"""
 ACQUIRE = f"""{LOCK_ROW}
 UPDATE {{table}} SET
     fence = IF(token <=> %(token)s AND lease_expires > @st_now, fence,
-               GREATEST(fence + 1, {CLOCK_US})),
+               GREATEST(GREATEST(fence, COALESCE(slot_fence, 0)) + 1, {CLOCK_US})),
     task_id = %(task_id)s,
     meta = %(meta)s,
     full_key = %(full_key)s,
@@ -114,6 +118,70 @@ FROM {{table}} WHERE `key` = %(key)s AND token IS NOT NULL AND lease_expires > @
 UPDATE {{table}} SET token = NULL, task_id = NULL, meta = NULL, lease_expires = @st_now
 WHERE `key` = %(key)s AND token IS NOT NULL AND lease_expires > @st_now
     AND (%(task_id)s IS NULL OR task_id = %(task_id)s);
+COMMIT"""
+
+# Holder slots (singletask.slots). ``{slots}`` is a derived table of the candidate slots, one
+# ``SELECT`` of ``k`` (stored key), ``f`` (full key) and ``ord`` (1 for the first) per slot
+# (SLOT, joined with UNION ALL).
+SLOT = "SELECT CAST(%(k{n})s AS BINARY) AS k, %(f{n})s AS f, {n} AS ord"
+
+# One transaction. The key's own row is locked first (inserted free if missing): it serialises
+# every acquisition of the key's slots and keeps the key's fence counter (greatest of fence and
+# slot_fence); then the slots' rows that exist. Only then is the clock read, and the slot chosen:
+# the caller's own live one, else a live holder with the takeover prefix, else the first free or
+# expired one. The chosen row is inserted if missing and taken as ACQUIRE takes a key; the key's
+# row records the fence. The final SELECT returns the live holders of the slots by ordinal,
+# with the key's marker: the caller took a slot iff its token is among them.
+ACQUIRE_SLOT = f"""
+START TRANSACTION;
+INSERT INTO {{table}} (`key`, full_key, lease_expires, fence, expires_at)
+VALUES (%(base)s, %(base_full)s, UTC_TIMESTAMP(6), 0, UTC_TIMESTAMP(6))
+ON DUPLICATE KEY UPDATE `key` = `key`;
+SELECT `key` FROM {{table}} WHERE `key` IN (SELECT k FROM ({{{{slots}}}}) AS c)
+ORDER BY `key` FOR UPDATE;
+SET @st_now = UTC_TIMESTAMP(6), @st_pick = NULL, @st_full = NULL, @st_rank = NULL;
+SELECT c.k, c.f, CASE WHEN l.token IS NULL OR l.lease_expires <= @st_now THEN 2
+        WHEN l.token = %(token)s THEN 0
+        WHEN %(prefix)s <> '' AND LEFT(l.token, LENGTH(%(prefix)s)) = %(prefix)s THEN 1
+        ELSE 3 END AS st_rank
+    INTO @st_pick, @st_full, @st_rank
+FROM ({{{{slots}}}}) AS c LEFT JOIN {{table}} AS l ON l.`key` = c.k
+HAVING st_rank < 3 ORDER BY st_rank, c.ord LIMIT 1;
+SELECT GREATEST(fence, COALESCE(slot_fence, 0)) INTO @st_last
+FROM {{table}} WHERE `key` = %(base)s;
+INSERT INTO {{table}} (`key`, full_key, lease_expires, fence, expires_at)
+SELECT @st_pick, @st_full, @st_now, 0, @st_now FROM DUAL WHERE @st_pick IS NOT NULL
+ON DUPLICATE KEY UPDATE `key` = `key`;
+UPDATE {{table}} SET
+    fence = IF(@st_rank = 0, fence, GREATEST(fence + 1, @st_last + 1, {CLOCK_US})),
+    task_id = %(task_id)s,
+    meta = %(meta)s,
+    full_key = @st_full,
+    expires_at = GREATEST(expires_at, @st_now + INTERVAL %(row_us)s MICROSECOND),
+    lease_expires = @st_now + INTERVAL %(lease_us)s MICROSECOND,
+    token = %(token)s
+WHERE `key` = @st_pick;
+SELECT fence INTO @st_fence FROM {{table}} WHERE `key` = @st_pick;
+UPDATE {{table}} SET slot_fence = GREATEST(COALESCE(slot_fence, 0), @st_fence),
+    expires_at = GREATEST(expires_at, @st_now + INTERVAL %(row_us)s MICROSECOND)
+WHERE `key` = %(base)s AND @st_pick IS NOT NULL;
+SELECT c.ord, l.token, l.meta, l.fence, TIMESTAMPDIFF(MICROSECOND, @st_now, l.lease_expires),
+    b.done
+FROM ({{{{slots}}}}) AS c JOIN {{table}} AS l ON l.`key` = c.k
+JOIN {{table}} AS b ON b.`key` = %(base)s
+WHERE l.token IS NOT NULL AND l.lease_expires > @st_now ORDER BY c.ord;
+COMMIT"""
+
+# Release of a holder slot: the key's row is locked first (as a slot acquisition locks it),
+# then the slot freed if the token holds it, and a marker recorded on the key's row.
+RELEASE_SLOT = f"""
+START TRANSACTION;
+SELECT `key` FROM {{table}} WHERE `key` = %(base)s FOR UPDATE;
+UPDATE {{table}} SET token = NULL, task_id = NULL, meta = NULL, lease_expires = UTC_TIMESTAMP(6)
+WHERE `key` = %(key)s AND token = %(token)s AND {LIVE};
+SET @st_released = ROW_COUNT();
+UPDATE {{table}} SET done = COALESCE(%(done)s, done) WHERE `key` = %(base)s AND @st_released > 0;
+SELECT @st_released;
 COMMIT"""
 
 RECLAIM = """

@@ -30,11 +30,18 @@ CREATE TABLE IF NOT EXISTS {table} (
     next_task text,
     next_expires timestamptz,
     expires_at timestamptz NOT NULL,
-    full_key text
+    full_key text,
+    slot_fence bigint
 )"""
 INDEX = "CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at)"
 # A table made before full_key existed gains it (a nullable column: no rewrite, no long lock).
 ADD_FULL_KEY = "ALTER TABLE {table} ADD COLUMN IF NOT EXISTS full_key text"
+ADD_SLOT_FENCE = "ALTER TABLE {table} ADD COLUMN IF NOT EXISTS slot_fence bigint"
+#: Whether the table exists, with every column this version adds to an older table.
+FIND_TABLE = (
+    "SELECT to_regclass(%(t)s) IS NOT NULL, (SELECT count(*) = 2 FROM pg_attribute WHERE "
+    "attrelid = to_regclass(%(t)s) AND attname IN ('full_key', 'slot_fence') AND NOT attisdropped)"
+)
 
 #: Lock keys longer than this many UTF-8 bytes are stored in a fixed-size form (see
 #: ``_sql.stored_key``); a B-tree entry holds at most about 2,700 bytes.
@@ -81,7 +88,8 @@ VALUES (%(key)s, %(full_key)s, %(token)s, %(task_id)s, %(meta)s,
 ON CONFLICT (key) DO UPDATE SET
     (fence, token, task_id, meta, lease_expires, expires_at, full_key) = (SELECT
         CASE WHEN l.token = EXCLUDED.token AND l.lease_expires > n.now THEN l.fence
-            WHEN n.take THEN greatest(l.fence + 1, n.us) ELSE l.fence END,
+            WHEN n.take THEN greatest(greatest(l.fence, coalesce(l.slot_fence, 0)) + 1, n.us)
+            ELSE l.fence END,
         CASE WHEN n.take THEN EXCLUDED.token ELSE l.token END,
         CASE WHEN n.take THEN EXCLUDED.task_id ELSE l.task_id END,
         CASE WHEN n.take THEN EXCLUDED.meta ELSE l.meta END,
@@ -163,6 +171,89 @@ UPDATE {{table}} AS l SET token = NULL, task_id = NULL, meta = NULL,
     lease_expires = statement_timestamp()
 FROM old WHERE l.key = old.key
 RETURNING old.token, old.meta, old.fence, old.ttl"""
+
+# Holder slots (singletask.slots): the statements of one script (SLOT_SCRIPT), one transaction.
+# First the key's own row is locked (inserted free if missing): it serialises every acquisition
+# of the key's slots and keeps the key's fence counter (greatest of fence and slot_fence).
+SLOT_LOCK_KEY = """
+INSERT INTO {table} AS l (key, full_key, lease_expires, fence, expires_at)
+VALUES (%(base)s, %(base_full)s, clock_timestamp(), 0, clock_timestamp())
+ON CONFLICT (key) DO UPDATE SET fence = l.fence"""
+
+# Then the slots' rows that exist, in key order.
+SLOT_LOCK_ROWS = """
+SELECT key FROM {table} WHERE key = ANY(%(keys)s::text[]) ORDER BY key FOR UPDATE"""
+
+# Then, with the clock read after those locks: rank each slot (0: the caller's own live one,
+# 1: a live holder with the takeover prefix, 2: free or expired, 3: held), take the first of
+# the best rank below 3 as ACQUIRE takes a key, and return its ordinal (1 for the first slot)
+# with its holder, fence and the key's marker; or, when every slot is held, every holder.
+SLOT_TAKE = """
+WITH n AS (SELECT c.now, (extract(epoch FROM c.now) * 1000000)::bigint AS us
+    FROM (SELECT clock_timestamp() AS now) AS c),
+b AS (SELECT greatest(fence, coalesce(slot_fence, 0)) AS fence, done
+    FROM {table} WHERE key = %(base)s),
+c AS (SELECT s.ord, s.key, s.full_key, l.token, l.meta, l.fence, l.lease_expires,
+        CASE WHEN l.token IS NULL OR l.lease_expires <= n.now THEN 2
+            WHEN l.token = %(token)s THEN 0
+            WHEN %(prefix)s <> '' AND starts_with(l.token, %(prefix)s) THEN 1
+            ELSE 3 END AS rank
+    FROM n CROSS JOIN unnest(%(keys)s::text[], %(fulls)s::text[]) WITH ORDINALITY
+        AS s(key, full_key, ord)
+    LEFT JOIN {table} AS l ON l.key = s.key),
+p AS (SELECT * FROM c WHERE rank < 3 ORDER BY rank, ord LIMIT 1),
+taken AS (
+    INSERT INTO {table} AS l
+        (key, full_key, token, task_id, meta, lease_expires, fence, expires_at)
+    SELECT p.key, p.full_key, %(token)s, %(task_id)s, %(meta)s,
+        n.now + %(ttl)s * interval '1 second',
+        CASE WHEN p.rank = 0 THEN p.fence
+            ELSE greatest(b.fence + 1, coalesce(p.fence, 0) + 1, n.us) END,
+        n.now + (%(ttl)s + %(keep)s) * interval '1 second'
+    FROM p, n, b
+    ON CONFLICT (key) DO UPDATE SET (token, task_id, meta, lease_expires, fence, expires_at,
+        full_key) = (EXCLUDED.token, EXCLUDED.task_id, EXCLUDED.meta, EXCLUDED.lease_expires,
+        EXCLUDED.fence, greatest(l.expires_at, EXCLUDED.expires_at), EXCLUDED.full_key)
+    RETURNING fence)
+SELECT p.ord, %(token)s::text, %(meta)s::text, taken.fence, %(ttl)s::float8, b.done
+FROM p, taken, b
+UNION ALL
+SELECT c.ord, c.token, c.meta, c.fence, extract(epoch FROM c.lease_expires - n.now)::float8,
+    NULL FROM c, n WHERE c.rank = 3 AND NOT EXISTS (SELECT FROM p)
+ORDER BY 1"""
+
+# Last, where the caller took a slot, the key's row records the fence and outlives the lease.
+SLOT_COUNT = """
+UPDATE {table} SET slot_fence = greatest(coalesce(slot_fence, 0),
+        (SELECT max(fence) FROM {table} WHERE key = ANY(%(keys)s::text[]))),
+    expires_at = greatest(expires_at,
+        clock_timestamp() + (%(ttl)s + %(keep)s) * interval '1 second')
+WHERE key = %(base)s AND EXISTS (
+    SELECT FROM {table} WHERE key = ANY(%(keys)s::text[]) AND token = %(token)s)"""
+
+#: The transaction of a slot acquisition, one simple-query message (with the store's time
+#: limits, as SCRIPT).
+SLOT_SCRIPT = (
+    "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL statement_timeout = {ms}; "
+    f"SET LOCAL lock_timeout = {{ms}}; {SLOT_LOCK_KEY}; {SLOT_LOCK_ROWS}; {SLOT_TAKE}; "
+    f"{SLOT_COUNT}; COMMIT"
+)
+
+# Release of a holder slot: the key's row is locked first (as a slot acquisition locks it), then
+# the slot freed if the token holds it, and a marker recorded on the key's row.
+RELEASE_SLOT = f"""
+BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL statement_timeout = {{ms}};
+SET LOCAL lock_timeout = {{ms}};
+SELECT FROM {{table}} WHERE key = %(base)s FOR UPDATE;
+WITH r AS ({RELEASE.strip()} RETURNING key),
+k AS (UPDATE {{table}} SET done = %(done)s
+    WHERE key = %(base)s AND %(done)s::text IS NOT NULL AND EXISTS (SELECT FROM r))
+SELECT count(*) FROM r;
+COMMIT"""
+
+#: The scripts of several statements (sent as one message in every mode), and how many results
+#: come before the one the operation reads.
+SKIPPED = {"acquire_slot": PREAMBLE + 2, "release_slot": PREAMBLE + 1}
 
 RECLAIM = """
 DELETE FROM {table} WHERE key IN (

@@ -19,10 +19,16 @@ One row per lock key, in one table (``singletask_locks`` unless a setting names 
     next_task      pending follow-up task id (coalescing), with next_expires
     expires_at     when the whole row may be deleted: never earlier than FENCE_RETENTION after
                    its last lease, nor than its follow-up claim
+    slot_fence     on a key's own row: the last fencing token issued for any of the key's holder
+                   slots (:mod:`singletask.slots`); a key's next token exceeds it and ``fence``
 
 The row outlives its lock on purpose: it keeps the fence, so a later acquisition gets a greater
-token. Rows past ``expires_at`` are deleted in batches by whichever worker process notices they
-are due (at most once per RECLAIM_INTERVAL per process), through the index on ``expires_at``.
+token. A holder slot is a row of its own (its store key, :func:`singletask.slots.slot_key`), but
+its fences and completion marker are its key's: every acquisition of a slot first locks the
+key's row (inserted free if missing), so the key's fence counter is kept in one place.
+
+Rows past ``expires_at`` are deleted in batches by whichever worker process notices they are
+due (at most once per RECLAIM_INTERVAL per process), through the index on ``expires_at``.
 """
 
 from __future__ import annotations
@@ -40,8 +46,9 @@ from typing import Generic, TypeVar
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from ..exceptions import BackendTimeout, ConfigurationError, LockKeyError
+from ..slots import MAX_LIMIT, base_key
 from ..urls import check_port
-from .base import Holder
+from .base import AcquireResult, Holder
 
 __all__ = [
     "DEFAULT_TABLE",
@@ -51,10 +58,13 @@ __all__ = [
     "TABLE_SCHEMES",
     "Pool",
     "SQLOptions",
+    "check_limit",
     "check_table",
     "dump_meta",
     "like_prefix",
+    "listed_prefixes",
     "load_holder",
+    "slot_outcome",
     "split_url",
     "stored_key",
 ]
@@ -196,6 +206,50 @@ def stored_key(key: str, limit: int) -> tuple[str, str | None]:
 def like_prefix(prefix: str) -> str:
     """A LIKE pattern (escape character ``!``) matching the strings that start with ``prefix``."""
     return prefix.replace("!", "!!").replace("%", "!%").replace("_", "!_") + "%"
+
+
+def listed_prefixes(prefix: str) -> list[str]:
+    """The stored-key prefixes :meth:`iter_locks` scans for the locks under ``prefix``: the
+    prefix itself, and ``{`` + prefix, where the holder slots of a key without ``}`` are (see
+    :mod:`singletask.slots`); the second is left out where the first scan covers it already
+    (a prefix of ``{`` only, or empty). Every key found is then checked with :func:`is_listed`."""
+    return [prefix] if ("{" + prefix).startswith(prefix) else [prefix, "{" + prefix]
+
+
+def is_listed(key: str, prefix: str) -> bool:
+    """Whether the store key ``key`` (a key or a holder slot) belongs under ``prefix``."""
+    return base_key(key).startswith(prefix)
+
+
+def check_limit(limit: object) -> int:
+    """Return ``limit`` if it is a number of holder slots (1 to MAX_LIMIT).
+
+    Raises:
+        ConfigurationError: It is not.
+    """
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise ConfigurationError(
+            f"acquire_slot: a lock limit is an integer from 1 to {MAX_LIMIT}, got {limit!r}"
+        )
+    return limit
+
+
+def slot_outcome(
+    names: Sequence[str],
+    token: str,
+    rows: Sequence[tuple[int, str, str | None, int, float | None, str | None]],
+) -> AcquireResult:
+    """The result of a slot acquisition from the rows its script returned: ``(ordinal,
+    token, meta, fence, seconds left, done)`` of the live holders of the slots ``names``
+    (ordinal 1 is ``names[0]``), by ordinal. The caller took the first slot its token holds;
+    else every slot is held, and the rows are its holders."""
+    for index, holder, _, fence, _, done in rows:
+        if holder == token:
+            return AcquireResult(True, fence=fence, completed=done, key=names[index - 1])
+    holders = tuple(
+        load_holder(holder, meta, left, fence) for _, holder, meta, fence, left, _ in rows
+    )
+    return AcquireResult(False, holders[0], holders=holders)
 
 
 def pages(

@@ -36,6 +36,7 @@ import pymysql
 from pymysql.constants import CLIENT
 
 from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
+from ..slots import base_key, slot_index, slot_keys
 from ..urls import mask_url
 from . import _mysql_sql as Q
 from . import _sql
@@ -107,6 +108,8 @@ class MySQLBackend(LockBackend):
             and to wait for a free pooled connection.
     """
 
+    supports_limit = True
+
     def __init__(
         self,
         connect_args: Mapping[str, Any],
@@ -138,6 +141,8 @@ class MySQLBackend(LockBackend):
                 "release": Q.RELEASE, "extend": Q.EXTEND,
                 "claim_next": Q.CLAIM_NEXT, "clear_next": Q.CLEAR_NEXT, "holder": Q.HOLDER,
                 "iter": Q.ITER, "release_holder": Q.RELEASE_HOLDER, "reclaim": Q.RECLAIM,
+                "add_slot_fence": Q.ADD_SLOT_FENCE, "acquire_slot": Q.ACQUIRE_SLOT,
+                "release_slot": Q.RELEASE_SLOT,
             }.items()
         }  # fmt: skip
         self._pool: _sql.Pool[pymysql.connections.Connection[Any]] = _sql.Pool(
@@ -197,20 +202,21 @@ class MySQLBackend(LockBackend):
                 # MySQL's metadata lock makes racing CREATE TABLE IF NOT EXISTS safe.
                 schema, _, name = self.table.rpartition(".")
                 cursor.execute(
-                    "SELECT column_name = 'full_key' FROM information_schema.columns "
+                    "SELECT column_name FROM information_schema.columns "
                     "WHERE table_schema = COALESCE(%s, DATABASE()) AND table_name = %s "
-                    "AND column_name IN ('key', 'full_key')",
+                    "AND column_name IN ('key', 'full_key', 'slot_fence')",
                     (schema or None, name),
                 )
-                found = {row[0] for row in cursor.fetchall()}
+                found = {_text(row[0]) for row in cursor.fetchall()}
                 if not found:
                     _script(cursor, self._q["schema"], {})
-                elif 1 not in found:
-                    try:
-                        cursor.execute(self._q["add_full_key"])
-                    except pymysql.MySQLError as exc:
-                        if exc.args[:1] != (_DUPLICATE_COLUMN,):  # another worker added it
-                            raise
+                for column, statement in Q.ADDED_COLUMNS.items():
+                    if found and column not in found:
+                        try:
+                            cursor.execute(self._q[statement])
+                        except pymysql.MySQLError as exc:
+                            if exc.args[:1] != (_DUPLICATE_COLUMN,):  # another worker added it
+                                raise
         except BaseException:
             conn.close()
             raise
@@ -260,6 +266,9 @@ class MySQLBackend(LockBackend):
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
     ) -> AcquireResult:
+        if slot_index(key):  # a holder slot: its fences are its key's
+            taken = self._take_slot(base_key(key), [key], token, ttl, meta, takeover_prefix)
+            return AcquireResult(taken.acquired, taken.holder, taken.fence, taken.completed)
         ttl = check_lease(ttl, "acquire")
         stored, task_id = _sql.dump_meta(meta)
         args = {
@@ -273,8 +282,51 @@ class MySQLBackend(LockBackend):
             return AcquireResult(True, fence=fence, completed=done)
         return AcquireResult(False, _holder((token_now, meta_now, fence, left_us)))
 
+    def acquire_slot(
+        self,
+        key: str,
+        limit: int,
+        token: str,
+        ttl: float,
+        *,
+        meta: Mapping[str, str] | None = None,
+        takeover_prefix: str | None = None,
+    ) -> AcquireResult:
+        names = slot_keys(key, _sql.check_limit(limit))
+        return self._take_slot(key, names, token, ttl, meta, takeover_prefix)
+
+    def _take_slot(
+        self, key: str, names: list[str], token: str, ttl: float,
+        meta: Mapping[str, str] | None, takeover_prefix: str | None,
+    ) -> AcquireResult:  # fmt: skip
+        """Take the first slot of ``names`` (holder slots of ``key``) that qualifies, in one
+        transaction (``_mysql_sql.ACQUIRE_SLOT``)."""
+        ttl = check_lease(ttl, "acquire")
+        stored, task_id = _sql.dump_meta(meta)
+        base = _keys(key)
+        args: dict[str, Any] = {
+            "base": base["key"], "base_full": base["full_key"], "token": token,
+            "task_id": task_id, "meta": stored, "lease_us": _us(ttl),
+            "row_us": _us(ttl + _sql.FENCE_RETENTION), "prefix": takeover_prefix or "",
+        }  # fmt: skip
+        for n, name in enumerate(names, 1):
+            slot = _keys(name)
+            args[f"k{n}"], args[f"f{n}"] = slot["key"], slot["full_key"]
+        slots = " UNION ALL ".join(Q.SLOT.format(n=n) for n in range(1, len(names) + 1))
+        text = self._q["acquire_slot"].format(slots=slots)
+        rows = self._run("acquire", names[0], lambda c: _script(c, text, args)[-2])
+        return _sql.slot_outcome(
+            names, token,
+            [(n, _text(holder) or "", meta_now, fence, None if left is None else left / 1e6, done)
+             for n, holder, meta_now, fence, left, done in rows],
+        )  # fmt: skip
+
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         args = {**_keys(key), "token": token, "done": completed}
+        if slot_index(key):  # a holder slot: its marker is its key's
+            args["base"] = _keys(base_key(key))["key"]
+            results = self._run("release", key, lambda c: _script(c, self._q["release_slot"], args))
+            return bool(results[-2][0][0])
         return self._run("release", key, lambda c: c.execute(self._q["release"], args) > 0)
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
@@ -339,8 +391,11 @@ class MySQLBackend(LockBackend):
         def key_of(row: Any) -> str:
             return _text(row[0]) or ""
 
-        for row in _sql.pages(fetch, prefix, page_size, key_of, KEY_BYTES):
-            yield _text(row[1]) or "", _holder(row[2:])
+        for scan in _sql.listed_prefixes(prefix):  # the keys, then slots named {<key>}:slot:<i>
+            for row in _sql.pages(fetch, scan, page_size, key_of, KEY_BYTES):
+                key = _text(row[1]) or ""
+                if _sql.is_listed(key, prefix):
+                    yield key, _holder(row[2:])
 
     def release_held_by(self, key: str, task_id: str) -> Holder | None:
         return self._release_holder("release_held_by", key, task_id)

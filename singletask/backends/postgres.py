@@ -46,12 +46,8 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from ..exceptions import (
-    BackendTimeout,
-    BackendUnavailable,
-    ConfigurationError,
-    LockKeyError,
-)
+from ..exceptions import BackendTimeout, BackendUnavailable, ConfigurationError, LockKeyError
+from ..slots import base_key, slot_index, slot_keys
 from ..urls import mask_url
 from . import _postgres_sql as Q
 from . import _sql
@@ -82,6 +78,8 @@ class PostgresBackend(LockBackend):
             operation is one transaction that sets its own isolation and time limits, its
             arguments bound on the client, never prepared (a little slower).
     """
+
+    supports_limit = True
 
     def __init__(
         self,
@@ -123,10 +121,13 @@ class PostgresBackend(LockBackend):
         fmt = {"table": sql.Identifier(*names), "index": sql.Identifier(f"{names[-1]}_expires_at")}
         self._ms = int(options.timeout * 1000)
         ms = sql.Literal(self._ms)
-        self._q = {
-            name: sql.SQL(text).format(**fmt)
+        self._q: dict[str, sql.Composed] = {
+            name: sql.SQL(text).format(ms=ms, **fmt)
             for name, text in {
                 "schema": Q.SCHEMA, "index": Q.INDEX, "add_full_key": Q.ADD_FULL_KEY,
+                "add_slot_fence": Q.ADD_SLOT_FENCE,
+                # Scripts of several statements: always one transaction, one message.
+                "acquire_slot": Q.SLOT_SCRIPT, "release_slot": Q.RELEASE_SLOT,
             }.items()
         }  # fmt: skip
         wrap = sql.SQL(Q.SCRIPT if transaction_pooling else "{statement}")
@@ -266,20 +267,18 @@ class PostgresBackend(LockBackend):
     ) -> psycopg.Cursor[Any]:
         """Send the operation ``name`` (with ``transaction_pooling``, wrapped in
         ``_postgres_sql.SCRIPT``); the cursor is left on the result of its statement."""
-        cursor = psycopg.ClientCursor(conn) if self.transaction_pooling else conn.cursor()
+        skip = Q.SKIPPED.get(name)
+        pooled = self.transaction_pooling or skip is not None
+        cursor = psycopg.ClientCursor(conn) if pooled else conn.cursor()
         cursor.execute(self._q[name], args)
-        for _ in range(self._preamble):
+        for _ in range(self._preamble if skip is None else skip):
             cursor.nextset()
         return cursor
 
     def _create_table(self, conn: psycopg.Connection[Any]) -> None:
         # Looked up first: CREATE ... IF NOT EXISTS needs the CREATE privilege even when the
         # table exists, and a user may have only been given the table.
-        found = conn.execute(
-            "SELECT to_regclass(%(t)s) IS NOT NULL, EXISTS (SELECT FROM pg_attribute WHERE "
-            "attrelid = to_regclass(%(t)s) AND attname = 'full_key' AND NOT attisdropped)",
-            {"t": self.table},
-        ).fetchone()
+        found = conn.execute(Q.FIND_TABLE, {"t": self.table}).fetchone()
         if found == (True, True):
             return
         # CREATE TABLE IF NOT EXISTS alone can fail when two sessions race to create the same
@@ -290,6 +289,7 @@ class PostgresBackend(LockBackend):
             conn.execute(self._q["schema"])
             conn.execute(self._q["index"])
             conn.execute(self._q["add_full_key"])
+            conn.execute(self._q["add_slot_fence"])
 
     def _reclaim(self, conn: psycopg.Connection[Any]) -> None:
         """Delete a batch of expired rows; a failure (a read-only database) only logs: the
@@ -321,6 +321,9 @@ class PostgresBackend(LockBackend):
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
     ) -> AcquireResult:
+        if slot_index(key):  # a holder slot: its fences are its key's
+            taken = self._take_slot(base_key(key), [key], token, ttl, meta, takeover_prefix)
+            return AcquireResult(taken.acquired, taken.holder, taken.fence, taken.completed)
         ttl = check_lease(ttl, "acquire")
         stored, task_id = _sql.dump_meta(meta)
         args = {
@@ -334,8 +337,39 @@ class PostgresBackend(LockBackend):
             return AcquireResult(True, fence=fence, completed=done)
         return AcquireResult(False, _sql.load_holder(holder, meta_text, left, fence))
 
+    def acquire_slot(
+        self, key: str, limit: int, token: str, ttl: float, *,
+        meta: Mapping[str, str] | None = None, takeover_prefix: str | None = None,
+    ) -> AcquireResult:  # fmt: skip
+        names = slot_keys(key, _sql.check_limit(limit))
+        return self._take_slot(key, names, token, ttl, meta, takeover_prefix)
+
+    def _take_slot(
+        self, key: str, names: list[str], token: str, ttl: float,
+        meta: Mapping[str, str] | None, takeover_prefix: str | None,
+    ) -> AcquireResult:  # fmt: skip
+        """Take the first slot of ``names`` (holder slots of ``key``) that qualifies, in one
+        transaction (``_postgres_sql.SLOT_SCRIPT``)."""
+        ttl = check_lease(ttl, "acquire")
+        stored, task_id = _sql.dump_meta(meta)
+        base = self._keys(key)
+        slots = [self._keys(name) for name in names]
+        args = {
+            "base": base["key"], "base_full": base["full_key"], "token": token,
+            "keys": [s["key"] for s in slots], "fulls": [s["full_key"] for s in slots],
+            "task_id": task_id, "meta": stored, "ttl": ttl, "keep": _sql.FENCE_RETENTION,
+            "prefix": takeover_prefix or "",
+        }  # fmt: skip
+        rows = self._run("acquire", names[0], "acquire_slot", args, lambda c: c.fetchall())
+        return _sql.slot_outcome(names, token, rows)
+
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         args = {**self._keys(key), "token": token, "done": completed}
+        if slot_index(key):  # a holder slot: its marker is its key's
+            args["base"] = self._keys(base_key(key))["key"]
+            return self._run(
+                "release", key, "release_slot", args, lambda c: bool(c.fetchall()[0][0])
+            )
         return self._run("release", key, "release", args, lambda c: c.rowcount > 0)
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
@@ -380,9 +414,12 @@ class PostgresBackend(LockBackend):
         def fetch(args: dict[str, object]) -> list[Any]:
             return self._run("list", prefix, "iter", args, lambda c: c.fetchall())
 
-        rows = _sql.pages(fetch, prefix, page_size, lambda r: r[0], KEY_BYTES)
-        for _, key, token, meta, fence, left in rows:
-            yield key, _sql.load_holder(token, meta, left, fence)
+        for scan in _sql.listed_prefixes(prefix):  # the keys, then slots named {<key>}:slot:<i>
+            for _, key, token, meta, fence, left in _sql.pages(
+                fetch, scan, page_size, lambda r: r[0], KEY_BYTES
+            ):
+                if _sql.is_listed(key, prefix):
+                    yield key, _sql.load_holder(token, meta, left, fence)
 
     def release_held_by(self, key: str, task_id: str) -> Holder | None:
         return self._release_holder("release_held_by", key, task_id)
