@@ -26,7 +26,7 @@ from .backends import backend_from_url
 from .backends.base import LockBackend
 from .config import DEFAULTS, Settings
 from .exceptions import BackendError, ConfigurationError, UnsupportedOperation
-from .inventory import FIELDS, LockRecord, find_locks, inspect_lock, release_lock
+from .inventory import FIELDS, LockRecord, find_locks, holders_of, release_lock
 from .urls import mask_url
 
 __all__ = ["COMMANDS", "STORE_FAILED"]
@@ -103,8 +103,8 @@ class _Store:
 class _Table:
     """A table printed as it streams: column widths from the first rows, grown as needed."""
 
-    HEADERS = ("KEY", "TASK", "SCOPE", "STATE", "HOLDER", "HOST", "PID", "ACQUIRED", "LEASE",
-               "FENCE")  # fmt: skip
+    HEADERS = ("KEY", "SLOT", "TASK", "SCOPE", "STATE", "HOLDER", "HOST", "PID", "ACQUIRED",
+               "LEASE", "FENCE")  # fmt: skip
     BUFFERED = 200
 
     def __init__(self) -> None:
@@ -115,8 +115,9 @@ class _Table:
     def row(record: LockRecord) -> tuple[str, ...]:
         acquired = record.acquired_at.strftime("%Y-%m-%dT%H:%M:%SZ") if record.acquired_at else "-"
         lease = f"{record.lease_left:.1f}s" if record.lease_left is not None else "-"
-        values = (record.key, record.task, record.scope, record.state, record.holder,
-                  record.hostname, record.pid, acquired, lease, record.fence)  # fmt: skip
+        values = (record.key, record.slot, record.task, record.scope, record.state,
+                  record.holder, record.hostname, record.pid, acquired, lease,
+                  record.fence)  # fmt: skip
         return tuple("-" if value is None else str(value) for value in values)
 
     def add(self, record: LockRecord) -> None:
@@ -126,9 +127,12 @@ class _Table:
 
     def flush(self) -> None:
         if self.widths is None:
-            rows = [self.HEADERS, *self.pending]
-            self.widths = [max(len(row[i]) for row in rows) for i in range(len(self.HEADERS))]
+            self.widths = [0] * len(self.HEADERS)
             self.pending.insert(0, self.HEADERS)
+        self.widths = [
+            max(width, *(len(row[i]) for row in self.pending))
+            for i, width in enumerate(self.widths)
+        ]
         for row in self.pending:
             cells = [cell.ljust(width) for cell, width in zip(row, self.widths, strict=True)]
             click.echo("  ".join(cells).rstrip())
@@ -168,12 +172,14 @@ def locks(
 ) -> None:
     """List every lock and reservation singletask holds.
 
-    One row per lock: key, task name, scope (execution, queue or coalesce), state (running, or
-    reserved for a message not started yet), holder task id, its worker's hostname and pid, when
-    it was acquired (UTC), seconds left on its lease, fence token. --json prints a JSON array of
-    objects with the fields key, task, scope, state, holder, hostname, pid, acquired_at,
-    lease_left, fence and token (see the Operations page). The store is read in pages, so this
-    works on large databases without loading them whole (Redis: SCAN, never KEYS).
+    One row per holder: lock key, holder slot (0, or 1 and above for the other holders of a
+    task with lock_limit above 1), task name, scope (execution, queue or coalesce), state
+    (running, or reserved for a message not started yet), holder task id, its worker's hostname
+    and pid, when it was acquired (UTC), seconds left on its lease, fence token. --json prints a
+    JSON array of objects with the fields key, task, scope, state, holder, hostname, pid,
+    acquired_at, lease_left, fence, token and slot (see the Operations page). The store is read
+    in pages, so this works on large databases without loading them whole (Redis: SCAN, never
+    KEYS).
 
     Exit status: 0 when the store was read (also when it lists no lock: the JSON is then
     ``[]``), 2 usage error, 3 the lock store failed.
@@ -205,35 +211,35 @@ def locks(
 @_url_option
 @click.pass_context
 def inspect(ctx: click.Context, /, key: str, as_json: bool, url: str | None, **kwargs: Any) -> None:
-    """Show who holds the lock KEY, since when and for how long still.
+    """Show who holds the lock KEY, since when and for how long still: every holder of it.
 
-    The fields are those of "locks" (--json prints one object, or null when the lock is free).
+    The fields are those of "locks", one block per holder in slot order (a task with lock_limit
+    above 1 has up to that many). --json prints one object for a lock with one holder, an array
+    of objects for one with several, and null when the lock is free.
 
     Exit status: 0 when the lock is held, 1 when it is not, 2 usage error, 3 the lock store
     failed.
     """
     store = _Store(ctx, url)
     with store.session() as backend:
-        record = inspect_lock(backend, key)
+        records = holders_of(backend, key)
     if as_json:
-        click.echo(json.dumps(record.as_json() if record else None, indent=2))
-    elif record is not None:
-        shown = record.as_json()
-        width = max(len(name) for name in FIELDS) + 2
-        for name in FIELDS:
-            value = shown[name]
-            if name == "lease_left" and value is not None:
-                value = f"{value:.1f}s"
-            click.echo(f"{name + ':':<{width}}{'-' if value is None else value}")
-    if record is None:
+        objects = [record.as_json() for record in records]
+        click.echo(json.dumps(objects[0] if len(objects) == 1 else objects or None, indent=2))
+    else:
+        for number, record in enumerate(records):
+            if number:
+                click.echo("")  # a blank line between two holders
+            _print_fields(record)
+    if not records:
         click.echo(f"lock {key!r} is not held (in {store.where})", err=True)
         sys.exit(1)
 
 
 @click.command(context_settings=CONTEXT)
 @click.argument("key")
-@click.option("--holder", metavar="TASK_ID", help="Release only if this task id holds the lock.")
-@click.option("--force", is_flag=True, help="Release whoever holds the lock.")
+@click.option("--holder", metavar="TASK_ID", help="Release only the holder with this task id.")
+@click.option("--force", is_flag=True, help="Release whoever holds the lock (its only holder).")
 @click.option("--yes", "-y", is_flag=True, help="With --force: do not ask for confirmation.")
 @_json_option
 @_url_option
@@ -256,40 +262,69 @@ def release(
     third of its lease) finds the lock gone and reports the loss: a log line naming its task
     id, the lock_lost signal, and LockLost from self.lock.check().
 
+    A lock with several holders (a task with lock_limit above 1): --holder frees the slot of
+    that task id and leaves the other holders as they are; --force refuses (it never releases
+    several holders at once).
+
     --force asks for confirmation when run on a terminal, unless --yes; once confirmed it
     releases only the holder it showed (if the lock changed hands meanwhile, nothing is
     released).
 
-    Exit status: 0 released, 1 refused (not held, held by another task id, not confirmed),
-    2 usage error, 3 the lock store failed.
+    Exit status: 0 released, 1 refused (not held, held by another task id, several holders
+    with --force, not confirmed), 2 usage error, 3 the lock store failed.
     """
     if (holder is None) == (not force):
         raise click.UsageError("give exactly one of --holder TASK_ID and --force")
     store = _Store(ctx, url)
     with store.session() as backend:
-        if force and not yes and _interactive():
-            current = inspect_lock(backend, key)
-            if current is None:
-                _refuse(f"lock {key!r} is not held: nothing to release")
-            click.echo(f"lock {key!r} is held by {current.describe()}, fence {current.fence}")
+        current = holders_of(backend, key)
+        if force and len(current) > 1:
+            _refuse(f"lock {key!r} has {len(current)} holders: release one with --holder TASK_ID")
+        if force and current and not yes and _interactive():
+            shown = current[0]
+            click.echo(f"lock {key!r} is held by {shown.describe()}, fence {shown.fence}")
             if not click.confirm("Release it by force?", default=False):
                 _refuse("not released")
-            holder = current.holder  # only the holder shown (None: a direct call, any holder)
+            holder = shown.holder  # only the holder shown (None: a direct call, any holder)
             force = holder is None
-        released = release_lock(backend, key, holder=None if force else holder)
-        current = None if released else inspect_lock(backend, key)
+        target = next((r for r in current if force or r.holder == holder), None)
+        released = None
+        if target is not None:
+            released = release_lock(
+                backend, key, holder=None if force else holder, slot=target.slot
+            )
+        after = [] if released else holders_of(backend, key)
     if released is None:
-        if current is None:
+        if not after:
             _refuse(f"lock {key!r} is not held: nothing released")
-        _refuse(f"lock {key!r} is held by {current.describe()}, not by {holder}: not released")
+        not_by = "" if holder is None else f", not by {holder}"
+        _refuse(f"lock {key!r} is held by {_who(after)}{not_by}: not released")
     if as_json:
         click.echo(json.dumps(released.as_json(), indent=2))
         return
+    slot = f" (slot {released.slot})" if released.slot else ""
     click.echo(
-        f"released lock {key!r}{' by force' if force else ''}: it was held by "
+        f"released lock {key!r}{slot}{' by force' if force else ''}: it was held by "
         f"{released.describe()}, fence {released.fence}. A new execution can take it now; the "
         "old holder reports the lost lease at its next renewal."
     )
+
+
+def _print_fields(record: LockRecord) -> None:
+    """Print ``record`` one field a line, as ``inspect`` shows a holder."""
+    fields = record.as_json()
+    width = max(len(name) for name in FIELDS) + 2
+    for name in FIELDS:
+        value = fields[name]
+        if name == "lease_left" and value is not None:
+            value = f"{value:.1f}s"
+        click.echo(f"{name + ':':<{width}}{'-' if value is None else value}")
+
+
+def _who(records: list[LockRecord]) -> str:
+    """The holders of ``records``, in a few words each: ``A``, ``A and B``, ``A, B and C``."""
+    named = [record.describe() for record in records]
+    return named[0] if len(named) == 1 else f"{', '.join(named[:-1])} and {named[-1]}"
 
 
 def _interactive() -> bool:

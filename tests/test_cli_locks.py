@@ -2,8 +2,8 @@
 
 The end-to-end tests (tests/e2e/test_operations.py) drive them as subprocesses against a live
 worker; these cover the rest of their contract: exit statuses, usage errors, an unreachable
-store, the confirmation of --force, the JSON schema, and the scale benchmark on a server where
-KEYS is disabled.
+store, the confirmation of --force, the JSON schema, the holders of a key with several (holder
+slots, lock_limit), and the scale benchmark on a server where KEYS is disabled.
 """
 
 from __future__ import annotations
@@ -15,18 +15,20 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import click
 import pytest
 from click.testing import CliRunner, Result
 
 from singletask import cli_locks
-from singletask.backends import backend_from_url
+from singletask.backends import BACKEND_ALIASES, backend_from_url
 from singletask.backends.base import LockBackend
+from singletask.backends.memory import MemoryBackend
 from singletask.cli import singletask
 from singletask.inventory import FIELDS
 from singletask.signals import lock_released_by_operator
+from singletask.slots import slot_key
 
 from .servers import redis_server_binary, unavailable
 
@@ -44,6 +46,28 @@ def store(request: pytest.FixtureRequest, key_prefix: str) -> Iterator[tuple[str
     backend = backend_from_url(url)
     yield url, backend
     backend.close()
+
+
+class SharedMemoryBackend(MemoryBackend):
+    """The memory store, as a plug-in scheme whose URL names one instance of this process: the
+    commands refuse ``memory://`` (no other process sees it), and it is the store with holder
+    slots that the commands run on in-process here."""
+
+    instance: ClassVar[MemoryBackend]
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> MemoryBackend:
+        return cls.instance
+
+
+@pytest.fixture
+def slotted(monkeypatch: pytest.MonkeyPatch) -> tuple[str, LockBackend]:
+    """A store with holder slots (``supports_limit``) that the commands reach by URL."""
+    backend = MemoryBackend()
+    assert backend.supports_limit
+    monkeypatch.setitem(BACKEND_ALIASES, "shared-memory", f"{__name__}:SharedMemoryBackend")
+    monkeypatch.setattr(SharedMemoryBackend, "instance", backend, raising=False)
+    return "shared-memory://", backend
 
 
 def invoke(*args: str, interactive: bool = False, answer: str = "") -> Result:
@@ -74,6 +98,20 @@ def hold(backend: LockBackend, key: str, task_id: str, **meta: str) -> int:
     assert result.acquired
     assert result.fence is not None
     return result.fence
+
+
+def hold_slot(backend: LockBackend, key: str, task_id: str, limit: int = 3) -> tuple[int, int]:
+    """Take a holder slot of ``key`` as an execution of a task with ``lock_limit = limit``
+    would; returns the slot taken and its fence."""
+    meta = {"task_id": task_id, "task": "proj.crawl", "scope": "execution",
+            "hostname": "celery@w1", "pid": "4242", "since": f"{time.time():.3f}"}  # fmt: skip
+    result = backend.acquire_slot(key, limit, f"{task_id}:0:abcdef012345:4242:00ff00ff", 30,
+                                  meta=meta)  # fmt: skip
+    assert result.acquired
+    assert result.key is not None
+    assert result.fence is not None
+    slot = next(i for i in range(limit) if slot_key(key, i) == result.key)
+    return slot, result.fence
 
 
 def test_locks_prints_the_documented_json_schema(
@@ -267,3 +305,156 @@ def test_the_commands_take_celery_preload_options(tmp_path: Path) -> None:
     # Then it ran (no lock: an empty listing, status 0), and did not fail on the extra keyword
     assert done.exit_code == 0, done.output
     assert done.exception is None or isinstance(done.exception, SystemExit)
+
+
+def test_locks_lists_one_row_per_holder(slotted: tuple[str, LockBackend], key_prefix: str) -> None:
+    """A key with three holders is three rows: the same lock key, slots 0, 1 and 2."""
+    # Given a key held by three executions of a task with lock_limit = 3, and another lock
+    url, backend = slotted
+    key = f"{key_prefix}proj.crawl"
+    for number in range(3):
+        assert hold_slot(backend, key, f"id-{number}")[0] == number
+    hold(backend, f"{key_prefix}proj.sync:1", "id-9")
+
+    # When they are listed, as JSON and as a table
+    listed = invoke("locks", "--url", url, "--prefix", key_prefix, "--json")
+    table = invoke("locks", "--url", url, "--prefix", key_prefix)
+
+    # Then the JSON has one record per holder, each under the lock key, with its slot
+    assert listed.exit_code == 0, listed.output
+    records = [r for r in json.loads(listed.stdout) if r["task"] == "proj.crawl"]
+    assert sorted((r["key"], r["slot"], r["holder"]) for r in records) == [
+        (key, 0, "id-0"), (key, 1, "id-1"), (key, 2, "id-2")
+    ]  # fmt: skip
+    assert all(tuple(record) == FIELDS for record in json.loads(listed.stdout))
+    # And the table too, in aligned columns with a SLOT column after the key
+    assert table.exit_code == 0, table.output
+    header, *rows = table.stdout.splitlines()
+    assert header.split()[:3] == ["KEY", "SLOT", "TASK"]
+    crawl = sorted(row.split()[:3] for row in rows if "proj.crawl" in row)
+    assert crawl == [[key, "0", "proj.crawl"], [key, "1", "proj.crawl"], [key, "2", "proj.crawl"]]
+    assert len({row.index("proj.") for row in rows}) == 1
+    assert "4 locks" in table.stderr
+
+
+def test_inspect_shows_every_holder(slotted: tuple[str, LockBackend], key_prefix: str) -> None:
+    """`inspect` shows each holder of a key: a block each, or a JSON array of them."""
+    # Given a key held three times, and a longer key that starts with it
+    url, backend = slotted
+    key = f"{key_prefix}proj.crawl"
+    for number in range(3):
+        hold_slot(backend, key, f"id-{number}")
+    hold_slot(backend, f"{key}:2", "id-other")
+    hold_slot(backend, f"{key}:2", "id-other-2")
+
+    # When it is inspected, as text and as JSON
+    text = invoke("inspect", key, "--url", url)
+    shown = invoke("inspect", key, "--url", url, "--json")
+
+    # Then the text has one block per holder, in slot order, separated by a blank line
+    assert text.exit_code == 0, text.output
+    blocks = text.stdout.strip().split("\n\n")
+    assert len(blocks) == 3
+    for number, block in enumerate(blocks):
+        fields = dict(line.split(":", 1) for line in block.splitlines())
+        assert fields["key"].strip() == key
+        assert fields["slot"].strip() == str(number)
+        assert fields["holder"].strip() == f"id-{number}"
+    # And the JSON is an array of those holders' records
+    assert shown.exit_code == 0, shown.output
+    records = json.loads(shown.stdout)
+    assert [(r["key"], r["slot"], r["holder"]) for r in records] == [
+        (key, 0, "id-0"), (key, 1, "id-1"), (key, 2, "id-2")
+    ]  # fmt: skip
+    assert all(tuple(record) == FIELDS for record in records)
+
+
+def test_inspect_of_a_key_with_one_holder_in_a_slot_prints_one_object(
+    slotted: tuple[str, LockBackend], key_prefix: str
+) -> None:
+    # Given a key whose only holder is in slot 1 (slot 0 was released)
+    url, backend = slotted
+    key = f"{key_prefix}proj.crawl"
+    hold_slot(backend, key, "id-0")
+    hold_slot(backend, key, "id-1")
+    assert backend.force_release(key) is not None
+
+    # When it is inspected as JSON, then it is one object, naming the lock key and slot 1
+    done = invoke("inspect", key, "--url", url, "--json")
+    assert done.exit_code == 0, done.output
+    record = json.loads(done.stdout)
+    assert (record["key"], record["slot"], record["holder"]) == (key, 1, "id-1")
+
+
+def test_release_holder_frees_only_that_holder(
+    slotted: tuple[str, LockBackend], key_prefix: str
+) -> None:
+    """--holder frees the slot of that task id; the others stay held, and the freed slot is
+    taken again with a greater fence."""
+    # Given a key held three times
+    url, backend = slotted
+    key = f"{key_prefix}proj.crawl"
+    fences = [hold_slot(backend, key, f"id-{number}")[1] for number in range(3)]
+
+    # When the operator releases the holder in slot 1
+    done = invoke("release", key, "--holder", "id-1", "--url", url, "--json")
+
+    # Then that one is released, and only that one
+    assert done.exit_code == 0, done.output
+    released = json.loads(done.stdout)
+    assert (released["key"], released["slot"], released["holder"]) == (key, 1, "id-1")
+    assert backend.holder(slot_key(key, 1)) is None
+    for number in (0, 2):
+        holder = backend.holder(slot_key(key, number))
+        assert holder is not None
+        assert holder.task_id == f"id-{number}"
+    # And the next execution takes the freed slot, with a greater fence than any before
+    slot, fence = hold_slot(backend, key, "id-3")
+    assert slot == 1
+    assert fence > max(fences)
+    # And a task id that holds no slot is refused, naming the holders
+    refused = invoke("release", key, "--holder", "id-1", "--url", url)
+    assert refused.exit_code == 1, refused.output
+    assert "task id-0" in refused.stderr
+    assert "task id-3" in refused.stderr
+    assert "not by id-1: not released" in refused.stderr
+
+
+@pytest.mark.parametrize("interactive", [False, True])
+def test_release_by_force_of_a_key_with_several_holders_is_refused(
+    slotted: tuple[str, LockBackend], key_prefix: str, interactive: bool
+) -> None:
+    """--force never releases several holders at once: it names the way to release one."""
+    # Given a key held twice
+    url, backend = slotted
+    key = f"{key_prefix}proj.crawl"
+    hold_slot(backend, key, "id-0")
+    hold_slot(backend, key, "id-1")
+
+    # When the operator releases it by force
+    done = invoke("release", key, "--force", "--url", url, interactive=interactive, answer="y\n")
+
+    # Then it is refused, without a question, and both holders still hold it
+    assert done.exit_code == 1, done.output
+    assert f"lock {key!r} has 2 holders: release one with --holder TASK_ID" in done.stderr
+    assert "Release it by force?" not in done.output
+    assert [h.task_id for h in map(backend.holder, (key, slot_key(key, 1))) if h] == [
+        "id-0", "id-1"
+    ]  # fmt: skip
+
+
+def test_release_by_force_of_a_key_with_one_holder_in_a_slot(
+    slotted: tuple[str, LockBackend], key_prefix: str
+) -> None:
+    # Given a key whose only holder is in slot 1
+    url, backend = slotted
+    key = f"{key_prefix}proj.crawl"
+    hold_slot(backend, key, "id-0")
+    hold_slot(backend, key, "id-1")
+    assert backend.force_release(key) is not None
+
+    # When it is released by force, then that holder is released
+    done = invoke("release", key, "--force", "--yes", "--url", url)
+    assert done.exit_code == 0, done.output
+    assert f"released lock {key!r} (slot 1) by force" in done.stdout
+    assert backend.holder(slot_key(key, 1)) is None

@@ -95,6 +95,7 @@ def check_record(
     assert isinstance(record["fence"], int)
     assert record["fence"] > 0
     assert record["token"].startswith(f"{task_id}:0:")
+    assert record["slot"] == 0
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -137,7 +138,8 @@ def test_locks_lists_the_running_holders_field_by_field(
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
     assert lines[0].split() == [
-        "KEY", "TASK", "SCOPE", "STATE", "HOLDER", "HOST", "PID", "ACQUIRED", "LEASE", "FENCE",
+        "KEY", "SLOT", "TASK", "SCOPE", "STATE", "HOLDER", "HOST", "PID", "ACQUIRED", "LEASE",
+        "FENCE",
     ]  # fmt: skip
     for key, task_id in expected.items():
         (row,) = [line for line in lines if line.startswith(key + " ")]
