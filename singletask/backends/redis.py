@@ -32,9 +32,11 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from ..exceptions import BackendError, ConfigurationError, LockKeyError
+from ..slots import MAX_LIMIT, base_key, slot_keys
 from ..urls import mask_url, parse_redis_url
 from .base import AcquireResult, Holder, LockBackend
 from .redis_options import connection_options, retentions
+from .redis_slots import _ACQUIRE_SLOT, listed, scan_patterns, slot_result
 from .redis_wire import (
     _ACQUIRE,
     _CLAIM_NEXT,
@@ -44,9 +46,8 @@ from .redis_wire import (
     _OPERATOR_RELEASE,
     _RELEASE,
     NOT_RUN_CODES,
-    _conflict_task_id,
+    _conflict_holder,
     _Connection,
-    _glob_escape,
     _holder,
     _keep_ms,
     _ms,
@@ -110,6 +111,9 @@ _COMPANION_END = "}:fence"
 class RedisBackend(LockBackend):
     """Locks in Redis (or Valkey, or anything speaking its protocol with Lua scripting).
 
+    Holder slots (``lock_limit``) are lock keys of their own (see
+    :mod:`~singletask.backends.redis_slots`).
+
     Args:
         client: A ready client (``redis.Redis``, ``valkey.Valkey``, a cluster client, ...).
         url: A URL to build a client from, lazily, in the process that first uses it.
@@ -121,6 +125,8 @@ class RedisBackend(LockBackend):
 
     Exactly one of ``client`` and ``url`` is required.
     """
+
+    supports_limit = True
 
     def __init__(
         self,
@@ -322,11 +328,7 @@ class RedisBackend(LockBackend):
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
     ) -> AcquireResult:
-        if key.endswith(_COMPANION_END):
-            raise LockKeyError(
-                f"{self!r}: acquire {key!r}: a lock key ending in {_COMPANION_END!r} may name "
-                "another lock's companion hash; singletask never builds one (it escapes '}')"
-            )
+        self._check_key(key, "acquire")
         since, fields = encode_meta(key, token, meta or {})
         args: list[str | int] = [token, _ms(ttl, "acquire"), takeover_prefix or "", since, *fields]
         reply = self._call("acquire", _ACQUIRE, (key,), args)
@@ -335,21 +337,48 @@ class RedisBackend(LockBackend):
             return AcquireResult(
                 True, fence=int(fence), completed=_text(completed) if completed else None
             )
-        _, raw_token, old_task_id, task_id, absent, pttl, holder_fence = reply
-        holder_token = _text(raw_token)
-        return AcquireResult(
-            False,
-            Holder(
-                holder_token,
-                _conflict_task_id(holder_token, old_task_id, task_id, absent),
-                pttl / 1000 if pttl >= 0 else None,
-                {},
-                int(holder_fence) if holder_fence is not None else None,
-            ),
-        )
+        return AcquireResult(False, _conflict_holder(*reply[1:]))
+
+    def acquire_slot(
+        self,
+        key: str,
+        limit: int,
+        token: str,
+        ttl: float,
+        *,
+        meta: Mapping[str, str] | None = None,
+        takeover_prefix: str | None = None,
+    ) -> AcquireResult:
+        self._check_key(key, "acquire")
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+            raise ConfigurationError(
+                f"acquire {key!r}: a lock limit is 1 to {MAX_LIMIT}, got {limit!r}"
+            )
+        keys = slot_keys(key, limit)
+        self._check_slots(keys)
+        since, fields = encode_meta(key, token, meta or {})
+        args: list[str | int] = [token, _ms(ttl, "acquire"), takeover_prefix or "", since, *fields]
+        return slot_result(keys, self._call("acquire", _ACQUIRE_SLOT, keys, args))
+
+    def _check_key(self, key: str, operation: str) -> None:
+        """Refuse a raw key that may be another lock's companion hash."""
+        if key.endswith(_COMPANION_END):
+            raise LockKeyError(
+                f"{self!r}: {operation} {key!r}: a lock key ending in {_COMPANION_END!r} may name "
+                "another lock's companion hash; singletask never builds one (it escapes '}')"
+            )
+
+    def _check_slots(self, keys: Sequence[str]) -> None:
+        """Refuse slot keys one script cannot take together (the Cluster's check)."""
+
+    def _release_keys(self, key: str) -> tuple[str, ...]:
+        """The keys of a release of ``key``: a holder slot's base key too, for its marker."""
+        base = base_key(key)
+        return (key,) if base == key else (key, base)
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
-        return bool(self._call("release", _RELEASE, (key,), (token, completed or "", *self._keep)))
+        args = (token, completed or "", *self._keep)
+        return bool(self._call("release", _RELEASE, self._release_keys(key), args))
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
         return bool(self._call("extend", _EXTEND, (key,), (token, _ms(ttl, "extend"))))
@@ -397,19 +426,21 @@ class RedisBackend(LockBackend):
         return _holder(key, fields, int(pttl))
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
-        """SCAN MATCH ``prefix*`` COUNT ``page_size``; each page of keys read in one pipeline."""
+        """SCAN MATCH ``prefix*`` then ``{prefix*`` (holder slots), COUNT ``page_size``; each
+        page of keys read in one pipeline."""
         page_size = max(1, page_size)
         client = self.client
-        pattern = _glob_escape(prefix) + "*"
-        page: list[bytes | str] = []
-        with self._translate("list", prefix):
-            for key in client.scan_iter(match=pattern, count=page_size):
-                page.append(key)
-                if len(page) >= page_size:
+        for index, pattern in enumerate(scan_patterns(prefix)):
+            page: list[bytes | str] = []
+            with self._translate("list", prefix):
+                for raw in client.scan_iter(match=pattern, count=page_size):
+                    if listed(_text(raw), prefix, index):
+                        page.append(raw)
+                    if len(page) >= page_size:
+                        yield from self._read_page(client, page)
+                        page = []
+                if page:
                     yield from self._read_page(client, page)
-                    page = []
-            if page:
-                yield from self._read_page(client, page)
 
     def _read_page(
         self, client: redis.Redis, keys: list[bytes | str]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from itertools import product
 from typing import Any, cast
 from urllib.parse import SplitResult, urlsplit
 
@@ -35,7 +36,8 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.sentinel import Sentinel
 
-from ..exceptions import BackendError, BackendUnavailable, ConfigurationError
+from ..exceptions import BackendError, BackendUnavailable, ConfigurationError, LockKeyError
+from ..slots import base_key
 from .base import Holder
 from .redis import _DRIVER_ERRORS, FENCE_RETENTION, MARKER_RETENTION, RedisBackend
 from .redis_options import (
@@ -54,6 +56,7 @@ from .redis_options import (
     url_db,
     url_query,
 )
+from .redis_slots import _ACQUIRE_SLOT, _ACQUIRE_SLOT_KEEPING, listed, scan_patterns
 from .redis_wire import (
     _ACQUIRE,
     _ACQUIRE_KEEPING,
@@ -65,6 +68,9 @@ from .redis_wire import (
 )
 
 __all__ = ["RedisClusterBackend", "RedisSentinelBackend"]
+
+#: The acquire scripts the replica wait runs instead (they also return what the key was before).
+_KEEPING = {_ACQUIRE: _ACQUIRE_KEEPING, _ACQUIRE_SLOT: _ACQUIRE_SLOT_KEEPING}
 
 #: Options a URL's query string may carry (the transport options may carry them too).
 QUERY_OPTIONS = frozenset({*TLS_OPTIONS, *SOCKET_OPTIONS})
@@ -165,10 +171,11 @@ class _Deployed(RedisBackend):
         args: Sequence[str | int | bytes],
     ) -> Any:
         wait = self._wait
-        if wait is None or script is not _ACQUIRE:
+        keeping = _KEEPING.get(script)
+        if wait is None or keeping is None:
             return super()._call(operation, script, keys, args)
         try:
-            reply, acks = self._acquire_and_wait(_ACQUIRE_KEEPING, keys, args, wait)
+            reply, acks = self._acquire_and_wait(keeping, keys, args, wait)
         except _DRIVER_ERRORS as exc:
             if not_run(exc):
                 # The pipeline's connection went back to the pool, still to the demoted
@@ -178,20 +185,22 @@ class _Deployed(RedisBackend):
         if reply[0] != 1:
             return reply
         if acks >= wait.replicas:
-            return reply[:3]
+            return reply[:-1]
         # Not on enough replicas: a failover now could lose it. Put the key back as it was
         # before (free, a released record, a queue reservation this acquisition took over, the
         # caller's own earlier acquisition), if it is still this acquisition's; best effort: if
         # that fails too, the acquisition ends with its lease. The caller's store-error policy
         # then decides.
-        fence, before = reply[1], reply[3]
+        # The keeping scripts add what the key was before last; a slot's reply names the slot.
+        fence, before = reply[1], reply[-1]
+        taken = keys[int(reply[3])] if script is _ACQUIRE_SLOT else keys[0]
         try:
-            undone = super()._call("acquire", _RESTORE, keys, (args[0], fence, *before))
+            undone = super()._call("acquire", _RESTORE, (taken,), (args[0], fence, *before))
             outcome = "the key was put back as it was" if undone else "the key has changed since"
         except BackendError as exc:
             outcome = f"putting the key back failed too, so it is held until its lease ends ({exc})"
         raise BackendUnavailable(
-            f"{self!r}: acquire {keys[0]!r}: only {acks} of {wait.replicas} replica(s) "
+            f"{self!r}: acquire {taken!r}: only {acks} of {wait.replicas} replica(s) "
             f"confirmed the lock within {wait.timeout}s (wait_replicas); {outcome}"
         )
 
@@ -407,6 +416,20 @@ class RedisClusterBackend(_Deployed):
                 return _raised(reply), _raised(acks)
         raise redis.exceptions.ClusterError(f"more than {MAX_REDIRECTS} redirections")
 
+    def _check_slots(self, keys: Sequence[str]) -> None:
+        """Refuse the slots of a key with a ``}`` but no hash tag: they hash to other slots."""
+        if len({self.cluster.keyslot(key) for key in keys}) > 1:
+            raise LockKeyError(
+                f"{self!r}: acquire {keys[0]!r}: the holder slots of a key with a '}}' but no "
+                "hash tag are in other cluster slots; give the key prefix a hash tag"
+            )
+
+    def _release_keys(self, key: str) -> tuple[str, ...]:
+        base = base_key(key)
+        if base == key or self.cluster.keyslot(base) != self.cluster.keyslot(key):
+            return (key,)  # a slot's marker stays on the slot when its key is elsewhere
+        return (key, base)
+
     def holder(self, key: str) -> Holder | None:
         """Who holds ``key``: one script (the cluster client follows redirections for scripts,
         not for the MULTI the single-server backend reads with)."""
@@ -419,11 +442,10 @@ class RedisClusterBackend(_Deployed):
         SCANs every master in turn (the keys are spread over them), ``page_size`` keys a page;
         a reshard or failover during the listing can skip or repeat a key.
         """
-        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + "*"
         cluster = self.cluster
         with self._translate("list", prefix):
             primaries = cluster.get_primaries()
-        for node in primaries:
+        for node, (index, pattern) in product(primaries, enumerate(scan_patterns(prefix))):
             with self._translate("list", prefix):
                 scan = cluster.get_redis_connection(node).scan_iter(match=pattern, count=page_size)
             while True:
@@ -432,6 +454,8 @@ class RedisClusterBackend(_Deployed):
                 if raw is None:
                     break
                 key = raw.decode() if isinstance(raw, bytes) else raw
+                if not listed(key, prefix, index):
+                    continue
                 holder = self.holder(key)
                 if holder is not None and holder.token:  # a released record has no token
                     yield key, holder

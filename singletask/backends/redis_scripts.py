@@ -96,22 +96,20 @@ end
 # the key holds (held or released record); a retried acquire by the holder keeps its fence. The
 # last completion marker (d) is carried into the new held record.
 # Errors (before any write) when ARGV[2] is out of range.
-# (The body is the Lua function acquire(), which ACQUIRE_KEEPING_SCRIPT calls as well.)
-_ACQUIRE_FUNCTION = """
-local function acquire()
-local lease = ms(ARGV[2])
-local rec = redis.call('HMGET', KEYS[1], 'token', 'fence', 'f', 'd')
-local cur, last, marker = rec[1], rec[2] or rec[3], rec[4]
-if cur and cur ~= ARGV[1] and (ARGV[3] == '' or string.sub(cur, 1, #ARGV[3]) ~= ARGV[3]) then
-  local held = redis.call('HMGET', KEYS[1], 'task_id', 'i', 'x')
-  return {0, cur, held[1], held[2], held[3], redis.call('PTTL', KEYS[1]), last}
-end
+# (The body is the Lua function acquire(), which ACQUIRE_KEEPING_SCRIPT calls as well; it gives
+# the key with take(), which the holder-slot scripts of redis_slots call for the slot they
+# choose.)
+# take(key, cur, last, marker, lease): give key to ARGV[1] for lease ms, ARGV[4…] as above; cur
+# is its holder's token (or false), last the last fence to grow from (or false), marker the
+# completion marker to carry (or false). Returns {1, fence, marker}.
+_TAKE_FUNCTION = """
+local function take(key, cur, last, marker, lease)
 local fence = last
 if cur ~= ARGV[1] or not last then
   local now = redis.call('TIME')
   fence = string.format('%.0f', math.max(tonumber(last or '0') + 1, now[1] * 1000000 + now[2]))
 end
-redis.call('DEL', KEYS[1])
+redis.call('DEL', key)
 local record = {'token', ARGV[1], 'f', fence}
 if marker then
   record[#record + 1], record[#record + 2] = 'd', marker
@@ -124,11 +122,27 @@ end
 for i = 5, #ARGV do
   record[#record + 1] = ARGV[i]
 end
-redis.call('HSET', KEYS[1], unpack(record))
-redis.call('PEXPIRE', KEYS[1], lease)
+redis.call('HSET', key, unpack(record))
+redis.call('PEXPIRE', key, lease)
 return {1, fence, marker}
 end
 """
+
+_ACQUIRE_FUNCTION = (
+    _TAKE_FUNCTION
+    + """
+local function acquire()
+local lease = ms(ARGV[2])
+local rec = redis.call('HMGET', KEYS[1], 'token', 'fence', 'f', 'd')
+local cur, last, marker = rec[1], rec[2] or rec[3], rec[4]
+if cur and cur ~= ARGV[1] and (ARGV[3] == '' or string.sub(cur, 1, #ARGV[3]) ~= ARGV[3]) then
+  local held = redis.call('HMGET', KEYS[1], 'task_id', 'i', 'x')
+  return {0, cur, held[1], held[2], held[3], redis.call('PTTL', KEYS[1]), last}
+end
+return take(KEYS[1], cur, last, marker, lease)
+end
+"""
+)
 
 ACQUIRE_SCRIPT = _CHECK_MS + _ACQUIRE_FUNCTION + "return acquire()\n"
 
@@ -205,7 +219,32 @@ end
 return 1
 """
 
+# Lua: mark(key, marker, marker_keep) records a holder slot's completion marker on its key (the
+# slot's base key, singletask.slots), a hash in one of the states above, for marker_keep ms:
+# a held record gets the field d (its release carries it on, its lease is left alone); a
+# released record gets d and keeps at least marker_keep ms; no key becomes a released record
+# {d}. Anything else (another type, a hash without expiry: not singletask's) is left alone.
+_MARK_BASE = """
+local function mark(key, marker, marker_keep)
+  if not marker or marker_keep == 0 then return end
+  local kind = redis.call('TYPE', key).ok
+  if kind == 'none' then
+    redis.call('HSET', key, 'd', marker)
+    redis.call('PEXPIRE', key, marker_keep)
+  elseif kind == 'hash' then
+    local pttl = redis.call('PTTL', key)
+    if pttl < 0 then return end
+    redis.call('HSET', key, 'd', marker)
+    if not redis.call('HGET', key, 'token') and pttl < marker_keep then
+      redis.call('PEXPIRE', key, marker_keep)
+    end
+  end
+end
+"""
+
 # KEYS[1]  lock key
+# KEYS[2]  only when KEYS[1] is a holder slot (singletask.slots): its base key, which the
+#          completion marker goes to (same cluster slot)
 # ARGV[1]  owner token
 # ARGV[2]  completion marker to record, or '' for none
 # ARGV[3]  how long a completion marker is kept, in milliseconds (0: not at all)
@@ -213,11 +252,13 @@ return 1
 # Returns 1 when the lock was released, 0 when ARGV[1] does not hold it (free or another owner).
 # The key is deleted; it is written again as a released record {f, d} when something is to be
 # kept: the marker (ARGV[2], or the one the held record carried) for ARGV[3], the fence for
-# ARGV[4]. With both 0, or neither a marker nor a fence retention, nothing is left.
+# ARGV[4]. With both 0, or neither a marker nor a fence retention, nothing is left. With KEYS[2],
+# the slot keeps at most its fence, and ARGV[2] is recorded on KEYS[2] (mark(), above).
 # Errors (before any write) when ARGV[3] or ARGV[4] is out of range.
 RELEASE_SCRIPT = (
     _CHECK_MS
     + _LEAVE_RECORD
+    + _MARK_BASE
     + """
 local marker_keep, fence_keep = keep(ARGV[3]), keep(ARGV[4])
 local rec = redis.call('HMGET', KEYS[1], 'token', 'f', 'd')
@@ -227,7 +268,12 @@ end
 local marker = rec[3]
 if ARGV[2] ~= '' then marker = ARGV[2] end
 redis.call('DEL', KEYS[1])
-leave(KEYS[1], rec[2], marker, fence_keep, marker_keep)
+if KEYS[2] then
+  leave(KEYS[1], rec[2], false, fence_keep, 0)
+  mark(KEYS[2], ARGV[2] ~= '' and ARGV[2], marker_keep)
+else
+  leave(KEYS[1], rec[2], marker, fence_keep, marker_keep)
+end
 return 1
 """
 )

@@ -268,6 +268,21 @@ def _conflict_task_id(token: str, old: Any, compact: Any, absent: Any) -> str | 
     return _from_token("i", token, fields)
 
 
+def _conflict_holder(
+    raw_token: bytes | str, old: Any, compact: Any, absent: Any, pttl: int, fence: Any
+) -> Holder:
+    """The Holder of an acquire's conflict reply (token, its 0.1.0 task_id field, its i and x
+    fields, lease left in ms, fence): brief, without the metadata."""
+    token = _text(raw_token)
+    return Holder(
+        token,
+        _conflict_task_id(token, old, compact, absent),
+        pttl / 1000 if pttl >= 0 else None,
+        {},
+        int(fence) if fence is not None else None,
+    )
+
+
 def _removed(key: str, reply: Sequence[Any]) -> Holder | None:
     """The Holder of an OPERATOR_RELEASE_SCRIPT reply, or None when it removed nothing."""
     if not reply:

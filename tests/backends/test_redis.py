@@ -18,6 +18,7 @@ from singletask.backends import backend_class, backend_from_url, known_schemes
 from singletask.backends.memory import MemoryBackend
 from singletask.backends.redis import RedisBackend, fence_key
 from singletask.exceptions import UnknownBackendError
+from singletask.slots import slot_key
 from singletask.tokens import execution_token
 
 from ..faultproxy import FaultProxy, address_of
@@ -397,6 +398,55 @@ def test_an_uncontended_lock_costs_two_round_trips(
     # Then the server read two requests (and the INFO that reads the count)
     after = redis_client.info("stats")["total_reads_processed"]
     assert after - before - 1 == 2
+
+
+def test_a_slot_acquisition_costs_one_round_trip(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key: str
+) -> None:
+    """acquire_slot reads every slot of a key and takes one in one script: one request, whether
+    it takes a slot or finds them all held."""
+    # Given a backend that has already connected and cached its scripts
+    assert redis_backend.acquire_slot(f"{key}:warm", 3, "token-0", LEASE).acquired
+    assert redis_backend.release(f"{key}:warm", "token-0")
+    for n in range(3):
+        assert redis_backend.acquire_slot(key, 3, f"token-{n}", LEASE).key == slot_key(key, n)
+    calls = []
+
+    # When one more slot is taken (of 4) and one acquisition finds all 3 held
+    for limit, token in ((4, "token-3"), (3, "token-x")):
+        before = redis_client.info("stats")["total_reads_processed"]
+        calls.append(redis_backend.acquire_slot(key, limit, token, LEASE))
+        after = redis_client.info("stats")["total_reads_processed"]
+        # Then the server read one request (and the INFO that reads the count)
+        assert after - before - 1 == 1
+    assert calls[0].key == slot_key(key, 3)
+    assert [h.token for h in calls[1].holders] == ["token-0", "token-1", "token-2"]
+
+
+def test_a_slots_completion_marker_lands_on_its_key(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key: str
+) -> None:
+    """A slot's release records its marker on the key (slot 0), held or free, with the marker's
+    retention; the slot keeps nothing (no fence retention by default)."""
+    # Given slots 0 and 1 held
+    assert redis_backend.acquire_slot(key, 2, "token-0", LEASE).acquired
+    assert redis_backend.acquire_slot(key, 2, "token-1", LEASE).acquired
+    one = slot_key(key, 1)
+    # When slot 1 is released with a marker / Then the held key carries it, its lease unchanged
+    assert redis_backend.release(one, "token-1", completed="t-1:0")
+    assert redis_client.hget(key, "d") == b"t-1:0"
+    assert 0 < redis_client.pttl(key) <= LEASE * 1000
+    assert not redis_client.exists(one)
+    # And on a key that is free and left nothing, a slot's release leaves a released record {d}
+    other = f"{key}:other"
+    assert redis_backend.acquire_slot(other, 2, "token-2", LEASE).key == other
+    assert redis_backend.acquire_slot(other, 2, "token-3", LEASE).key == slot_key(other, 1)
+    assert redis_backend.release(other, "token-2")
+    assert not redis_client.exists(other)
+    assert redis_backend.release(slot_key(other, 1), "token-3", completed="t-3:0")
+    assert redis_client.hgetall(other) == {b"d": b"t-3:0"}
+    assert redis_client.pttl(other) > LEASE * 1000
+    assert redis_backend.acquire_slot(other, 2, "token-4", LEASE).completed == "t-3:0"
 
 
 def test_a_connection_dropped_while_idle_is_replaced(

@@ -23,7 +23,13 @@ from singletask.backends import backend_from_url
 from singletask.backends.redis import FENCE_RETENTION, MARKER_RETENTION
 from singletask.backends.redis_deploy import RedisClusterBackend, RedisSentinelBackend
 from singletask.backends.redis_options import mask
-from singletask.exceptions import BackendError, BackendUnavailable, ConfigurationError
+from singletask.exceptions import (
+    BackendError,
+    BackendUnavailable,
+    ConfigurationError,
+    LockKeyError,
+)
+from singletask.slots import slot_key, slot_keys
 from singletask.tokens import reservation_token
 
 from ..deployments import (
@@ -261,6 +267,47 @@ def test_every_key_of_one_lock_is_in_the_locks_slot(
         assert {client.keyslot(k) for k in written} == {client.keyslot(key)}
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("key", ["singletask:tasks.report", "singletask:tasks.feed:{customer}:42"])
+def test_every_holder_slot_of_a_key_is_in_the_keys_slot(
+    redis_cluster: ClusterDeployment, key: str
+) -> None:
+    """The holder slots of a key hash to the key's cluster slot, so one script reads and takes
+    them; a key whose slots could not (a ``}`` without a hash tag) is refused."""
+    key = key.replace("singletask:", f"singletask:{uuid.uuid4().hex[:8]}:", 1)
+    client = redis_cluster.client()
+    with backend_from_url(redis_cluster.url) as backend:
+        assert {client.keyslot(k) for k in slot_keys(key, 50)} == {client.keyslot(key)}
+        taken = [backend.acquire_slot(key, 3, f"t{n}", LEASE) for n in range(4)]
+        assert [r.key for r in taken[:3]] == slot_keys(key, 3)
+        assert len(taken[3].holders) == 3
+        assert backend.release(slot_key(key, 2), "t2", completed="t2:0")
+        assert backend.acquire_slot(key, 3, "u", LEASE).completed == "t2:0"
+        with pytest.raises(LockKeyError, match="hash tag"):
+            backend.acquire_slot("untagged}:x", 2, "t", LEASE)
+    client.close()
+
+
+@pytest.mark.deployments
+def test_the_replica_wait_confirms_or_refuses_a_slot_acquisition(
+    redis_sentinel: SentinelDeployment,
+) -> None:
+    """``wait_replicas`` applies to acquire_slot too: a refused acquisition puts back the slot it
+    took, as it was."""
+    base = {**redis_sentinel.transport_options, "wait_timeout": 0.2}
+    key = f"wait-slot:{uuid.uuid4().hex[:8]}"
+    with backend_from_url(redis_sentinel.url, transport_options={**base, "wait_replicas": 1}) as b:
+        assert b.acquire_slot(key, 2, "t", LEASE).key == key
+        assert b.acquire_slot(key, 2, "u", LEASE).key == slot_key(key, 1)
+        assert b.release(slot_key(key, 1), "u")
+    with backend_from_url(redis_sentinel.url, transport_options={**base, "wait_replicas": 2}) as b:
+        with pytest.raises(BackendUnavailable, match=r":slot:1.*only 1 of 2 replica"):
+            b.acquire_slot(key, 2, "v", LEASE)
+        assert b.holder(slot_key(key, 1)) is None
+        holder = b.holder(key)
+        assert holder is not None
+        assert holder.token == "t"
 
 
 def test_extend_many_renews_locks_spread_over_every_master(
