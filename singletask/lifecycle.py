@@ -202,7 +202,11 @@ def execute(
     # With lock_limit above 1 the execution holds one of the key's slots: renew and release it.
     lock_key, key = key, result.key or key
     if options.limit > 1:
-        twin = _twin(backend, options, request, lock_key, key)
+        try:
+            twin = _twin(backend, options, request, lock_key, key)
+        except BaseException:
+            _end(task, options, backend, key, token, None)  # never leave the slot taken
+            raise
         if twin is not None:
             # A copy of a message that still runs in another slot: it must not run twice.
             _end(task, options, backend, key, token, None)

@@ -181,14 +181,16 @@ def test_a_limit_of_one_is_the_singleton(app: celery.Celery) -> None:
     assert seen["key"] == sync.lock_key_for()
 
 
-def test_a_redelivered_copy_of_a_running_message_does_not_take_a_second_slot(
+def test_a_redelivered_copy_of_a_running_message_waits_for_it_instead_of_taking_a_slot(
     app: celery.Celery,
 ) -> None:
     """A singleton sees a copy of a running message as a conflict on its one key; with free
-    slots the copy must still not run beside the original."""
+    slots the copy must still not run beside the original: it defers until the original ends."""
     from singletask.messages import REDELIVERED_HEADER
+    from singletask.signals import lock_conflict
 
     ran: list[str] = []
+    actions: list[str | None] = []
 
     @app.task(base=SingletonTask, shared=False, lazy=False, lock_limit=3, lock_policy="skip")
     def export() -> None:
@@ -198,10 +200,19 @@ def test_a_redelivered_copy_of_a_running_message_does_not_take_a_second_slot(
     backend, key = backend_of(export), export.lock_key_for()
     assert backend.acquire_slot(key, 3, "msg-1:0:x", LEASE, meta={"task_id": "msg-1"}).acquired
 
-    # When a redelivered copy of it starts
-    outcome = export.apply(task_id="msg-1", headers={REDELIVERED_HEADER: 1})
+    def original_ends(sender: Any = None, action: str | None = None, **_: Any) -> None:
+        actions.append(action)
+        assert ran == []  # the copy's body has not run beside the original
+        assert backend.holder(slot_key(key, 1)) is None  # nor kept a slot
+        backend.release(key, "msg-1:0:x")
 
-    # Then its body did not run, and it left no slot behind
-    assert ran == []
-    assert outcome.state != "SUCCESS" or not ran
-    assert backend.holder(slot_key(key, 1)) is None
+    lock_conflict.connect(original_ends, weak=False)
+    try:
+        # When a redelivered copy of it starts (eager mode sends the deferred copy again at once)
+        export.apply(task_id="msg-1", headers={REDELIVERED_HEADER: 1})
+    finally:
+        lock_conflict.disconnect(original_ends)
+
+    # Then it deferred once, and ran once the original had ended
+    assert actions == ["defer"]
+    assert ran == ["body"]
