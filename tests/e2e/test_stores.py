@@ -16,17 +16,19 @@ from typing import Any
 
 import pytest
 from billiard.exceptions import WorkerLostError
-from celery import group
+from celery import Celery, group
 
-from singletask import Skipped, TaskLocked
+from singletask import ConfigurationError, SingletonTask, Skipped, TaskLocked
 from singletask.backends import backend_from_url
 from singletask.backends.base import LockBackend
+from singletask.slots import slot_keys
 
 from .conftest import LOCK_STORES
 from .faults import BOUND, FaultEnv
 from .proxy import TcpProxy
 from .tasks_faults import LEASE, LONG_LEASE
 from .tasks_faults import PREFIX as FAULTS
+from .tasks_limits import PREFIX as LIMITS
 from .tasks_policies import PREFIX as POLICIES
 from .tasks_policies import TTL, gate_key
 
@@ -251,3 +253,43 @@ def test_with_the_store_down_a_task_is_retried_not_run_and_runs_once_it_is_back(
     (start,) = env.starts(label)
     assert start["t"] >= back
     assert start["locked"] is True
+
+
+def test_a_limit_of_two_runs_two_at_once_and_skips_a_third_naming_both(store: StoreEnv) -> None:
+    """``lock_limit = 2`` across two workers: two exports of one label run together, the third
+    is skipped naming both; memcached refuses such a task when it is bound."""
+    if not store.locks.supports_limit:
+        app = Celery("limit-on-memcached", set_as_current=False)
+        app.conf.update(singletask_backend_url=store.env.app.conf.singletask_backend_url)
+        with pytest.raises(ConfigurationError, match="keeps one holder per key"):
+            app.task(base=SingletonTask, name=LIMITS + "refused", lock_limit=2, lazy=False)(
+                _refused
+            )
+        app.close()
+        return
+    env = store.env
+    env.start_worker()
+    env.start_worker()
+    label = label_of()
+    task = store.task(LIMITS + "export")
+    key = str(task.lock_key_for((label,)))
+
+    # Given two exports of one label holding both slots (their bodies wait on the gate)
+    holders = [task.apply_async((label,), {"hold": True}) for _ in range(2)]
+    env.probe.wait_for(label, "start", count=2)
+
+    # When a third is sent
+    third = task.apply_async((label,)).get(timeout=BOUND)
+
+    # Then it is skipped, naming both holders, and never more than two ran at once
+    assert isinstance(third, Skipped), third
+    assert set(third.holders) == {h.id for h in holders}
+    store.env.probe.client.rpush(gate_key(label), "open", "open")
+    assert {h.get(timeout=BOUND)["key"] for h in holders} == set(slot_keys(key, 2))
+    assert env.probe.max_overlap(label) == 2, env.explain()
+    for slot in slot_keys(key, 2):
+        store.wait_free(slot)
+
+
+def _refused() -> None:
+    """The body of a task that memcached refuses (see above)."""
