@@ -15,6 +15,10 @@ Policy (which key, which token, what to do when a lock is held, when to release)
 * ``lock_limit``: a key can have up to N holders, one per *holder slot*; a slot is a store key
   of its own (:mod:`singletask.slots`) that shares the key's fence record, and
   :meth:`LockBackend.acquire_slot` takes a free one in one atomic step;
+* ``lock_rate``: :meth:`LockBackend.acquire_slot` can also space the starts of a key by an
+  interval, checked and recorded in the same atomic step (a *rate record* per key);
+* ``lock_debounce``: a key can have one open *debounce window* naming its latest send
+  (:meth:`LockBackend.debounce`, :meth:`LockBackend.debounce_take`);
 * for operators (``singletask locks / inspect / release``): the held locks can be listed by key
   prefix, in bounded pages, and a lock can be released by its holder's task id or by force.
 
@@ -97,6 +101,8 @@ class AcquireResult:
             taken (renew and release that one).
         holders: When :meth:`LockBackend.acquire_slot` found every slot held, every holder,
             slot 0 first (``holder`` is the first of them).
+        retry_after: When :meth:`LockBackend.acquire_slot` was refused by its ``interval``
+            (a slot was free, the key started too recently): seconds until a start is allowed.
     """
 
     acquired: bool
@@ -105,6 +111,7 @@ class AcquireResult:
     completed: str | None = None
     key: str | None = None
     holders: tuple[Holder, ...] = ()
+    retry_after: float | None = None
 
 
 class LockBackend(abc.ABC):
@@ -121,6 +128,12 @@ class LockBackend(abc.ABC):
 
     #: Whether the store implements :meth:`acquire_slot` (tasks with ``lock_limit`` above 1).
     supports_limit: ClassVar[bool] = False
+
+    #: Whether :meth:`acquire_slot` takes an ``interval`` (tasks with ``lock_rate``).
+    supports_rate: ClassVar[bool] = False
+
+    #: Whether the store implements :meth:`debounce` (tasks with ``lock_debounce``).
+    supports_debounce: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
@@ -178,6 +191,7 @@ class LockBackend(abc.ABC):
         *,
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
+        interval: float | None = None,
     ) -> AcquireResult:
         """Take one of the ``limit`` holder slots of ``key`` for ``token``, in one atomic step.
 
@@ -190,11 +204,45 @@ class LockBackend(abc.ABC):
         marker. When every slot is held, nothing changes and the result lists every holder in
         :attr:`AcquireResult.holders`.
 
+        With ``interval`` (seconds, stores with :attr:`supports_rate`), starts of the key are
+        spaced by at least that much of the store's clock: a slot taken by a new token (free,
+        or taken over) is a *start*, allowed only when ``interval`` has passed since the key's
+        last start; it records its own time in the key's rate record, which expires
+        ``interval`` seconds later. A start that is not allowed changes nothing and returns
+        ``AcquireResult(False, retry_after=<seconds until one is>)``. A holder re-acquiring
+        its own slot is no start; a key with every slot held is refused as without
+        ``interval``, and records nothing.
+
         Raises:
             UnsupportedOperation: The store has no holder slots (:attr:`supports_limit`).
             BackendError: The store failed.
         """
         raise UnsupportedOperation(f"{self!r} cannot keep more than one holder per lock key")
+
+    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float]:
+        """Make ``task_id`` the latest send of the debounce window of ``key``, in one step.
+
+        Opens the window if none is open. The window's record lasts ``ttl`` seconds from this
+        call (each send sets it again). Returns the previous latest send (None when this call
+        opened the window) and the seconds since the window was opened, by the store's clock
+        (0 when this call opened it).
+
+        Raises:
+            UnsupportedOperation: The store has no debounce windows (:attr:`supports_debounce`).
+            BackendError: The store failed.
+        """
+        raise UnsupportedOperation(f"{self!r} cannot keep debounce windows")
+
+    def debounce_take(self, key: str, task_id: str) -> str | None:
+        """If ``task_id`` is the latest send of the open window of ``key``, close the window
+        (its record is deleted) and return ``task_id``; else return the latest send, and
+        change nothing; None when no window is open. One atomic step.
+
+        Raises:
+            UnsupportedOperation: The store has no debounce windows (:attr:`supports_debounce`).
+            BackendError: The store failed.
+        """
+        raise UnsupportedOperation(f"{self!r} cannot keep debounce windows")
 
     @abc.abstractmethod
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:

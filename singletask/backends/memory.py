@@ -54,10 +54,15 @@ class MemoryBackend(LockBackend):
 
     in_process = True
     supports_limit = True
+    supports_rate = True
+    supports_debounce = True
 
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
         self._fences: dict[str, _Fence] = {}
+        self._rates: dict[str, float] = {}  # key -> monotonic time its next start is allowed
+        self._windows: dict[str, tuple[str, float, float]] = {}  # key -> latest, opened, until
+        self._writes = 0
         self._mutex = threading.Lock()
 
     @classmethod
@@ -118,8 +123,11 @@ class MemoryBackend(LockBackend):
         *,
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
+        interval: float | None = None,
     ) -> AcquireResult:
         ttl = check_lease(ttl, "acquire")
+        if interval is not None:
+            interval = check_lease(interval, "acquire_slot interval")
         now = time.monotonic()
         with self._mutex:
             slots = [(name, self._live(name, now)) for name in slot_keys(key, limit)]
@@ -131,6 +139,12 @@ class MemoryBackend(LockBackend):
             ):  # fmt: skip
                 for name, entry in slots:
                     if wanted(entry):
+                        if interval is not None and (entry is None or entry.token != token):
+                            allowed = self._rates.get(key, now)
+                            if allowed > now:  # too soon after the key's last start
+                                return AcquireResult(False, retry_after=allowed - now)
+                            self._rates[key] = now + interval
+                            self._prune(now)
                         return self._take(name, entry, token, ttl, meta, now)
             holders = tuple(self._holder(e, now, brief=True) for _, e in slots if e is not None)
             return AcquireResult(False, holders[0], holders=holders)
@@ -158,6 +172,36 @@ class MemoryBackend(LockBackend):
         record.fence, record.expires_at = max(record.fence, fence), now + FENCE_RETENTION
         self._entries[name] = _Entry(token, now + ttl, dict(meta or {}), fence)
         return AcquireResult(True, fence=fence, completed=record.done, key=name)
+
+    def _prune(self, now: float) -> None:
+        """Forget rate records and debounce windows that ran out, once every 1,024 writes (so
+        that keys seen once do not stay for ever); the mutex is held."""
+        self._writes += 1
+        if self._writes % 1024 == 0:
+            self._rates = {k: at for k, at in self._rates.items() if at > now}
+            self._windows = {k: w for k, w in self._windows.items() if w[2] > now}
+
+    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float]:
+        ttl = check_lease(ttl, "debounce")
+        now = time.monotonic()
+        with self._mutex:
+            latest, opened, until = self._windows.get(key, (None, now, now))
+            if until <= now:  # no window, or it ran out
+                latest, opened = None, now
+            self._windows[key] = (task_id, opened, now + ttl)
+            self._prune(now)
+            return latest, now - opened
+
+    def debounce_take(self, key: str, task_id: str) -> str | None:
+        now = time.monotonic()
+        with self._mutex:
+            window = self._windows.get(key)
+            if window is None or window[2] <= now:
+                self._windows.pop(key, None)
+                return None
+            if window[0] == task_id:
+                del self._windows[key]
+            return window[0]
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         with self._mutex:

@@ -63,6 +63,12 @@ def _memory(
         for key, record in backend._fences.items():
             if match in key and record.expires_at > now:
                 found[f"fence {key}"] = record.expires_at - now
+        for key, allowed in backend._rates.items():
+            if match in key and allowed > now:
+                found[f"rate {key}"] = allowed - now
+        for key, (_, _, until) in backend._windows.items():
+            if match in key and until > now:
+                found[f"debounce {key}"] = until - now
     return found
 
 

@@ -60,6 +60,8 @@ _INSPECTING = threading.Lock()
 OPERATIONS = (
     "acquire",
     "acquire_slot",
+    "debounce",
+    "debounce_take",
     "release",
     "extend",
     "extend_many",

@@ -1,0 +1,241 @@
+"""The contract of rate records (``lock_rate``) and debounce windows (``lock_debounce``), run
+against every backend.
+
+:meth:`LockBackend.acquire_slot` with ``interval`` spaces the starts of a key by at least that
+many seconds of the store's clock, checked and recorded in the same atomic step as the slot it
+takes. :meth:`LockBackend.debounce` names the latest send of a key's debounce window, and
+:meth:`LockBackend.debounce_take` closes the window for that send only. A store without them
+(``supports_rate`` / ``supports_debounce`` False) refuses at once with UnsupportedOperation,
+and task definitions on it are refused when they are bound (tests/test_rate.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from singletask.backends.base import AcquireResult, LockBackend
+from singletask.exceptions import UnsupportedOperation
+from singletask.slots import slot_key
+
+from .test_contract import (
+    LEASE,
+    SHORT,
+    every_record_expires,  # noqa: F401 - the contract's autouse check
+)
+
+#: Starts of a key spaced by this much: long enough that a test never sees it run out by
+#: accident, on a loaded machine too.
+INTERVAL = 30.0
+
+
+@pytest.fixture
+def key(key_prefix: str) -> str:
+    return f"{key_prefix}lock"
+
+
+@pytest.fixture
+def rated(backend: LockBackend) -> LockBackend:
+    """A backend with rate records; a store without them is checked to refuse them at once."""
+    if not backend.supports_rate:
+        with pytest.raises(UnsupportedOperation):
+            backend.acquire_slot("any", 1, "token", LEASE, interval=1.0)
+        pytest.skip(f"{backend!r} has no rate records (lock_rate is refused when bound)")
+    return backend
+
+
+@pytest.fixture
+def debounced(backend: LockBackend) -> LockBackend:
+    """A backend with debounce windows; a store without them refuses them at once."""
+    if not backend.supports_debounce:
+        with pytest.raises(UnsupportedOperation):
+            backend.debounce("any", "task", LEASE)
+        pytest.skip(f"{backend!r} has no debounce windows (lock_debounce is refused when bound)")
+    return backend
+
+
+def start(
+    backend: LockBackend, key: str, token: str, *, limit: int = 1, interval: float = INTERVAL
+) -> AcquireResult:
+    return backend.acquire_slot(key, limit, token, LEASE, interval=interval)
+
+
+# -- rates ----------------------------------------------------------------------------------
+
+
+def test_a_second_start_within_the_interval_is_refused_with_the_time_left(
+    rated: LockBackend, key: str
+) -> None:
+    """After one start, the next one (by another token, the key free again) must wait out the
+    interval; the refusal says how long, and takes nothing."""
+    # Given one start, ended
+    assert start(rated, key, "token-a").acquired
+    assert rated.release(key, "token-a")
+
+    # When another token starts within the interval
+    refused = start(rated, key, "token-b")
+
+    # Then it is refused by the rate, not by a holder, and told how long to wait
+    assert not refused.acquired
+    assert refused.holder is None
+    assert refused.retry_after is not None
+    assert INTERVAL - 5 < refused.retry_after <= INTERVAL
+    assert rated.holder(key) is None
+
+
+def test_a_start_is_allowed_again_once_the_interval_has_passed(
+    rated: LockBackend, key: str
+) -> None:
+    assert start(rated, key, "token-a", interval=SHORT).acquired
+    assert rated.release(key, "token-a")
+    deadline = time.monotonic() + 10
+    while True:
+        result = start(rated, key, "token-b", interval=SHORT)
+        if result.acquired or time.monotonic() > deadline:
+            break
+        assert result.retry_after is not None
+        assert result.retry_after <= SHORT
+        time.sleep(min(result.retry_after, 0.5))
+    assert result.acquired
+
+
+def test_a_refused_start_does_not_push_the_next_one_back(rated: LockBackend, key: str) -> None:
+    """Only starts count: refused attempts leave the allowed time where it was."""
+    assert start(rated, key, "token-a", interval=1.0).acquired
+    assert rated.release(key, "token-a")
+    first = start(rated, key, "token-b", interval=1.0)
+    time.sleep(0.3)
+    second = start(rated, key, "token-c", interval=1.0)
+    assert first.retry_after is not None
+    assert second.retry_after is not None
+    assert second.retry_after < first.retry_after - 0.1
+
+
+def test_a_key_held_by_others_refuses_without_spending_a_start(
+    rated: LockBackend, key: str
+) -> None:
+    """With every slot held the refusal names the holder, and the rate record is untouched:
+    the holder's own start is the last one."""
+    # Given a holder that started without a rate, so no start is recorded
+    assert rated.acquire(key, "token-a", LEASE).acquired
+
+    # When another token tries with a rate, and then starts once the key is free
+    refused = start(rated, key, "token-b")
+    assert rated.release(key, "token-a")
+    after = start(rated, key, "token-c")
+
+    # Then the first was refused by the holder, and the refusal did not count as a start
+    assert not refused.acquired
+    assert refused.holder is not None
+    assert refused.holder.token == "token-a"
+    assert refused.retry_after is None
+    assert after.acquired
+
+
+def test_a_holder_acquiring_its_slot_again_is_no_new_start(rated: LockBackend, key: str) -> None:
+    """A redelivered message re-acquires its own slot within the interval."""
+    first = start(rated, key, "token-a")
+    again = start(rated, key, "token-a")
+    assert again.acquired
+    assert again.fence == first.fence
+
+
+def test_the_rate_counts_starts_of_every_slot_of_a_key(rated: LockBackend, key: str) -> None:
+    """With three free slots, the interval still spaces starts: the second waits."""
+    assert start(rated, key, "token-a", limit=3).acquired
+    refused = start(rated, key, "token-b", limit=3)
+    assert not refused.acquired
+    assert refused.retry_after is not None
+    assert rated.holder(slot_key(key, 1)) is None
+
+
+def test_racing_starts_within_one_interval_have_exactly_one_winner(
+    rated: LockBackend, key: str
+) -> None:
+    """16 threads starting a key of 5 slots at once, with a rate: exactly one starts."""
+    contenders = 16
+    barrier = threading.Barrier(contenders)
+
+    def contend(index: int) -> AcquireResult:
+        barrier.wait(timeout=30)
+        return start(rated, key, f"token-{index}", limit=5)
+
+    with ThreadPoolExecutor(max_workers=contenders) as pool:
+        outcomes = list(pool.map(contend, range(contenders)))
+
+    assert sum(r.acquired for r in outcomes) == 1
+    assert all(r.retry_after is not None for r in outcomes if not r.acquired)
+
+
+def test_keys_have_rates_of_their_own(rated: LockBackend, key: str) -> None:
+    assert start(rated, key, "token-a").acquired
+    assert start(rated, f"{key}:other", "token-b").acquired
+
+
+# -- debounce windows -----------------------------------------------------------------------
+
+
+def test_each_send_becomes_the_windows_latest_and_is_told_the_one_before(
+    debounced: LockBackend, key: str
+) -> None:
+    # Given / When three sends into one window
+    first = debounced.debounce(key, "send-1", LEASE)
+    time.sleep(0.2)
+    second = debounced.debounce(key, "send-2", LEASE)
+    third = debounced.debounce(key, "send-3", LEASE)
+
+    # Then the first opened it, and each later one learns the one it superseded and the age of
+    # the window, counted from its first send
+    assert first == (None, 0.0)
+    assert second[0] == "send-1"
+    assert third[0] == "send-2"
+    assert 0.1 < second[1] <= third[1] < 10
+
+
+def test_only_the_latest_send_closes_the_window(debounced: LockBackend, key: str) -> None:
+    debounced.debounce(key, "send-1", LEASE)
+    debounced.debounce(key, "send-2", LEASE)
+
+    # An earlier send learns its successor and changes nothing
+    assert debounced.debounce_take(key, "send-1") == "send-2"
+    assert debounced.debounce_take(key, "send-1") == "send-2"
+    # The latest closes the window, which leaves nothing behind
+    assert debounced.debounce_take(key, "send-2") == "send-2"
+    assert debounced.debounce_take(key, "send-2") is None
+    assert debounced.debounce_take(key, "send-1") is None
+
+
+def test_a_send_after_the_window_closed_opens_a_new_one(debounced: LockBackend, key: str) -> None:
+    debounced.debounce(key, "send-1", LEASE)
+    time.sleep(0.2)
+    assert debounced.debounce_take(key, "send-1") == "send-1"
+    assert debounced.debounce(key, "send-2", LEASE) == (None, 0.0)
+
+
+def test_a_window_runs_out_by_itself(debounced: LockBackend, key: str) -> None:
+    debounced.debounce(key, "send-1", SHORT)
+    deadline = time.monotonic() + 10
+    while debounced.debounce_take(key, "send-0") is not None:
+        assert time.monotonic() < deadline, "the window did not run out"
+        time.sleep(0.05)
+    assert debounced.debounce(key, "send-2", LEASE) == (None, 0.0)
+
+
+def test_racing_sends_each_supersede_exactly_one_other(debounced: LockBackend, key: str) -> None:
+    """16 sends at once: one opened the window, every other superseded a distinct send."""
+    contenders = 16
+    barrier = threading.Barrier(contenders)
+
+    def send(index: int) -> str | None:
+        barrier.wait(timeout=30)
+        return debounced.debounce(key, f"send-{index}", LEASE)[0]
+
+    with ThreadPoolExecutor(max_workers=contenders) as pool:
+        previous = list(pool.map(send, range(contenders)))
+
+    assert previous.count(None) == 1
+    superseded = [p for p in previous if p is not None]
+    assert len(set(superseded)) == contenders - 1
