@@ -41,6 +41,7 @@ __all__ = [
     "check_count",
     "check_limit",
     "check_policy",
+    "check_rate",
     "check_scope",
     "check_seconds",
 ]
@@ -164,6 +165,40 @@ def check_limit(value: object, where: str) -> int:
             f"{where}: expected a whole number of holders from 1 to {MAX_LIMIT}, got {value!r}"
         )
     return value
+
+
+#: The periods of a ``lock_rate`` ("N/s", "N/m", "N/h", as Celery's ``rate_limit`` writes them).
+RATE_PERIODS: Final = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+#: The shortest interval a ``lock_rate`` may set between two starts of one key (1000/s).
+MIN_RATE_INTERVAL: Final = 0.001
+
+
+def check_rate(value: object, where: str) -> float:
+    """Return the seconds between two starts that ``value`` allows: ``"N/s"``, ``"N/m"`` or
+    ``"N/h"`` (N a number above 0), whose interval (period / N) is from 1 ms to 30 days.
+
+    Raises:
+        ConfigurationError: It is not such a rate; the message names ``where``.
+    """
+    text = value.strip() if isinstance(value, str) else None
+    count, _, unit = (text or "").partition("/")
+    try:
+        number = float(count)
+    except ValueError:
+        number = math.nan
+    if text is None or unit not in RATE_PERIODS or not math.isfinite(number) or number <= 0:
+        raise ConfigurationError(
+            f"{where}: expected a rate such as \"10/m\": a number above 0, '/', and s, m or h, "
+            f"got {value!r}"
+        )
+    interval = RATE_PERIODS[unit] / number
+    if not MIN_RATE_INTERVAL <= interval <= MAX_SECONDS:
+        raise ConfigurationError(
+            f"{where}: {value!r} spaces starts by {interval:g}s; a rate may space them by "
+            f"{MIN_RATE_INTERVAL:g}s to {MAX_SECONDS} seconds (30 days)"
+        )
+    return interval
 
 
 def check_key_prefix(value: object, where: str) -> str:

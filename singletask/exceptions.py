@@ -26,6 +26,7 @@ __all__ = [
     "ConfigurationError",
     "LockKeyError",
     "LockLost",
+    "RateLimited",
     "SingletaskError",
     "TaskLocked",
     "UnknownBackendError",
@@ -82,6 +83,33 @@ class TaskLocked(SingletaskError):
         who = f"task {self.holder}" if self.holder else "another execution"
         left = f" ({self.ttl:.1f}s left on its lease)" if self.ttl is not None else ""
         return f"lock {self.key!r} is held by {who}{left}"
+
+
+class RateLimited(TaskLocked):
+    """The task's lock key started too recently for its ``lock_rate``.
+
+    Raised by the ``"raise"`` policy, and by the ``"retry"`` policy once its budget is spent,
+    when a start would exceed the rate (a :class:`TaskLocked`, so code that handles a held
+    lock handles this too).
+
+    Attributes:
+        key: The lock key.
+        retry_after: Seconds until the key may start again.
+        rate: The task's ``lock_rate`` (``"10/m"``).
+    """
+
+    def __init__(self, key: str, retry_after: float, rate: str | None = None) -> None:
+        super().__init__(key)
+        self.args = (key, retry_after, rate)
+        self.retry_after = retry_after
+        self.rate = rate
+
+    def __str__(self) -> str:
+        rate = f" ({self.rate})" if self.rate else ""
+        return (
+            f"lock {self.key!r} started too recently for its lock_rate{rate}; the next start "
+            f"is allowed in {self.retry_after:.1f}s"
+        )
 
 
 class LockLost(SingletaskError):

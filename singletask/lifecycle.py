@@ -60,7 +60,7 @@ from celery.utils.nodenames import gethostname
 from .exceptions import BackendError, BackendTimeout, BackendUnavailable
 from .lease import LockHandle
 from .messages import is_redelivery, seconds_until
-from .policies import Conflict, locked_out, store_unreachable
+from .policies import Conflict, locked_out, store_unreachable, superseded
 from .runtime import app_state
 from .signals import lock_acquired, lock_lost
 from .slots import base_key, slot_keys
@@ -183,6 +183,12 @@ def execute(
     # counts from the send (LockHandle's sent_at), not from the reply or what follows it.
     sent_at = time.monotonic()
     try:
+        if options.debounce is not None and attempt is not None:
+            # Only the latest send of a debounce window runs; its run closes the window.
+            latest = backend.debounce_take(key, str(task_id))
+            if latest is not None and latest != task_id:
+                return superseded(task, key, latest)
+            sent_at = time.monotonic()
         result = _take(backend, options, key, token, meta, takeover)
         holder = _gone_holder(result) if attempt is not None else None
         if holder is not None:
@@ -197,7 +203,9 @@ def execute(
     except (BackendUnavailable, BackendTimeout) as exc:
         return store_unreachable(task, options, exc, direct, body, args, kwargs)
     if not result.acquired:
-        conflict = Conflict(task, options, backend, key, result.holder, direct, result.holders)
+        conflict = Conflict(
+            task, options, backend, key, result.holder, direct, result.holders, result.retry_after
+        )
         return locked_out(conflict)
     # With lock_limit above 1 the execution holds one of the key's slots: renew and release it.
     lock_key, key = key, result.key or key
@@ -274,7 +282,13 @@ def _take(
     meta: Mapping[str, str],
     takeover: str | None,
 ) -> AcquireResult:
-    """Acquire ``key`` for ``token``: the key itself, or one of its ``lock_limit`` slots."""
+    """Acquire ``key`` for ``token``: the key itself, or one of its ``lock_limit`` slots;
+    with ``lock_rate``, only if the key's last start is far enough back (same atomic step)."""
+    if options.rate_interval is not None:
+        return backend.acquire_slot(
+            key, options.limit, token, options.ttl, meta=meta, takeover_prefix=takeover,
+            interval=options.rate_interval,
+        )  # fmt: skip
     if options.limit > 1:
         return backend.acquire_slot(
             key, options.limit, token, options.ttl, meta=meta, takeover_prefix=takeover

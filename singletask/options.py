@@ -30,6 +30,7 @@ from .config import (
     check_count,
     check_limit,
     check_policy,
+    check_rate,
     check_scope,
     check_seconds,
 )
@@ -64,12 +65,22 @@ ATTRIBUTE_CHECKS: Final[dict[str, Callable[[object, str], object]]] = {
     "lock_on_backend_error": check_backend_error_policy,
     "lock_backend_retry_max": check_count,
     "lock_limit": check_limit,
+    "lock_rate": check_rate,
+    "lock_debounce": check_seconds,
+    "lock_debounce_max": check_seconds,
 }
 
 #: The lock scopes a task with ``lock_limit`` above 1 can have. "queue" and "coalesce" keep at
 #: most one queued message per key (a reservation, a follow-up): with several holders per key
 #: there is no single run for a duplicate to join, so such a combination is refused.
 LIMIT_SCOPES: Final = ("execution",)
+
+#: What a store must have for an option in use: the option -> the store's class attribute.
+STORE_FEATURES: Final = {
+    "limit": ("supports_limit", "keeps one holder per key, so it cannot run {value} at a time"),
+    "rate": ("supports_rate", "keeps no rate records, so it cannot count starts"),
+    "debounce": ("supports_debounce", "keeps no debounce windows"),
+}
 
 
 #: The task options whose value becomes a lease or reservation in the lock store -> the setting
@@ -100,6 +111,10 @@ class LockOptions:
         on_backend_error: ``"retry"`` or ``"run"`` when the store is unreachable at start.
         backend_retry_max: Retries while the store is unreachable.
         limit: Executions per lock key at a time (``lock_limit``; 1: the singleton).
+        rate: The ``lock_rate`` as written (``"10/m"``), or None.
+        rate_interval: Seconds between two starts of a key that ``rate`` allows, or None.
+        debounce: Seconds a send waits for a later one (``lock_debounce``), or None.
+        debounce_max: The longest a window's first send waits (``lock_debounce_max``), or None.
     """
 
     name: str
@@ -116,6 +131,10 @@ class LockOptions:
     on_backend_error: str
     backend_retry_max: int
     limit: int = 1
+    rate: str | None = None
+    rate_interval: float | None = None
+    debounce: float | None = None
+    debounce_max: float | None = None
 
     def key(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         """The lock key of a call with these arguments.
@@ -146,6 +165,9 @@ class TaskOptions:
     on_backend_error: str | None = None
     backend_retry_max: int | None = None
     limit: int | None = None
+    rate: str | None = None
+    debounce: float | None = None
+    debounce_max: float | None = None
 
     @classmethod
     def from_class(cls, task_cls: type[Any], known: Collection[str] = ()) -> TaskOptions:
@@ -174,13 +196,34 @@ class TaskOptions:
             lock_key = lock_key.__get__(None, task_cls)
         keys = KeySpec(name, run_signature(task_cls), task_cls.lock_args, lock_key)
         options = cls(name=name, keys=keys, **declared)
-        if (options.limit or 1) > 1 and options.scope not in (None, *LIMIT_SCOPES):
-            raise ConfigurationError(
-                f"{where} lock_scope: {options.scope!r} keeps one queued run per key, which "
-                f"cannot go with lock_limit = {options.limit}; use lock_scope = 'execution'"
-            )
+        options._check_combinations(where)
         options._warn_about_time_limit(getattr(task_cls, "time_limit", None))
         return options
+
+    def _check_combinations(self, where: str) -> None:
+        """Refuse options that cannot hold together (see the docs' limits page)."""
+        queueing = self.scope not in (None, *LIMIT_SCOPES)
+        if (self.limit or 1) > 1 and queueing:
+            raise ConfigurationError(
+                f"{where} lock_scope: {self.scope!r} keeps one queued run per key, which "
+                f"cannot go with lock_limit = {self.limit}; use lock_scope = 'execution'"
+            )
+        if self.debounce is not None and queueing:
+            raise ConfigurationError(
+                f"{where} lock_scope: {self.scope!r} deduplicates sends, and lock_debounce "
+                "collapses them: use one or the other (lock_scope = 'execution')"
+            )
+        if self.debounce_max is not None:
+            if self.debounce is None:
+                raise ConfigurationError(
+                    f"{where} lock_debounce_max: bounds the wait of lock_debounce, which the "
+                    "task does not set"
+                )
+            if self.debounce_max < self.debounce:
+                raise ConfigurationError(
+                    f"{where} lock_debounce_max: {_seconds(self.debounce_max)}s is shorter "
+                    f"than lock_debounce ({_seconds(self.debounce)}s)"
+                )
 
     def _warn_about_time_limit(self, time_limit: float | None) -> None:
         if self.renew is False and self.ttl and time_limit and self.ttl <= time_limit:
@@ -193,11 +236,17 @@ class TaskOptions:
             )
 
     def check_store(
-        self, name: str, settings: Settings, max_lease: float, store: str, slots: bool = True
+        self,
+        name: str,
+        settings: Settings,
+        max_lease: float,
+        store: str,
+        features: Collection[str] = (),
     ) -> None:
-        """Refuse a lease option longer than the lock store accepts (its ``max_lease``), and a
-        ``lock_limit`` above 1 on a store without holder slots (``slots`` False) or with an
-        app-wide ``singletask_lock_scope`` that cannot go with it.
+        """Refuse a lease option longer than the lock store accepts (its ``max_lease``), an
+        option the store cannot keep (``lock_limit`` above 1, ``lock_rate``,
+        ``lock_debounce``: ``features`` names the ``supports_*`` attributes the store has),
+        and an app-wide ``singletask_lock_scope`` that cannot go with them.
 
         Each option of :data:`LEASE_OPTIONS` that the task uses, declared on the task or taken
         from the app's setting, must be at most ``max_lease`` seconds. ``store`` names the store
@@ -208,17 +257,25 @@ class TaskOptions:
                 (or the setting it came from) and the store.
         """
         scope = settings.lock_scope if self.scope is None else self.scope
-        if (self.limit or 1) > 1:
-            where = f"task {name!r} attribute lock_limit"
-            if not slots:
+        used = {
+            "limit": self.limit if (self.limit or 1) > 1 else None,
+            "rate": self.rate,
+            "debounce": self.debounce,
+        }
+        for option, value in used.items():
+            if value is None:
+                continue
+            where = f"task {name!r} attribute lock_{option}"
+            attribute, refusal = STORE_FEATURES[option]
+            if attribute not in features:
                 raise ConfigurationError(
-                    f"{where}: the {store} lock store keeps one holder per key, so it cannot run "
-                    f"{self.limit} at a time; use Redis, PostgreSQL, MySQL, SQLite or memory"
+                    f"{where}: the {store} lock store {refusal.format(value=value)}; use Redis, "
+                    "PostgreSQL, MySQL, SQLite or memory"
                 )
-            if scope not in LIMIT_SCOPES:
+            if option != "rate" and scope not in LIMIT_SCOPES:
                 raise ConfigurationError(
-                    f"{where}: {self.limit} holders cannot go with the app's "
-                    f"singletask_lock_scope {scope!r}; set lock_scope = 'execution' on the task"
+                    f"{where}: cannot go with the app's singletask_lock_scope {scope!r}; set "
+                    "lock_scope = 'execution' on the task"
                 )
         for field_name, setting in LEASE_OPTIONS.items():
             if field_name == "queue_ttl" and scope == "execution":
@@ -255,6 +312,10 @@ class TaskOptions:
             on_backend_error=pick(self.on_backend_error, settings.lock_on_backend_error),
             backend_retry_max=pick(self.backend_retry_max, settings.lock_backend_retry_max),
             limit=pick(self.limit, 1),
+            rate=self.rate,
+            rate_interval=check_rate(self.rate, "lock_rate") if self.rate is not None else None,
+            debounce=self.debounce,
+            debounce_max=self.debounce_max,
         )
 
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, NoReturn
 
 from celery.exceptions import Ignore
 
-from .exceptions import BackendTimeout, BackendUnavailable, TaskLocked
+from .exceptions import BackendTimeout, BackendUnavailable, RateLimited, TaskLocked
 from .messages import (
     BACKEND_RETRIES_HEADER,
     LOCK_RETRIES_HEADER,
@@ -82,6 +82,8 @@ class Conflict:
         holder: Who holds the key, when the store said.
         direct: Whether the execution is a direct call ``task(...)``.
         holders: With ``lock_limit`` above 1, every holder of the key (``holder`` is the first).
+        retry_after: Set when the key is not held but started too recently for its
+            ``lock_rate``: seconds until it may start again.
     """
 
     task: Task[Any, Any]
@@ -91,6 +93,7 @@ class Conflict:
     holder: Holder | None
     direct: bool
     holders: tuple[Holder, ...] = ()
+    retry_after: float | None = None
 
     @property
     def holder_id(self) -> str | None:
@@ -126,10 +129,25 @@ class Conflict:
             task_id=self.task.request.id, action=action,
         )  # fmt: skip
 
+    @property
+    def rated(self) -> bool:
+        """Whether the key was refused by its ``lock_rate``, not by a holder."""
+        return self.retry_after is not None
+
     def countdown(self) -> float:
-        """``lock_retry_countdown`` plus up to 25% jitter."""
+        """``lock_retry_countdown`` plus up to 25% jitter; for a rate refusal, the time until
+        a start is allowed plus up to 10% (at least 50 ms) of jitter, so that the messages
+        waiting for one key do not all come back at the same moment."""
+        if self.retry_after is not None:
+            return self.retry_after + random.uniform(0, 0.05 + self.retry_after / 10)
         base = self.options.retry_countdown
         return base + random.uniform(0, base / 4)
+
+    def refusal(self) -> TaskLocked:
+        """The exception that reports this conflict: ``RateLimited`` or ``TaskLocked``."""
+        if self.retry_after is not None:
+            return RateLimited(self.key, self.retry_after, self.options.rate)
+        return TaskLocked(self.key, self.holder_id, self.ttl, self.holder_ids)
 
 
 class Policy(ABC):
@@ -155,6 +173,14 @@ class Skip(Policy):
 
     def apply(self, conflict: Conflict) -> Skipped:
         conflict.report("skip")
+        if conflict.rated:
+            logger.warning(
+                "Task %s[%s] skipped: lock %r started too recently for its lock_rate %s "
+                "(next start in %.1fs)",
+                conflict.task.name, conflict.task.request.id, conflict.key,
+                conflict.options.rate, conflict.retry_after,
+            )  # fmt: skip
+            return Skipped(conflict.key, reason="rate", retry_after=conflict.retry_after)
         logger.warning(
             "Task %s[%s] skipped: lock %r is held by %s (lease left: %s)",
             conflict.task.name, conflict.task.request.id, conflict.key, conflict.who,
@@ -175,12 +201,20 @@ class Raise(Policy):
     def refuse(self, conflict: Conflict, why: str = "") -> NoReturn:
         """Fail with ``TaskLocked``; ``why`` says why, when another policy fell back to this."""
         conflict.report("raise")
+        if conflict.rated:
+            logger.warning(
+                "Task %s[%s] raises RateLimited: lock %r started too recently for its "
+                "lock_rate %s (next start in %.1fs)%s",
+                conflict.task.name, conflict.task.request.id, conflict.key,
+                conflict.options.rate, conflict.retry_after, why,
+            )  # fmt: skip
+            raise conflict.refusal()
         logger.warning(
             "Task %s[%s] raises TaskLocked: lock %r is held by %s (lease left: %s)%s",
             conflict.task.name, conflict.task.request.id, conflict.key, conflict.who,
             conflict.lease_left, why,
         )  # fmt: skip
-        raise TaskLocked(conflict.key, conflict.holder_id, conflict.ttl, conflict.holder_ids)
+        raise conflict.refusal()
 
 
 class Retry(Policy):
@@ -202,13 +236,17 @@ class Retry(Policy):
             Raise().refuse(conflict, f" (lock retries spent: {spent} of {options.retry_max})")
         conflict.report("retry")
         countdown = conflict.countdown()
+        why = (
+            f"started too recently for its lock_rate {options.rate}"
+            if conflict.rated
+            else f"is held by {conflict.who}"
+        )
         logger.info(
-            "Task %s[%s] retries in %.1fs (lock retry %d of %d): lock %r is held by %s",
+            "Task %s[%s] retries in %.1fs (lock retry %d of %d): lock %r %s",
             conflict.task.name, request.id, countdown, spent + 1, options.retry_max,
-            conflict.key, conflict.who,
+            conflict.key, why,
         )  # fmt: skip
-        locked = TaskLocked(conflict.key, conflict.holder_id, conflict.ttl, conflict.holder_ids)
-        republish(conflict.task, countdown, {LOCK_RETRIES_HEADER: spent + 1}, locked)
+        republish(conflict.task, countdown, {LOCK_RETRIES_HEADER: spent + 1}, conflict.refusal())
 
 
 #: The policies by ``lock_policy`` name.
@@ -221,9 +259,24 @@ def locked_out(conflict: Conflict) -> Any:
     for holder in conflict.holders or ((conflict.holder,) if conflict.holder else ()):
         if not conflict.direct and holder.task_id == request.id:
             _held_by_same_task(conflict, holder)
+    if conflict.rated:
+        return POLICIES[conflict.options.policy].apply(conflict)
     if conflict.options.scope == "coalesce" and not conflict.direct and not request.is_eager:
         _wait_as_follow_up(conflict)
     return POLICIES[conflict.options.policy].apply(conflict)
+
+
+def superseded(task: Task[Any, Any], key: str, latest: str) -> Skipped:
+    """A debounced send that a later send of its key superseded: it ends without its body."""
+    logger.info(
+        "Task %s[%s] skipped: a later send (%s) of lock %r superseded it (lock_debounce)",
+        task.name, task.request.id, latest, key,
+    )  # fmt: skip
+    lock_conflict.send(
+        sender=task, key=key, holder=latest, ttl=None, task_id=task.request.id,
+        action="superseded",
+    )  # fmt: skip
+    return Skipped(key, latest, reason="debounced")
 
 
 def _wait_as_follow_up(conflict: Conflict) -> None:

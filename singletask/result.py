@@ -33,14 +33,26 @@ class Skipped:
         ttl: Seconds that were left on the holder's lease, when known.
         holders: With ``lock_limit`` above 1, the task id of every holder (``holder`` is the
             first); empty for a singleton task.
+        reason: Why the body did not run: ``"held"`` (the lock is held: ``holder``, ``ttl``),
+            ``"rate"`` (the key started too recently for its ``lock_rate``: ``retry_after``)
+            or ``"debounced"`` (a later send of the key superseded this one: ``holder`` is
+            that send's task id).
+        retry_after: With ``reason == "rate"``, seconds until the key may start again.
     """
 
     key: str
     holder: str | None = None
     ttl: float | None = None
     holders: tuple[str | None, ...] = ()
+    reason: str = "held"
+    retry_after: float | None = None
 
     def __str__(self) -> str:
+        if self.reason == "rate":
+            left = f" (next start in {self.retry_after:.1f}s)" if self.retry_after else ""
+            return f"skipped: lock {self.key!r} started too recently for its lock_rate{left}"
+        if self.reason == "debounced":
+            return f"skipped: a later send ({self.holder}) of lock {self.key!r} superseded it"
         if self.holders:
             return f"skipped: lock {self.key!r} is held by its {len(self.holders)} holders"
         who = self.holder or "another execution"

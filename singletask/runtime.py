@@ -109,13 +109,13 @@ class AppState:
         return self._renewer
 
     @property
-    def store_limit(self) -> tuple[float, str, bool] | None:
+    def store_limit(self) -> tuple[float, str, frozenset[str]] | None:
         """The longest lease of this app's lock store, the store's name and whether it has
         holder slots, from its class (an override's, or the one the URL's scheme chooses);
         None while that is not known."""
         if self._override is not None:
             store = type(self._override)
-            return store.max_lease, store.__name__, store.supports_limit
+            return store.max_lease, store.__name__, features(store)
         return store_limit(self.settings)
 
     def first_release(self, task_id: str) -> bool:
@@ -130,17 +130,23 @@ class AppState:
             return True
 
 
-def store_limit(settings: Settings) -> tuple[float, str, bool] | None:
+def features(store: type[LockBackend]) -> frozenset[str]:
+    """The ``supports_*`` attributes of a store class that are true."""
+    names = ("supports_limit", "supports_rate", "supports_debounce")
+    return frozenset(name for name in names if getattr(store, name, False))
+
+
+def store_limit(settings: Settings) -> tuple[float, str, frozenset[str]] | None:
     """The longest lease the lock store of ``settings`` accepts (the ``max_lease`` of the class
-    its URL's scheme chooses), its scheme as ``"scheme://"`` and whether it has holder slots
-    (``supports_limit``); None when the URL is missing,
+    its URL's scheme chooses), its scheme as ``"scheme://"`` and the ``supports_*`` features
+    it has; None when the URL is missing,
     invalid or of a store that cannot be imported (each use of the store reports that)."""
     try:
         url = settings.backend_url
         store = backend_class(url)
     except (ConfigurationError, ImportError):  # a plug-in that cannot be imported, too
         return None
-    return store.max_lease, f"{url.split('://', 1)[0].lower()}://", store.supports_limit
+    return store.max_lease, f"{url.split('://', 1)[0].lower()}://", features(store)
 
 
 def check_lease_options(app: Celery, name: str, declared: TaskOptions) -> None:

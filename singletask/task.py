@@ -11,7 +11,8 @@ This class is the face of the library: each Celery hook it overrides hands the w
 module, so the whole lifecycle reads top to bottom here:
 
 * definition time: :class:`~singletask.options.TaskOptions` validates the ``lock_*`` attributes;
-* ``apply_async``: :mod:`singletask.enqueue` (send-time deduplication);
+* ``apply_async``: :mod:`singletask.enqueue` (send-time deduplication) and
+  :mod:`singletask.debounce` (``lock_debounce``);
 * ``__call__``: :mod:`singletask.lifecycle` (acquire, renew, release; the locked-out and
   unreachable-store cases in :mod:`singletask.policies`);
 * ``on_success`` / ``on_failure`` / ``after_return`` called by the worker's main process, and
@@ -27,7 +28,7 @@ import celery
 from celery import Task
 from celery.app.task import Context
 
-from . import enqueue, lifecycle, messages, policies, recovery
+from . import debounce, enqueue, lifecycle, messages, policies, recovery
 from .exceptions import TaskLocked
 from .options import TaskOptions
 from .runtime import app_state, check_lease_options, lock_options
@@ -86,6 +87,9 @@ class SingletonTask(_TaskBase):
     lock_on_backend_error: ClassVar[str | None] = None
     lock_backend_retry_max: ClassVar[int | None] = None
     lock_limit: ClassVar[int | None] = None
+    lock_rate: ClassVar[str | None] = None
+    lock_debounce: ClassVar[float | None] = None
+    lock_debounce_max: ClassVar[float | None] = None
 
     _singletask_options: ClassVar[TaskOptions]
 
@@ -156,7 +160,7 @@ class SingletonTask(_TaskBase):
         applies.
         """
 
-        def publish(task_id: str | None) -> AsyncResult[Any]:
+        def publish(task_id: str | None, send: Mapping[str, Any] = options) -> AsyncResult[Any]:
             return super(SingletonTask, self).apply_async(
                 tuple(args) if args is not None else None,
                 dict(kwargs) if kwargs is not None else None,
@@ -165,11 +169,17 @@ class SingletonTask(_TaskBase):
                 link,
                 link_error,
                 shadow,
-                **options,
+                **send,
             )
 
+        lock = lock_options(self)
+        if lock.debounce is not None:
+            return debounce.send(
+                self, lock, publish, task_id, args, kwargs,
+                linked=bool(link or link_error), send_options=options,
+            )  # fmt: skip
         return enqueue.send(
-            self, lock_options(self), publish, task_id, args, kwargs,
+            self, lock, publish, task_id, args, kwargs,
             linked=bool(link or link_error), send_options=options,
         )  # fmt: skip
 

@@ -1,0 +1,102 @@
+"""Debounce when a task is sent (``lock_debounce``, ``lock_debounce_max``).
+
+``SingletonTask.apply_async`` hands a debounced task's messages to :func:`send`. Each send
+becomes the latest of its key's *debounce window* in the lock store (one round trip,
+:meth:`~singletask.backends.base.LockBackend.debounce`) and is published with a countdown of
+``lock_debounce`` seconds: a later send of the key within that time supersedes it. When a
+message starts, only the window's latest send runs its body, which closes the window; every
+earlier one ends as a :class:`~singletask.Skipped` naming the send that superseded it (see
+:func:`singletask.lifecycle.execute`). With ``lock_debounce_max``, the countdown is shortened
+so that no send waits longer than that after the first send of its window, and a steady
+stream of sends still runs at least that often.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from celery.utils import uuid
+from celery.utils.time import maybe_iso8601
+
+from .exceptions import BackendError
+from .messages import seconds_until
+from .runtime import app_state
+
+if TYPE_CHECKING:
+    from celery import Task
+    from celery.result import AsyncResult
+
+    from .options import LockOptions
+
+__all__ = ["send", "wait"]
+
+logger = logging.getLogger("singletask")
+
+#: Send options of messages that are published as they are, never debounced: republished
+#: executions (retries), canvas parts, frozen signatures and the messages a worker sends.
+_PUBLISHED_AS_IS = ("retries", "chain", "parent_id", "reply_to", "replaced_task_nesting")
+
+
+def wait(options: LockOptions, age: float) -> float:
+    """Seconds a send waits for a later one: ``lock_debounce``, shortened so that the window
+    (``age`` seconds old) does not outlast ``lock_debounce_max``."""
+    assert options.debounce is not None
+    if options.debounce_max is None:
+        return options.debounce
+    return max(0.0, min(options.debounce, options.debounce_max - age))
+
+
+def send(
+    task: Task[Any, Any],
+    options: LockOptions,
+    publish: Callable[[str | None, Mapping[str, Any]], AsyncResult[Any]],
+    task_id: str | None,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    *,
+    linked: bool,
+    send_options: Mapping[str, Any],
+) -> AsyncResult[Any]:
+    """Publish a message of the debounced ``task`` with ``publish(task_id, send_options)``.
+
+    The message becomes its key's latest send and waits :func:`wait` seconds, on top of any
+    ``countdown`` or ``eta`` it was given. In eager mode, and for the messages of
+    ``_PUBLISHED_AS_IS`` and canvas parts, it is published as it is. If the lock store cannot be
+    reached the message is published at once, without debounce, and a WARNING says so.
+    """
+    if (
+        task.app.conf.task_always_eager
+        or linked
+        or any(name in send_options for name in _PUBLISHED_AS_IS)
+        or any(send_options.get(name) for name in ("chord", "group_id"))
+    ):
+        return publish(task_id, send_options)
+    task_id = task_id or uuid()
+    key = options.key(args or (), kwargs or {})
+    delay = 0.0
+    if send_options.get("countdown") is not None:
+        delay = max(0.0, float(send_options["countdown"]))
+    elif send_options.get("eta") is not None:
+        delay = seconds_until(maybe_iso8601(send_options["eta"]))
+    try:
+        backend = app_state(task.app).backend
+        # The window outlives its latest message's countdown by lock_queue_ttl, the time a
+        # queued message is given to start: an earlier send that starts late still finds it.
+        ttl = delay + float(options.debounce or 0) + options.queue_ttl
+        previous, age = backend.debounce(key, task_id, min(ttl, backend.max_lease))
+    except BackendError as exc:
+        logger.warning(
+            "Task %s[%s] sent without debounce: the lock store is unreachable (%s); it runs "
+            "when a worker starts it, under the execution-time lock",
+            task.name, task_id, exc,
+        )  # fmt: skip
+        return publish(task_id, send_options)
+    countdown = delay + wait(options, age)
+    logger.info(
+        "Task %s[%s] debounced on %r: starts in %.1fs unless a later send supersedes it%s",
+        task.name, task_id, key, countdown, f" (it supersedes {previous})" if previous else "",
+    )  # fmt: skip
+    published = {k: v for k, v in send_options.items() if k != "eta"}
+    return publish(task_id, {**published, "countdown": countdown})

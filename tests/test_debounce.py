@@ -1,0 +1,138 @@
+"""``lock_debounce`` / ``lock_debounce_max``: sends of one key collapse into one run (issue 24).
+
+The send side needs a broker (its countdown is the point): tests/e2e/test_debounce.py runs it on
+real workers. Here, in one process against the memory store, SQLite and the session's private
+Redis: what an execution does with the key's window (only its latest send runs, and closes the
+window), the countdown arithmetic, and what definition time refuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import celery
+import pytest
+
+from singletask import ConfigurationError, SingletonTask, Skipped
+from singletask.debounce import wait
+from singletask.runtime import lock_options
+
+
+@pytest.fixture(params=["memory", "redis", "sqlite"])
+def app(request: pytest.FixtureRequest, key_prefix: str, tmp_path: Any) -> Iterator[celery.Celery]:
+    if request.param == "memory":
+        url = "memory://"
+    elif request.param == "sqlite":
+        url = f"sqlite:///{tmp_path}/locks.db"
+    else:
+        url = request.getfixturevalue("redis_url")
+        request.getfixturevalue("redis_client")  # fails / skips when the server is missing
+    app = celery.Celery("debounce", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True, singletask_backend_url=url, singletask_key_prefix=key_prefix
+    )
+    yield app
+    app.close()
+
+
+def test_only_the_latest_send_of_a_window_runs_and_its_run_closes_the_window(
+    app: celery.Celery,
+) -> None:
+    ran: list[int] = []
+
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_debounce=5)
+    def rebuild(version: int) -> int:
+        ran.append(version)
+        return version
+
+    # Given a window whose sends were "send-1" then "send-2" (as apply_async records them)
+    backend, key = rebuild.lock_backend, rebuild.lock_key_for((1,))
+    backend.debounce(key, "send-1", 60)
+    backend.debounce(key, "send-2", 60)
+
+    # When the earlier message starts, then the latest
+    earlier = rebuild.apply((1,), task_id="send-1").get()
+    latest = rebuild.apply((2,), task_id="send-2").get()
+
+    # Then the earlier is skipped naming its successor; the latest runs and closes the window
+    assert isinstance(earlier, Skipped)
+    assert earlier.reason == "debounced"
+    assert earlier.holder == "send-2"
+    assert "superseded" in str(earlier)
+    assert latest == 2
+    assert ran == [2]
+    assert backend.debounce_take(key, "send-2") is None
+
+
+def test_a_message_of_a_key_without_a_window_runs_at_once(app: celery.Celery) -> None:
+    """What send_task() from a process without the task class sends: no window, no wait."""
+
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_debounce=5)
+    def rebuild() -> str:
+        return "ran"
+
+    assert rebuild.apply(task_id="by-name").get() == "ran"
+
+
+def test_eager_mode_runs_each_send_at_once(app: celery.Celery) -> None:
+    ran: list[int] = []
+
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_debounce=5)
+    def rebuild(version: int) -> None:
+        ran.append(version)
+
+    rebuild.delay(1)
+    rebuild.delay(2)
+    assert ran == [1, 2]
+
+
+def test_the_wait_is_the_window_bounded_by_debounce_max() -> None:
+    app = celery.Celery("debounce-wait", set_as_current=False)
+
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_debounce=2, lock_debounce_max=5)
+    def rebuild() -> None: ...
+
+    options = lock_options(rebuild)
+    assert wait(options, 0.0) == 2
+    assert wait(options, 4.0) == 1
+    assert wait(options, 9.0) == 0
+    app.close()
+
+
+# -- definition time ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("attributes", "named"),
+    [
+        ({"lock_debounce": 0}, "lock_debounce"),
+        ({"lock_debounce": -1}, "lock_debounce"),
+        ({"lock_debounce": 10**9}, "lock_debounce"),
+        ({"lock_debounce": "5"}, "lock_debounce"),
+        ({"lock_debounce_max": 5}, "lock_debounce_max"),
+        ({"lock_debounce": 5, "lock_debounce_max": 2}, "lock_debounce_max"),
+        ({"lock_debounce": 5, "lock_scope": "queue"}, "lock_scope"),
+        ({"lock_debounce": 5, "lock_scope": "coalesce"}, "lock_scope"),
+    ],
+)
+def test_bad_debounce_options_are_refused_naming_task_and_attribute(
+    attributes: dict[str, Any], named: str
+) -> None:
+    app = celery.Celery("debounce-bad", set_as_current=False)
+    with pytest.raises(ConfigurationError, match=rf"task 'debounce\.bad' attribute {named}"):
+
+        @app.task(base=SingletonTask, shared=False, lazy=False, name="debounce.bad", **attributes)
+        def bad() -> None: ...
+
+
+@pytest.mark.parametrize("url", ["memcached://127.0.0.1:1", "django://default"])
+def test_a_store_without_debounce_windows_refuses_debounce_at_definition(url: str) -> None:
+    pytest.importorskip("pymemcache" if url.startswith("memcached") else "django")
+    app = celery.Celery("debounce-store", set_as_current=False)
+    app.conf.update(singletask_backend_url=url)
+    scheme = url.split(":", 1)[0]
+    with pytest.raises(ConfigurationError, match=rf"lock_debounce: the {scheme}:// lock store"):
+
+        @app.task(base=SingletonTask, shared=False, lazy=False, name="debounce.m", lock_debounce=1)
+        def bad() -> None: ...
