@@ -6,6 +6,8 @@ Every operation is one ``BEGIN IMMEDIATE`` transaction, so writers are
 serialised by SQLite's file lock; the database runs in WAL mode with a busy timeout, so concurrent
 worker processes wait for each other instead of failing. Holder slots (``lock_limit``) are rows
 of their own, sharing their key's row in the fence table; one transaction takes a free one.
+Rate records (``lock_rate``) and debounce windows (``lock_debounce``) are rows of tables of their
+own (:mod:`._sqlite_windows`), read and written in the same kind of transaction.
 
 Limits: every process using the file must run on the same host (SQLite's locking does not work
 across machines, and is unreliable on network filesystems such as NFS or SMB, which this backend
@@ -26,6 +28,7 @@ from typing import Any
 
 from ..exceptions import BackendError, BackendTimeout, ConfigurationError
 from ..slots import base_key, slot_keys
+from . import _sqlite_windows as windows
 from ._sql import load_holder, stored_key
 from ._sqlite_files import (
     LIMITS,
@@ -60,6 +63,7 @@ _SCHEMA = (
         touched REAL NOT NULL
     )
     """,
+    *windows.SCHEMA,
 )
 
 #: How long a key's last fencing token and completion marker outlive its last use.
@@ -87,6 +91,8 @@ class SQLiteBackend(LockBackend):
     """
 
     supports_limit = True
+    supports_rate = True
+    supports_debounce = True
 
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 5.0) -> None:
         self.path = Path(path)
@@ -133,6 +139,7 @@ class SQLiteBackend(LockBackend):
                 "DELETE FROM singletask_fences WHERE touched < ? AND coalesce(next_until, 0) < ?",
                 (time.time() - FENCE_RETENTION, time.time()),
             )
+            windows.prune(conn, time.time())
             self._conn, self._pid = conn, os.getpid()
         return self._conn
 
@@ -199,8 +206,11 @@ class SQLiteBackend(LockBackend):
         *,
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
+        interval: float | None = None,
     ) -> AcquireResult:
         ttl = check_lease(ttl, "acquire")
+        if interval is not None:
+            interval = check_lease(interval, "acquire_slot interval")
         with self._transaction("acquire", key) as conn:
             now = time.time()
             slots = [(name, self._row(conn, name, now)) for name in slot_keys(key, limit)]
@@ -211,6 +221,10 @@ class SQLiteBackend(LockBackend):
             ):
                 for name, row in slots:
                     if wanted(row):
+                        if interval is not None and (row is None or row[0] != token):
+                            wait = windows.start(conn, key, interval, now)  # a start
+                            if wait is not None:
+                                return AcquireResult(False, retry_after=wait)
                         return self._take(conn, name, row, token, ttl, meta, now)
             holders = tuple(_brief(row, now) for _, row in slots if row is not None)
             return AcquireResult(False, holders[0], holders=holders)
@@ -247,6 +261,15 @@ class SQLiteBackend(LockBackend):
             (name, token, now + ttl, json.dumps(dict(meta or {})), fence),
         )
         return AcquireResult(True, fence=fence, completed=last[1] if last else None, key=name)
+
+    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float]:
+        ttl = check_lease(ttl, "debounce")
+        with self._transaction("debounce", key) as conn:
+            return windows.debounce(conn, key, task_id, ttl, time.time())
+
+    def debounce_take(self, key: str, task_id: str) -> str | None:
+        with self._transaction("debounce_take", key) as conn:
+            return windows.debounce_take(conn, key, task_id, time.time())
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         with self._transaction("release", key) as conn:

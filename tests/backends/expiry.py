@@ -75,7 +75,8 @@ def _memory(
 def _sqlite(
     backend: LockBackend, request: pytest.FixtureRequest, match: str
 ) -> dict[str, float | None]:
-    """Rows of both tables, read over a connection of the test's own."""
+    """Rows of every table (locks, fences, rates, debounce windows), read over a connection of
+    the test's own."""
     assert isinstance(backend, SQLiteBackend)
     now = time.time()
     pattern = f"%{match}%"
@@ -100,6 +101,17 @@ def _sqlite(
                 until = max(touched + SQLITE_FENCE_RETENTION, next_until or 0.0)
                 if until > now:
                     found[f"fence {key}"] = until - now
+        # Rate records expire when the next start is allowed, debounce windows at ``until``
+        for kind, table, column in (
+            ("rate", "singletask_rates", "allowed"),
+            ("debounce", "singletask_debounce", "until"),
+        ):
+            if table in tables:
+                for key, deadline in conn.execute(
+                    f"SELECT key, {column} FROM {table} WHERE key LIKE ?", (pattern,)
+                ):
+                    if deadline is None or deadline > now:
+                        found[f"{kind} {key}"] = None if deadline is None else deadline - now
         return found
     finally:
         conn.close()

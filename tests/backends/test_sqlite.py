@@ -183,3 +183,82 @@ def test_a_lock_key_of_thousands_of_characters_is_an_ordinary_lock(tmp_path: Pat
     with pytest.raises(LockKeyError):
         backend.acquire("bad\ud800key", "t", 30)
     backend.close()
+
+
+def test_a_database_of_an_older_version_gains_rate_and_debounce_tables(tmp_path: Path) -> None:
+    """A file made before rate records and debounce windows (only the lock and fence tables,
+    with a lock held) serves them on first use, and keeps its lock."""
+    path = tmp_path / "locks.db"
+    old = SQLiteBackend(path)
+    assert old.acquire("held", "t0", 30).acquired
+    old.close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP TABLE singletask_rates")
+        conn.execute("DROP TABLE singletask_debounce")
+    conn.close()
+
+    backend = SQLiteBackend(path)
+    assert backend.acquire_slot("k", 1, "t1", 30, interval=30).acquired
+    assert backend.debounce("k", "send-1", 30) == (None, 0.0)
+    holder = backend.holder("held")
+    assert holder is not None
+    assert holder.token == "t0"
+    backend.close()
+
+
+def test_rate_records_and_debounce_windows_are_never_listed_as_locks(tmp_path: Path) -> None:
+    backend = SQLiteBackend(tmp_path / "locks.db")
+    assert backend.acquire_slot("app.rated", 2, "t1", 30, interval=30).acquired
+    assert backend.release("app.rated", "t1")
+    backend.debounce("app.debounced", "send-1", 30)
+    assert backend.acquire("app.plain", "t2", 30).acquired
+
+    assert [key for key, _ in backend.iter_locks("")] == ["app.plain"]
+    assert [key for key, _ in backend.iter_locks("app.", page_size=1)] == ["app.plain"]
+    backend.close()
+
+
+def test_records_that_ran_out_are_deleted_when_a_process_opens_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "locks.db"
+    backend = SQLiteBackend(path)
+    assert backend.acquire_slot("short", 1, "t1", 30, interval=0.05).acquired
+    backend.debounce("short", "send-1", 0.05)
+    assert backend.acquire_slot("long", 1, "t2", 30, interval=30).acquired
+    backend.debounce("long", "send-2", 30)
+    backend.close()
+    time.sleep(0.1)
+
+    SQLiteBackend(path).holder("any")  # opens the file: prunes
+    with sqlite3.connect(path) as conn:
+        rates = [k for (k,) in conn.execute("SELECT key FROM singletask_rates")]
+        windows = [k for (k,) in conn.execute("SELECT key FROM singletask_debounce")]
+    conn.close()
+    assert rates == ["long"]
+    assert windows == ["long"]
+
+
+def _start_rated(path: str, worker: int, results: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    """In a separate process: try to start a rated key of 4 slots 50 times."""
+    backend = SQLiteBackend(path)
+    starts = [
+        backend.acquire_slot("rated", 4, f"w{worker}-{n}", 30, interval=60).acquired
+        for n in range(50)
+    ]
+    results.put(sum(starts))
+
+
+def test_processes_sharing_the_file_start_a_rated_key_once_per_interval(tmp_path: Path) -> None:
+    path = str(tmp_path / "locks.db")
+    SQLiteBackend(path).acquire("warm-up", "t", 1)  # create the database before the race
+    results: multiprocessing.Queue = multiprocessing.Queue()  # type: ignore[type-arg]
+    workers = [
+        multiprocessing.Process(target=_start_rated, args=(path, i, results)) for i in range(4)
+    ]
+    for process in workers:
+        process.start()
+    for process in workers:
+        process.join(60)
+    outcomes = [results.get(timeout=5) for _ in workers]
+
+    assert all(process.exitcode == 0 for process in workers)
+    assert sum(outcomes) == 1

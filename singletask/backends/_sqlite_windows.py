@@ -1,0 +1,104 @@
+"""Rate records (``lock_rate``) and debounce windows (``lock_debounce``) of the SQLite lock store.
+
+Private to :mod:`singletask.backends.sqlite`: each function runs inside the caller's
+``BEGIN IMMEDIATE`` transaction, with ``now`` read from the store's clock (``time.time()``) in
+that transaction. Both live in tables of their own, created next to the lock and fence tables
+(``CREATE TABLE IF NOT EXISTS``, so a database of an older version gains them on first use),
+and never listed as locks. Every row carries its own deadline, after which it counts as gone;
+rows past it are deleted when a process opens the database and every
+:data:`PRUNE_EVERY` writes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sqlite3
+
+__all__ = ["SCHEMA", "debounce", "debounce_take", "prune", "start"]
+
+SCHEMA = (
+    # Per key: the earliest time (time.time()) of its next start; the row expires then.
+    """
+    CREATE TABLE IF NOT EXISTS singletask_rates (
+        key TEXT PRIMARY KEY,
+        allowed REAL NOT NULL
+    )
+    """,
+    # Per key: its open debounce window, the latest send and when the window opened; the row
+    # expires at ``until``.
+    """
+    CREATE TABLE IF NOT EXISTS singletask_debounce (
+        key TEXT PRIMARY KEY,
+        latest TEXT NOT NULL,
+        opened REAL NOT NULL,
+        until REAL NOT NULL
+    )
+    """,
+)
+
+#: Rows that ran out are deleted once every this many writes of this process (and whenever a
+#: process opens the database), so that keys used once do not stay for ever.
+PRUNE_EVERY = 1024
+
+_writes = itertools.count(1)
+
+
+def prune(conn: sqlite3.Connection, now: float) -> None:
+    """Delete the rate records and debounce windows that ran out."""
+    conn.execute("DELETE FROM singletask_rates WHERE allowed <= ?", (now,))
+    conn.execute("DELETE FROM singletask_debounce WHERE until <= ?", (now,))
+
+
+def _wrote(conn: sqlite3.Connection, now: float) -> None:
+    if next(_writes) % PRUNE_EVERY == 0:
+        prune(conn, now)
+
+
+def start(conn: sqlite3.Connection, key: str, interval: float, now: float) -> float | None:
+    """Record a start of ``key`` if ``interval`` has passed since its last one: its next start
+    is allowed ``interval`` seconds from ``now``. Returns None when it did, else the seconds
+    until a start is allowed (nothing is written)."""
+    row = conn.execute("SELECT allowed FROM singletask_rates WHERE key = ?", (key,)).fetchone()
+    if row is not None and row[0] > now:
+        return float(row[0]) - now
+    conn.execute(
+        "INSERT OR REPLACE INTO singletask_rates (key, allowed) VALUES (?, ?)",
+        (key, now + interval),
+    )
+    _wrote(conn, now)
+    return None
+
+
+def debounce(
+    conn: sqlite3.Connection, key: str, task_id: str, ttl: float, now: float
+) -> tuple[str | None, float]:
+    """Make ``task_id`` the latest send of the window of ``key`` (opening one if none is open,
+    or the last one ran out), lasting ``ttl`` seconds from ``now``. Returns the previous latest
+    send (None: this call opened the window) and the window's age."""
+    row = conn.execute(
+        "SELECT latest, opened, until FROM singletask_debounce WHERE key = ?", (key,)
+    ).fetchone()
+    latest: str | None = None
+    opened = now
+    if row is not None and row[2] > now:  # a window is open
+        latest, opened = str(row[0]), float(row[1])
+    conn.execute(
+        "INSERT OR REPLACE INTO singletask_debounce (key, latest, opened, until) "
+        "VALUES (?, ?, ?, ?)",
+        (key, task_id, opened, now + ttl),
+    )
+    _wrote(conn, now)
+    return latest, max(0.0, now - opened)  # the wall clock may step back
+
+
+def debounce_take(conn: sqlite3.Connection, key: str, task_id: str, now: float) -> str | None:
+    """Close the open window of ``key`` if ``task_id`` is its latest send; return the latest
+    send (None when no window is open)."""
+    row = conn.execute(
+        "SELECT latest, until FROM singletask_debounce WHERE key = ?", (key,)
+    ).fetchone()
+    if row is None:
+        return None
+    if row[1] <= now or row[0] == task_id:
+        conn.execute("DELETE FROM singletask_debounce WHERE key = ?", (key,))
+    return str(row[0]) if row[1] > now else None
