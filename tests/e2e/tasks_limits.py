@@ -33,16 +33,51 @@ def export(self: SingletonTask, label: str, hold: bool = False) -> dict[str, Any
     return {"key": self.lock.key, "fence": self.lock.fence}
 
 
+def call_partner(self: SingletonTask, label: str) -> str:
+    """A call to a partner with a quota: its starts are what the rate bounds."""
+    with probe().running(label, self.request.id):
+        pass
+    return str(self.request.id)
+
+
+def rebuild(self: SingletonTask, label: str, version: int) -> int:
+    """A rebuild that only the latest of a burst of sends should run."""
+    with probe().running(label, self.request.id, version=version):
+        pass
+    return version
+
+
+#: The tasks of this module, each with the store feature it needs, and its options.
+TASKS: list[tuple[Any, str, dict[str, Any]]] = [
+    (export, "supports_limit", {"lock_limit": 2, "lock_args": ("label",)}),
+    (
+        call_partner, "supports_rate",
+        {"lock_rate": "5/s", "lock_args": ("label",), "lock_policy": "retry",
+         "lock_retry_max": 200, "name": PREFIX + "call_partner_retry"},
+    ),
+    (
+        call_partner, "supports_rate",
+        {"lock_rate": "1/m", "lock_args": ("label",), "name": PREFIX + "call_partner_skip"},
+    ),
+    (rebuild, "supports_debounce", {"lock_debounce": 1.0, "lock_args": ("label",)}),
+    (
+        rebuild, "supports_debounce",
+        {"lock_debounce": 1.0, "lock_debounce_max": 2.0, "lock_args": ("label",),
+         "name": PREFIX + "rebuild_bounded"},
+    ),
+]  # fmt: skip
+
+
 @connect_on_app_finalize
 def _register(app: Celery) -> None:
-    """Like ``shared_task``, but only on apps whose lock store keeps holder slots: on the
-    others (memcached) binding the task is refused, which would stop their workers."""
+    """Like ``shared_task``, but only on apps whose lock store has what each task needs: on
+    the others (memcached) binding the task is refused, which would stop their workers."""
     url = app.conf.get("singletask_backend_url")
-    if url and backend_class(url).supports_limit:
-        app.task(
-            base=SingletonTask, name=PREFIX + "export", bind=True, lock_limit=2,
-            lock_args=("label",), lock_ttl=TTL,
-        )(export)  # fmt: skip
+    store = backend_class(url) if url else None
+    for body, feature, options in TASKS:
+        if store is not None and getattr(store, feature):
+            name = options.get("name", PREFIX + body.__name__)
+            app.task(base=SingletonTask, bind=True, lock_ttl=TTL, **{**options, "name": name})(body)
 
 
 for _app in _get_active_apps():  # apps finalized before this module was imported (a worker's)

@@ -1,0 +1,102 @@
+"""``lock_rate`` and ``lock_debounce`` on a real prefork worker (its two pool processes).
+
+Timing here is only checked against generous bounds of the properties themselves (no window of
+one period holds more starts than the rate; a debounced burst runs once, after its last send).
+The rate a fleet actually reaches is measured in bench/, not asserted here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from singletask import Skipped
+
+from .conftest import Cluster
+from .tasks_limits import PREFIX
+
+pytestmark = pytest.mark.e2e
+
+#: A generous bound for what should happen "soon".
+BOUND = 30.0
+#: Seconds the probe's start times may lag the store's start of a lease (the body records its
+#: start after the acquire's reply, in another process).
+SLACK = 0.1
+
+
+@pytest.fixture
+def label(cluster: Cluster) -> str:
+    return cluster.label()
+
+
+def test_a_rate_of_five_a_second_is_never_exceeded_and_every_call_runs(
+    cluster: Cluster, label: str
+) -> None:
+    # Given a task limited to 5 starts a second per label, retrying when over the rate
+    task = cluster.task(PREFIX + "call_partner_retry")
+
+    # When 15 calls are sent at once to both pool processes
+    results = [task.delay(label) for _ in range(15)]
+    ids = [r.get(timeout=BOUND) for r in results]
+
+    # Then every call ran, once, and no second held more than 5 starts
+    starts = sorted(s["t"] for s in cluster.probe.starts(label))
+    assert sorted(ids) == sorted(r.id for r in results)
+    assert len(starts) == 15
+    for first, sixth in zip(starts, starts[5:], strict=False):
+        assert sixth - first >= 1.0 - SLACK, starts
+
+
+def test_over_the_rate_skip_returns_a_skipped_saying_it_was_the_rate(
+    cluster: Cluster, label: str
+) -> None:
+    task = cluster.task(PREFIX + "call_partner_skip")
+    values = [task.delay(label) for _ in range(4)]
+    outcomes = [v.get(timeout=BOUND) for v in values]
+    ran = [o for o in outcomes if not isinstance(o, Skipped)]
+    skipped = [o for o in outcomes if isinstance(o, Skipped)]
+    assert len(ran) == 1
+    assert len(skipped) == 3
+    assert {s.reason for s in skipped} == {"rate"}
+    assert all(s.retry_after is not None and 0 < s.retry_after <= 60 for s in skipped)
+
+
+def test_a_burst_of_sends_runs_once_with_the_last_arguments_after_the_last_send(
+    cluster: Cluster, label: str
+) -> None:
+    # Given a task debounced by 1 s per label
+    task = cluster.task(PREFIX + "rebuild")
+
+    # When five sends come within a fraction of a second
+    sends = []
+    for version in range(1, 6):
+        sends.append(task.delay(label, version))
+    last_sent = time.time()
+    outcomes = [s.get(timeout=BOUND) for s in sends]
+
+    # Then only the last one ran, at least a second after it was sent, and the earlier four
+    # were skipped, each naming the send that superseded it
+    assert outcomes[-1] == 5
+    assert [s["version"] for s in cluster.probe.starts(label)] == [5]
+    assert cluster.probe.starts(label)[0]["t"] >= last_sent + 1.0 - SLACK
+    for skipped in outcomes[:-1]:
+        assert isinstance(skipped, Skipped), skipped
+        assert skipped.reason == "debounced"
+        assert skipped.holder == sends[-1].id
+
+
+def test_a_steady_stream_still_runs_within_debounce_max(cluster: Cluster, label: str) -> None:
+    """Sends every 0.3 s for 4.5 s, debounced by 1 s but at most 2 s: the stream is never
+    quiet for 1 s, yet the key runs every 2 s or so, and the last send runs at the end."""
+    task = cluster.task(PREFIX + "rebuild_bounded")
+    sends = []
+    for version in range(15):
+        sends.append(task.delay(label, version))
+        time.sleep(0.3)
+    outcomes = [s.get(timeout=BOUND) for s in sends]
+    versions = [s["version"] for s in cluster.probe.starts(label)]
+    assert outcomes[-1] == 14
+    assert versions[-1] == 14
+    assert 3 <= len(versions) <= 6, versions
+    assert all(isinstance(o, Skipped) for o in outcomes if not isinstance(o, int))
