@@ -11,7 +11,10 @@
     (seconds left on the holder's lease or None), ``task_id`` (of the locked-out execution),
     ``action``: the policy's ``"skip"``, ``"retry"`` or ``"raise"``; or, when the holder has the
     same task id, ``"defer"`` (another delivery of this message holds it: check again later)
-    or ``"drop"`` (a newer attempt of the task holds it: this copy is stale).
+    or ``"drop"`` (a newer attempt of the task holds it: this copy is stale). A start refused by
+    the task's ``lock_rate`` is sent too, with ``holder`` None and the policy's action; a
+    debounced send that a later one superseded is sent with ``action`` ``"superseded"`` and
+    that send's task id as ``holder``.
 
 ``lock_lost``
     Sent in the process executing the task when its lock is found lost while the body runs (a
