@@ -46,7 +46,7 @@ from .redis_rates import (
     slot_request,
     window_key,
 )
-from .redis_slots import listed, scan_patterns, slot_result
+from .redis_slots import scan_locks, slot_result
 from .redis_wire import (
     _ACQUIRE,
     _CLAIM_NEXT,
@@ -417,42 +417,10 @@ class RedisBackend(LockBackend):
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """SCAN MATCH ``prefix*`` then ``{prefix*`` (holder slots), COUNT ``page_size``; each
-        page of keys read in one pipeline."""
-        page_size = max(1, page_size)
+        page of keys read in one pipeline (see :func:`~.redis_slots.scan_locks`)."""
         client = self.client
-        for index, pattern in enumerate(scan_patterns(prefix)):
-            page: list[bytes | str] = []
-            with self._translate("list", prefix):
-                for raw in client.scan_iter(match=pattern, count=page_size):
-                    if listed(_text(raw), prefix, index):
-                        page.append(raw)
-                    if len(page) >= page_size:
-                        yield from self._read_page(client, page)
-                        page = []
-                if page:
-                    yield from self._read_page(client, page)
-
-    def _read_page(
-        self, client: redis.Redis, keys: list[bytes | str]
-    ) -> Iterator[tuple[str, Holder]]:
-        """The locks among ``keys`` (released records, companion hashes and foreign keys are
-        left out)."""
-        # MULTI/EXEC keeps each key's fields and lease consistent; a cluster pipeline splits the
-        # page by node instead.
-        transaction = not isinstance(client, RedisCluster)
-        with client.pipeline(transaction=transaction) as pipe:
-            for key in keys:
-                pipe.hgetall(key)
-                pipe.pttl(key)
-            replies = pipe.execute(raise_on_error=False)
-        for index, key in enumerate(keys):
-            fields, pttl = replies[2 * index], replies[2 * index + 1]
-            if isinstance(fields, Exception) or isinstance(pttl, Exception):
-                continue  # not a hash: not one of ours
-            name = _text(key)
-            found = _holder(name, fields, pttl)
-            if found is not None:
-                yield name, found
+        with self._translate("list", prefix):
+            yield from scan_locks(client, prefix, max(1, page_size))
 
     def release_held_by(self, key: str, task_id: str) -> Holder | None:
         args = (task_id, *self._keep)

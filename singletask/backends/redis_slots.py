@@ -12,19 +12,23 @@ where a slot's release records it (:data:`~singletask.backends.redis_scripts.REL
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import redis
+from redis.cluster import RedisCluster
+
 from ..slots import base_key, slot_index
-from .base import AcquireResult
+from .base import AcquireResult, Holder
 from .redis_scripts import _ACQUIRE_FUNCTION, _CHECK_MS
-from .redis_wire import _conflict_holder, _glob_escape, _Script, _text
+from .redis_wire import _conflict_holder, _glob_escape, _holder, _Script, _text
 
 __all__ = [
     "ACQUIRE_SLOT_KEEPING_SCRIPT",
     "ACQUIRE_SLOT_SCRIPT",
     "COMPANION_ENDS",
     "listed",
+    "scan_locks",
     "scan_patterns",
     "slot_result",
 ]
@@ -156,3 +160,40 @@ def listed(name: str, prefix: str, pattern: int) -> bool:
     if name.endswith(COMPANION_ENDS) or not base_key(name).startswith(prefix):
         return False
     return pattern == 0 or (slot_index(name) > 0 and not name.startswith(prefix))
+
+
+def scan_locks(client: redis.Redis, prefix: str, page_size: int) -> Iterator[tuple[str, Holder]]:
+    """The locks under ``prefix`` on ``client`` (one server): SCAN MATCH each of
+    :func:`scan_patterns` COUNT ``page_size``, each page of listed keys read in one pipeline.
+    Raises redis-py's errors."""
+    for index, pattern in enumerate(scan_patterns(prefix)):
+        page: list[bytes | str] = []
+        for raw in client.scan_iter(match=pattern, count=page_size):
+            if listed(_text(raw), prefix, index):
+                page.append(raw)
+            if len(page) >= page_size:
+                yield from _read_page(client, page)
+                page = []
+        if page:
+            yield from _read_page(client, page)
+
+
+def _read_page(client: redis.Redis, keys: list[bytes | str]) -> Iterator[tuple[str, Holder]]:
+    """The locks among ``keys`` (released records, companion records and foreign keys are left
+    out)."""
+    # MULTI/EXEC keeps each key's fields and lease consistent; a cluster pipeline splits the page
+    # by node instead.
+    transaction = not isinstance(client, RedisCluster)
+    with client.pipeline(transaction=transaction) as pipe:
+        for key in keys:
+            pipe.hgetall(key)
+            pipe.pttl(key)
+        replies = pipe.execute(raise_on_error=False)
+    for index, key in enumerate(keys):
+        fields, pttl = replies[2 * index], replies[2 * index + 1]
+        if isinstance(fields, Exception) or isinstance(pttl, Exception):
+            continue  # not a hash: not one of ours
+        name = _text(key)
+        found = _holder(name, fields, pttl)
+        if found is not None:
+            yield name, found
