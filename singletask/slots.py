@@ -13,12 +13,17 @@ A key singletask builds never holds ``{`` or ``}`` after the app's key prefix
 (:mod:`singletask.keys`), so no built key is another key's slot. Every store keeps one fence
 record per *key*: a slot's fencing tokens, completion marker and follow-up are those of
 :func:`base_key` of its store key, so fences grow across all the slots of a key.
+
+A store that keeps other per-key records beside the lock (the Redis stores: the rate record of
+``lock_rate``, the debounce window of ``lock_debounce``, the follow-up claim) names them the same
+way, with :func:`companion_key`.
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "MAX_LIMIT", "SLOT_MARK", "base_key", "slot_index", "slot_key", "slot_keys", "split_slot",
+    "MAX_LIMIT", "SLOT_MARK", "base_key", "companion_key", "slot_index", "slot_key", "slot_keys",
+    "split_slot",
 ]  # fmt: skip
 
 #: What a slot key has between its key (and the closing brace) and its index.
@@ -28,13 +33,20 @@ SLOT_MARK = "}:slot:"
 MAX_LIMIT = 1000
 
 
+def companion_key(key: str, name: str) -> str:
+    """The store key of ``key``'s companion record ``name``: ``{<key>}:<name>``, or
+    ``<key>}:<name>`` for a key with a ``}`` (it hashes to the key's Redis Cluster slot when the
+    key has a hash tag or no ``}`` at all)."""
+    return f"{key}}}:{name}" if "}" in key else f"{{{key}}}:{name}"
+
+
 def slot_key(key: str, index: int) -> str:
     """The store key of holder slot ``index`` of ``key`` (slot 0 is ``key`` itself)."""
     if index == 0:
         return key
     if index < 0:
         raise ValueError(f"a slot index is at least 0, got {index}")
-    return f"{key}{SLOT_MARK}{index}" if "}" in key else f"{{{key}{SLOT_MARK}{index}"
+    return companion_key(key, f"slot:{index}")
 
 
 def slot_keys(key: str, limit: int) -> list[str]:

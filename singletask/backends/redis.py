@@ -31,12 +31,22 @@ from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
-from ..exceptions import BackendError, ConfigurationError, LockKeyError
-from ..slots import MAX_LIMIT, base_key, slot_keys
+from ..exceptions import BackendError, ConfigurationError
+from ..slots import base_key
 from ..urls import mask_url, parse_redis_url
 from .base import AcquireResult, Holder, LockBackend
 from .redis_options import connection_options, retentions
-from .redis_slots import _ACQUIRE_SLOT, listed, scan_patterns, slot_result
+from .redis_rates import (
+    _DEBOUNCE,
+    _DEBOUNCE_TAKE,
+    check_key,
+    debounce_args,
+    debounce_result,
+    fence_key,
+    slot_request,
+    window_key,
+)
+from .redis_slots import scan_locks, slot_result
 from .redis_wire import (
     _ACQUIRE,
     _CLAIM_NEXT,
@@ -81,38 +91,13 @@ CLIENT_DEFAULTS: dict[str, Any] = {
 }
 
 
-def fence_key(key: str) -> str:
-    """The key of ``key``'s companion hash, which holds a coalescing task's pending follow-up
-    claim: ``{<key>}:fence``, or ``<key>}:fence`` when ``key`` has a ``}`` already.
-
-    The name is out of reach of every lock key: it has a ``}`` after the key's prefix, which a
-    lock key built by singletask never has there (the task name and the key's suffix are
-    escaped, :mod:`singletask.keys`), so a ``lock_key`` whose text ends in ``:fence`` cannot
-    name another lock's companion. It is in the lock key's Redis Cluster slot whenever the key
-    has a hash tag or no ``}`` at all (``{<key>}`` then is the tag; a tag already in the key
-    stays the first one). A key with a ``}`` but no hash tag has its companion in another slot,
-    which does no harm: no script uses the two keys together.
-
-    Earlier versions named the companion of a key with a ``}`` ``<key>:fence``, which a lock key
-    under a hash-tagged prefix could be as well (see docs/store-redis.rst, "Data layout");
-    0.1.0 named this hash the fence hash and kept fences and completion markers in it.
-    """
-    if "}" in key:
-        return f"{key}}}:fence"
-    return f"{{{key}}}:fence"
-
-
-#: How every companion hash name ends (see :func:`fence_key`). A key built by singletask never
-#: ends so (a ``}`` in its text is escaped); a raw key that does is refused as a lock key, since it
-#: may be another lock's companion.
-_COMPANION_END = "}:fence"
-
-
 class RedisBackend(LockBackend):
     """Locks in Redis (or Valkey, or anything speaking its protocol with Lua scripting).
 
     Holder slots (``lock_limit``) are lock keys of their own (see
-    :mod:`~singletask.backends.redis_slots`).
+    :mod:`~singletask.backends.redis_slots`); rate records (``lock_rate``) and debounce windows
+    (``lock_debounce``) are companion records of the key (see
+    :mod:`~singletask.backends.redis_rates`).
 
     Args:
         client: A ready client (``redis.Redis``, ``valkey.Valkey``, a cluster client, ...).
@@ -127,6 +112,8 @@ class RedisBackend(LockBackend):
     """
 
     supports_limit = True
+    supports_rate = True
+    supports_debounce = True
 
     def __init__(
         self,
@@ -348,28 +335,31 @@ class RedisBackend(LockBackend):
         *,
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
+        interval: float | None = None,
     ) -> AcquireResult:
         self._check_key(key, "acquire")
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-            raise ConfigurationError(
-                f"acquire {key!r}: a lock limit is 1 to {MAX_LIMIT}, got {limit!r}"
-            )
-        keys = slot_keys(key, limit)
+        request = slot_request(key, limit, token, ttl, meta, takeover_prefix, interval)
+        script, keys, args = request
         self._check_slots(keys)
-        since, fields = encode_meta(key, token, meta or {})
-        args: list[str | int] = [token, _ms(ttl, "acquire"), takeover_prefix or "", since, *fields]
-        return slot_result(keys, self._call("acquire", _ACQUIRE_SLOT, keys, args))
+        return slot_result(keys[:limit], self._call("acquire", script, keys, args))
+
+    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float]:
+        self._check_key(key, "debounce")
+        args = debounce_args(task_id, ttl)
+        return debounce_result(self._call("debounce", _DEBOUNCE, (window_key(key),), args))
+
+    def debounce_take(self, key: str, task_id: str) -> str | None:
+        self._check_key(key, "debounce")
+        latest = self._call("debounce", _DEBOUNCE_TAKE, (window_key(key),), (task_id,))
+        return _text(latest) if latest else None
 
     def _check_key(self, key: str, operation: str) -> None:
-        """Refuse a raw key that may be another lock's companion hash."""
-        if key.endswith(_COMPANION_END):
-            raise LockKeyError(
-                f"{self!r}: {operation} {key!r}: a lock key ending in {_COMPANION_END!r} may name "
-                "another lock's companion hash; singletask never builds one (it escapes '}')"
-            )
+        """Refuse a raw key that may be another lock's companion record."""
+        check_key(repr(self), key, operation)
 
     def _check_slots(self, keys: Sequence[str]) -> None:
-        """Refuse slot keys one script cannot take together (the Cluster's check)."""
+        """Refuse the keys of a slot acquisition (slots, rate record) one script cannot take
+        together (the Cluster's check)."""
 
     def _release_keys(self, key: str) -> tuple[str, ...]:
         """The keys of a release of ``key``: a holder slot's base key too, for its marker."""
@@ -427,42 +417,10 @@ class RedisBackend(LockBackend):
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """SCAN MATCH ``prefix*`` then ``{prefix*`` (holder slots), COUNT ``page_size``; each
-        page of keys read in one pipeline."""
-        page_size = max(1, page_size)
+        page of keys read in one pipeline (see :func:`~.redis_slots.scan_locks`)."""
         client = self.client
-        for index, pattern in enumerate(scan_patterns(prefix)):
-            page: list[bytes | str] = []
-            with self._translate("list", prefix):
-                for raw in client.scan_iter(match=pattern, count=page_size):
-                    if listed(_text(raw), prefix, index):
-                        page.append(raw)
-                    if len(page) >= page_size:
-                        yield from self._read_page(client, page)
-                        page = []
-                if page:
-                    yield from self._read_page(client, page)
-
-    def _read_page(
-        self, client: redis.Redis, keys: list[bytes | str]
-    ) -> Iterator[tuple[str, Holder]]:
-        """The locks among ``keys`` (released records, companion hashes and foreign keys are
-        left out)."""
-        # MULTI/EXEC keeps each key's fields and lease consistent; a cluster pipeline splits the
-        # page by node instead.
-        transaction = not isinstance(client, RedisCluster)
-        with client.pipeline(transaction=transaction) as pipe:
-            for key in keys:
-                pipe.hgetall(key)
-                pipe.pttl(key)
-            replies = pipe.execute(raise_on_error=False)
-        for index, key in enumerate(keys):
-            fields, pttl = replies[2 * index], replies[2 * index + 1]
-            if isinstance(fields, Exception) or isinstance(pttl, Exception):
-                continue  # not a hash: not one of ours
-            name = _text(key)
-            found = _holder(name, fields, pttl)
-            if found is not None:
-                yield name, found
+        with self._translate("list", prefix):
+            yield from scan_locks(client, prefix, max(1, page_size))
 
     def release_held_by(self, key: str, task_id: str) -> Holder | None:
         args = (task_id, *self._keep)

@@ -16,9 +16,10 @@ Both take the TLS (``ssl_cert_reqs``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_
 ``ssl_check_hostname``) and socket options in the URL query or the transport options, and the
 opt-in replica wait (``wait_replicas``, ``wait_timeout``: see :class:`ReplicaWait`).
 
-Acquire, release and renewal touch the lock key alone, and the coalesce follow-up claim its
-companion hash, which hashes to the lock key's slot (see
-:func:`~singletask.backends.redis.fence_key`), so every script touches one slot.
+Acquire, release and renewal touch the lock key alone, and the coalesce follow-up claim and
+debounce window their companion record, which hashes to the lock key's slot (see
+:mod:`~singletask.backends.redis_rates`), so every script touches one slot; a holder-slot
+acquisition touches the key's slots (and its rate record, with ``lock_rate``), which share it.
 Redirections and failovers are the cluster client's to follow; what it cannot follow surfaces
 as :class:`~singletask.exceptions.BackendUnavailable`.
 """
@@ -56,6 +57,7 @@ from .redis_options import (
     url_db,
     url_query,
 )
+from .redis_rates import _ACQUIRE_SLOT_RATED, _ACQUIRE_SLOT_RATED_KEEPING
 from .redis_slots import _ACQUIRE_SLOT, _ACQUIRE_SLOT_KEEPING, listed, scan_patterns
 from .redis_wire import (
     _ACQUIRE,
@@ -70,7 +72,11 @@ from .redis_wire import (
 __all__ = ["RedisClusterBackend", "RedisSentinelBackend"]
 
 #: The acquire scripts the replica wait runs instead (they also return what the key was before).
-_KEEPING = {_ACQUIRE: _ACQUIRE_KEEPING, _ACQUIRE_SLOT: _ACQUIRE_SLOT_KEEPING}
+_KEEPING = {
+    _ACQUIRE: _ACQUIRE_KEEPING,
+    _ACQUIRE_SLOT: _ACQUIRE_SLOT_KEEPING,
+    _ACQUIRE_SLOT_RATED: _ACQUIRE_SLOT_RATED_KEEPING,
+}
 
 #: Options a URL's query string may carry (the transport options may carry them too).
 QUERY_OPTIONS = frozenset({*TLS_OPTIONS, *SOCKET_OPTIONS})
@@ -192,8 +198,9 @@ class _Deployed(RedisBackend):
         # that fails too, the acquisition ends with its lease. The caller's store-error policy
         # then decides.
         # The keeping scripts add what the key was before last; a slot's reply names the slot.
+        # A rated acquisition's start stays spent: only the slot is put back.
         fence, before = reply[1], reply[-1]
-        taken = keys[int(reply[3])] if script is _ACQUIRE_SLOT else keys[0]
+        taken = keys[int(reply[3])] if script is not _ACQUIRE else keys[0]
         try:
             undone = super()._call("acquire", _RESTORE, (taken,), (args[0], fence, *before))
             outcome = "the key was put back as it was" if undone else "the key has changed since"
@@ -417,11 +424,12 @@ class RedisClusterBackend(_Deployed):
         raise redis.exceptions.ClusterError(f"more than {MAX_REDIRECTS} redirections")
 
     def _check_slots(self, keys: Sequence[str]) -> None:
-        """Refuse the slots of a key with a ``}`` but no hash tag: they hash to other slots."""
+        """Refuse the slots (and rate record) of a key with a ``}`` but no hash tag: they hash
+        to other slots."""
         if len({self.cluster.keyslot(key) for key in keys}) > 1:
             raise LockKeyError(
-                f"{self!r}: acquire {keys[0]!r}: the holder slots of a key with a '}}' but no "
-                "hash tag are in other cluster slots; give the key prefix a hash tag"
+                f"{self!r}: acquire {keys[0]!r}: the holder slots and rate record of a key with "
+                "a '}' but no hash tag are in other cluster slots; give the key prefix a hash tag"
             )
 
     def _release_keys(self, key: str) -> tuple[str, ...]:

@@ -12,27 +12,35 @@ where a slot's release records it (:data:`~singletask.backends.redis_scripts.REL
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import redis
+from redis.cluster import RedisCluster
+
 from ..slots import base_key, slot_index
-from .base import AcquireResult
+from .base import AcquireResult, Holder
 from .redis_scripts import _ACQUIRE_FUNCTION, _CHECK_MS
-from .redis_wire import _conflict_holder, _glob_escape, _Script, _text
+from .redis_wire import _conflict_holder, _glob_escape, _holder, _Script, _text
 
 __all__ = [
     "ACQUIRE_SLOT_KEEPING_SCRIPT",
     "ACQUIRE_SLOT_SCRIPT",
+    "COMPANION_ENDS",
     "listed",
+    "scan_locks",
     "scan_patterns",
     "slot_result",
 ]
 
-# Lua: acquire_slot(keeping) is ACQUIRE_SLOT_SCRIPT's body (take() is ACQUIRE_SCRIPT's: the
-# chosen slot is given exactly as acquire() gives a key). With keeping, a successful reply gets
-# what the slot was before as a fifth element (as ACQUIRE_KEEPING_SCRIPT's fourth).
+# Lua: acquire_slot(keeping, start) is ACQUIRE_SLOT_SCRIPT's body (take() is ACQUIRE_SCRIPT's:
+# the chosen slot is given exactly as acquire() gives a key). With keeping, a successful reply
+# gets what the slot was before as a fifth element (as ACQUIRE_KEEPING_SCRIPT's fourth). With
+# start (the rated scripts of redis_rates), a slot about to be taken by a new token is a start:
+# start() records it and returns false, or returns the ms until one is allowed, and the reply is
+# {2, those ms} (nothing written).
 _ACQUIRE_SLOT_FUNCTION = """
-local function acquire_slot(keeping)
+local function acquire_slot(keeping, start)
 local lease = ms(ARGV[2])
 local recs, top, chosen = {}, false, nil
 for i = 1, #KEYS do
@@ -65,6 +73,10 @@ if not chosen then
   return out
 end
 local key, rec = KEYS[chosen], recs[chosen]
+if start and rec[1] ~= ARGV[1] then
+  local wait = start()
+  if wait then return {2, wait} end
+end
 local before
 if keeping then
   local fields, pttl, now = redis.call('HGETALL', key), redis.call('PTTL', key), redis.call('TIME')
@@ -113,7 +125,10 @@ _ACQUIRE_SLOT_KEEPING = _Script(ACQUIRE_SLOT_KEEPING_SCRIPT)
 
 
 def slot_result(keys: Sequence[str], reply: Sequence[Any]) -> AcquireResult:
-    """The AcquireResult of an ACQUIRE_SLOT_SCRIPT ``reply`` over the slot ``keys``."""
+    """The AcquireResult of an ACQUIRE_SLOT_SCRIPT (or rated: redis_rates) ``reply`` over the
+    slot ``keys``."""
+    if reply[0] == 2:  # a start within the interval: refused by the rate record
+        return AcquireResult(False, retry_after=int(reply[1]) / 1000)
     if reply[0] == 1:
         fence, completed, index = reply[1:4]
         return AcquireResult(
@@ -126,6 +141,10 @@ def slot_result(keys: Sequence[str], reply: Sequence[Any]) -> AcquireResult:
     return AcquireResult(False, holders[0], holders=holders)
 
 
+#: How the name of every companion record of a lock key ends (see :mod:`.redis_rates`).
+COMPANION_ENDS = ("}:fence", "}:rate", "}:debounce")
+
+
 def scan_patterns(prefix: str) -> tuple[str, str]:
     """The SCAN MATCH patterns of the locks under ``prefix``: the keys that start with it (a
     key with ``}`` has its slots among them), and the slots ``{<key>}:slot:<i>`` of the others.
@@ -136,7 +155,45 @@ def scan_patterns(prefix: str) -> tuple[str, str]:
 
 def listed(name: str, prefix: str, pattern: int) -> bool:
     """Whether ``name``, found by ``scan_patterns(prefix)[pattern]``, is to be listed: a key
-    under ``prefix`` or a slot of one, found by the first pattern that matches it."""
-    if not base_key(name).startswith(prefix):
+    under ``prefix`` or a slot of one, found by the first pattern that matches it, and no
+    companion record (a name ending in one of :data:`COMPANION_ENDS`)."""
+    if name.endswith(COMPANION_ENDS) or not base_key(name).startswith(prefix):
         return False
     return pattern == 0 or (slot_index(name) > 0 and not name.startswith(prefix))
+
+
+def scan_locks(client: redis.Redis, prefix: str, page_size: int) -> Iterator[tuple[str, Holder]]:
+    """The locks under ``prefix`` on ``client`` (one server): SCAN MATCH each of
+    :func:`scan_patterns` COUNT ``page_size``, each page of listed keys read in one pipeline.
+    Raises redis-py's errors."""
+    for index, pattern in enumerate(scan_patterns(prefix)):
+        page: list[bytes | str] = []
+        for raw in client.scan_iter(match=pattern, count=page_size):
+            if listed(_text(raw), prefix, index):
+                page.append(raw)
+            if len(page) >= page_size:
+                yield from _read_page(client, page)
+                page = []
+        if page:
+            yield from _read_page(client, page)
+
+
+def _read_page(client: redis.Redis, keys: list[bytes | str]) -> Iterator[tuple[str, Holder]]:
+    """The locks among ``keys`` (released records, companion records and foreign keys are left
+    out)."""
+    # MULTI/EXEC keeps each key's fields and lease consistent; a cluster pipeline splits the page
+    # by node instead.
+    transaction = not isinstance(client, RedisCluster)
+    with client.pipeline(transaction=transaction) as pipe:
+        for key in keys:
+            pipe.hgetall(key)
+            pipe.pttl(key)
+        replies = pipe.execute(raise_on_error=False)
+    for index, key in enumerate(keys):
+        fields, pttl = replies[2 * index], replies[2 * index + 1]
+        if isinstance(fields, Exception) or isinstance(pttl, Exception):
+            continue  # not a hash: not one of ours
+        name = _text(key)
+        found = _holder(name, fields, pttl)
+        if found is not None:
+            yield name, found

@@ -8,12 +8,19 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
 
-from singletask import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
+from singletask import (
+    BackendError,
+    BackendTimeout,
+    BackendUnavailable,
+    ConfigurationError,
+    LockKeyError,
+)
 from singletask.backends import backend_class, backend_from_url, known_schemes
 from singletask.backends.memory import MemoryBackend
 from singletask.backends.redis import RedisBackend, fence_key
@@ -421,6 +428,79 @@ def test_a_slot_acquisition_costs_one_round_trip(
         assert after - before - 1 == 1
     assert calls[0].key == slot_key(key, 3)
     assert [h.token for h in calls[1].holders] == ["token-0", "token-1", "token-2"]
+
+
+def test_a_rated_slot_acquisition_and_a_debounce_cost_one_round_trip_each(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key: str
+) -> None:
+    """acquire_slot with an interval checks and records the rate in the script that takes the
+    slot: one request, whether it starts, is refused by the rate, or re-acquires its own slot;
+    debounce and debounce_take are one request each."""
+    # Given a backend that has already connected and cached its scripts
+    assert redis_backend.acquire_slot(f"{key}:warm", 2, "token-0", LEASE, interval=60).acquired
+    redis_backend.debounce(f"{key}:warm", "send-0", LEASE)
+    redis_backend.debounce_take(f"{key}:warm", "send-0")
+    calls: list[Callable[[], Any]] = [
+        lambda: redis_backend.acquire_slot(key, 2, "token-1", LEASE, interval=60),
+        lambda: redis_backend.acquire_slot(key, 2, "token-2", LEASE, interval=60),
+        lambda: redis_backend.acquire_slot(key, 2, "token-1", LEASE, interval=60),
+        lambda: redis_backend.debounce(key, "send-1", LEASE),
+        lambda: redis_backend.debounce_take(key, "send-1"),
+    ]
+    outcomes: list[Any] = []
+    for call in calls:
+        before = redis_client.info("stats")["total_reads_processed"]
+        outcomes.append(call())
+        after = redis_client.info("stats")["total_reads_processed"]
+        # Then the server read one request (and the INFO that reads the count)
+        assert after - before - 1 == 1
+    started, refused, again, opened, taken = outcomes
+    assert started.acquired
+    assert again.acquired
+    assert again.fence == started.fence
+    assert not refused.acquired
+    assert refused.retry_after is not None
+    assert opened == (None, 0.0)
+    assert taken == "send-1"
+
+
+def test_a_rate_record_and_a_debounce_window_are_companions_of_the_key(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The rate record is a string of the server time (ms) of the next allowed start, expiring
+    then; the window a hash {l: latest, o: opened ms} kept for the debounce's ttl. Both hash to
+    the key's cluster slot and are never listed as locks."""
+    from redis.crc import key_slot
+
+    key = f"{key_prefix}{{tenant}}:sync"  # a tagged key: its companions are under the prefix
+    rate, window = f"{key}}}:rate", f"{key}}}:debounce"
+    # When the key starts with a rate, and a send opens its window
+    server_ms = int(redis_client.time()[0]) * 1000
+    assert redis_backend.acquire_slot(key, 1, "token-a", LEASE, interval=20).acquired
+    assert redis_backend.debounce(key, "send-1", 40) == (None, 0.0)
+
+    # Then each is a key of its own, with an expiry, in the key's cluster slot
+    allowed = int(redis_client.get(rate) or 0)
+    assert server_ms + 19_000 < allowed <= server_ms + 22_000
+    assert 19_000 < redis_client.pttl(rate) <= 20_000
+    fields = redis_client.hgetall(window)
+    assert fields[b"l"] == b"send-1"
+    assert abs(int(fields[b"o"]) - allowed + 20_000) < 2_000
+    assert 39_000 < redis_client.pttl(window) <= 40_000
+    assert {key_slot(k.encode()) for k in (rate, window)} == {key_slot(key.encode())}
+    # And only the lock is listed under the prefix
+    assert [name for name, _ in redis_backend.iter_locks(key_prefix)] == [key]
+
+
+@pytest.mark.parametrize("end", ["}:rate", "}:debounce"])
+def test_a_raw_key_naming_a_companion_record_is_refused(
+    redis_backend: RedisBackend, key: str, end: str
+) -> None:
+    """As one ending in '}:fence': such a key may be another lock's companion record."""
+    with pytest.raises(LockKeyError, match="companion"):
+        redis_backend.acquire(f"{key}{end}", "token-a", LEASE)
+    with pytest.raises(LockKeyError, match="companion"):
+        redis_backend.acquire_slot(f"{key}{end}", 2, "token-a", LEASE, interval=1)
 
 
 def test_a_slots_completion_marker_lands_on_its_key(

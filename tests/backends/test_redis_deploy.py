@@ -29,7 +29,7 @@ from singletask.exceptions import (
     ConfigurationError,
     LockKeyError,
 )
-from singletask.slots import slot_key, slot_keys
+from singletask.slots import companion_key, slot_key, slot_keys
 from singletask.tokens import reservation_token
 
 from ..deployments import (
@@ -286,6 +286,14 @@ def test_every_holder_slot_of_a_key_is_in_the_keys_slot(
         assert backend.acquire_slot(key, 3, "u", LEASE).completed == "t2:0"
         with pytest.raises(LockKeyError, match="hash tag"):
             backend.acquire_slot("untagged}:x", 2, "t", LEASE)
+        # nor can a rate record (in one script with the slots), even of a single slot
+        with pytest.raises(LockKeyError, match="hash tag"):
+            backend.acquire_slot("untagged}:x", 1, "t", LEASE, interval=1)
+        rated = backend.acquire_slot(f"{key}:rated", 2, "t", LEASE, interval=60)
+        assert rated.acquired
+        rate = companion_key(f"{key}:rated", "rate")
+        assert client.exists(rate)
+        assert client.keyslot(rate) == client.keyslot(f"{key}:rated")
     client.close()
 
 
