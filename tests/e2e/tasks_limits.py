@@ -57,7 +57,8 @@ TASKS: list[tuple[Any, str, dict[str, Any]]] = [
     ),
     (
         call_partner, "supports_rate",
-        {"lock_rate": "1/m", "lock_args": ("label",), "name": PREFIX + "call_partner_skip"},
+        {"lock_rate": "1/m", "lock_limit": 5, "lock_args": ("label",),
+         "name": PREFIX + "call_partner_skip"},
     ),
     (rebuild, "supports_debounce", {"lock_debounce": 1.0, "lock_args": ("label",)}),
     (
