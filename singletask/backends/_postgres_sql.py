@@ -12,10 +12,11 @@ import os
 import re
 import socket
 from typing import Any
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
 
-from ..exceptions import BackendError, BackendTimeout, BackendUnavailable
+from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
 
 #: Created on first use. ``key`` sorts bytewise (COLLATE "C") so prefix scans use its index.
 SCHEMA = """
@@ -351,3 +352,39 @@ def shut(conn: psycopg.Connection[Any]) -> None:
 def scrub(text: str) -> str:
     """A libpq parse error without the tokens it quotes (one may be the password)."""
     return re.sub(r'"[^"]*"', '"***"', text)
+
+
+def own_url_options(url: str) -> tuple[str, int | None, bool]:
+    """Take the options that are psycopg's or singletask's, no libpq parameters, out of the
+    query of ``url``: returns the URL without them, ``prepare_threshold`` (5 unless given) and
+    ``transaction_pooling``. A raw ``@`` in the user info is encoded: the user info ends at the
+    last ``@`` (as for every other store's URL); libpq would end it at the first, and put the
+    rest of a password with a raw ``@`` in its host name.
+
+    Raises:
+        ConfigurationError: An option's value is invalid.
+    """
+    parts = urlsplit(url)
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    if "@" in userinfo:
+        parts = parts._replace(netloc=userinfo.replace("@", "%40") + at + hostport)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    given = [value for name, value in query if name == "prepare_threshold"]
+    pooling = [value for name, value in query if name == "transaction_pooling"]
+    own_names = ("prepare_threshold", "transaction_pooling")
+    rest_query = urlencode([q for q in query if q[0] not in own_names], quote_via=quote)
+    flag = pooling[-1].lower() if pooling else "0"
+    if flag not in FLAGS:
+        raise ConfigurationError(
+            f"URL option transaction_pooling={pooling[-1]!r}: expected 1 or 0 (true/false)"
+        )
+    threshold: int | None = 5
+    if given and given[-1].lower() == "none":
+        threshold = None
+    elif given and given[-1].isdigit():
+        threshold = int(given[-1])
+    elif given:
+        raise ConfigurationError(
+            f"URL option prepare_threshold={given[-1]!r}: expected a number or 'none'"
+        )
+    return urlunsplit(parts._replace(query=rest_query)), threshold, FLAGS[flag]

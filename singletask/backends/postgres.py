@@ -40,7 +40,6 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
 from psycopg import sql
@@ -155,36 +154,10 @@ class PostgresBackend(_sql.SQLBackend):
                 "postgresql://user:password@host:5432/dbname"
             )
         plain, own = _sql.split_url(f"postgresql://{rest}", options)
-        # psycopg's prepare_threshold is no libpq parameter: take it out of the query.
-        parts = urlsplit(plain)
-        # The user info ends at the last '@' (as for every other store's URL); libpq would end
-        # it at the first, and put the rest of a password with a raw '@' in its host name.
-        userinfo, at, hostport = parts.netloc.rpartition("@")
-        if "@" in userinfo:
-            parts = parts._replace(netloc=userinfo.replace("@", "%40") + at + hostport)
-        query = parse_qsl(parts.query, keep_blank_values=True)
-        given = [value for name, value in query if name == "prepare_threshold"]
-        pooling = [value for name, value in query if name == "transaction_pooling"]
-        own_names = ("prepare_threshold", "transaction_pooling")
-        rest_query = urlencode([q for q in query if q[0] not in own_names], quote_via=quote)
-        flag = pooling[-1].lower() if pooling else "0"
-        if flag not in Q.FLAGS:
-            raise ConfigurationError(
-                f"URL option transaction_pooling={pooling[-1]!r}: expected 1 or 0 (true/false)"
-            )
-        threshold: int | None = 5
-        if given and given[-1].lower() == "none":
-            threshold = None
-        elif given and given[-1].isdigit():
-            threshold = int(given[-1])
-        elif given:
-            raise ConfigurationError(
-                f"URL option prepare_threshold={given[-1]!r}: expected a number or 'none'"
-            )
+        conninfo, threshold, pooling = Q.own_url_options(plain)
         return cls(
-            urlunsplit(parts._replace(query=rest_query)), table=own.table,
-            pool_size=own.pool_size, timeout=own.timeout, prepare_threshold=threshold,
-            transaction_pooling=Q.FLAGS[flag],
+            conninfo, table=own.table, pool_size=own.pool_size, timeout=own.timeout,
+            prepare_threshold=threshold, transaction_pooling=pooling,
         )  # fmt: skip
 
     def __repr__(self) -> str:
