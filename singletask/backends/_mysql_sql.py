@@ -19,14 +19,27 @@ CREATE TABLE IF NOT EXISTS {table} (
     expires_at DATETIME(6) NOT NULL,
     full_key MEDIUMBLOB NULL,
     slot_fence BIGINT NULL,
+    rate_next DATETIME(6) NULL,
+    debounce_latest VARBINARY(255) NULL,
+    debounce_opened DATETIME(6) NULL,
+    debounce_until DATETIME(6) NULL,
     INDEX {index} (expires_at)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"""
 
-# A table made before full_key existed gains it (instant on MariaDB 10.3+ and MySQL 8.0.12+).
-ADD_FULL_KEY = "ALTER TABLE {table} ADD COLUMN full_key MEDIUMBLOB NULL"
-ADD_SLOT_FENCE = "ALTER TABLE {table} ADD COLUMN slot_fence BIGINT NULL"
-#: The columns an older version's table may lack, and the statement that adds each.
-ADDED_COLUMNS = {"full_key": "add_full_key", "slot_fence": "add_slot_fence"}
+#: The columns an older version's table may lack, and their types: a table made before one
+#: existed gains it (instant on MariaDB 10.3+ and MySQL 8.0.12+), with ADD_COLUMN.
+ADDED_COLUMNS = {
+    "full_key": "MEDIUMBLOB NULL", "slot_fence": "BIGINT NULL", "rate_next": "DATETIME(6) NULL",
+    "debounce_latest": "VARBINARY(255) NULL", "debounce_opened": "DATETIME(6) NULL",
+    "debounce_until": "DATETIME(6) NULL",
+}  # fmt: skip
+ADD_COLUMN = "ALTER TABLE {table} ADD COLUMN {column} {kind}"
+#: The table's columns among ``key`` and ADDED_COLUMNS (none: there is no table yet).
+FIND_COLUMNS = (
+    "SELECT column_name FROM information_schema.columns "
+    "WHERE table_schema = COALESCE(%s, DATABASE()) AND table_name = %s "
+    f"AND column_name IN ('key', {', '.join(repr(name) for name in ADDED_COLUMNS)})"
+)
 
 #: Lock keys longer than this many bytes are stored in a fixed-size form (see
 #: ``_sql.stored_key``), which fits the VARBINARY(1024) primary key.
@@ -129,9 +142,12 @@ SLOT = "SELECT CAST(%(k{n})s AS BINARY) AS k, %(f{n})s AS f, {n} AS ord"
 # every acquisition of the key's slots and keeps the key's fence counter (greatest of fence and
 # slot_fence); then the slots' rows that exist. Only then is the clock read, and the slot chosen:
 # the caller's own live one, else a live holder with the takeover prefix, else the first free or
-# expired one. The chosen row is inserted if missing and taken as ACQUIRE takes a key; the key's
-# row records the fence. The final SELECT returns the live holders of the slots by ordinal,
-# with the key's marker: the caller took a slot iff its token is among them.
+# expired one. A choice other than the caller's own slot is a start: with an interval
+# (``rate_us``) it is dropped while the key's ``rate_next`` is ahead (``@st_wait``: the
+# microseconds left). The chosen row is inserted if missing and taken as ACQUIRE takes a key;
+# the key's row records the fence and a start's ``rate_next``. The final SELECT returns the live
+# holders of the slots by ordinal, with the key's marker (the caller took a slot iff its token
+# is among them), and a row of ordinal 0 with ``@st_wait`` when the rate refused a start.
 ACQUIRE_SLOT = f"""
 START TRANSACTION;
 INSERT INTO {{table}} (`key`, full_key, lease_expires, fence, expires_at)
@@ -147,8 +163,11 @@ SELECT c.k, c.f, CASE WHEN l.token IS NULL OR l.lease_expires <= @st_now THEN 2
     INTO @st_pick, @st_full, @st_rank
 FROM ({{{{slots}}}}) AS c LEFT JOIN {{table}} AS l ON l.`key` = c.k
 HAVING st_rank < 3 ORDER BY st_rank, c.ord LIMIT 1;
-SELECT GREATEST(fence, COALESCE(slot_fence, 0)) INTO @st_last
+SELECT GREATEST(fence, COALESCE(slot_fence, 0)), rate_next INTO @st_last, @st_rate
 FROM {{table}} WHERE `key` = %(base)s;
+SET @st_wait = IF(@st_rank > 0 AND %(rate_us)s IS NOT NULL AND @st_rate > @st_now,
+    TIMESTAMPDIFF(MICROSECOND, @st_now, @st_rate), NULL);
+SET @st_pick = IF(@st_wait IS NULL, @st_pick, NULL);
 INSERT INTO {{table}} (`key`, full_key, lease_expires, fence, expires_at)
 SELECT @st_pick, @st_full, @st_now, 0, @st_now FROM DUAL WHERE @st_pick IS NOT NULL
 ON DUPLICATE KEY UPDATE `key` = `key`;
@@ -163,13 +182,18 @@ UPDATE {{table}} SET
 WHERE `key` = @st_pick;
 SELECT fence INTO @st_fence FROM {{table}} WHERE `key` = @st_pick;
 UPDATE {{table}} SET slot_fence = GREATEST(COALESCE(slot_fence, 0), @st_fence),
-    expires_at = GREATEST(expires_at, @st_now + INTERVAL %(row_us)s MICROSECOND)
+    rate_next = IF(@st_rank > 0 AND %(rate_us)s IS NOT NULL,
+        @st_now + INTERVAL %(rate_us)s MICROSECOND, rate_next),
+    expires_at = GREATEST(expires_at, @st_now + INTERVAL %(row_us)s MICROSECOND,
+        @st_now + INTERVAL COALESCE(%(rate_us)s, 0) MICROSECOND)
 WHERE `key` = %(base)s AND @st_pick IS NOT NULL;
 SELECT c.ord, l.token, l.meta, l.fence, TIMESTAMPDIFF(MICROSECOND, @st_now, l.lease_expires),
     b.done
 FROM ({{{{slots}}}}) AS c JOIN {{table}} AS l ON l.`key` = c.k
 JOIN {{table}} AS b ON b.`key` = %(base)s
-WHERE l.token IS NOT NULL AND l.lease_expires > @st_now ORDER BY c.ord;
+WHERE l.token IS NOT NULL AND l.lease_expires > @st_now
+UNION ALL SELECT 0, NULL, NULL, NULL, @st_wait, NULL FROM DUAL WHERE @st_wait IS NOT NULL
+ORDER BY 1;
 COMMIT"""
 
 # Release of a holder slot: the key's row is locked first (as a slot acquisition locks it),
@@ -183,6 +207,31 @@ SET @st_released = ROW_COUNT();
 UPDATE {{table}} SET done = COALESCE(%(done)s, done) WHERE `key` = %(base)s AND @st_released > 0;
 SELECT @st_released;
 COMMIT"""
+
+# Debounce windows, on the key's own row: locked first (inserted free if missing), then, with
+# the clock read after the lock, the open window's latest send and age are read (NULL and 0
+# when none is open: ``debounce_until`` not later than now), and the window is given the new
+# latest send, opened now unless it was open (assigned before debounce_until changes).
+DEBOUNCE = f"""{LOCK_ROW}
+SELECT IF(debounce_until > @st_now, debounce_latest, NULL),
+    IF(debounce_until > @st_now, TIMESTAMPDIFF(MICROSECOND, debounce_opened, @st_now), 0)
+FROM {{table}} WHERE `key` = %(key)s;
+UPDATE {{table}} SET
+    debounce_opened = IF(debounce_until > @st_now, debounce_opened, @st_now),
+    debounce_latest = %(task_id)s,
+    debounce_until = @st_now + INTERVAL %(ttl_us)s MICROSECOND,
+    expires_at = GREATEST(expires_at, @st_now + INTERVAL %(ttl_us)s MICROSECOND)
+WHERE `key` = %(key)s;
+COMMIT"""
+
+# Close the open window if the caller's send is its latest (the UPDATE's WHERE decides, on the
+# row locked); else read its latest send (a later one, or NULL when no window is open).
+DEBOUNCE_TAKE = """
+UPDATE {table} SET debounce_latest = NULL, debounce_opened = NULL, debounce_until = NULL
+WHERE `key` = %(key)s AND debounce_latest = %(task_id)s AND debounce_until > UTC_TIMESTAMP(6);
+SET @st_taken = ROW_COUNT();
+SELECT IF(@st_taken > 0, CAST(%(task_id)s AS BINARY), (SELECT debounce_latest FROM {table}
+    WHERE `key` = %(key)s AND debounce_until > UTC_TIMESTAMP(6)))"""
 
 RECLAIM = """
 DELETE FROM {table} WHERE expires_at < UTC_TIMESTAMP(6) ORDER BY expires_at LIMIT %(limit)s"""

@@ -12,10 +12,11 @@ import os
 import re
 import socket
 from typing import Any
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
 
-from ..exceptions import BackendError, BackendTimeout, BackendUnavailable
+from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
 
 #: Created on first use. ``key`` sorts bytewise (COLLATE "C") so prefix scans use its index.
 SCHEMA = """
@@ -31,16 +32,27 @@ CREATE TABLE IF NOT EXISTS {table} (
     next_expires timestamptz,
     expires_at timestamptz NOT NULL,
     full_key text,
-    slot_fence bigint
+    slot_fence bigint,
+    rate_next timestamptz,
+    debounce_latest text,
+    debounce_opened timestamptz,
+    debounce_until timestamptz
 )"""
 INDEX = "CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at)"
-# A table made before full_key existed gains it (a nullable column: no rewrite, no long lock).
-ADD_FULL_KEY = "ALTER TABLE {table} ADD COLUMN IF NOT EXISTS full_key text"
-ADD_SLOT_FENCE = "ALTER TABLE {table} ADD COLUMN IF NOT EXISTS slot_fence bigint"
+#: The columns later versions added, with their types: a table made by an older version gains
+#: them (nullable columns: no rewrite, no long lock).
+ADDED_COLUMNS = {
+    "full_key": "text", "slot_fence": "bigint", "rate_next": "timestamptz",
+    "debounce_latest": "text", "debounce_opened": "timestamptz", "debounce_until": "timestamptz",
+}  # fmt: skip
+ADD_COLUMNS = "ALTER TABLE {table} " + ", ".join(
+    f"ADD COLUMN IF NOT EXISTS {name} {kind}" for name, kind in ADDED_COLUMNS.items()
+)
 #: Whether the table exists, with every column this version adds to an older table.
 FIND_TABLE = (
-    "SELECT to_regclass(%(t)s) IS NOT NULL, (SELECT count(*) = 2 FROM pg_attribute WHERE "
-    "attrelid = to_regclass(%(t)s) AND attname IN ('full_key', 'slot_fence') AND NOT attisdropped)"
+    f"SELECT to_regclass(%(t)s) IS NOT NULL, (SELECT count(*) = {len(ADDED_COLUMNS)} "
+    "FROM pg_attribute WHERE attrelid = to_regclass(%(t)s) AND NOT attisdropped "
+    f"AND attname IN ({', '.join(repr(name) for name in ADDED_COLUMNS)}))"
 )
 
 #: Lock keys longer than this many UTF-8 bytes are stored in a fixed-size form (see
@@ -185,13 +197,17 @@ SLOT_LOCK_ROWS = """
 SELECT key FROM {table} WHERE key = ANY(%(keys)s::text[]) ORDER BY key FOR UPDATE"""
 
 # Then, with the clock read after those locks: rank each slot (0: the caller's own live one,
-# 1: a live holder with the takeover prefix, 2: free or expired, 3: held), take the first of
-# the best rank below 3 as ACQUIRE takes a key, and return its ordinal (1 for the first slot)
-# with its holder, fence and the key's marker; or, when every slot is held, every holder.
+# 1: a live holder with the takeover prefix, 2: free or expired, 3: held) and pick the first of
+# the best rank below 3 (p). A pick of rank 1 or 2 is a start: with an interval it is taken
+# (q) only when the key's ``rate_next`` has passed, and it sets ``rate_next`` to now + interval.
+# The pick is taken as ACQUIRE takes a key; the key's row (the pick itself for slot 0) records
+# the fence, the rate and outlives both. Returns the ordinal taken (1 for the first slot) with
+# its holder, fence and the key's marker; or, when every slot is held, every holder; or, when
+# the rate refused a start, one row of ordinal 0 with the seconds until one is allowed.
 SLOT_TAKE = """
 WITH n AS (SELECT c.now, (extract(epoch FROM c.now) * 1000000)::bigint AS us
     FROM (SELECT clock_timestamp() AS now) AS c),
-b AS (SELECT greatest(fence, coalesce(slot_fence, 0)) AS fence, done
+b AS (SELECT greatest(fence, coalesce(slot_fence, 0)) AS fence, done, rate_next
     FROM {table} WHERE key = %(base)s),
 c AS (SELECT s.ord, s.key, s.full_key, l.token, l.meta, l.fence, l.lease_expires,
         CASE WHEN l.token IS NULL OR l.lease_expires <= n.now THEN 2
@@ -202,41 +218,50 @@ c AS (SELECT s.ord, s.key, s.full_key, l.token, l.meta, l.fence, l.lease_expires
         AS s(key, full_key, ord)
     LEFT JOIN {table} AS l ON l.key = s.key),
 p AS (SELECT * FROM c WHERE rank < 3 ORDER BY rank, ord LIMIT 1),
-taken AS (
+q AS (SELECT p.ord, p.key, p.full_key, p.key = %(base)s AS own,
+        CASE WHEN p.rank = 0 THEN p.fence
+            ELSE greatest(b.fence + 1, coalesce(p.fence, 0) + 1, n.us) END AS fence,
+        CASE WHEN p.rank > 0 THEN n.now + %(interval)s::float8 * interval '1 second' END AS rate
+    FROM p, b, n WHERE p.rank = 0 OR %(interval)s::float8 IS NULL OR b.rate_next IS NULL
+        OR b.rate_next <= n.now),
+slot AS (
     INSERT INTO {table} AS l
         (key, full_key, token, task_id, meta, lease_expires, fence, expires_at)
-    SELECT p.key, p.full_key, %(token)s, %(task_id)s, %(meta)s,
-        n.now + %(ttl)s * interval '1 second',
-        CASE WHEN p.rank = 0 THEN p.fence
-            ELSE greatest(b.fence + 1, coalesce(p.fence, 0) + 1, n.us) END,
+    SELECT q.key, q.full_key, %(token)s, %(task_id)s, %(meta)s,
+        n.now + %(ttl)s * interval '1 second', q.fence,
         n.now + (%(ttl)s + %(keep)s) * interval '1 second'
-    FROM p, n, b
+    FROM q, n WHERE NOT q.own
     ON CONFLICT (key) DO UPDATE SET (token, task_id, meta, lease_expires, fence, expires_at,
         full_key) = (EXCLUDED.token, EXCLUDED.task_id, EXCLUDED.meta, EXCLUDED.lease_expires,
-        EXCLUDED.fence, greatest(l.expires_at, EXCLUDED.expires_at), EXCLUDED.full_key)
-    RETURNING fence)
-SELECT p.ord, %(token)s::text, %(meta)s::text, taken.fence, %(ttl)s::float8, b.done
-FROM p, taken, b
+        EXCLUDED.fence, greatest(l.expires_at, EXCLUDED.expires_at), EXCLUDED.full_key)),
+k AS (
+    UPDATE {table} AS l SET
+        (token, task_id, meta, lease_expires, fence) = (SELECT
+            CASE WHEN q.own THEN %(token)s ELSE l.token END,
+            CASE WHEN q.own THEN %(task_id)s ELSE l.task_id END,
+            CASE WHEN q.own THEN %(meta)s ELSE l.meta END,
+            CASE WHEN q.own THEN n.now + %(ttl)s * interval '1 second' ELSE l.lease_expires END,
+            CASE WHEN q.own THEN q.fence ELSE l.fence END),
+        slot_fence = greatest(coalesce(l.slot_fence, 0), q.fence),
+        rate_next = coalesce(q.rate, l.rate_next),
+        expires_at = greatest(l.expires_at, q.rate,
+            n.now + (%(ttl)s + %(keep)s) * interval '1 second')
+    FROM q, n WHERE l.key = %(base)s)
+SELECT q.ord, %(token)s::text, %(meta)s::text, q.fence, %(ttl)s::float8, b.done
+FROM q, b
 UNION ALL
 SELECT c.ord, c.token, c.meta, c.fence, extract(epoch FROM c.lease_expires - n.now)::float8,
     NULL FROM c, n WHERE c.rank = 3 AND NOT EXISTS (SELECT FROM p)
+UNION ALL
+SELECT 0, NULL, NULL, NULL, extract(epoch FROM b.rate_next - n.now)::float8, NULL
+FROM p, b, n WHERE NOT EXISTS (SELECT FROM q)
 ORDER BY 1"""
-
-# Last, where the caller took a slot, the key's row records the fence and outlives the lease.
-SLOT_COUNT = """
-UPDATE {table} SET slot_fence = greatest(coalesce(slot_fence, 0),
-        (SELECT max(fence) FROM {table} WHERE key = ANY(%(keys)s::text[]))),
-    expires_at = greatest(expires_at,
-        clock_timestamp() + (%(ttl)s + %(keep)s) * interval '1 second')
-WHERE key = %(base)s AND EXISTS (
-    SELECT FROM {table} WHERE key = ANY(%(keys)s::text[]) AND token = %(token)s)"""
 
 #: The transaction of a slot acquisition, one simple-query message (with the store's time
 #: limits, as SCRIPT).
 SLOT_SCRIPT = (
     "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL statement_timeout = {ms}; "
-    f"SET LOCAL lock_timeout = {{ms}}; {SLOT_LOCK_KEY}; {SLOT_LOCK_ROWS}; {SLOT_TAKE}; "
-    f"{SLOT_COUNT}; COMMIT"
+    f"SET LOCAL lock_timeout = {{ms}}; {SLOT_LOCK_KEY}; {SLOT_LOCK_ROWS}; {SLOT_TAKE}; COMMIT"
 )
 
 # Release of a holder slot: the key's row is locked first (as a slot acquisition locks it), then
@@ -251,9 +276,40 @@ k AS (UPDATE {{table}} SET done = %(done)s
 SELECT count(*) FROM r;
 COMMIT"""
 
+# Debounce windows, on the key's own row: locked first (inserted free if missing, as a slot
+# acquisition locks it), then, with the clock read after the lock, the window's latest send is
+# replaced, opened now unless it is open (``debounce_until`` later than now); returns the send
+# it superseded (NULL when it opened the window) and the window's age.
+DEBOUNCE = f"""
+BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL statement_timeout = {{ms}};
+SET LOCAL lock_timeout = {{ms}};
+{SLOT_LOCK_KEY};
+WITH n AS (SELECT clock_timestamp() AS now),
+o AS (SELECT debounce_latest AS latest, debounce_opened AS opened,
+        coalesce(debounce_until > n.now, false) AS open
+    FROM {{table}}, n WHERE key = %(base)s)
+UPDATE {{table}} AS l SET debounce_latest = %(task_id)s,
+    debounce_opened = CASE WHEN o.open THEN o.opened ELSE n.now END,
+    debounce_until = n.now + %(ttl)s * interval '1 second',
+    expires_at = greatest(l.expires_at, n.now + %(ttl)s * interval '1 second')
+FROM o, n WHERE l.key = %(base)s
+RETURNING CASE WHEN o.open THEN o.latest END,
+    CASE WHEN o.open THEN extract(epoch FROM n.now - o.opened)::float8 ELSE 0 END;
+COMMIT"""
+
+# The open window's latest send, the row locked first (so a send that supersedes it commits
+# before, or after this); its columns are cleared when that is the caller's.
+DEBOUNCE_TAKE = """
+WITH o AS (SELECT debounce_latest AS latest FROM {table}
+    WHERE key = %(key)s AND debounce_until > clock_timestamp() FOR UPDATE),
+d AS (UPDATE {table} AS l SET debounce_latest = NULL, debounce_opened = NULL,
+        debounce_until = NULL
+    FROM o WHERE l.key = %(key)s AND o.latest = %(task_id)s)
+SELECT latest FROM o"""
+
 #: The scripts of several statements (sent as one message in every mode), and how many results
 #: come before the one the operation reads.
-SKIPPED = {"acquire_slot": PREAMBLE + 2, "release_slot": PREAMBLE + 1}
+SKIPPED = {"acquire_slot": PREAMBLE + 2, "release_slot": PREAMBLE + 1, "debounce": PREAMBLE + 1}
 
 RECLAIM = """
 DELETE FROM {table} WHERE key IN (
@@ -296,3 +352,39 @@ def shut(conn: psycopg.Connection[Any]) -> None:
 def scrub(text: str) -> str:
     """A libpq parse error without the tokens it quotes (one may be the password)."""
     return re.sub(r'"[^"]*"', '"***"', text)
+
+
+def own_url_options(url: str) -> tuple[str, int | None, bool]:
+    """Take the options that are psycopg's or singletask's, no libpq parameters, out of the
+    query of ``url``: returns the URL without them, ``prepare_threshold`` (5 unless given) and
+    ``transaction_pooling``. A raw ``@`` in the user info is encoded: the user info ends at the
+    last ``@`` (as for every other store's URL); libpq would end it at the first, and put the
+    rest of a password with a raw ``@`` in its host name.
+
+    Raises:
+        ConfigurationError: An option's value is invalid.
+    """
+    parts = urlsplit(url)
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    if "@" in userinfo:
+        parts = parts._replace(netloc=userinfo.replace("@", "%40") + at + hostport)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    given = [value for name, value in query if name == "prepare_threshold"]
+    pooling = [value for name, value in query if name == "transaction_pooling"]
+    own_names = ("prepare_threshold", "transaction_pooling")
+    rest_query = urlencode([q for q in query if q[0] not in own_names], quote_via=quote)
+    flag = pooling[-1].lower() if pooling else "0"
+    if flag not in FLAGS:
+        raise ConfigurationError(
+            f"URL option transaction_pooling={pooling[-1]!r}: expected 1 or 0 (true/false)"
+        )
+    threshold: int | None = 5
+    if given and given[-1].lower() == "none":
+        threshold = None
+    elif given and given[-1].isdigit():
+        threshold = int(given[-1])
+    elif given:
+        raise ConfigurationError(
+            f"URL option prepare_threshold={given[-1]!r}: expected a number or 'none'"
+        )
+    return urlunsplit(parts._replace(query=rest_query)), threshold, FLAGS[flag]

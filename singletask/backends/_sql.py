@@ -21,6 +21,14 @@ One row per lock key, in one table (``singletask_locks`` unless a setting names 
                    its last lease, nor than its follow-up claim
     slot_fence     on a key's own row: the last fencing token issued for any of the key's holder
                    slots (:mod:`singletask.slots`); a key's next token exceeds it and ``fence``
+    rate_next      on a key's own row: the time of its next allowed start (``lock_rate``), set
+                   by each start, when the acquisition gave an interval
+    debounce_*     on a key's own row: its debounce window (``lock_debounce``): the latest send
+                   (``debounce_latest``), when the window opened, and when it closes unless a
+                   send renews it (``debounce_until``); a window past it is closed
+
+A row's ``expires_at`` is never earlier than its ``rate_next`` nor its ``debounce_until``; a row
+with only those (no ``token``) holds no lock, and is never listed.
 
 The row outlives its lock on purpose: it keeps the fence, so a later acquisition gets a greater
 token. A holder slot is a row of its own (its store key, :func:`singletask.slots.slot_key`), but
@@ -33,6 +41,7 @@ due (at most once per RECLAIM_INTERVAL per process), through the index on ``expi
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import hashlib
 import json
@@ -42,13 +51,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from ..exceptions import BackendTimeout, ConfigurationError, LockKeyError
-from ..slots import MAX_LIMIT, base_key
+from ..slots import MAX_LIMIT, base_key, slot_index, slot_keys
 from ..urls import check_port
-from .base import AcquireResult, Holder
+from .base import AcquireResult, Holder, LockBackend, check_lease
 
 __all__ = [
     "DEFAULT_TABLE",
@@ -57,6 +66,7 @@ __all__ = [
     "RECLAIM_INTERVAL",
     "TABLE_SCHEMES",
     "Pool",
+    "SQLBackend",
     "SQLOptions",
     "check_limit",
     "check_table",
@@ -64,6 +74,7 @@ __all__ = [
     "like_prefix",
     "listed_prefixes",
     "load_holder",
+    "slot_args",
     "slot_outcome",
     "split_url",
     "stored_key",
@@ -237,19 +248,98 @@ def check_limit(limit: object) -> int:
 def slot_outcome(
     names: Sequence[str],
     token: str,
-    rows: Sequence[tuple[int, str, str | None, int, float | None, str | None]],
+    rows: Sequence[tuple[int, str | None, str | None, int | None, float | None, str | None]],
 ) -> AcquireResult:
     """The result of a slot acquisition from the rows its script returned: ``(ordinal,
     token, meta, fence, seconds left, done)`` of the live holders of the slots ``names``
-    (ordinal 1 is ``names[0]``), by ordinal. The caller took the first slot its token holds;
-    else every slot is held, and the rows are its holders."""
+    (ordinal 1 is ``names[0]``), by ordinal. A row of ordinal 0 says the key's rate refused a
+    start (its seconds left: until one is allowed). Else the caller took the first slot its
+    token holds; else every slot is held, and the rows are its holders."""
+    if rows and rows[0][0] == 0:
+        return AcquireResult(False, retry_after=max(0.0, rows[0][4] or 0.0))
     for index, holder, _, fence, _, done in rows:
         if holder == token:
             return AcquireResult(True, fence=fence, completed=done, key=names[index - 1])
     holders = tuple(
-        load_holder(holder, meta, left, fence) for _, holder, meta, fence, left, _ in rows
+        load_holder(holder or "", meta, left, fence) for _, holder, meta, fence, left, _ in rows
     )
     return AcquireResult(False, holders[0], holders=holders)
+
+
+def slot_args(
+    keys: Callable[[str], dict[str, str | None]], key: str, names: Sequence[str], token: str,
+    meta: Mapping[str, str] | None, takeover_prefix: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The arguments every slot acquisition's script takes: ``base`` and ``base_full`` (the
+    key's row), ``keys`` and ``fulls`` (the slots' rows; ``keys`` gives the stored and full
+    key of a lock key), the holder's ``token``, ``task_id``, ``meta``, and ``prefix``."""
+    stored, task_id = dump_meta(meta)
+    base = keys(key)
+    slots = [keys(name) for name in names]
+    return {
+        "base": base["key"], "base_full": base["full_key"], "token": token,
+        "keys": [s["key"] for s in slots], "fulls": [s["full_key"] for s in slots],
+        "task_id": task_id, "meta": stored, "prefix": takeover_prefix or "",
+    }  # fmt: skip
+
+
+class SQLBackend(LockBackend):
+    """What the PostgreSQL and MySQL stores share above their SQL: holder slots taken by one
+    script (``_take_slot``), rate records and debounce windows on the key's row, the operator
+    releases (``_release_holder``)."""
+
+    supports_limit = True
+    supports_rate = True
+    supports_debounce = True
+
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        cls.from_url(url).close()  # builds nothing but the (lazy) pool: no connection
+
+    def acquire(
+        self, key: str, token: str, ttl: float, *,
+        meta: Mapping[str, str] | None = None, takeover_prefix: str | None = None,
+    ) -> AcquireResult:  # fmt: skip
+        if slot_index(key):  # a holder slot: its fences are its key's
+            taken = self._take_slot(base_key(key), [key], token, ttl, meta, takeover_prefix)
+            return AcquireResult(taken.acquired, taken.holder, taken.fence, taken.completed)
+        return self._acquire(key, token, check_lease(ttl, "acquire"), meta, takeover_prefix)
+
+    def acquire_slot(
+        self, key: str, limit: int, token: str, ttl: float, *,
+        meta: Mapping[str, str] | None = None, takeover_prefix: str | None = None,
+        interval: float | None = None,
+    ) -> AcquireResult:  # fmt: skip
+        names = slot_keys(key, check_limit(limit))
+        if interval is not None:
+            interval = check_lease(interval, "acquire_slot interval")
+        return self._take_slot(key, names, token, ttl, meta, takeover_prefix, interval)
+
+    def release_held_by(self, key: str, task_id: str) -> Holder | None:
+        return self._release_holder("release_held_by", key, task_id)
+
+    def force_release(self, key: str) -> Holder | None:
+        return self._release_holder("force_release", key, None)
+
+    @abc.abstractmethod
+    def _acquire(
+        self, key: str, token: str, ttl: float, meta: Mapping[str, str] | None,
+        takeover_prefix: str | None,
+    ) -> AcquireResult:  # fmt: skip
+        """:meth:`acquire` of a key that is no holder slot; ``ttl`` is checked."""
+
+    @abc.abstractmethod
+    def _take_slot(
+        self, key: str, names: list[str], token: str, ttl: float,
+        meta: Mapping[str, str] | None, takeover_prefix: str | None,
+        interval: float | None = None,
+    ) -> AcquireResult:  # fmt: skip
+        """Take the first slot of ``names`` (holder slots of ``key``) that qualifies, in one
+        transaction; with ``interval`` (checked), only as the key's rate allows a start."""
+
+    @abc.abstractmethod
+    def _release_holder(self, operation: str, key: str, task_id: str | None) -> Holder | None:
+        """Free the live lock ``key`` (held by ``task_id``, when given); return its holder."""
 
 
 def pages(

@@ -36,12 +36,12 @@ import pymysql
 from pymysql.constants import CLIENT
 
 from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
-from ..slots import base_key, slot_index, slot_keys
+from ..slots import base_key, slot_index
 from ..urls import mask_url
 from . import _mysql_sql as Q
 from . import _sql
 from ._mysql_sql import KEY_BYTES
-from .base import AcquireResult, Holder, LockBackend, check_lease
+from .base import AcquireResult, Holder, check_lease
 
 __all__ = ["MySQLBackend"]
 
@@ -97,7 +97,7 @@ def _holder(row: Sequence[Any]) -> Holder:
     )
 
 
-class MySQLBackend(LockBackend):
+class MySQLBackend(_sql.SQLBackend):
     """Locks in a MySQL or MariaDB table (InnoDB); see the module docstring.
 
     Args:
@@ -107,8 +107,6 @@ class MySQLBackend(LockBackend):
         timeout: Seconds allowed to connect, to read or write a reply, to wait for a row lock,
             and to wait for a free pooled connection.
     """
-
-    supports_limit = True
 
     def __init__(
         self,
@@ -132,17 +130,17 @@ class MySQLBackend(LockBackend):
         self.table = options.table
         self.timeout = options.timeout
         self._display = display
-        quoted = ".".join(f"`{part}`" for part in options.table.split("."))
+        quoted = self._table = ".".join(f"`{part}`" for part in options.table.split("."))
         index = f"`{options.table.split('.')[-1]}_expires_at`"
         self._q = {
             name: text.format(table=quoted, index=index)
             for name, text in {
-                "schema": Q.SCHEMA, "add_full_key": Q.ADD_FULL_KEY, "acquire": Q.ACQUIRE,
+                "schema": Q.SCHEMA, "acquire": Q.ACQUIRE,
                 "release": Q.RELEASE, "extend": Q.EXTEND,
                 "claim_next": Q.CLAIM_NEXT, "clear_next": Q.CLEAR_NEXT, "holder": Q.HOLDER,
                 "iter": Q.ITER, "release_holder": Q.RELEASE_HOLDER, "reclaim": Q.RECLAIM,
-                "add_slot_fence": Q.ADD_SLOT_FENCE, "acquire_slot": Q.ACQUIRE_SLOT,
-                "release_slot": Q.RELEASE_SLOT,
+                "acquire_slot": Q.ACQUIRE_SLOT, "release_slot": Q.RELEASE_SLOT,
+                "debounce": Q.DEBOUNCE, "debounce_take": Q.DEBOUNCE_TAKE,
             }.items()
         }  # fmt: skip
         self._pool: _sql.Pool[pymysql.connections.Connection[Any]] = _sql.Pool(
@@ -185,10 +183,6 @@ class MySQLBackend(LockBackend):
             display=mask_url(url).split("?")[0],
         )  # fmt: skip
 
-    @classmethod
-    def check_url(cls, url: str) -> None:
-        cls.from_url(url).close()  # builds nothing but the (lazy) pool: no connection
-
     def __repr__(self) -> str:
         return f"<MySQLBackend {self._display} table={self.table}>"
 
@@ -201,19 +195,15 @@ class MySQLBackend(LockBackend):
                 # TABLE IF NOT EXISTS needs the CREATE privilege even when the table exists).
                 # MySQL's metadata lock makes racing CREATE TABLE IF NOT EXISTS safe.
                 schema, _, name = self.table.rpartition(".")
-                cursor.execute(
-                    "SELECT column_name FROM information_schema.columns "
-                    "WHERE table_schema = COALESCE(%s, DATABASE()) AND table_name = %s "
-                    "AND column_name IN ('key', 'full_key', 'slot_fence')",
-                    (schema or None, name),
-                )
+                cursor.execute(Q.FIND_COLUMNS, (schema or None, name))
                 found = {_text(row[0]) for row in cursor.fetchall()}
                 if not found:
                     _script(cursor, self._q["schema"], {})
-                for column, statement in Q.ADDED_COLUMNS.items():
+                for column, kind in Q.ADDED_COLUMNS.items():
                     if found and column not in found:
+                        add = Q.ADD_COLUMN.format(table=self._table, column=column, kind=kind)
                         try:
-                            cursor.execute(self._q[statement])
+                            cursor.execute(add)
                         except pymysql.MySQLError as exc:
                             if exc.args[:1] != (_DUPLICATE_COLUMN,):  # another worker added it
                                 raise
@@ -257,19 +247,10 @@ class MySQLBackend(LockBackend):
         except pymysql.MySQLError as exc:
             logger.warning("%r: could not delete expired rows: %s", self, exc)
 
-    def acquire(
-        self,
-        key: str,
-        token: str,
-        ttl: float,
-        *,
-        meta: Mapping[str, str] | None = None,
-        takeover_prefix: str | None = None,
-    ) -> AcquireResult:
-        if slot_index(key):  # a holder slot: its fences are its key's
-            taken = self._take_slot(base_key(key), [key], token, ttl, meta, takeover_prefix)
-            return AcquireResult(taken.acquired, taken.holder, taken.fence, taken.completed)
-        ttl = check_lease(ttl, "acquire")
+    def _acquire(
+        self, key: str, token: str, ttl: float, meta: Mapping[str, str] | None,
+        takeover_prefix: str | None,
+    ) -> AcquireResult:  # fmt: skip
         stored, task_id = _sql.dump_meta(meta)
         args = {
             **_keys(key), "token": token, "task_id": task_id, "meta": stored,
@@ -282,44 +263,41 @@ class MySQLBackend(LockBackend):
             return AcquireResult(True, fence=fence, completed=done)
         return AcquireResult(False, _holder((token_now, meta_now, fence, left_us)))
 
-    def acquire_slot(
-        self,
-        key: str,
-        limit: int,
-        token: str,
-        ttl: float,
-        *,
-        meta: Mapping[str, str] | None = None,
-        takeover_prefix: str | None = None,
-    ) -> AcquireResult:
-        names = slot_keys(key, _sql.check_limit(limit))
-        return self._take_slot(key, names, token, ttl, meta, takeover_prefix)
-
     def _take_slot(
         self, key: str, names: list[str], token: str, ttl: float,
         meta: Mapping[str, str] | None, takeover_prefix: str | None,
+        interval: float | None = None,
     ) -> AcquireResult:  # fmt: skip
-        """Take the first slot of ``names`` (holder slots of ``key``) that qualifies, in one
-        transaction (``_mysql_sql.ACQUIRE_SLOT``)."""
+        """One transaction: ``_mysql_sql.ACQUIRE_SLOT``."""
         ttl = check_lease(ttl, "acquire")
-        stored, task_id = _sql.dump_meta(meta)
-        base = _keys(key)
-        args: dict[str, Any] = {
-            "base": base["key"], "base_full": base["full_key"], "token": token,
-            "task_id": task_id, "meta": stored, "lease_us": _us(ttl),
-            "row_us": _us(ttl + _sql.FENCE_RETENTION), "prefix": takeover_prefix or "",
-        }  # fmt: skip
-        for n, name in enumerate(names, 1):
-            slot = _keys(name)
-            args[f"k{n}"], args[f"f{n}"] = slot["key"], slot["full_key"]
+        args = _sql.slot_args(_keys, key, names, token, meta, takeover_prefix)
+        args.update(lease_us=_us(ttl), row_us=_us(ttl + _sql.FENCE_RETENTION))
+        args["rate_us"] = None if interval is None else _us(interval)
+        for n, (stored, full) in enumerate(
+            zip(args.pop("keys"), args.pop("fulls"), strict=True), 1
+        ):
+            args[f"k{n}"], args[f"f{n}"] = stored, full
         slots = " UNION ALL ".join(Q.SLOT.format(n=n) for n in range(1, len(names) + 1))
         text = self._q["acquire_slot"].format(slots=slots)
         rows = self._run("acquire", names[0], lambda c: _script(c, text, args)[-2])
         return _sql.slot_outcome(
             names, token,
-            [(n, _text(holder) or "", meta_now, fence, None if left is None else left / 1e6, done)
+            [(n, _text(holder), meta_now, fence, None if left is None else left / 1e6, done)
              for n, holder, meta_now, fence, left, done in rows],
         )  # fmt: skip
+
+    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float]:
+        args = {**_keys(key), "task_id": task_id, "ttl_us": _us(check_lease(ttl, "debounce"))}
+        rows = self._run("debounce", key, lambda c: _script(c, self._q["debounce"], args)[3])
+        latest, age_us = rows[0]
+        return _text(latest), max(0.0, int(age_us) / 1e6)
+
+    def debounce_take(self, key: str, task_id: str) -> str | None:
+        args = {**_keys(key), "task_id": task_id}
+        results = self._run(
+            "debounce_take", key, lambda c: _script(c, self._q["debounce_take"], args)
+        )
+        return _text(results[-1][0][0])
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         args = {**_keys(key), "token": token, "done": completed}
@@ -396,12 +374,6 @@ class MySQLBackend(LockBackend):
                 key = _text(row[1]) or ""
                 if _sql.is_listed(key, prefix):
                     yield key, _holder(row[2:])
-
-    def release_held_by(self, key: str, task_id: str) -> Holder | None:
-        return self._release_holder("release_held_by", key, task_id)
-
-    def force_release(self, key: str) -> Holder | None:
-        return self._release_holder("force_release", key, None)
 
     def _release_holder(self, operation: str, key: str, task_id: str | None) -> Holder | None:
         args = {**_keys(key), "task_id": task_id}

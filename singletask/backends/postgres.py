@@ -40,20 +40,19 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ..exceptions import BackendTimeout, BackendUnavailable, ConfigurationError, LockKeyError
-from ..slots import base_key, slot_index, slot_keys
+from ..slots import base_key, slot_index
 from ..urls import mask_url
 from . import _postgres_sql as Q
 from . import _sql
 from ._postgres_sql import KEY_BYTES
 from ._watchdog import WATCHDOG
-from .base import AcquireResult, Holder, LockBackend, check_lease
+from .base import AcquireResult, Holder, check_lease
 
 __all__ = ["PostgresBackend"]
 
@@ -62,7 +61,7 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
-class PostgresBackend(LockBackend):
+class PostgresBackend(_sql.SQLBackend):
     """Locks in a PostgreSQL table; see the module docstring.
 
     Args:
@@ -78,8 +77,6 @@ class PostgresBackend(LockBackend):
             operation is one transaction that sets its own isolation and time limits, its
             arguments bound on the client, never prepared (a little slower).
     """
-
-    supports_limit = True
 
     def __init__(
         self,
@@ -124,10 +121,10 @@ class PostgresBackend(LockBackend):
         self._q: dict[str, sql.Composed] = {
             name: sql.SQL(text).format(ms=ms, **fmt)
             for name, text in {
-                "schema": Q.SCHEMA, "index": Q.INDEX, "add_full_key": Q.ADD_FULL_KEY,
-                "add_slot_fence": Q.ADD_SLOT_FENCE,
+                "schema": Q.SCHEMA, "index": Q.INDEX, "add_columns": Q.ADD_COLUMNS,
                 # Scripts of several statements: always one transaction, one message.
                 "acquire_slot": Q.SLOT_SCRIPT, "release_slot": Q.RELEASE_SLOT,
+                "debounce": Q.DEBOUNCE,
             }.items()
         }  # fmt: skip
         wrap = sql.SQL(Q.SCRIPT if transaction_pooling else "{statement}")
@@ -136,7 +133,7 @@ class PostgresBackend(LockBackend):
             for name, text in {
                 "acquire": Q.ACQUIRE, "release": Q.RELEASE, "extend": Q.EXTEND,
                 "extend_many": Q.EXTEND_MANY, "claim_next": Q.CLAIM_NEXT,
-                "clear_next": Q.CLEAR_NEXT,
+                "clear_next": Q.CLEAR_NEXT, "debounce_take": Q.DEBOUNCE_TAKE,
                 "holder": Q.HOLDER, "iter": Q.ITER, "release_holder": Q.RELEASE_HOLDER,
                 "reclaim": Q.RECLAIM,
             }.items()
@@ -157,41 +154,11 @@ class PostgresBackend(LockBackend):
                 "postgresql://user:password@host:5432/dbname"
             )
         plain, own = _sql.split_url(f"postgresql://{rest}", options)
-        # psycopg's prepare_threshold is no libpq parameter: take it out of the query.
-        parts = urlsplit(plain)
-        # The user info ends at the last '@' (as for every other store's URL); libpq would end
-        # it at the first, and put the rest of a password with a raw '@' in its host name.
-        userinfo, at, hostport = parts.netloc.rpartition("@")
-        if "@" in userinfo:
-            parts = parts._replace(netloc=userinfo.replace("@", "%40") + at + hostport)
-        query = parse_qsl(parts.query, keep_blank_values=True)
-        given = [value for name, value in query if name == "prepare_threshold"]
-        pooling = [value for name, value in query if name == "transaction_pooling"]
-        own_names = ("prepare_threshold", "transaction_pooling")
-        rest_query = urlencode([q for q in query if q[0] not in own_names], quote_via=quote)
-        flag = pooling[-1].lower() if pooling else "0"
-        if flag not in Q.FLAGS:
-            raise ConfigurationError(
-                f"URL option transaction_pooling={pooling[-1]!r}: expected 1 or 0 (true/false)"
-            )
-        threshold: int | None = 5
-        if given and given[-1].lower() == "none":
-            threshold = None
-        elif given and given[-1].isdigit():
-            threshold = int(given[-1])
-        elif given:
-            raise ConfigurationError(
-                f"URL option prepare_threshold={given[-1]!r}: expected a number or 'none'"
-            )
+        conninfo, threshold, pooling = Q.own_url_options(plain)
         return cls(
-            urlunsplit(parts._replace(query=rest_query)), table=own.table,
-            pool_size=own.pool_size, timeout=own.timeout, prepare_threshold=threshold,
-            transaction_pooling=Q.FLAGS[flag],
+            conninfo, table=own.table, pool_size=own.pool_size, timeout=own.timeout,
+            prepare_threshold=threshold, transaction_pooling=pooling,
         )  # fmt: skip
-
-    @classmethod
-    def check_url(cls, url: str) -> None:
-        cls.from_url(url).close()  # builds nothing but the (lazy) pool: no connection
 
     def __repr__(self) -> str:
         return f"<PostgresBackend {self._display} table={self.table}>"
@@ -288,8 +255,7 @@ class PostgresBackend(LockBackend):
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (lock_name,))
             conn.execute(self._q["schema"])
             conn.execute(self._q["index"])
-            conn.execute(self._q["add_full_key"])
-            conn.execute(self._q["add_slot_fence"])
+            conn.execute(self._q["add_columns"])
 
     def _reclaim(self, conn: psycopg.Connection[Any]) -> None:
         """Delete a batch of expired rows; a failure (a read-only database) only logs: the
@@ -312,19 +278,10 @@ class PostgresBackend(LockBackend):
         stored, full = _sql.stored_key(key, KEY_BYTES)
         return {"key": stored, "full_key": full}
 
-    def acquire(
-        self,
-        key: str,
-        token: str,
-        ttl: float,
-        *,
-        meta: Mapping[str, str] | None = None,
-        takeover_prefix: str | None = None,
-    ) -> AcquireResult:
-        if slot_index(key):  # a holder slot: its fences are its key's
-            taken = self._take_slot(base_key(key), [key], token, ttl, meta, takeover_prefix)
-            return AcquireResult(taken.acquired, taken.holder, taken.fence, taken.completed)
-        ttl = check_lease(ttl, "acquire")
+    def _acquire(
+        self, key: str, token: str, ttl: float, meta: Mapping[str, str] | None,
+        takeover_prefix: str | None,
+    ) -> AcquireResult:  # fmt: skip
         stored, task_id = _sql.dump_meta(meta)
         args = {
             **self._keys(key), "token": token, "task_id": task_id, "meta": stored, "ttl": ttl,
@@ -337,31 +294,29 @@ class PostgresBackend(LockBackend):
             return AcquireResult(True, fence=fence, completed=done)
         return AcquireResult(False, _sql.load_holder(holder, meta_text, left, fence))
 
-    def acquire_slot(
-        self, key: str, limit: int, token: str, ttl: float, *,
-        meta: Mapping[str, str] | None = None, takeover_prefix: str | None = None,
-    ) -> AcquireResult:  # fmt: skip
-        names = slot_keys(key, _sql.check_limit(limit))
-        return self._take_slot(key, names, token, ttl, meta, takeover_prefix)
-
     def _take_slot(
         self, key: str, names: list[str], token: str, ttl: float,
         meta: Mapping[str, str] | None, takeover_prefix: str | None,
+        interval: float | None = None,
     ) -> AcquireResult:  # fmt: skip
-        """Take the first slot of ``names`` (holder slots of ``key``) that qualifies, in one
-        transaction (``_postgres_sql.SLOT_SCRIPT``)."""
-        ttl = check_lease(ttl, "acquire")
-        stored, task_id = _sql.dump_meta(meta)
-        base = self._keys(key)
-        slots = [self._keys(name) for name in names]
-        args = {
-            "base": base["key"], "base_full": base["full_key"], "token": token,
-            "keys": [s["key"] for s in slots], "fulls": [s["full_key"] for s in slots],
-            "task_id": task_id, "meta": stored, "ttl": ttl, "keep": _sql.FENCE_RETENTION,
-            "prefix": takeover_prefix or "",
-        }  # fmt: skip
+        """One transaction: ``_postgres_sql.SLOT_SCRIPT``."""
+        args = _sql.slot_args(self._keys, key, names, token, meta, takeover_prefix)
+        args.update(ttl=check_lease(ttl, "acquire"), keep=_sql.FENCE_RETENTION, interval=interval)
         rows = self._run("acquire", names[0], "acquire_slot", args, lambda c: c.fetchall())
         return _sql.slot_outcome(names, token, rows)
+
+    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float]:
+        stored = self._keys(key)
+        args = {"base": stored["key"], "base_full": stored["full_key"], "task_id": task_id,
+                "ttl": check_lease(ttl, "debounce")}  # fmt: skip
+        row = self._run("debounce", key, "debounce", args, lambda c: c.fetchone())
+        assert row is not None  # the row was inserted if missing
+        return row[0], max(0.0, row[1])
+
+    def debounce_take(self, key: str, task_id: str) -> str | None:
+        args = {**self._keys(key), "task_id": task_id}
+        row = self._run("debounce_take", key, "debounce_take", args, lambda c: c.fetchone())
+        return None if row is None else str(row[0])
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         args = {**self._keys(key), "token": token, "done": completed}
@@ -420,12 +375,6 @@ class PostgresBackend(LockBackend):
             ):
                 if _sql.is_listed(key, prefix):
                     yield key, _sql.load_holder(token, meta, left, fence)
-
-    def release_held_by(self, key: str, task_id: str) -> Holder | None:
-        return self._release_holder("release_held_by", key, task_id)
-
-    def force_release(self, key: str) -> Holder | None:
-        return self._release_holder("force_release", key, None)
 
     def _release_holder(self, operation: str, key: str, task_id: str | None) -> Holder | None:
         args = {**self._keys(key), "task_id": task_id}
