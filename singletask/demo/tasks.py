@@ -16,8 +16,12 @@ from ..task import SingletonTask
 from .app import app
 from .events import EventLog
 from .local import FOLDER_SETTING
+from .scenarios import PARTNER_RATE
 
-__all__ = ["import_feed", "nightly_report", "refresh_dashboard", "send_invoices", "sync_customer"]
+__all__ = [
+    "call_partner", "export_report", "import_feed", "nightly_report", "refresh_dashboard",
+    "send_invoices", "sync_customer",
+]  # fmt: skip
 
 
 def work(task: SingletonTask, duration: float) -> dict[str, Any]:
@@ -82,4 +86,37 @@ def import_feed(self: SingletonTask, url: str, duration: float) -> dict[str, Any
 # A periodic task whose run can outlast its period: ticks that come while it runs are skipped.
 @app.task(base=SingletonTask, bind=True, name="demo.refresh_dashboard")
 def refresh_dashboard(self: SingletonTask, duration: float) -> dict[str, Any]:
+    return work(self, duration)
+
+
+# Up to two exports per customer at once (the customer's API takes two connections); a third
+# waits its turn, sent again every ~0.3 s.
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    name="demo.export_report",
+    lock_args=("customer_id",),
+    lock_limit=2,
+    lock_policy="retry",
+    lock_retry_countdown=0.3,
+    lock_retry_max=200,
+)
+def export_report(self: SingletonTask, customer_id: int, duration: float) -> dict[str, Any]:
+    return work(self, duration)
+
+
+# A partner's API, at most PARTNER_RATE calls fleet-wide: starts are spaced evenly; a call over
+# the rate is sent again when its turn comes. Up to 3 calls may be in flight at once, so that
+# only the rate makes a call wait.
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    name="demo.call_partner",
+    lock_args=("partner",),
+    lock_rate=PARTNER_RATE,
+    lock_limit=3,
+    lock_policy="retry",
+    lock_retry_max=200,
+)
+def call_partner(self: SingletonTask, partner: str, duration: float) -> dict[str, Any]:
     return work(self, duration)
