@@ -13,9 +13,12 @@ from pathlib import Path
 import pytest
 from kombu import Connection
 
+from singletask.backends.sqlite import SQLiteBackend
+from singletask.demo.checks import Limits, closest_starts, most_at_once, problems, spacing_line
 from singletask.demo.display import LiveDisplay, PlainDisplay
 from singletask.demo.events import Event, EventLog
 from singletask.demo.local import Setup
+from singletask.demo.scenarios import scenarios
 from singletask.demo.timeline import (
     COLUMNS,
     Board,
@@ -26,6 +29,8 @@ from singletask.demo.timeline import (
     render,
     summary_table,
 )
+from singletask.demo.worker import SQLITE_TABLES, delete_lock_keys
+from singletask.slots import slot_key
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -266,3 +271,111 @@ def test_the_demo_transport_never_shows_a_message_still_being_written(
     # And the consumer got the message, and nothing is left in the folder
     assert message.payload == {"n": 1}
     assert list(folder.iterdir()) == []
+
+
+KEY = "singletask:demo.export_report:1"
+
+
+def runs(*spans: tuple[float, float], key: str = KEY) -> list[Run]:
+    """Runs of one lock key, each in a holder slot of its own (as lock_limit stores them)."""
+    return [Run(f"t{n}", 100 + n, slot_key(key, n), a, b) for n, (a, b) in enumerate(spans)]
+
+
+def test_runs_of_one_key_within_its_limit_pass_and_one_more_at_once_fails() -> None:
+    """Holder slots count as their key: 2 at once is the limit of 2; a third at once is not."""
+    # Given two runs of a key at once, then a third that overlaps both, and another key's run
+    two = runs((0.0, 1.0), (0.5, 1.5))
+    three = runs((0.0, 1.0), (0.5, 1.5), (0.9, 2.0))
+    other = runs((0.0, 2.0), key="singletask:demo.export_report:2")
+
+    # When checked against a limit of 2
+    # Then two at once pass, also beside another key's run; three at once are reported
+    assert most_at_once(two + other) == 2
+    assert problems("limit", two + other, Limits(limit=2)) == []
+    assert most_at_once(three) == 3
+    found = problems("limit", three, Limits(limit=2))
+    assert found == [f"limit: 3 runs of lock key {KEY!r} overlapped (at most 2 allowed)"]
+    # And a singleton's check is the same one, with a limit of 1
+    assert problems("retry", two, Limits()) != []
+    assert problems("retry", runs((0.0, 1.0), (1.0, 2.0)), Limits()) == []
+
+
+def test_a_run_still_going_counts_as_overlapping_everything_after_it() -> None:
+    still_running = [Run("a", 1, KEY, 0.0, None), Run("b", 2, KEY, 5.0, 6.0)]
+    assert problems("burst", still_running, Limits()) != []
+
+
+def test_starts_closer_than_the_rate_interval_fail_beyond_the_slack() -> None:
+    """A rate of 4/s: starts 0.25 s apart pass, a little less passes within the slack (20 ms),
+    more than the slack less is reported."""
+    # Given starts spaced evenly, starts a few ms early, and two starts 0.2 s apart
+    even = runs((0.0, 0.1), (0.25, 0.35), (0.5, 0.6))
+    early = runs((0.0, 0.1), (0.24, 0.34))
+    close = runs((0.0, 0.1), (0.25, 0.35), (0.45, 0.55))
+    rate = Limits(limit=3, interval=0.25)
+
+    # Then
+    assert problems("rate", even, rate) == []
+    assert problems("rate", early, rate) == []
+    found = problems("rate", close, rate)
+    assert len(found) == 1
+    assert "started 0.200s apart" in found[0]
+    assert "interval of 0.250s" in found[0]
+    assert closest_starts(close) == pytest.approx(0.2)
+    assert spacing_line(close, rate).endswith("[TOO CLOSE].")
+    assert spacing_line(even, rate).endswith("[ok].")
+    # And starts of different keys are not compared
+    other = runs((0.1, 0.2), key="singletask:demo.call_partner:other")
+    assert problems("rate", even + other, rate) == []
+    # And without a rate, starts are not checked at all
+    assert problems("rate", close, Limits(limit=3)) == []
+    assert spacing_line(close, Limits(limit=3)) == ""
+
+
+def test_the_timeline_labels_a_holder_slot_with_its_keys_character() -> None:
+    drawn = Board(t0=0.0, rows=[101], labels={KEY: "1"}, tasks={"t"})
+    assert drawn.label(slot_key(KEY, 1)) == "1"
+    assert drawn.label(KEY) == "1"
+    assert drawn.label("singletask:other") == "?"
+
+
+def test_the_limit_and_rate_scenarios_send_a_burst_for_one_key() -> None:
+    """The new scenarios: many calls of one key at once (and one of another for the limit)."""
+    by_name = {s.name: s for s in scenarios(0.6)}
+    assert list(by_name)[-2:] == ["limit", "rate"]
+    limit, rate = by_name["limit"], by_name["rate"]
+    assert [c.args[0] for c in limit.calls].count(1) == 5
+    assert {c.at for c in limit.calls + rate.calls} == {0.0}
+    assert len({c.args for c in rate.calls}) == 1
+
+
+def test_the_sqlite_cleanup_deletes_the_runs_rows_of_every_table_and_only_those(
+    tmp_path: Path,
+) -> None:
+    """Locks, fences, rates and debounce windows with the run's prefix go; others stay."""
+    # Given a SQLite store with a row of the run's and a row of someone else's in every table
+    url = f"sqlite:///{tmp_path / 'locks.db'}"
+    backend = SQLiteBackend.from_url(url)
+    backend.holder("mine:x")  # creates the tables
+    backend.close()
+    import sqlite3
+
+    conn = sqlite3.connect(tmp_path / "locks.db")
+    with conn:
+        for table in SQLITE_TABLES:
+            columns = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
+            for key in ("singletask-demo-1234:k", "theirs:k"):
+                values = [key if c == "key" else "1" for c in columns]
+                marks = ", ".join("?" * len(columns))
+                conn.execute(f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks})",
+                             values)  # fmt: skip
+
+    # When the run's keys are deleted
+    deleted = delete_lock_keys(url, "singletask-demo-1234:")
+
+    # Then one row of each table went, and the other rows stayed
+    assert deleted == len(SQLITE_TABLES) == 4
+    for table in SQLITE_TABLES:
+        keys = [row[0] for row in conn.execute(f"SELECT key FROM {table}")]
+        assert keys == ["theirs:k"], table
+    conn.close()

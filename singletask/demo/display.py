@@ -21,6 +21,8 @@ from .timeline import MARKS, Board, Style, legend, render
 
 __all__ = ["LiveDisplay", "PlainDisplay", "clock", "short"]
 
+#: Why a conflict that names no holder happened: its key started too recently.
+RATED = "started too recently for its lock_rate"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
@@ -100,7 +102,8 @@ class PlainDisplay:
             took = f" after {run.end - run.start:.2f}s" if run and run.end is not None else ""
             what = f"{short(event.task_id)} finished{took}, lock released"
         else:
-            what = f"{short(event.task_id)} {_conflict(event.kind)} held by {short(event.holder)}"
+            why = f"held by {short(event.holder)}" if event.holder else RATED
+            what = f"{short(event.task_id)} {_conflict(event.kind)} {why}"
             label = MARKS[event.kind]
         self.text(f"  {clock(t)}  pid {event.pid:<7} {label} {task:<17} {what}")
 

@@ -28,11 +28,14 @@ from celery.result import AsyncResult
 from .. import __version__
 from ..exceptions import SingletaskError, TaskLocked
 from ..result import Skipped
+from ..runtime import lock_options
+from ..slots import base_key
+from .checks import Limits, most_at_once, most_in_all, problems, spacing_line
 from .display import LiveDisplay, PlainDisplay, clock, short
 from .events import EventLog
 from .local import DemoError, Setup, configure
 from .scenarios import Call, Scenario, scenarios
-from .timeline import Board, Style, max_overlap, summary_table
+from .timeline import Board, Style, summary_table
 from .worker import WorkerProcess, interrupt_on_sigterm, tidy_up_servers
 
 __all__ = ["DemoOptions", "run_demo"]
@@ -78,6 +81,7 @@ class Played:
     scenario: Scenario
     board: Board
     sent: list[Sent]
+    limits: Limits = field(default_factory=Limits)
     problems: list[str] = field(default_factory=list)
 
     def count(self, outcome: str) -> int:
@@ -89,19 +93,11 @@ class Played:
 
     @property
     def overlap_per_key(self) -> int:
-        keys = {run.key for run in self.board.runs}
-        return max((max_overlap(self._intervals(key)) for key in keys), default=0)
+        return most_at_once(self.board.runs)
 
     @property
     def parallel(self) -> int:
-        return max_overlap(self._intervals(None))
-
-    def _intervals(self, key: str | None) -> list[tuple[float, float]]:
-        return [
-            (run.start, run.end if run.end is not None else float("inf"))
-            for run in self.board.runs
-            if key is None or run.key == key
-        ]
+        return most_in_all(self.board.runs)
 
     def row(self, number: int) -> list[object]:
         return [
@@ -168,9 +164,8 @@ def _run(options: DemoOptions, folder: Path, display: PlainDisplay) -> int:
     setup.prepare()
     from .app import app
 
-    importlib.import_module("singletask.demo.tasks")  # registers the demo's tasks with the app
-
     configure(app, setup)
+    importlib.import_module("singletask.demo.tasks")  # registers the demo's tasks with the app
     sent_ids: list[str] = []
     title = f"singletask {__version__} demo: duplicate Celery tasks on a real prefork worker"
     display.text(display.style.paint(title, "1"))
@@ -204,10 +199,14 @@ def _run(options: DemoOptions, folder: Path, display: PlainDisplay) -> int:
         events = EventLog(setup.events)
         events.read_new()  # the worker's start-up
         work = QUICK_WORK if options.quick else WORK
+        playable = [s for s in scenarios(work) if s.task in app.tasks]
+        for scenario in [s for s in scenarios(work) if s not in playable]:
+            display.para(f"Left out: {scenario.title.lower()}: this lock store does not keep "
+                         f"what the options of {scenario.task} need.")  # fmt: skip
         try:
             played = [
                 _play(number, scenario, app, worker, events, display, sent_ids)
-                for number, scenario in enumerate(scenarios(work), 1)
+                for number, scenario in enumerate(playable, 1)
             ]
         except KeyboardInterrupt:
             display.close()
@@ -259,7 +258,8 @@ def _play(
         tasks={scenario.task},
     )
     labels = {call.label: call.text for call in scenario.calls}
-    played = Played(scenario, board, [])
+    options = lock_options(app.tasks[scenario.task])
+    played = Played(scenario, board, [], Limits(options.limit, options.rate_interval))
     display.begin(number, scenario)
     pending = sorted(zip(scenario.calls, keys, strict=True), key=lambda pair: pair[0].at)
     finished: set[str] = set()
@@ -302,7 +302,7 @@ def _play(
 
 def _collect(played: Played) -> None:
     """Fetch what each caller got, classify it, and check it against the timeline."""
-    ran_ids = {(run.task_id, run.key) for run in played.board.runs if run.end is not None}
+    ran_ids = {(r.task_id, base_key(r.key)) for r in played.board.runs if r.end is not None}
     for sent in played.sent:
         try:
             sent.value = sent.result.get(timeout=15, interval=0.05, propagate=False)
@@ -317,7 +317,8 @@ def _collect(played: Played) -> None:
                 played.problems.append(f"{short(sent.task_id)}: lock retries spent its retries")
         elif isinstance(value, Skipped | TaskLocked):
             sent.outcome = "skipped" if isinstance(value, Skipped) else "raised"
-            if (value.holder, sent.key) not in ran_ids:
+            rated = isinstance(value, Skipped) and value.reason == "rate"  # no holder to name
+            if not rated and (value.holder, sent.key) not in ran_ids:
                 played.problems.append(
                     f"{short(sent.task_id)} names {short(value.holder)} as the holder of its "
                     "lock, but that run was not seen holding it"
@@ -327,10 +328,7 @@ def _collect(played: Played) -> None:
                 f"{sent.call.text} [{short(sent.task_id)}] ended with {value!r} "
                 f"(state {sent.result.state})"
             )
-    if played.overlap_per_key > 1:
-        played.problems.append(
-            f"{played.scenario.name}: {played.overlap_per_key} runs of one lock key overlapped"
-        )
+    played.problems += problems(played.scenario.name, played.board.runs, played.limits)
     ended = sum(1 for run in played.board.runs if run.end is not None)
     if ended != played.count("ran"):
         played.problems.append(
@@ -341,13 +339,17 @@ def _collect(played: Played) -> None:
 
 def _report(played: Played) -> list[str]:
     """What happened, in words, under a scenario's timeline."""
-    per_key, parallel = played.overlap_per_key, played.parallel
-    ok = "ok" if per_key <= 1 else "OVERLAP"
+    per_key, parallel, limits = played.overlap_per_key, played.parallel, played.limits
+    ok = "ok" if per_key <= limits.limit else "OVER THE LIMIT"
+    limit = f" (lock_limit {limits.limit})" if limits.limit > 1 else ""
     lines = [
         f"    {played.count('ran')} ran, {played.count('skipped')} skipped, "
         f"{played.retried} retried, {played.count('raised')} raised. Runs at once: at most "
-        f"{per_key} per lock key [{ok}], {parallel} in all."
+        f"{per_key} per lock key{limit} [{ok}], {parallel} in all."
     ]
+    spacing = spacing_line(played.board.runs, limits)
+    if spacing:
+        lines.append(f"    {spacing}")
     skipped = [s.value for s in played.sent if s.outcome == "skipped"]
     if skipped:
         holders = sorted({short(v.holder) for v in skipped})
@@ -381,8 +383,9 @@ def _summary(played: Sequence[Played], display: PlainDisplay) -> int:
     for line in summary_table([*rows, totals], style, display.width):
         display.text(line)
     display.para(
-        "max overlap per key: the most runs holding one lock key at the same moment (must be "
-        "1); parallel: the most runs of the task at the same moment, all keys together.",
+        "max overlap per key: the most runs holding one lock key at the same moment (at most "
+        "the task's lock_limit: 2 for the limit scenario, 3 for the rate one, else 1); "
+        "parallel: the most runs of the task at the same moment, all keys together.",
         2,
     )
     display.text()
@@ -397,7 +400,8 @@ def _summary(played: Sequence[Played], display: PlainDisplay) -> int:
             display.para(f"- {problem}", 2, 2)
         return 1
     verdict = textwrap.wrap(
-        "OK: no two runs of one lock key ever overlapped, and every duplicate was skipped, "
+        "OK: no lock key ever had more runs at once than its lock_limit, no two starts of a "
+        "rated key came closer than its lock_rate allows, and every duplicate was skipped, "
         "retried or refused as its lock policy says.",
         display.width - 1,
     )

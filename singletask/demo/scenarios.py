@@ -9,7 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Call", "Scenario", "scenarios"]
+__all__ = ["PARTNER_RATE", "PARTNER_WORK", "Call", "Scenario", "scenarios"]
+
+#: The rate scenario's lock_rate: 4 starts a second, one every 0.25 s. It is fixed, not scaled
+#: with ``work``: the worker defines the task before it could know whether the demo is quick.
+PARTNER_RATE = "4/s"
+#: Seconds a call of the rate scenario works: longer than the rate's interval, so that calls
+#: overlap (up to its lock_limit of 3) while their starts stay spaced.
+PARTNER_WORK = 0.4
 
 NEWS = "https://example.org/news.rss"
 BLOG = "https://example.org/blog.rss"
@@ -50,7 +57,7 @@ class Scenario:
 
 
 def scenarios(work: float) -> list[Scenario]:
-    """The five scenarios, for runs that work ``work`` seconds each."""
+    """The seven scenarios, for runs that work ``work`` seconds each."""
     period = round(work * 2 / 3, 2)
     tick = round(period * 2.5, 2)
     return [
@@ -126,5 +133,39 @@ def scenarios(work: float) -> list[Scenario]:
                 for n in range(6)
             ),
             span=period * 5 + tick,
+        ),
+        Scenario(
+            name="limit",
+            title="A limit of two runs per customer",
+            setup="5 x export_report(1) and export_report(2), all at once; "
+            "lock_args=('customer_id',), lock_limit 2, lock_policy retry, "
+            "lock_retry_countdown 0.3 s",
+            expect="customer 1 exports two at a time, never three: the others are sent again "
+            "until one of the two holder slots is free, and all five run; customer 2 exports "
+            "alongside, as its key has slots of its own",
+            policy="retry",
+            task="demo.export_report",
+            calls=tuple(
+                Call(0.0, "demo.export_report", (n, work), str(n), f"export_report({n})")
+                for n in (1, 1, 2, 1, 1, 1)
+            ),
+            span=work * 3.6,
+        ),
+        Scenario(
+            name="rate",
+            title="A rate spaces the starts",
+            setup=f"6 x call_partner('acme') sent at once; lock_args=('partner',), lock_rate "
+            f"'{PARTNER_RATE}' (a start every 0.25 s), lock_limit 3, lock_policy retry; each "
+            f"call takes {PARTNER_WORK} s",
+            expect="the calls start one by one, 0.25 s apart or more, never closer, and overlap "
+            "as they go: each call over the rate is sent again when its turn comes, and none is "
+            "lost",
+            policy="retry",
+            task="demo.call_partner",
+            calls=tuple(
+                Call(0.0, "demo.call_partner", ("acme", PARTNER_WORK), "P", "call_partner('acme')")
+                for _ in range(6)
+            ),
+            span=2.0,
         ),
     ]

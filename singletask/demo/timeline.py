@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from ..slots import base_key
 from .events import Event
 
 __all__ = ["Board", "Mark", "Run", "Style", "max_overlap", "render", "summary_table"]
@@ -105,7 +106,8 @@ class Board:
         return True
 
     def label(self, key: str) -> str:
-        return self.labels.get(key, "?")
+        """The character of a lock key, or of the key whose holder slot ``key`` is."""
+        return self.labels.get(key) or self.labels.get(base_key(key), "?")
 
     def color(self, key: str) -> str:
         keys = list(dict.fromkeys(self.labels.values()))

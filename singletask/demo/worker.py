@@ -200,10 +200,14 @@ def tidy_up_servers(app: Celery, setup: Setup, task_ids: Iterable[str]) -> None:
                 queue.delete()
 
 
+#: The SQLite store's tables, whose rows the demo deletes by key prefix.
+SQLITE_TABLES = ("singletask_locks", "singletask_fences", "singletask_rates", "singletask_debounce")
+
+
 def delete_lock_keys(url: str, prefix: str) -> int:
     """Delete every record whose key contains ``prefix`` from the lock store at ``url`` (Redis:
-    the locks, released records and ``{...}:fence`` companion hashes; SQLite: rows of both
-    tables). Returns how many.
+    the locks, released records and ``{...}:fence`` companion hashes; SQLite: rows of the
+    locks, fences, rates and debounce tables). Returns how many.
 
     Only for a prefix that is the run's own (it must not match anyone else's keys).
     """
@@ -227,8 +231,10 @@ def delete_lock_keys(url: str, prefix: str) -> int:
         try:
             like = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
             deleted = 0
+            # A database of an older version may lack the newer tables: only those it has.
+            tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
             with conn:
-                for table in ("singletask_locks", "singletask_fences"):
+                for table in [t for t in SQLITE_TABLES if t in tables]:
                     deleted += conn.execute(
                         f"DELETE FROM {table} WHERE key LIKE ? ESCAPE '\\'", (f"%{like}%",)
                     ).rowcount

@@ -1,0 +1,108 @@
+"""What the demo checks on a scenario's timeline: runs at once per lock key, spacing of starts.
+
+A run's key is the store key it held: with ``lock_limit`` above 1 that is one of the key's
+holder slots (:mod:`singletask.slots`), so runs are grouped by the lock key their slot belongs
+to. Each check returns its problems in words; an empty list means the timeline kept the limits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+
+from ..slots import base_key
+from .timeline import Run, max_overlap
+
+__all__ = [
+    "Limits", "closest_starts", "most_at_once", "most_in_all", "problems", "slack",
+    "spacing_line",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a scenario's task allows per lock key.
+
+    Attributes:
+        limit: Runs of one key at once (``lock_limit``).
+        interval: Seconds between two starts of one key (``lock_rate``), or None.
+    """
+
+    limit: int = 1
+    interval: float | None = None
+
+
+def slack(interval: float) -> float:
+    """How much closer than ``interval`` two starts may look on the timeline: the start events
+    are written by the task bodies just after their lock was taken, not by the store, so they
+    can be a little late (5% of the interval, at least 20 ms)."""
+    return max(interval * 0.05, 0.02)
+
+
+def _by_key(runs: Iterable[Run]) -> dict[str, list[Run]]:
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(base_key(run.key), []).append(run)
+    return groups
+
+
+def _intervals(runs: Iterable[Run]) -> list[tuple[float, float]]:
+    return [(r.start, r.end if r.end is not None else float("inf")) for r in runs]
+
+
+def most_at_once(runs: Iterable[Run]) -> int:
+    """The most runs of one lock key (all its holder slots together) at the same moment."""
+    return max((max_overlap(_intervals(group)) for group in _by_key(runs).values()), default=0)
+
+
+def most_in_all(runs: Iterable[Run]) -> int:
+    """The most runs at the same moment, all lock keys together."""
+    return max_overlap(_intervals(runs))
+
+
+def closest_starts(runs: Iterable[Run]) -> float | None:
+    """The shortest time between two starts of one lock key, or None with no two starts."""
+    gaps = [
+        b - a
+        for group in _by_key(runs).values()
+        for a, b in pairwise(sorted(r.start for r in group))
+    ]
+    return min(gaps, default=None)
+
+
+def problems(name: str, runs: Sequence[Run], limits: Limits) -> list[str]:
+    """Where the runs of a scenario broke its task's limits: more runs of one key at once than
+    ``limits.limit``, or two starts of one key closer than ``limits.interval`` (less
+    :func:`slack`)."""
+    found = []
+    for key, group in _by_key(runs).items():
+        most = max_overlap(_intervals(group))
+        if most > limits.limit:
+            found.append(
+                f"{name}: {most} runs of lock key {key!r} overlapped (at most {limits.limit} "
+                "allowed)"
+            )
+        if limits.interval is None:
+            continue
+        starts = sorted(r.start for r in group)
+        for a, b in pairwise(starts):
+            if b - a < limits.interval - slack(limits.interval):
+                found.append(
+                    f"{name}: two runs of lock key {key!r} started {b - a:.3f}s apart (at "
+                    f"+{a:.2f}s and +{b:.2f}s), closer than its lock_rate interval of "
+                    f"{limits.interval:.3f}s"
+                )
+    return found
+
+
+def spacing_line(runs: Sequence[Run], limits: Limits) -> str:
+    """How close the starts of one key came, for a scenario with a rate ("" without)."""
+    closest = closest_starts(runs)
+    if limits.interval is None or closest is None:
+        return ""
+    ok = "ok" if closest >= limits.interval - slack(limits.interval) else "TOO CLOSE"
+    return (
+        f"Starts of one lock key: at least {closest:.3f}s apart (the lock_rate's interval is "
+        f"{limits.interval:.3f}s) [{ok}]."
+    )
