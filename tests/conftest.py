@@ -46,16 +46,32 @@ DEPLOYMENT_FIXTURES = frozenset(
 )
 DEPLOYMENT_BACKENDS = frozenset({"redis-cluster", "redis-sentinel", "rediss", "rediss-cluster"})
 
+#: The ``backend`` params whose stores keep no holder slots, rate records or debounce windows
+#: (tests/backends/test_contract_slots.py and test_contract_rates.py check that they refuse
+#: them), and the fixtures of the contract tests that need those records: such a test is not
+#: collected for such a store.
+ONE_HOLDER_BACKENDS = frozenset({"memcached", "django-memcached", "django-redis"})
+BEYOND_ONE_FIXTURES = frozenset({"slotted", "rated", "debounced"})
+
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test that needs a Redis deployment with ``deployments`` (before ``-m`` runs)."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test that needs a Redis deployment with ``deployments`` (before ``-m`` runs),
+    and leave out the limits, rates and debounce contract tests of stores without them."""
+    kept, left_out = [], []
     for item in items:
         callspec = getattr(item, "callspec", None)
         backend = callspec.params.get("backend") if callspec is not None else None
         fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & BEYOND_ONE_FIXTURES and backend in ONE_HOLDER_BACKENDS:
+            left_out.append(item)
+            continue
+        kept.append(item)
         if fixtures & DEPLOYMENT_FIXTURES or backend in DEPLOYMENT_BACKENDS:
             item.add_marker(pytest.mark.deployments)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = kept
 
 
 _redis_failure: list[str] = []

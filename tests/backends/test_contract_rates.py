@@ -21,6 +21,7 @@ from singletask.backends.base import AcquireResult, LockBackend
 from singletask.exceptions import UnsupportedOperation
 from singletask.slots import slot_key
 
+from ..conftest import ONE_HOLDER_BACKENDS
 from .test_contract import (
     LEASE,
     SHORT,
@@ -55,6 +56,23 @@ def debounced(backend: LockBackend) -> LockBackend:
             backend.debounce("any", "task", LEASE)
         pytest.skip(f"{backend!r} has no debounce windows (lock_debounce is refused when bound)")
     return backend
+
+
+def test_only_the_stores_that_keep_one_holder_refuse_rates_and_debounce(
+    backend: LockBackend, request: pytest.FixtureRequest
+) -> None:
+    """memcached and the Django caches refuse rate records and debounce windows at once; every
+    other store has them."""
+    if request.node.callspec.params["backend"] in ONE_HOLDER_BACKENDS:
+        assert not backend.supports_rate
+        assert not backend.supports_debounce
+        with pytest.raises(UnsupportedOperation):
+            backend.acquire_slot("any", 1, "token", LEASE, interval=1.0)
+        with pytest.raises(UnsupportedOperation):
+            backend.debounce("any", "task", LEASE)
+    else:
+        assert backend.supports_rate
+        assert backend.supports_debounce
 
 
 def start(

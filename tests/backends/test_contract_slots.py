@@ -18,6 +18,7 @@ from singletask.backends.base import AcquireResult, LockBackend
 from singletask.exceptions import UnsupportedOperation
 from singletask.slots import base_key, slot_key, slot_keys
 
+from ..conftest import ONE_HOLDER_BACKENDS
 from .test_contract import (
     LEASE,
     SHORT,
@@ -42,6 +43,18 @@ def slotted(backend: LockBackend) -> LockBackend:
             backend.acquire_slot("any", 2, "token", LEASE)
         pytest.skip(f"{backend!r} has no holder slots (lock_limit is refused at worker start)")
     return backend
+
+
+def test_only_the_stores_that_keep_one_holder_refuse_holder_slots(
+    backend: LockBackend, request: pytest.FixtureRequest
+) -> None:
+    """memcached and the Django caches refuse slots at once; every other store has them."""
+    if request.node.callspec.params["backend"] in ONE_HOLDER_BACKENDS:
+        assert not backend.supports_limit
+        with pytest.raises(UnsupportedOperation):
+            backend.acquire_slot("any", 2, "token", LEASE)
+    else:
+        assert backend.supports_limit
 
 
 def fill(backend: LockBackend, key: str, count: int = LIMIT) -> list[AcquireResult]:
