@@ -13,6 +13,10 @@ the benchmark process builds it with :func:`make_app`. For each variant ``v`` th
     (nothing), ``sleep:<s>`` or ``wait:<name>`` (in-process only: block on a local event). A
     body that is not ``probe`` records its process, task id and start time in the probe
     database under ``token``, and counts how many bodies of ``key`` run at once.
+``bench.singletask-{limit,rate,debounce}.noop(i)``
+    The empty body with ``lock_limit``, ``lock_rate`` or ``lock_debounce`` (``BEYOND``).
+``bench.singletask-fleet.start(i)``
+    One key under ``lock_rate`` (``BENCH_FLEET_RATE``): each start records its fencing token.
 
 In a worker, the ``task_prerun`` / ``task_postrun`` signals write one line per execution to a
 file per pool process (``BENCH_TIMES_DIR``), and ``hold`` executions also leave a ``done:``
@@ -55,6 +59,14 @@ REQUIRES = {
     "celery-once": "celery_once",
     "celery-heimdall": "celery_heimdall",
     "celery-heimdall-nb": "celery_heimdall",
+}
+
+#: The task options of bench/beyond.py's variants (not contenders: run.py never runs them).
+#: The rate is high enough never to refuse a key per execution: what it measures is the check.
+BEYOND: dict[str, dict[str, Any]] = {
+    "singletask-limit": {"lock_limit": 5},
+    "singletask-rate": {"lock_rate": "1000/s"},
+    "singletask-debounce": {"lock_debounce": 1.0},
 }
 
 #: Where each variant takes its lock: when a worker executes the task, or when it is sent.
@@ -155,6 +167,13 @@ def two_pings(i: int) -> None:
     _ran.value = True
 
 
+def fleet_start(self: Task, i: int) -> None:
+    """A start under ``lock_rate``: its fencing token (on Redis, the store's clock in
+    microseconds when it took the key), this process's clock and pid, in the probe database."""
+    _ran.value = True
+    probe().rpush("fleet:starts", f"{self.lock.fence} {time.time()!r} {os.getpid()}")
+
+
 def hold(key: str, mode: str = "probe", token: str = "") -> None:
     _ran.value = True
     if mode == "probe":
@@ -219,6 +238,20 @@ def _register(app: Celery, variant: str) -> None:
         scope = "queue" if variant == "singletask-queue" else "execution"
         task(name=noop_name, base=SingletonTask, lock_args="*", lock_scope=scope)(noop)
         task(name=hold_name, base=SingletonTask, lock_args=("key",), lock_scope=scope)(hold)
+    elif variant in BEYOND:
+        # The options beyond the singleton (bench/beyond.py), on the same per-argument keys.
+        from singletask import SingletonTask
+
+        task(name=noop_name, base=SingletonTask, lock_args="*", **BEYOND[variant])(noop)
+    elif variant == "singletask-fleet":
+        # One key for the whole task under a rate: bench/beyond.py's fleet of workers.
+        from singletask import SingletonTask
+
+        task(
+            name="bench.singletask-fleet.start", base=SingletonTask, bind=True,
+            lock_rate=os.environ.get("BENCH_FLEET_RATE", "20/s"), lock_limit=4,
+            lock_policy="retry", lock_retry_max=1000, lock_retry_countdown=0.05,
+        )(fleet_start)  # fmt: skip
     elif variant == "celery-singleton":
         from celery_singleton import Singleton
 
