@@ -136,10 +136,11 @@ class Conflict:
 
     def countdown(self) -> float:
         """``lock_retry_countdown`` plus up to 25% jitter; for a rate refusal, the time until
-        a start is allowed plus up to 10% (at least 50 ms) of jitter, so that the messages
-        waiting for one key do not all come back at the same moment."""
+        a start is allowed plus up to 10% of it and 5 ms of jitter: the messages waiting for
+        one key do not all come back at the same moment, and the first of them comes soon
+        after the start is allowed."""
         if self.retry_after is not None:
-            return self.retry_after + random.uniform(0, 0.05 + self.retry_after / 10)
+            return self.retry_after + random.uniform(0, 0.005 + self.retry_after / 10)
         base = self.options.retry_countdown
         return base + random.uniform(0, base / 4)
 

@@ -6,10 +6,11 @@ A key's companions are named by :func:`singletask.slots.companion_key`: ``{<key>
 has a hash tag or no ``}`` at all:
 
 * ``}:fence`` — a hash holding a coalescing task's pending follow-up claim (:func:`fence_key`);
-* ``}:rate`` — the rate record: a string, the server time (ms since the epoch) of the key's next
-  allowed start, expiring then (``PX`` interval). :data:`ACQUIRE_SLOT_RATED_SCRIPT` checks and
-  writes it in the script that takes the slot, so it must share the slots' cluster slot (the
-  Cluster store refuses a key whose rate record would not);
+* ``}:rate`` — the rate record: a string, the server time (microseconds since the epoch) of
+  the key's next allowed start, expiring then (``PX`` interval).
+  :data:`ACQUIRE_SLOT_RATED_SCRIPT` checks and writes it in the script that takes the slot,
+  so it must share the slots' cluster slot (the Cluster store refuses a key whose rate record
+  would not);
 * ``}:debounce`` — the debounce window: a hash ``{l: latest task id, o: server ms it opened}``,
   kept ``ttl`` from each send. Its scripts touch it alone.
 
@@ -25,6 +26,7 @@ from typing import Any
 
 from ..exceptions import ConfigurationError, LockKeyError
 from ..slots import MAX_LIMIT, companion_key, slot_keys
+from .base import check_lease
 from .redis_scripts import _ACQUIRE_FUNCTION, _CHECK_MS
 from .redis_slots import _ACQUIRE_SLOT, _ACQUIRE_SLOT_FUNCTION, COMPANION_ENDS
 from .redis_wire import _ms, _Script, _text, encode_meta
@@ -90,10 +92,10 @@ local rate, interval = KEYS[#KEYS], ms(ARGV[#ARGV])
 local KEYS, ARGV = {unpack(KEYS, 1, #KEYS - 1)}, {unpack(ARGV, 1, #ARGV - 1)}
 local function start()
   local now = redis.call('TIME')
-  local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+  local now_us = tonumber(now[1]) * 1000000 + tonumber(now[2])
   local allowed = tonumber(redis.call('GET', rate) or '0') or 0
-  if allowed > now_ms then return allowed - now_ms end
-  redis.call('SET', rate, string.format('%.0f', now_ms + interval), 'PX', interval)
+  if allowed > now_us then return math.ceil((allowed - now_us) / 1000) end
+  redis.call('SET', rate, string.format('%.0f', now_us + interval * 1000), 'PX', interval)
   return false
 end
 """
@@ -104,9 +106,10 @@ end
 # Returns ACQUIRE_SLOT_SCRIPT's replies ({1, ...} taken, {0, ...} every slot held: nothing is
 # written, the rate record is not read), and {2, ms until a start is allowed} when the slot it
 # would take goes to a new token (free, or taken over: a start) within the interval of the key's
-# last start, by the server clock; nothing is written then. A start writes KEYS[n+1] = server ms
-# of the next allowed start (now + interval), PX interval. A holder taking its own slot again is
-# no start: the rate record is neither read nor written.
+# last start, by the server clock (rounded up to the ms); nothing is written then. A start
+# writes KEYS[n+1] = server microseconds of the next allowed start (now + interval), PX
+# interval: in microseconds, so that no start comes a rounding closer than the interval. A
+# holder taking its own slot again is no start: the rate record is neither read nor written.
 # Errors (before any write) when ARGV[2] or the interval is out of range.
 ACQUIRE_SLOT_RATED_SCRIPT = (
     _CHECK_MS + _RATE_PRELUDE + _ACQUIRE_FUNCTION + _ACQUIRE_SLOT_FUNCTION
@@ -192,7 +195,10 @@ def slot_request(
     args: list[str | int] = [token, _ms(ttl, "acquire"), takeover_prefix or "", since, *fields]
     if interval is None:
         return _ACQUIRE_SLOT, keys, args
-    args.append(_ms(interval, "acquire_slot interval"))
+    # Rounded up to the millisecond (the script's unit): a shorter interval would let a start
+    # through early (a third of a second truncated to 333 ms: 4 starts in a second for "3/s").
+    micros = round(check_lease(interval, "acquire_slot interval") * 1_000_000)
+    args.append(max(1, -(-micros // 1000)))
     return _ACQUIRE_SLOT_RATED, [*keys, rate_key(key)], args
 
 

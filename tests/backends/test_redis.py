@@ -467,7 +467,7 @@ def test_a_rated_slot_acquisition_and_a_debounce_cost_one_round_trip_each(
 def test_a_rate_record_and_a_debounce_window_are_companions_of_the_key(
     redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    """The rate record is a string of the server time (ms) of the next allowed start, expiring
+    """The rate record is a string of the server time (µs) of the next allowed start, expiring
     then; the window a hash {l: latest, o: opened ms} kept for the debounce's ttl. Both hash to
     the key's cluster slot and are never listed as locks."""
     from redis.crc import key_slot
@@ -480,7 +480,7 @@ def test_a_rate_record_and_a_debounce_window_are_companions_of_the_key(
     assert redis_backend.debounce(key, "send-1", 40) == (None, 0.0)
 
     # Then each is a key of its own, with an expiry, in the key's cluster slot
-    allowed = int(redis_client.get(rate) or 0)
+    allowed = int(redis_client.get(rate) or 0) // 1000
     assert server_ms + 19_000 < allowed <= server_ms + 22_000
     assert 19_000 < redis_client.pttl(rate) <= 20_000
     fields = redis_client.hgetall(window)
@@ -490,6 +490,18 @@ def test_a_rate_record_and_a_debounce_window_are_companions_of_the_key(
     assert {key_slot(k.encode()) for k in (rate, window)} == {key_slot(key.encode())}
     # And only the lock is listed under the prefix
     assert [name for name, _ in redis_backend.iter_locks(key_prefix)] == [key]
+
+
+def test_a_rate_record_never_lets_a_start_come_a_rounding_early(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key: str
+) -> None:
+    """ "3/s" spaces starts by a third of a second: the record is kept in microseconds and the
+    interval rounded up to the millisecond, never truncated to 333 ms (4 starts a second)."""
+    seconds, micros = redis_client.time()
+    before_us = int(seconds) * 1_000_000 + int(micros)
+    assert redis_backend.acquire_slot(key, 1, "token-a", LEASE, interval=1 / 3).acquired
+    allowed_us = int(redis_client.get(f"{{{key}}}:rate") or 0)
+    assert allowed_us >= before_us + 333_334
 
 
 @pytest.mark.parametrize("end", ["}:rate", "}:debounce"])
