@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from celery.utils import uuid
@@ -62,8 +63,10 @@ def send(
     """Publish a message of the debounced ``task`` with ``publish(task_id, send_options)``.
 
     The message becomes its key's latest send and waits :func:`wait` seconds, on top of any
-    ``countdown`` or ``eta`` it was given. In eager mode, and for the messages of
-    ``_PUBLISHED_AS_IS`` and canvas parts, it is published as it is. If the lock store cannot be
+    ``countdown`` or ``eta`` it was given; an ``expires`` it was given moves by the same wait
+    (beat's recipe ``expires`` of one period would otherwise drop every debounced tick). In
+    eager mode, and for the messages of ``_PUBLISHED_AS_IS`` and canvas parts, it is published
+    as it is. If the lock store cannot be
     reached the message is published at once, without debounce, and a WARNING says so.
     """
     if (
@@ -93,10 +96,18 @@ def send(
             task.name, task_id, exc,
         )  # fmt: skip
         return publish(task_id, send_options)
-    countdown = delay + wait(options, age)
+    waited = wait(options, age)
+    countdown = delay + waited
     logger.info(
         "Task %s[%s] debounced on %r: starts in %.1fs unless a later send supersedes it%s",
         task.name, task_id, key, countdown, f" (it supersedes {previous})" if previous else "",
     )  # fmt: skip
     published = {k: v for k, v in send_options.items() if k != "eta"}
+    expires = send_options.get("expires")
+    if isinstance(expires, int | float) and not isinstance(expires, bool):
+        published["expires"] = expires + waited  # counted from the send, which waits longer now
+    elif isinstance(expires, datetime | str):
+        moment = maybe_iso8601(expires)
+        if moment is not None:
+            published["expires"] = moment + timedelta(seconds=waited)
     return publish(task_id, {**published, "countdown": countdown})

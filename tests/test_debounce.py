@@ -136,3 +136,36 @@ def test_a_store_without_debounce_windows_refuses_debounce_at_definition(url: st
 
         @app.task(base=SingletonTask, shared=False, lazy=False, name="debounce.m", lock_debounce=1)
         def bad() -> None: ...
+
+
+def test_a_send_waits_its_debounce_on_top_of_its_countdown_and_its_expires_moves_along() -> None:
+    """What apply_async publishes for a debounced task (captured where Celery would publish):
+    the countdown adds the wait, and an ``expires`` (beat's recipe sets one period) moves by
+    the same wait, so that the message does not expire before it may run."""
+    from singletask import debounce
+
+    app = celery.Celery("debounce-send", set_as_current=False)
+    app.conf.update(singletask_backend_url="memory://")
+
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_debounce=1.5)
+    def rebuild() -> None: ...
+
+    published: list[tuple[str | None, dict[str, Any]]] = []
+
+    def publish(task_id: str | None, send_options: Any = None) -> Any:
+        published.append((task_id, dict(send_options or {})))
+        return rebuild.AsyncResult(task_id)
+
+    options = lock_options(rebuild)
+    debounce.send(
+        rebuild, options, publish, "send-1", (), {}, linked=False,
+        send_options={"countdown": 2, "expires": 1.0},
+    )  # fmt: skip
+    debounce.send(rebuild, options, publish, "send-2", (), {}, linked=False, send_options={})
+
+    assert published == [
+        ("send-1", {"countdown": 3.5, "expires": 2.5}),
+        ("send-2", {"countdown": 1.5}),
+    ]
+    assert rebuild.lock_backend.debounce_take(rebuild.lock_key_for(), "send-1") == "send-2"
+    app.close()

@@ -66,6 +66,11 @@ TASKS: list[tuple[Any, str, dict[str, Any]]] = [
         {"lock_debounce": 1.0, "lock_debounce_max": 2.0, "lock_args": ("label",),
          "name": PREFIX + "rebuild_bounded"},
     ),
+    (
+        rebuild, "supports_debounce",
+        {"lock_debounce": 1.5, "lock_debounce_max": 3.0, "lock_args": ("label",),
+         "name": PREFIX + "rebuild_slow"},
+    ),
 ]  # fmt: skip
 
 

@@ -12,6 +12,7 @@ e2e modules already cover RabbitMQ; this keeps the suite short.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import signal
 import subprocess
@@ -157,3 +158,24 @@ def test_a_queue_scope_tick_that_meets_task_locked_in_beat_is_logged_and_beat_ke
     assert worker_conflicts(cluster, label) == []
     assert len([event for event, _ in events if event == "start"]) >= 2
     cluster.wait_free(key)
+
+
+def test_debounced_ticks_collapse_into_runs_at_most_debounce_max_apart(
+    cluster: Cluster, label: str, tmp_path: Path
+) -> None:
+    """Beat ticks every second a job debounced by 1.5 s, at most 3 s (so never quiet long
+    enough by itself): the ticks collapse, yet it runs about every 3 s, and each tick's expires
+    (one period, the recipe's) moves with its wait instead of dropping every tick."""
+    with running_beat(cluster, tmp_path, "e2e.limits.rebuild_slow", [label, 0]) as beat:
+        first = cluster.probe.wait_for(label, "start", timeout=20)[0]
+        while time.time() < first["t"] + 7:
+            assert beat.alive(), f"beat exited:\n{beat.tail()}"
+            time.sleep(0.2)
+        ticks = len(beat.lines("Scheduler: Sending due task"))
+    finish_runs(cluster, label)
+
+    runs_started = cluster.probe.starts(label)
+    assert 2 <= len(runs_started) < ticks / 2, (len(runs_started), ticks)
+    gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(runs_started)]
+    assert all(gap < 3.0 + 2 * PERIOD for gap in gaps), gaps
+    assert cluster.probe.max_overlap(label) == 1
