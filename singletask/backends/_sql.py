@@ -1,7 +1,8 @@
-"""What the PostgreSQL and MySQL lock stores share: the table layout, URL options, the pool.
+"""What the PostgreSQL and MySQL lock stores share: the table layout, URL options.
 
 The SQL itself lives in each store's module (:mod:`~singletask.backends.postgres`,
-:mod:`~singletask.backends.mysql`); this module holds only what is the same for both.
+:mod:`~singletask.backends.mysql`); this module holds only what is the same for both. Their
+connection pool is :mod:`~singletask.backends._sql_pool`.
 
 One row per lock key, in one table (``singletask_locks`` unless a setting names another)::
 
@@ -42,19 +43,15 @@ due (at most once per RECLAIM_INTERVAL per process), through the index on ``expi
 from __future__ import annotations
 
 import abc
-import contextlib
 import hashlib
 import json
-import os
 import re
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import Any, Generic, TypeVar
+from typing import TypeVar
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
-from ..exceptions import BackendTimeout, ConfigurationError, LockKeyError
+from ..exceptions import ConfigurationError, LockKeyError
 from ..slots import MAX_LIMIT, base_key, slot_index, slot_keys
 from ..urls import check_port
 from .base import AcquireResult, Holder, LockBackend, check_lease
@@ -65,7 +62,6 @@ __all__ = [
     "RECLAIM_BATCH",
     "RECLAIM_INTERVAL",
     "TABLE_SCHEMES",
-    "Pool",
     "SQLBackend",
     "SQLOptions",
     "check_limit",
@@ -74,8 +70,6 @@ __all__ = [
     "like_prefix",
     "listed_prefixes",
     "load_holder",
-    "slot_args",
-    "slot_outcome",
     "split_url",
     "stored_key",
 ]
@@ -97,7 +91,6 @@ RECLAIM_BATCH = 1000
 
 _TABLE_NAME = re.compile(r"(?:[a-z_][a-z0-9_]{0,47}\.)?[a-z_][a-z0-9_]{0,47}")
 
-C = TypeVar("C")
 R = TypeVar("R")
 
 
@@ -245,44 +238,6 @@ def check_limit(limit: object) -> int:
     return limit
 
 
-def slot_outcome(
-    names: Sequence[str],
-    token: str,
-    rows: Sequence[tuple[int, str | None, str | None, int | None, float | None, str | None]],
-) -> AcquireResult:
-    """The result of a slot acquisition from the rows its script returned: ``(ordinal,
-    token, meta, fence, seconds left, done)`` of the live holders of the slots ``names``
-    (ordinal 1 is ``names[0]``), by ordinal. A row of ordinal 0 says the key's rate refused a
-    start (its seconds left: until one is allowed). Else the caller took the first slot its
-    token holds; else every slot is held, and the rows are its holders."""
-    if rows and rows[0][0] == 0:
-        return AcquireResult(False, retry_after=max(0.0, rows[0][4] or 0.0))
-    for index, holder, _, fence, _, done in rows:
-        if holder == token:
-            return AcquireResult(True, fence=fence, completed=done, key=names[index - 1])
-    holders = tuple(
-        load_holder(holder or "", meta, left, fence) for _, holder, meta, fence, left, _ in rows
-    )
-    return AcquireResult(False, holders[0], holders=holders)
-
-
-def slot_args(
-    keys: Callable[[str], dict[str, str | None]], key: str, names: Sequence[str], token: str,
-    meta: Mapping[str, str] | None, takeover_prefix: str | None,
-) -> dict[str, Any]:  # fmt: skip
-    """The arguments every slot acquisition's script takes: ``base`` and ``base_full`` (the
-    key's row), ``keys`` and ``fulls`` (the slots' rows; ``keys`` gives the stored and full
-    key of a lock key), the holder's ``token``, ``task_id``, ``meta``, and ``prefix``."""
-    stored, task_id = dump_meta(meta)
-    base = keys(key)
-    slots = [keys(name) for name in names]
-    return {
-        "base": base["key"], "base_full": base["full_key"], "token": token,
-        "keys": [s["key"] for s in slots], "fulls": [s["full_key"] for s in slots],
-        "task_id": task_id, "meta": stored, "prefix": takeover_prefix or "",
-    }  # fmt: skip
-
-
 class SQLBackend(LockBackend):
     """What the PostgreSQL and MySQL stores share above their SQL: holder slots taken by one
     script (``_take_slot``), rate records and debounce windows on the key's row, the operator
@@ -363,107 +318,6 @@ def pages(
         if len(rows) < page_size:
             return
         after = key_of(rows[-1])
-
-
-class Pool(Generic[C]):
-    """At most ``size`` connections of the current process, opened when first needed.
-
-    A process forked from the one that opened them never uses (nor closes: that would end the
-    parent's sessions) the parent's connections; it opens its own. A connection that saw an
-    error, or that ``broken`` says is unusable, is closed, not reused: after a driver error its
-    state is unknown.
-    """
-
-    def __init__(
-        self,
-        connect: Callable[[], C],
-        close: Callable[[C], None],
-        *,
-        size: int,
-        timeout: float,
-        describe: str,
-        broken: Callable[[C], bool] | None = None,
-    ) -> None:
-        self._connect = connect
-        self._broken = broken
-        self._close = close
-        self._size = size
-        self._timeout = timeout
-        self._describe = describe
-        self._mutex = threading.Lock()
-        self._pid = os.getpid()
-        self._idle: list[C] = []
-        self._inherited: list[C] = []
-        self._slots = threading.BoundedSemaphore(size)
-        self.generation = 0  # bumped whenever the process (or close()) drops every connection
-
-    def _own(self) -> None:
-        if self._pid != os.getpid():  # forked: leave the parent's connections alone
-            self._pid = os.getpid()
-            # Kept referenced, never used: a driver finalising them here could end (or warn
-            # about) sessions that belong to the parent.
-            self._inherited.extend(self._idle)
-            self._idle = []
-            self._slots = threading.BoundedSemaphore(self._size)
-            self._mutex = threading.Lock()
-            self.generation += 1
-
-    @contextmanager
-    def connection(self) -> Iterator[C]:
-        """Lend a connection for one operation (see :meth:`checkout`)."""
-        with self.checkout() as (conn, _):
-            yield conn
-
-    @contextmanager
-    def checkout(self) -> Iterator[tuple[C, bool]]:
-        """Lend a connection for one operation, and whether it was used before (an idle
-        connection can have been closed by the server meanwhile; a new one cannot).
-
-        Raises:
-            BackendTimeout: Every connection stayed busy for ``timeout`` seconds.
-        """
-        self._own()
-        slots = self._slots
-        if not slots.acquire(timeout=self._timeout):
-            raise BackendTimeout(
-                f"{self._describe}: no free connection within {self._timeout}s "
-                f"(pool_size {self._size})"
-            )
-        try:
-            with self._mutex:
-                conn = self._idle.pop() if self._idle else None
-            reused = conn is not None
-            if conn is None:
-                conn = self._connect()
-            try:
-                yield conn, reused
-            except BaseException:
-                self._discard(conn)
-                raise
-            if self._broken is not None and self._broken(conn):
-                self._discard(conn)
-                return
-            with self._mutex:
-                if slots is self._slots:
-                    self._idle.append(conn)
-                else:  # close() ran meanwhile
-                    self._discard(conn)
-        finally:
-            slots.release()
-
-    def _discard(self, conn: C) -> None:
-        with contextlib.suppress(Exception):  # best effort: it may be broken already
-            self._close(conn)
-
-    def clear(self) -> None:
-        """Close every idle connection of this process (connections in use close on return)."""
-        self._own()
-        with self._mutex:
-            idle, self._idle = self._idle, []
-            self._slots = threading.BoundedSemaphore(self._size)
-            self.generation += 1
-        for conn in idle:
-            self._discard(conn)
 
 
 class Reclaimer:

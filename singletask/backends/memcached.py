@@ -11,10 +11,11 @@ completion marker, so a release and its marker are one ``cas``. Every change rea
 with ``gets`` and writes it with ``cas``, so a concurrent change makes the write fail and the
 step is decided again on the new record. A lock record is only ever created free (``add``) and
 taken with a ``cas``; the fencing token comes from a counter item per lock (``incr``, seeded
-with ``add``) read between that ``gets`` and that ``cas`` (why: the comment above
-``acquire``). A pending follow-up is one item (``add``; cleared by a ``cas`` with a negative
-expiry, memcached's delete-if-unchanged). The counter and the follow-up slot have names no lock
-key can have (see :func:`~singletask.backends.memcached_items.item_name`).
+with ``add``) read between that ``gets`` and that ``cas`` (why:
+:mod:`~singletask.backends.memcached_fences`). A pending follow-up is one item (``add``; cleared
+by a ``cas`` with a negative expiry, memcached's delete-if-unchanged). The counter and the
+follow-up slot have names no lock key can have (see
+:func:`~singletask.backends.memcached_items.item_name`).
 
 What differs from Redis (the guarantees page has the details): memcached's own expiry ends a
 lease, in whole seconds of its clock, and the lease time reported is derived from a deadline the
@@ -44,9 +45,9 @@ from ..exceptions import (
     UnsupportedOperation,
 )
 from .base import AcquireResult, Holder, LockBackend
+from .memcached_fences import next_fence
 from .memcached_items import (
     CLIENT_DEFAULTS,
-    FENCE_EXPIRY,
     MAX_RELATIVE_EXPIRY,
     OPTION_TYPES,
     RECORD_RETENTION,
@@ -180,54 +181,14 @@ class MemcachedBackend(LockBackend):
     # -- fencing ---------------------------------------------------------------------------------
 
     def _next_fence(self, client: Any, key: str, floor: int | None, *, fresh: bool) -> int:
-        """A fencing token greater than every one issued before (and than ``floor``).
-
-        Called between the ``gets`` of the record and its ``cas`` (see the comment above
-        :meth:`acquire`). A missing counter (new key, or evicted / expired / lost in a restart)
-        is seeded with the time, so that the fence keeps growing as long as the hosts' clocks
-        do. With ``fresh`` (the record was just created) the counter is most likely missing
-        too: seeding is tried first.
-        """
-        counter = item_name(key, "fence")
-        seed = max(int(time.time() * 1_000_000), (floor or 0) + 1)
-        if fresh and client.add(counter, str(seed).encode(), expire=FENCE_EXPIRY):
-            return seed
-        value = client.incr(counter, 1)
-        if value is None:
-            if client.add(counter, str(seed).encode(), expire=FENCE_EXPIRY):
-                return seed
-            value = client.incr(counter, 1)
-            if value is None:
-                raise BackendError(f"{self!r}: the fence counter of {key!r} vanished twice")
-        if floor is not None and int(value) <= floor:
-            value = client.incr(counter, floor + 1 - int(value))
-            if value is None:
-                raise BackendError(f"{self!r}: the fence counter of {key!r} vanished")
-        return int(value)
+        """A fencing token greater than every one issued before (and than ``floor``): see
+        :func:`~singletask.backends.memcached_fences.next_fence`."""
+        return next_fence(client, key, floor, fresh=fresh, owner=self)
 
     # -- the primitives --------------------------------------------------------------------------
 
     # Why a fence is never below one issued before it for the key, whatever the interleaving:
-    #
-    # * A lock record is created only as a *free* record, with ``add`` (which fails when any item
-    #   is there). Every acquisition is a ``cas`` over a record its ``gets`` read, and the fence is
-    #   taken from the key's counter (``incr``) *between* that ``gets`` and that ``cas``.
-    # * A ``cas`` succeeds only if the item was not changed, deleted, expired or re-created since
-    #   the ``gets`` (memcached gives every store of an item a new cas value, never reused until it
-    #   restarts, which loses every lock anyway). So the
-    #   ``incr`` of a successful acquisition A ran while the record was still in the state A read.
-    # * Every earlier holder B made that state's past: B's ``cas`` happened before A's ``gets``
-    #   (had it happened after, A's ``cas`` would fail), and B's ``incr`` before B's ``cas``. So
-    #   B's ``incr`` came before A's, and the counter only grows: B's fence < A's fence.
-    # * A paused acquisition cannot issue a stale fence: if a rival acquired (and released, or let
-    #   its lease expire) meanwhile, the paused ``cas`` fails and the step is decided again, with a
-    #   new ``incr``. Creating the record with ``add`` (where the old version put the *held*
-    #   record, with a fence taken before it) is what makes this hold when no item is there: a
-    #   rival's whole lease could begin and end between the ``incr`` and an ``add``, and ``add``
-    #   cannot tell (seen: A took N, B took N+1 and expired, A's ``add`` stored N).
-    # * The counter is kept above the fence in the record (``floor``). A lost counter (evicted,
-    #   expired after 30 days, or a restart) is seeded again from the host's clock in microseconds:
-    #   there, and only there, fences rest on the hosts' clocks (see the guarantees page).
+    # see :mod:`~singletask.backends.memcached_fences`.
     def acquire(
         self,
         key: str,

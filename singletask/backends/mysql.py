@@ -39,7 +39,7 @@ from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, Confi
 from ..slots import base_key, slot_index
 from ..urls import mask_url
 from . import _mysql_sql as Q
-from . import _sql
+from . import _sql, _sql_pool, _sql_slots
 from ._mysql_sql import KEY_BYTES
 from .base import AcquireResult, Holder, check_lease
 
@@ -143,7 +143,7 @@ class MySQLBackend(_sql.SQLBackend):
                 "debounce": Q.DEBOUNCE, "debounce_take": Q.DEBOUNCE_TAKE,
             }.items()
         }  # fmt: skip
-        self._pool: _sql.Pool[pymysql.connections.Connection[Any]] = _sql.Pool(
+        self._pool: _sql_pool.Pool[pymysql.connections.Connection[Any]] = _sql_pool.Pool(
             self._connect, lambda conn: conn.close(), size=options.pool_size,
             timeout=options.timeout, describe=repr(self),
         )  # fmt: skip
@@ -270,7 +270,7 @@ class MySQLBackend(_sql.SQLBackend):
     ) -> AcquireResult:  # fmt: skip
         """One transaction: ``_mysql_sql.ACQUIRE_SLOT``."""
         ttl = check_lease(ttl, "acquire")
-        args = _sql.slot_args(_keys, key, names, token, meta, takeover_prefix)
+        args = _sql_slots.slot_args(_keys, key, names, token, meta, takeover_prefix)
         args.update(lease_us=_us(ttl), row_us=_us(ttl + _sql.FENCE_RETENTION))
         args["rate_us"] = None if interval is None else _us(interval)
         for n, (stored, full) in enumerate(
@@ -280,7 +280,7 @@ class MySQLBackend(_sql.SQLBackend):
         slots = " UNION ALL ".join(Q.SLOT.format(n=n) for n in range(1, len(names) + 1))
         text = self._q["acquire_slot"].format(slots=slots)
         rows = self._run("acquire", names[0], lambda c: _script(c, text, args)[-2])
-        return _sql.slot_outcome(
+        return _sql_slots.slot_outcome(
             names, token,
             [(n, _text(holder), meta_now, fence, None if left is None else left / 1e6, done)
              for n, holder, meta_now, fence, left, done in rows],

@@ -49,7 +49,7 @@ from ..exceptions import BackendTimeout, BackendUnavailable, ConfigurationError,
 from ..slots import base_key, slot_index
 from ..urls import mask_url
 from . import _postgres_sql as Q
-from . import _sql
+from . import _sql, _sql_pool, _sql_slots
 from ._postgres_sql import KEY_BYTES
 from ._watchdog import WATCHDOG
 from .base import AcquireResult, Holder, check_lease
@@ -138,7 +138,7 @@ class PostgresBackend(_sql.SQLBackend):
                 "reclaim": Q.RECLAIM,
             }.items()
         )  # fmt: skip
-        self._pool: _sql.Pool[psycopg.Connection[Any]] = _sql.Pool(
+        self._pool: _sql_pool.Pool[psycopg.Connection[Any]] = _sql_pool.Pool(
             self._connect, lambda conn: conn.close(), size=options.pool_size,
             timeout=options.timeout, describe=repr(self), broken=lambda conn: conn.closed,
         )  # fmt: skip
@@ -300,10 +300,10 @@ class PostgresBackend(_sql.SQLBackend):
         interval: float | None = None,
     ) -> AcquireResult:  # fmt: skip
         """One transaction: ``_postgres_sql.SLOT_SCRIPT``."""
-        args = _sql.slot_args(self._keys, key, names, token, meta, takeover_prefix)
+        args = _sql_slots.slot_args(self._keys, key, names, token, meta, takeover_prefix)
         args.update(ttl=check_lease(ttl, "acquire"), keep=_sql.FENCE_RETENTION, interval=interval)
         rows = self._run("acquire", names[0], "acquire_slot", args, lambda c: c.fetchall())
-        return _sql.slot_outcome(names, token, rows)
+        return _sql_slots.slot_outcome(names, token, rows)
 
     def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float]:
         stored = self._keys(key)

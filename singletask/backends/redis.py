@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -35,6 +35,7 @@ from ..exceptions import BackendError, ConfigurationError
 from ..slots import base_key
 from ..urls import mask_url, parse_redis_url
 from .base import AcquireResult, Holder, LockBackend
+from .redis_connections import send
 from .redis_options import connection_options, retentions
 from .redis_rates import (
     _DEBOUNCE,
@@ -136,13 +137,14 @@ class RedisBackend(LockBackend):
         if url is not None:
             self._check_url(url)  # fail early, and strictly, on a bad URL
         self._url = url
-        # Whether scripts go out on this backend's own connections (see _send), or through
-        # the client's methods (a ready client, or a cluster client, which routes by key).
+        # Whether scripts go out on this backend's own connections (see redis_connections), or
+        # through the client's methods (a ready client, or a cluster client, which routes by key).
         self._own_connections = url is not None
         self._options = {**CLIENT_DEFAULTS, **options}
         self._client = client
         self._pid = os.getpid() if client is None else None
-        # Connections of a URL-built backend, idle between two script calls (see _send).
+        # Connections of a URL-built backend, idle between two script calls (see
+        # redis_connections.send).
         self._idle: list[_Connection] = []
 
     @classmethod
@@ -227,7 +229,7 @@ class RedisBackend(LockBackend):
         try:
             client = self.client
             if self._own_connections:
-                return self._send(client, script, keys, args)
+                return send(self._idle, client, script, keys, args)
             try:
                 try:
                     return client.evalsha(script.sha, len(keys), *keys, *args)
@@ -239,72 +241,6 @@ class RedisBackend(LockBackend):
                 raise
         except _DRIVER_ERRORS as exc:
             raise self._error(exc, operation, keys[0]) from exc
-
-    def _send(
-        self,
-        client: redis.Redis,
-        script: _Script,
-        keys: Sequence[str],
-        args: Sequence[str | int | bytes],
-    ) -> Any:
-        """Run ``script`` on one of this backend's own connections.
-
-        A connection serves one call at a time: it is taken from the idle list (or made with the
-        client's connection settings) and put back once the reply is read. One that fails, or
-        whose reply says the server did not run the script and cannot take writes now
-        (:data:`NOT_RUN_CODES`: a failover moved the primary away from the address the
-        connection was made to), is closed; if it had been idle, the others may be stale as well
-        (a server restart drops them all, a failover leaves them on the demoted primary), so
-        they are closed too and the call is made once more, on a new connection. That retry is
-        safe: the script did not run (or its connection was found broken before its reply came,
-        as before sending). A new connection that fails is not tried again here: connecting
-        already retries as the client's ``retry`` says, a timeout is never retried (the script
-        may have run), and a new connection that gets one of those replies raises
-        :class:`BackendUnavailable` (the next call connects again).
-        """
-        while True:
-            try:
-                connection, fresh = self._idle.pop(), False
-            except IndexError:
-                pool = client.connection_pool
-                connection = cast(_Connection, pool.connection_class(**pool.connection_kwargs))
-                fresh = True
-            try:
-                connection.send_packed_command([script.command(keys, args)])
-                try:
-                    reply = connection.read_response()
-                except redis.exceptions.NoScriptError:
-                    # The server's script cache was emptied (a restart, SCRIPT FLUSH): sending
-                    # the text runs the script and caches it again.
-                    connection.send_packed_command([script.command(keys, args, text=True)])
-                    reply = connection.read_response()
-            except redis.exceptions.ResponseError as exc:
-                if not not_run(exc):
-                    self._idle.append(connection)  # the reply was read: the connection is sound
-                    raise
-                self._drop(connection, fresh)
-                if fresh:
-                    raise
-                continue
-            except redis.exceptions.ConnectionError:
-                self._drop(connection, fresh)
-                if fresh:
-                    raise
-                continue
-            except BaseException:
-                connection.disconnect()  # a reply may still be on its way: never reuse it
-                raise
-            self._idle.append(connection)
-            return reply
-
-    def _drop(self, connection: _Connection, fresh: bool) -> None:
-        """Close ``connection``, which failed; and every idle one too, if it had been idle."""
-        connection.disconnect()
-        if fresh:
-            return
-        while self._idle:
-            with contextlib.suppress(IndexError):
-                self._idle.pop().disconnect()
 
     def acquire(
         self,

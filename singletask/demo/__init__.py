@@ -8,7 +8,7 @@
 * :mod:`~singletask.demo.app`, :mod:`~singletask.demo.tasks`: the demo's app and tasks.
 * :mod:`~singletask.demo.scenarios`: what the demo sends, and when.
 * :mod:`~singletask.demo.timeline`, :mod:`~singletask.demo.display`: what it draws.
-* :mod:`~singletask.demo.runner`: the demo itself.
+* :mod:`~singletask.demo.runner`: the demo itself; :mod:`~singletask.demo.report`: its reports.
 
 Nothing here is needed to use :class:`~singletask.SingletonTask`.
 """
