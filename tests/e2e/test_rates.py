@@ -13,10 +13,17 @@ import pytest
 
 from singletask import Skipped
 
-from .conftest import Cluster
+from .conftest import CLUSTER_PARAMS, Cluster
 from .tasks_limits import PREFIX
 
-pytestmark = pytest.mark.e2e
+# On the Redis broker only: rates and debounce live in the lock store, and the other e2e
+# modules already cover RabbitMQ; this keeps the suite short.
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.parametrize(
+        "cluster", [p for p in CLUSTER_PARAMS if p.partition("@")[0] == "redis"], indirect=True
+    ),
+]
 
 #: A generous bound for what should happen "soon".
 BOUND = 30.0
