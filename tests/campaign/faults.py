@@ -174,7 +174,7 @@ class InProcessLink:
         class Linked:
             def __getattr__(self, name: str) -> Any:
                 method = getattr(backend, name)
-                if name not in {"acquire", "release", "extend", "extend_many"}:
+                if name not in {"acquire", "acquire_slot", "release", "extend", "extend_many"}:
                     return method
 
                 def call(*args: Any, **kwargs: Any) -> Any:

@@ -1,5 +1,9 @@
 """One campaign run: start the workers (threads and processes), inject the seeded faults while
-they work, collect their histories and judge them (tests/campaign/history.py)."""
+they work, collect their histories and judge them (tests/campaign/history.py).
+
+On a store with holder slots (``supports_limit``), a share of the holds take keys of their own
+with ``acquire_slot`` (limits :data:`SLOT_LIMITS`) instead of the singleton keys, under the same
+faults."""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from singletask.backends import backend_class
+
 from .faults import Injector, injecting
 from .history import Report, check
 from .workers import History, WorkerSpec, process_main, run_worker
@@ -22,6 +28,12 @@ __all__ = ["Environment", "campaign_seed", "run_campaign"]
 
 #: Replays a run: the seed its report printed.
 SEED_VARIABLE = "SINGLETASK_CAMPAIGN_SEED"
+
+#: The limits of the keys taken with acquire_slot: 3, and 2 for contention where few workers run.
+SLOT_LIMITS = (3, 2)
+
+#: The share of holds that take a key with holder slots, on a store that keeps them.
+SLOT_SHARE = 0.4
 
 
 def campaign_seed() -> int:
@@ -52,10 +64,19 @@ class Environment:
     pids: list[int] = field(default_factory=list)
 
 
+def _supports_limit(env: Environment) -> bool:
+    if env.backend is not None:
+        return bool(env.backend(0).supports_limit)
+    return backend_class(env.urls[0]).supports_limit
+
+
 def run_campaign(env: Environment, seed: int, seconds: float, workdir: Path) -> Report:
     """Run ``env``'s workers for ``seconds`` under the faults of ``seed``; return the verdict."""
     rng = random.Random(seed)
     keys = tuple(f"campaign:{seed}:{env.store}:{n}" for n in range(env.keys))
+    slot_keys: tuple[tuple[str, int], ...] = ()
+    if _supports_limit(env):
+        slot_keys = tuple((f"campaign:{seed}:{env.store}:limit{n}", n) for n in SLOT_LIMITS)
     startup = 1.5 if env.processes else 0.0  # spawned interpreters import singletask first
     until = time.monotonic() + startup + seconds
     specs = [
@@ -68,6 +89,8 @@ def run_campaign(env: Environment, seed: int, seconds: float, workdir: Path) -> 
             url=env.urls[n % len(env.urls)] if env.urls else "",
             options=env.options,
             out=str(workdir / f"worker-{n}.json"),
+            slot_keys=slot_keys,
+            slot_share=SLOT_SHARE if slot_keys else 0.0,
         )
         for n in range(env.threads + env.processes)
     ]
@@ -120,5 +143,6 @@ def run_campaign(env: Environment, seed: int, seconds: float, workdir: Path) -> 
         operations=sum(h.operations for h in histories.values()),
         block_bound=env.block_bound,
     )
+    report.refused_full = sum(h.refused_full for h in histories.values())
     report.violations += [f"{name}: still blocked after the run (hung)" for name in hung]
     return report

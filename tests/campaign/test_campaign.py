@@ -4,7 +4,9 @@ Workers (threads, and processes where the store is shared across processes) take
 check and release random keys while a seeded schedule delays, stalls and cuts their links,
 pauses their processes, restarts the servers the tests own and fails Redis over. Then the
 checker (tests/campaign/history.py) asserts, over every worker's history: no two believed
-holding intervals of one key overlap, fences strictly increase between successive holders,
+holding intervals of one key overlap (no more than N of a key taken with ``acquire_slot`` and a
+limit of N, on the stores that keep holder slots), fences strictly increase between successive
+holders (across all the slots of a key),
 every error a caller saw is a ``SingletaskError`` with its cause chained, and no call blocked
 longer than the store's timeouts allow.
 
@@ -136,6 +138,65 @@ def test_a_request_in_flight_while_the_holder_finishes_is_no_overlap() -> None:
     holder = Hold("k", "a", 0.0, 0.01, 1.0, 1, ttl=2.0)
     rival = Hold("k", "b", 0.9, 1.05, 2.0, 2, ttl=2.0)
     assert judge([holder, rival]).violations == []
+
+
+def slot_hold(
+    worker: str, slot: int, start: float, end: float, fence: int, sent: float | None = None
+) -> Hold:
+    """A hold of slot ``slot`` of the limit-3 key ``k``."""
+    sent = start - 0.01 if sent is None else sent
+    return Hold("k", worker, sent, start, end, fence, ttl=1.0, limit=3, slot=f"{{k}}:slot:{slot}")
+
+
+def test_as_many_believed_holders_as_the_limit_pass() -> None:
+    holds = [
+        slot_hold("a", 0, 0, 2, 1),
+        slot_hold("b", 1, 0.5, 2.5, 2),
+        slot_hold("c", 2, 1, 3, 3),
+        slot_hold("d", 0, 2, 4, 4),  # a's slot, after a stopped believing
+    ]
+    report = judge(holds)
+    assert report.violations == []
+    assert report.slot_holds == {3: 4}
+    assert report.most_at_once == {3: 3}
+
+
+def test_more_believed_holders_than_the_limit_are_a_violation() -> None:
+    holds = [
+        slot_hold("a", 0, 0, 2, 1),
+        slot_hold("b", 1, 0.5, 2.5, 2),
+        slot_hold("c", 2, 1, 3, 3),
+        slot_hold("d", 0, 1.5, 4, 4),  # a fourth believer, in a's slot while a believes
+    ]
+    report = judge(holds)
+    assert report.most_at_once == {3: 4}
+    assert len(report.violations) == 2
+    assert "key 'k': 4 believed holders at once, over its limit of 3" in report.violations[0]
+    assert "d slot '{k}:slot:0' [1.500000, 4.000000]" in report.violations[0]
+    overlap = "key 'k' slot '{k}:slot:0': believed intervals overlap by 0.500000s"
+    assert overlap in report.violations[1]
+
+
+def test_a_fence_going_backwards_across_slots_is_a_violation() -> None:
+    holds = [
+        slot_hold("a", 0, 0, 2, 5),
+        slot_hold("b", 1, 0.5, 2.5, 3),  # sent after a's reply came: must be above 5
+        slot_hold("c", 2, 1, 1.5, 6),
+    ]
+    report = judge(holds)
+    assert len(report.violations) == 1
+    backwards = "key 'k': fence did not increase across its slots: a slot '{k}:slot:0'"
+    assert backwards in report.violations[0]
+    assert "was granted before b slot '{k}:slot:1'" in report.violations[0]
+
+
+def test_acquisitions_in_flight_together_may_take_fences_in_either_order() -> None:
+    """Two acquires sent before either reply came: the store may have served either first."""
+    holds = [slot_hold("a", 0, 0.2, 2, 8, sent=0.0), slot_hold("b", 1, 0.3, 2, 7, sent=0.1)]
+    assert judge(holds).violations == []
+    # ... but not one sent after the other's reply.
+    late = [slot_hold("a", 0, 0.2, 2, 8, sent=0.0), slot_hold("b", 1, 0.3, 2, 7, sent=0.25)]
+    assert len(judge(late).violations) == 1
 
 
 # -- the runs ------------------------------------------------------------------------------

@@ -7,6 +7,10 @@ Each hold is built as the task path builds it (singletask/lifecycle.py): a
 (``sent_at``), renewed, when the hold renews, by a :class:`~singletask.lease.Renewer`. The
 worker's critical section is a series of slices, each ended by ``check()``: the believed
 interval starts when the acquire's reply came and ends at the last check that passed.
+
+Where the store keeps holder slots, some holds take a key of ``slot_keys`` instead, with
+``acquire_slot(key, limit, ...)``: the hold then renews, checks and releases the slot's store key
+(``result.key``), as the task path does with ``lock_limit``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class WorkerSpec:
     url: str = ""  # built in the worker process from url and options
     options: dict[str, Any] = field(default_factory=dict)
     renew_share: float = 0.5  # share of holds that are renewed; the others run on one lease
+    slot_keys: tuple[tuple[str, int], ...] = ()  # keys taken with acquire_slot, and their limit
+    slot_share: float = 0.0  # share of holds that take one of slot_keys
     out: str = ""  # a worker process writes its History here, as JSON
 
 
@@ -55,6 +61,7 @@ class History:
     holds: list[Hold] = field(default_factory=list)
     errors: list[CallError] = field(default_factory=list)
     calls: list[Call] = field(default_factory=list)
+    refused_full: int = 0  # acquire_slot refusals with every slot held
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -67,6 +74,7 @@ class History:
             holds=[Hold(**hold) for hold in data["holds"]],
             errors=[CallError(**error) for error in data["errors"]],
             calls=[Call(**call) for call in data["calls"]],
+            refused_full=data["refused_full"],
         )
 
 
@@ -129,16 +137,28 @@ def _hold(
     history: History,
 ) -> None:
     """One attempt: acquire a random key and, if taken, work in checked slices, then release."""
-    key = rng.choice(spec.keys)
+    limit = 1
+    if spec.slot_keys and rng.random() < spec.slot_share:
+        key, limit = rng.choice(spec.slot_keys)
+    else:
+        key = rng.choice(spec.keys)
     ttl = rng.choice(spec.ttls)
     token = f"{spec.name}:{uuid.uuid4().hex}"
     sent = time.monotonic()
-    result = _call(history, spec.name, "acquire", backend.acquire, key, token, ttl)
+    if limit > 1:
+        result = _call(
+            history, spec.name, "acquire_slot", backend.acquire_slot, key, limit, token, ttl
+        )
+    else:
+        result = _call(history, spec.name, "acquire", backend.acquire, key, token, ttl)
     granted = time.monotonic()
     if result is None or not result.acquired:
+        if result is not None and result.holders:
+            history.refused_full += 1
         time.sleep(rng.uniform(0.0, 0.05))
         return
-    handle = LockHandle(key, token, None, result.fence, ttl, sent_at=sent)
+    slot = (result.key or key) if limit > 1 else None  # the store key held
+    handle = LockHandle(slot or key, token, None, result.fence, ttl, sent_at=sent)
     renew = rng.random() < spec.renew_share
     if renew:
         renewer.add(handle)
@@ -158,9 +178,11 @@ def _hold(
             last_passed = time.monotonic()  # after check(): the interval is never too short
     finally:
         renewer.remove(handle)
-        _call(history, spec.name, "release", backend.release, key, token)
+        _call(history, spec.name, "release", backend.release, handle.key, token)
     if last_passed is not None:
-        history.holds.append(Hold(key, spec.name, sent, granted, last_passed, result.fence, ttl))
+        history.holds.append(
+            Hold(key, spec.name, sent, granted, last_passed, result.fence, ttl, limit, slot)
+        )
 
 
 def run_worker(spec: WorkerSpec, backend: LockBackend | None = None) -> History:
