@@ -293,3 +293,37 @@ def test_a_limit_of_two_runs_two_at_once_and_skips_a_third_naming_both(store: St
 
 def _refused() -> None:
     """The body of a task that memcached refuses (see above)."""
+
+
+def test_a_rate_and_a_debounce_are_kept_in_the_store(store: StoreEnv) -> None:
+    """On a real worker: a start over ``lock_rate`` is skipped saying it was the rate, and a
+    burst of debounced sends runs once, the last; memcached refuses both when bound."""
+    if not store.locks.supports_rate:
+        app = Celery("rate-on-memcached", set_as_current=False)
+        app.conf.update(singletask_backend_url=store.env.app.conf.singletask_backend_url)
+        for option, value in (("lock_rate", "1/s"), ("lock_debounce", 1.0)):
+            with pytest.raises(ConfigurationError, match=rf"{option}: the memcached://"):
+                app.task(base=SingletonTask, name=LIMITS + option, lazy=False, **{option: value})(
+                    _refused
+                )
+        app.close()
+        return
+    env = store.env
+    env.start_worker()
+
+    # Given a task allowed one start a minute per label: three calls, one runs
+    label = label_of()
+    rated = store.task(LIMITS + "call_partner_skip")
+    outcomes = [r.get(timeout=BOUND) for r in [rated.delay(label) for _ in range(3)]]
+    skipped = [o for o in outcomes if isinstance(o, Skipped)]
+    assert len(skipped) == 2, outcomes
+    assert {s.reason for s in skipped} == {"rate"}
+
+    # And a task debounced by 1 s: four sends at once, only the last runs
+    label = label_of()
+    debounced = store.task(LIMITS + "rebuild")
+    sends = [debounced.delay(label, version) for version in range(4)]
+    outcomes = [s.get(timeout=BOUND) for s in sends]
+    assert outcomes[-1] == 3
+    assert all(isinstance(o, Skipped) and o.reason == "debounced" for o in outcomes[:-1])
+    assert [s["version"] for s in env.probe.starts(label)] == [3]
