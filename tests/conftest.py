@@ -356,3 +356,27 @@ def backend_records(
     """
     inspect = INSPECTORS[request.node.callspec.params["backend"]]
     return lambda match: inspect(backend, request, match)
+
+
+@pytest.fixture(params=["memory", "redis", "sqlite"])
+def eager_store_app(
+    request: pytest.FixtureRequest, key_prefix: str, tmp_path: Path
+) -> Iterator[Any]:
+    """An eager Celery app whose locks live in the in-process store, the session's private
+    Redis or a SQLite file: a store of each kind that keeps holder slots, rate records and
+    debounce windows (tests/test_limit.py, test_rate.py, test_debounce.py)."""
+    import celery
+
+    if request.param == "memory":
+        url = "memory://"
+    elif request.param == "sqlite":
+        url = f"sqlite:///{tmp_path}/locks.db"
+    else:
+        url = request.getfixturevalue("redis_url")
+        request.getfixturevalue("redis_client")  # fails / skips when the server is missing
+    app = celery.Celery("beyond-one", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True, singletask_backend_url=url, singletask_key_prefix=key_prefix
+    )
+    yield app
+    app.close()

@@ -8,7 +8,6 @@ window), the countdown arithmetic, and what definition time refuses.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import celery
@@ -19,21 +18,10 @@ from singletask.debounce import wait
 from singletask.runtime import lock_options
 
 
-@pytest.fixture(params=["memory", "redis", "sqlite"])
-def app(request: pytest.FixtureRequest, key_prefix: str, tmp_path: Any) -> Iterator[celery.Celery]:
-    if request.param == "memory":
-        url = "memory://"
-    elif request.param == "sqlite":
-        url = f"sqlite:///{tmp_path}/locks.db"
-    else:
-        url = request.getfixturevalue("redis_url")
-        request.getfixturevalue("redis_client")  # fails / skips when the server is missing
-    app = celery.Celery("debounce", set_as_current=False)
-    app.conf.update(
-        task_always_eager=True, singletask_backend_url=url, singletask_key_prefix=key_prefix
-    )
-    yield app
-    app.close()
+@pytest.fixture
+def app(eager_store_app: celery.Celery) -> celery.Celery:
+    """An eager app on each store with limits, rates and debounce (tests/conftest.py)."""
+    return eager_store_app
 
 
 def test_only_the_latest_send_of_a_window_runs_and_its_run_closes_the_window(

@@ -8,7 +8,6 @@ that cannot go with it and a store without holder slots. Real workers: tests/e2e
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import celery
@@ -21,21 +20,10 @@ from singletask.slots import slot_key
 LEASE = 30.0
 
 
-@pytest.fixture(params=["memory", "redis", "sqlite"])
-def app(request: pytest.FixtureRequest, key_prefix: str, tmp_path: Any) -> Iterator[celery.Celery]:
-    if request.param == "memory":
-        url = "memory://"
-    elif request.param == "sqlite":
-        url = f"sqlite:///{tmp_path}/locks.db"
-    else:
-        url = request.getfixturevalue("redis_url")
-        request.getfixturevalue("redis_client")  # fails / skips when the server is missing
-    app = celery.Celery("limit", set_as_current=False)
-    app.conf.update(
-        task_always_eager=True, singletask_backend_url=url, singletask_key_prefix=key_prefix
-    )
-    yield app
-    app.close()
+@pytest.fixture
+def app(eager_store_app: celery.Celery) -> celery.Celery:
+    """An eager app on each store with limits, rates and debounce (tests/conftest.py)."""
+    return eager_store_app
 
 
 def backend_of(task: Any) -> LockBackend:

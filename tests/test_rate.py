@@ -9,7 +9,6 @@ observed rate: tests/e2e/test_rates.py and bench/.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import celery
@@ -18,21 +17,10 @@ import pytest
 from singletask import ConfigurationError, RateLimited, SingletonTask, Skipped, TaskLocked
 
 
-@pytest.fixture(params=["memory", "redis", "sqlite"])
-def app(request: pytest.FixtureRequest, key_prefix: str, tmp_path: Any) -> Iterator[celery.Celery]:
-    if request.param == "memory":
-        url = "memory://"
-    elif request.param == "sqlite":
-        url = f"sqlite:///{tmp_path}/locks.db"
-    else:
-        url = request.getfixturevalue("redis_url")
-        request.getfixturevalue("redis_client")  # fails / skips when the server is missing
-    app = celery.Celery("rate", set_as_current=False)
-    app.conf.update(
-        task_always_eager=True, singletask_backend_url=url, singletask_key_prefix=key_prefix
-    )
-    yield app
-    app.close()
+@pytest.fixture
+def app(eager_store_app: celery.Celery) -> celery.Celery:
+    """An eager app on each store with limits, rates and debounce (tests/conftest.py)."""
+    return eager_store_app
 
 
 def test_a_start_within_the_interval_is_skipped_saying_it_was_the_rate(app: celery.Celery) -> None:
