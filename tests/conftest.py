@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import subprocess
@@ -86,14 +85,21 @@ def _deployment(
     cannot start, every test that needs it is unavailable (skipped locally, failed in CI)."""
     if name in _deployment_failures:
         unavailable(_deployment_failures[name])
-    try:
-        deployment = make(Path(tmp_path_factory.mktemp(name)))
-        deployment.start()
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        _deployment_failures[name] = f"cannot start the {name} deployment: {exc}"
-        with contextlib.suppress(NameError):
-            deployment.stop()
-        unavailable(_deployment_failures[name])
+    # Two tries, each on ports of its own: a port found free can be taken before the server
+    # binds it (a client's ephemeral port landing on a cluster node's bus port, say).
+    for attempt in (1, 2):
+        deployment = None
+        try:
+            deployment = make(Path(tmp_path_factory.mktemp(name)))
+            deployment.start()
+            break
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            if deployment is not None:
+                deployment.stop()
+            if attempt == 2:
+                _deployment_failures[name] = f"cannot start the {name} deployment: {exc}"
+                unavailable(_deployment_failures[name])
+    assert deployment is not None
     try:
         yield deployment
     finally:

@@ -83,7 +83,12 @@ def _register(app: Celery) -> None:
     for body, feature, options in TASKS:
         if store is not None and getattr(store, feature):
             name = options.get("name", PREFIX + body.__name__)
-            app.task(base=SingletonTask, bind=True, lock_ttl=TTL, **{**options, "name": name})(body)
+            # shared=False: a shared task would be bound to every app made later, whatever
+            # its store.
+            app.task(
+                base=SingletonTask, bind=True, shared=False, lock_ttl=TTL,
+                **{**options, "name": name},
+            )(body)  # fmt: skip
 
 
 for _app in _get_active_apps():  # apps finalized before this module was imported (a worker's)

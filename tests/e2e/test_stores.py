@@ -262,9 +262,9 @@ def test_a_limit_of_two_runs_two_at_once_and_skips_a_third_naming_both(store: St
         app = Celery("limit-on-memcached", set_as_current=False)
         app.conf.update(singletask_backend_url=store.env.app.conf.singletask_backend_url)
         with pytest.raises(ConfigurationError, match="keeps one holder per key"):
-            app.task(base=SingletonTask, name=LIMITS + "refused", lock_limit=2, lazy=False)(
-                _refused
-            )
+            app.task(
+                base=SingletonTask, name=LIMITS + "refused", lock_limit=2, lazy=False, shared=False
+            )(_refused)
         app.close()
         return
     env = store.env
@@ -303,9 +303,13 @@ def test_a_rate_and_a_debounce_are_kept_in_the_store(store: StoreEnv) -> None:
         app.conf.update(singletask_backend_url=store.env.app.conf.singletask_backend_url)
         for option, value in (("lock_rate", "1/s"), ("lock_debounce", 1.0)):
             with pytest.raises(ConfigurationError, match=rf"{option}: the memcached://"):
-                app.task(base=SingletonTask, name=LIMITS + option, lazy=False, **{option: value})(
-                    _refused
-                )
+                app.task(
+                    base=SingletonTask,
+                    name=LIMITS + option,
+                    lazy=False,
+                    shared=False,
+                    **{option: value},
+                )(_refused)
         app.close()
         return
     env = store.env
