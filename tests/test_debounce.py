@@ -50,7 +50,32 @@ def test_only_the_latest_send_of_a_window_runs_and_its_run_closes_the_window(
     assert "superseded" in str(earlier)
     assert latest == 2
     assert ran == [2]
-    assert backend.debounce_take(key, "send-2") is None
+    assert backend.debounce_take(key, "send-1") == "send-2"
+
+
+def test_an_earlier_send_that_starts_after_the_latest_ran_is_still_superseded(
+    app: celery.Celery,
+) -> None:
+    """A worker can start messages out of order: the earlier send comes after the latest's run
+    began, finds the window closed by it, and must not run its stale arguments."""
+    ran: list[int] = []
+
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_debounce=5)
+    def rebuild(version: int) -> int:
+        ran.append(version)
+        return version
+
+    backend, key = rebuild.lock_backend, rebuild.lock_key_for((1,))
+    backend.debounce(key, "send-1", 60)
+    backend.debounce(key, "send-2", 60)
+
+    assert rebuild.apply((2,), task_id="send-2").get() == 2
+    late = rebuild.apply((1,), task_id="send-1").get()
+
+    assert isinstance(late, Skipped)
+    assert late.reason == "debounced"
+    assert late.holder == "send-2"
+    assert ran == [2]
 
 
 def test_a_message_of_a_key_without_a_window_runs_at_once(app: celery.Celery) -> None:

@@ -222,8 +222,8 @@ class LockBackend(abc.ABC):
     def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float]:
         """Make ``task_id`` the latest send of the debounce window of ``key``, in one step.
 
-        Opens the window if none is open. The window's record lasts ``ttl`` seconds from this
-        call (each send sets it again). Returns the previous latest send (None when this call
+        Opens the window if none is open (no record, a record that ran out, or a closed one).
+        The window's record lasts ``ttl`` seconds from this call (each send sets it again). Returns the previous latest send (None when this call
         opened the window) and the seconds since the window was opened, by the store's clock
         (0 when this call opened it).
 
@@ -235,8 +235,13 @@ class LockBackend(abc.ABC):
 
     def debounce_take(self, key: str, task_id: str) -> str | None:
         """If ``task_id`` is the latest send of the open window of ``key``, close the window
-        (its record is deleted) and return ``task_id``; else return the latest send, and
-        change nothing; None when no window is open. One atomic step.
+        and return ``task_id``; else return the window's latest send and change nothing; None
+        when the key has no window record. One atomic step.
+
+        A closed window keeps its record, naming the send that closed it, until the record
+        expires: an earlier send that starts late (after the run of the latest began) still
+        learns that it was superseded, and the send that closed it (its message sent again)
+        gets its own id back. A :meth:`debounce` on a closed window opens a new one.
 
         Raises:
             UnsupportedOperation: The store has no debounce windows (:attr:`supports_debounce`).

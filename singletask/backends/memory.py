@@ -61,7 +61,8 @@ class MemoryBackend(LockBackend):
         self._entries: dict[str, _Entry] = {}
         self._fences: dict[str, _Fence] = {}
         self._rates: dict[str, float] = {}  # key -> monotonic time its next start is allowed
-        self._windows: dict[str, tuple[str, float, float]] = {}  # key -> latest, opened, until
+        # key -> latest send, when the window opened (None once closed), when the record ends
+        self._windows: dict[str, tuple[str, float | None, float]] = {}
         self._writes = 0
         self._mutex = threading.Lock()
 
@@ -186,7 +187,7 @@ class MemoryBackend(LockBackend):
         now = time.monotonic()
         with self._mutex:
             latest, opened, until = self._windows.get(key, (None, now, now))
-            if until <= now:  # no window, or it ran out
+            if until <= now or opened is None:  # no window, it ran out, or it is closed
                 latest, opened = None, now
             self._windows[key] = (task_id, opened, now + ttl)
             self._prune(now)
@@ -199,8 +200,8 @@ class MemoryBackend(LockBackend):
             if window is None or window[2] <= now:
                 self._windows.pop(key, None)
                 return None
-            if window[0] == task_id:
-                del self._windows[key]
+            if window[0] == task_id and window[1] is not None:
+                self._windows[key] = (task_id, None, window[2])  # closed: opened is None
             return window[0]
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
