@@ -223,9 +223,9 @@ class LockBackend(abc.ABC):
         """Make ``task_id`` the latest send of the debounce window of ``key``, in one step.
 
         Opens the window if none is open (no record, a record that ran out, or a closed one).
-        The window's record lasts ``ttl`` seconds from this call (each send sets it again). Returns the previous latest send (None when this call
-        opened the window) and the seconds since the window was opened, by the store's clock
-        (0 when this call opened it).
+        The window's record lasts ``ttl`` seconds from this call (each send sets it again).
+        Returns the previous latest send (None when this call opened the window) and the
+        seconds since the window was opened, by the store's clock (0 when this call opened it).
 
         Raises:
             UnsupportedOperation: The store has no debounce windows (:attr:`supports_debounce`).
