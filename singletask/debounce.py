@@ -4,8 +4,9 @@
 becomes the latest of its key's *debounce window* in the lock store (one round trip,
 :meth:`~singletask.backends.base.LockBackend.debounce`) and is published with a countdown of
 ``lock_debounce`` seconds: a later send of the key within that time supersedes it. When a
-message starts, only the window's latest send runs its body, which closes the window; every
-earlier one ends as a :class:`~singletask.Skipped` naming the send that superseded it (see
+message starts, only the window's latest send runs its body, which closes the window (a closed
+window still names it until its record expires, for the earlier sends a worker starts late);
+every earlier one ends as a :class:`~singletask.Skipped` naming the send that superseded it (see
 :func:`singletask.lifecycle.execute`). With ``lock_debounce_max``, the countdown is shortened
 so that no send waits longer than that after the first send of its window, and a steady
 stream of sends still runs at least that often.
