@@ -20,7 +20,9 @@ from .servers import redis_server_binary, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.e2e
+# With the stores' end-to-end tests (.ci/run's "deployments or stores" step): it runs real
+# workers and measures PostgreSQL as well as Redis.
+pytestmark = [pytest.mark.e2e, pytest.mark.stores]
 
 
 @pytest.fixture(scope="module")
