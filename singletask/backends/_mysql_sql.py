@@ -210,28 +210,37 @@ COMMIT"""
 
 # Debounce windows, on the key's own row: locked first (inserted free if missing), then, with
 # the clock read after the lock, the open window's latest send and age are read (NULL and 0
-# when none is open: ``debounce_until`` not later than now), and the window is given the new
-# latest send, opened now unless it was open (assigned before debounce_until changes).
+# when none is open: ``debounce_until`` not later than now, or the window closed, its
+# ``debounce_opened`` NULL), and the window is given the new latest send, opened now unless it
+# was open (assigned before debounce_until changes).
 DEBOUNCE = f"""{LOCK_ROW}
-SELECT IF(debounce_until > @st_now, debounce_latest, NULL),
-    IF(debounce_until > @st_now, TIMESTAMPDIFF(MICROSECOND, debounce_opened, @st_now), 0)
+SET @st_open = COALESCE(
+    (SELECT debounce_until > @st_now AND debounce_opened IS NOT NULL FROM {{table}}
+     WHERE `key` = %(key)s), 0);
+SELECT IF(@st_open, debounce_latest, NULL),
+    IF(@st_open, TIMESTAMPDIFF(MICROSECOND, debounce_opened, @st_now), 0)
 FROM {{table}} WHERE `key` = %(key)s;
 UPDATE {{table}} SET
-    debounce_opened = IF(debounce_until > @st_now, debounce_opened, @st_now),
+    debounce_opened = IF(@st_open, debounce_opened, @st_now),
     debounce_latest = %(task_id)s,
     debounce_until = @st_now + INTERVAL %(ttl_us)s MICROSECOND,
     expires_at = GREATEST(expires_at, @st_now + INTERVAL %(ttl_us)s MICROSECOND)
 WHERE `key` = %(key)s;
 COMMIT"""
 
-# Close the open window if the caller's send is its latest (the UPDATE's WHERE decides, on the
-# row locked); else read its latest send (a later one, or NULL when no window is open).
+# The window's latest send, the row locked first (so a send that supersedes it commits before,
+# or after this): the open window is closed (``debounce_opened`` NULL; its latest send and
+# ``debounce_until`` kept) when that send is the caller's; NULL when no window is unexpired.
 DEBOUNCE_TAKE = """
-UPDATE {table} SET debounce_latest = NULL, debounce_opened = NULL, debounce_until = NULL
-WHERE `key` = %(key)s AND debounce_latest = %(task_id)s AND debounce_until > UTC_TIMESTAMP(6);
-SET @st_taken = ROW_COUNT();
-SELECT IF(@st_taken > 0, CAST(%(task_id)s AS BINARY), (SELECT debounce_latest FROM {table}
-    WHERE `key` = %(key)s AND debounce_until > UTC_TIMESTAMP(6)))"""
+START TRANSACTION;
+SELECT `key` FROM {table} WHERE `key` = %(key)s FOR UPDATE;
+SET @st_now = UTC_TIMESTAMP(6);
+UPDATE {table} SET debounce_opened = NULL
+WHERE `key` = %(key)s AND debounce_latest = %(task_id)s AND debounce_opened IS NOT NULL
+    AND debounce_until > @st_now;
+SELECT debounce_latest FROM {table}
+WHERE `key` = %(key)s AND debounce_until > @st_now FOR UPDATE;
+COMMIT"""
 
 RECLAIM = """
 DELETE FROM {table} WHERE expires_at < UTC_TIMESTAMP(6) ORDER BY expires_at LIMIT %(limit)s"""

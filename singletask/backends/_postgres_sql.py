@@ -278,15 +278,16 @@ COMMIT"""
 
 # Debounce windows, on the key's own row: locked first (inserted free if missing, as a slot
 # acquisition locks it), then, with the clock read after the lock, the window's latest send is
-# replaced, opened now unless it is open (``debounce_until`` later than now); returns the send
-# it superseded (NULL when it opened the window) and the window's age.
+# replaced, opened now unless it is open (``debounce_until`` later than now and not closed:
+# ``debounce_opened`` set); returns the send it superseded (NULL when it opened the window)
+# and the window's age.
 DEBOUNCE = f"""
 BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL statement_timeout = {{ms}};
 SET LOCAL lock_timeout = {{ms}};
 {SLOT_LOCK_KEY};
 WITH n AS (SELECT clock_timestamp() AS now),
 o AS (SELECT debounce_latest AS latest, debounce_opened AS opened,
-        coalesce(debounce_until > n.now, false) AS open
+        coalesce(debounce_until > n.now AND debounce_opened IS NOT NULL, false) AS open
     FROM {{table}}, n WHERE key = %(base)s)
 UPDATE {{table}} AS l SET debounce_latest = %(task_id)s,
     debounce_opened = CASE WHEN o.open THEN o.opened ELSE n.now END,
@@ -297,14 +298,14 @@ RETURNING CASE WHEN o.open THEN o.latest END,
     CASE WHEN o.open THEN extract(epoch FROM n.now - o.opened)::float8 ELSE 0 END;
 COMMIT"""
 
-# The open window's latest send, the row locked first (so a send that supersedes it commits
-# before, or after this); its columns are cleared when that is the caller's.
+# The unexpired window's latest send, the row locked first (so a send that supersedes it
+# commits before, or after this); the window is closed (``debounce_opened`` NULL, its latest
+# send and ``debounce_until`` kept) when it is open and that send is the caller's.
 DEBOUNCE_TAKE = """
-WITH o AS (SELECT debounce_latest AS latest FROM {table}
+WITH o AS (SELECT debounce_latest AS latest, debounce_opened AS opened FROM {table}
     WHERE key = %(key)s AND debounce_until > clock_timestamp() FOR UPDATE),
-d AS (UPDATE {table} AS l SET debounce_latest = NULL, debounce_opened = NULL,
-        debounce_until = NULL
-    FROM o WHERE l.key = %(key)s AND o.latest = %(task_id)s)
+d AS (UPDATE {table} AS l SET debounce_opened = NULL
+    FROM o WHERE l.key = %(key)s AND o.latest = %(task_id)s AND o.opened IS NOT NULL)
 SELECT latest FROM o"""
 
 #: The scripts of several statements (sent as one message in every mode), and how many results

@@ -25,8 +25,10 @@ One row per lock key, in one table (``singletask_locks`` unless a setting names 
     rate_next      on a key's own row: the time of its next allowed start (``lock_rate``), set
                    by each start, when the acquisition gave an interval
     debounce_*     on a key's own row: its debounce window (``lock_debounce``): the latest send
-                   (``debounce_latest``), when the window opened, and when it closes unless a
-                   send renews it (``debounce_until``); a window past it is closed
+                   (``debounce_latest``), when the window opened (``debounce_opened``; NULL
+                   once the latest send's run closed it, the send still named until
+                   ``debounce_until``), and when it ends unless a send renews it
+                   (``debounce_until``); a window past it is gone
 
 A row's ``expires_at`` is never earlier than its ``rate_next`` nor its ``debounce_until``; a row
 with only those (no ``token``) holds no lock, and is never listed.

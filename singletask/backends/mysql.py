@@ -288,16 +288,16 @@ class MySQLBackend(_sql.SQLBackend):
 
     def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float]:
         args = {**_keys(key), "task_id": task_id, "ttl_us": _us(check_lease(ttl, "debounce"))}
-        rows = self._run("debounce", key, lambda c: _script(c, self._q["debounce"], args)[3])
+        rows = self._run("debounce", key, lambda c: _script(c, self._q["debounce"], args)[4])
         latest, age_us = rows[0]
         return _text(latest), max(0.0, int(age_us) / 1e6)
 
     def debounce_take(self, key: str, task_id: str) -> str | None:
         args = {**_keys(key), "task_id": task_id}
-        results = self._run(
-            "debounce_take", key, lambda c: _script(c, self._q["debounce_take"], args)
+        rows = self._run(
+            "debounce_take", key, lambda c: _script(c, self._q["debounce_take"], args)[4]
         )
-        return _text(results[-1][0][0])
+        return _text(rows[0][0]) if rows else None
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         args = {**_keys(key), "token": token, "done": completed}
