@@ -7,6 +7,12 @@ that transaction. Both live in tables of their own, created next to the lock and
 and never listed as locks. Every row carries its own deadline, after which it counts as gone;
 rows past it are deleted when a process opens the database and every
 :data:`PRUNE_EVERY` writes.
+
+A debounce window closed by :func:`debounce_take` keeps its row (same ``latest`` and
+``until``) with ``opened`` set to :data:`CLOSED` (-1): the column is ``NOT NULL``, and a
+database of an older version may already have the table, whose column SQLite cannot alter, so
+a sentinel stands for "closed" instead of NULL. Real opening times (``time.time()``) are never
+negative.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import itertools
 import sqlite3
 
-__all__ = ["SCHEMA", "debounce", "debounce_take", "prune", "start"]
+__all__ = ["CLOSED", "SCHEMA", "debounce", "debounce_take", "prune", "start"]
 
 SCHEMA = (
     # Per key: the earliest time (time.time()) of its next start; the row expires then.
@@ -24,8 +30,8 @@ SCHEMA = (
         allowed REAL NOT NULL
     )
     """,
-    # Per key: its open debounce window, the latest send and when the window opened; the row
-    # expires at ``until``.
+    # Per key: its debounce window, the latest send and when the window opened (CLOSED once
+    # closed); the row expires at ``until``.
     """
     CREATE TABLE IF NOT EXISTS singletask_debounce (
         key TEXT PRIMARY KEY,
@@ -35,6 +41,9 @@ SCHEMA = (
     )
     """,
 )
+
+#: The ``opened`` of a closed debounce window (the column is NOT NULL; see the module docs).
+CLOSED = -1.0
 
 #: Rows that ran out are deleted once every this many writes of this process (and whenever a
 #: process opens the database), so that keys used once do not stay for ever.
@@ -72,15 +81,16 @@ def start(conn: sqlite3.Connection, key: str, interval: float, now: float) -> fl
 def debounce(
     conn: sqlite3.Connection, key: str, task_id: str, ttl: float, now: float
 ) -> tuple[str | None, float]:
-    """Make ``task_id`` the latest send of the window of ``key`` (opening one if none is open,
-    or the last one ran out), lasting ``ttl`` seconds from ``now``. Returns the previous latest
-    send (None: this call opened the window) and the window's age."""
+    """Make ``task_id`` the latest send of the window of ``key`` (opening one if none is open:
+    no row, the last one ran out, or it is closed), lasting ``ttl`` seconds from ``now``.
+    Returns the previous latest send (None: this call opened the window) and the window's
+    age."""
     row = conn.execute(
         "SELECT latest, opened, until FROM singletask_debounce WHERE key = ?", (key,)
     ).fetchone()
     latest: str | None = None
     opened = now
-    if row is not None and row[2] > now:  # a window is open
+    if row is not None and row[2] > now and row[1] >= 0:  # a window is open (not CLOSED)
         latest, opened = str(row[0]), float(row[1])
     conn.execute(
         "INSERT OR REPLACE INTO singletask_debounce (key, latest, opened, until) "
@@ -92,13 +102,17 @@ def debounce(
 
 
 def debounce_take(conn: sqlite3.Connection, key: str, task_id: str, now: float) -> str | None:
-    """Close the open window of ``key`` if ``task_id`` is its latest send; return the latest
-    send (None when no window is open)."""
+    """Close the open window of ``key`` if ``task_id`` is its latest send (the row stays, with
+    ``opened`` set to :data:`CLOSED`); return the window's latest send, also when it is already
+    closed (None when there is no row or it ran out)."""
     row = conn.execute(
-        "SELECT latest, until FROM singletask_debounce WHERE key = ?", (key,)
+        "SELECT latest, opened, until FROM singletask_debounce WHERE key = ?", (key,)
     ).fetchone()
     if row is None:
         return None
-    if row[1] <= now or row[0] == task_id:
+    if row[2] <= now:
         conn.execute("DELETE FROM singletask_debounce WHERE key = ?", (key,))
-    return str(row[0]) if row[1] > now else None
+        return None
+    if row[0] == task_id and row[1] >= 0:
+        conn.execute("UPDATE singletask_debounce SET opened = ? WHERE key = ?", (CLOSED, key))
+    return str(row[0])
