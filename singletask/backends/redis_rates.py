@@ -12,7 +12,9 @@ has a hash tag or no ``}`` at all:
   so it must share the slots' cluster slot (the Cluster store refuses a key whose rate record
   would not);
 * ``}:debounce`` — the debounce window: a hash ``{l: latest task id, o: server ms it opened}``,
-  kept ``ttl`` from each send. Its scripts touch it alone.
+  kept ``ttl`` from each send. A window closed by its latest send's take has no ``o``: it keeps
+  naming that send until it expires, and the next send opens a new window. Its scripts touch
+  it alone.
 
 A lock key built by singletask never ends in one of :data:`COMPANION_ENDS` (a ``}`` in its text
 is escaped, :mod:`singletask.keys`); a raw key that does is refused (:func:`check_key`), since
@@ -133,7 +135,9 @@ _ACQUIRE_SLOT_RATED_KEEPING = _Script(ACQUIRE_SLOT_RATED_KEEPING_SCRIPT)
 # ARGV[2]  how long the window is kept from now, in milliseconds
 # Returns {previous latest task id, or false when this call opened the window; ms since the
 # window opened, by the server clock (0 when this call opened it)}. ARGV[1] becomes the latest
-# (field l); a new window records the server ms it opened (field o); the hash is kept ARGV[2] ms.
+# (field l). A window is open when the hash has field o; with no hash, or one without o (a
+# window closed by DEBOUNCE_TAKE_SCRIPT), this call opens a new one: the hash is written
+# again as {l: ARGV[1], o: the server ms now}. The hash is kept ARGV[2] ms from now.
 # Errors (before any write) when ARGV[2] is out of range.
 DEBOUNCE_SCRIPT = (
     _CHECK_MS
@@ -157,14 +161,15 @@ return {rec[1], math.max(0, now_ms - opened)}
 
 # KEYS[1]  the key's debounce window
 # ARGV[1]  a task id
-# Returns the window's latest task id (false: no window open); the window is deleted when that
-# is ARGV[1]. Writes nothing else.
+# Returns the window's latest task id (field l; false when there is no window record), open
+# or closed. When that is ARGV[1] and the window is open (field o), closes it: deletes field o,
+# keeping the hash, its latest and its expiry (PTTL). Writes nothing else.
 DEBOUNCE_TAKE_SCRIPT = """
-local latest = redis.call('HGET', KEYS[1], 'l')
-if latest == ARGV[1] then
-  redis.call('DEL', KEYS[1])
+local rec = redis.call('HMGET', KEYS[1], 'l', 'o')
+if rec[1] == ARGV[1] and rec[2] then
+  redis.call('HDEL', KEYS[1], 'o')
 end
-return latest
+return rec[1]
 """
 
 _DEBOUNCE = _Script(DEBOUNCE_SCRIPT)

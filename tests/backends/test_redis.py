@@ -492,6 +492,35 @@ def test_a_rate_record_and_a_debounce_window_are_companions_of_the_key(
     assert [name for name, _ in redis_backend.iter_locks(key_prefix)] == [key]
 
 
+def test_a_take_closes_the_window_keeping_its_record_and_expiry(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key: str
+) -> None:
+    """debounce_take by the latest send deletes field o alone: the hash keeps naming that send,
+    with its expiry, and the next send opens a new window over it."""
+    window = f"{{{key}}}:debounce"
+    # Given a window whose latest send takes it
+    assert redis_backend.debounce(key, "send-1", 40) == (None, 0.0)
+    assert redis_backend.debounce(key, "send-2", 40)[0] == "send-1"
+    assert redis_backend.debounce_take(key, "send-2") == "send-2"
+
+    # Then the record stays, closed (no o), naming send-2, its expiry unchanged
+    assert redis_client.hgetall(window) == {b"l": b"send-2"}
+    assert 39_000 < redis_client.pttl(window) <= 40_000
+    # And a take on it returns its latest, changing nothing
+    assert redis_backend.debounce_take(key, "send-1") == "send-2"
+    assert redis_backend.debounce_take(key, "send-2") == "send-2"
+    assert redis_client.hgetall(window) == {b"l": b"send-2"}
+    # When a send comes, it opens a new window
+    assert redis_backend.debounce(key, "send-3", 10) == (None, 0.0)
+    fields = redis_client.hgetall(window)
+    assert fields[b"l"] == b"send-3"
+    assert b"o" in fields
+    assert 9_000 < redis_client.pttl(window) <= 10_000
+    # And with no record a take returns None
+    redis_client.delete(window)
+    assert redis_backend.debounce_take(key, "send-3") is None
+
+
 def test_a_rate_record_never_lets_a_start_come_a_rounding_early(
     redis_backend: RedisBackend, redis_client: redis.Redis, key: str
 ) -> None:
