@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 from celery.utils import uuid
 from celery.utils.time import maybe_iso8601
 
+from .enqueue import published_as_is, send_delay
 from .exceptions import BackendError
-from .messages import seconds_until
 from .runtime import app_state
 
 if TYPE_CHECKING:
@@ -35,10 +35,6 @@ if TYPE_CHECKING:
 __all__ = ["send", "wait"]
 
 logger = logging.getLogger("singletask")
-
-#: Send options of messages that are published as they are, never debounced: republished
-#: executions (retries), canvas parts, frozen signatures and the messages a worker sends.
-_PUBLISHED_AS_IS = ("retries", "chain", "parent_id", "reply_to", "replaced_task_nesting")
 
 
 def wait(options: LockOptions, age: float) -> float:
@@ -65,25 +61,16 @@ def send(
 
     The message becomes its key's latest send and waits :func:`wait` seconds, on top of any
     ``countdown`` or ``eta`` it was given; an ``expires`` it was given moves by the same wait
-    (beat's recipe ``expires`` of one period would otherwise drop every debounced tick). In
-    eager mode, and for the messages of ``_PUBLISHED_AS_IS`` and canvas parts, it is published
-    as it is. If the lock store cannot be
-    reached the message is published at once, without debounce, and a WARNING says so.
+    (beat's recipe ``expires`` of one period would otherwise drop every debounced tick). A
+    message :func:`~singletask.enqueue.published_as_is` (eager mode, retries, canvas parts) is
+    published as it is. If the lock store cannot be reached the message is published at once,
+    without debounce, and a WARNING says so.
     """
-    if (
-        task.app.conf.task_always_eager
-        or linked
-        or any(name in send_options for name in _PUBLISHED_AS_IS)
-        or any(send_options.get(name) for name in ("chord", "group_id"))
-    ):
+    if published_as_is(task.app, linked, send_options):
         return publish(task_id, send_options)
     task_id = task_id or uuid()
     key = options.key(args or (), kwargs or {})
-    delay = 0.0
-    if send_options.get("countdown") is not None:
-        delay = max(0.0, float(send_options["countdown"]))
-    elif send_options.get("eta") is not None:
-        delay = seconds_until(maybe_iso8601(send_options["eta"]))
+    delay = send_delay(send_options)
     try:
         backend = app_state(task.app).backend
         # The window outlives its latest message's countdown by lock_queue_ttl, the time a

@@ -32,36 +32,52 @@ if TYPE_CHECKING:
     from .backends.base import LockBackend
     from .options import LockOptions
 
-__all__ = ["deduplicates", "queue_lease", "send", "send_once"]
+__all__ = ["deduplicates", "published_as_is", "queue_lease", "send", "send_delay", "send_once"]
 
 logger = logging.getLogger("singletask")
 
-#: Send options of messages that must be published as they are (see :func:`deduplicates`).
+#: Send options of messages that must be published as they are (see :func:`published_as_is`).
 _PUBLISHED_AS_IS = ("chain", "parent_id", "reply_to", "replaced_task_nesting")
 
 
-def deduplicates(
-    options: LockOptions, app: Celery, linked: bool, send_options: Mapping[str, Any]
-) -> bool:
-    """Whether a message sent with ``send_options`` is deduplicated before it is published.
+def published_as_is(app: Celery, linked: bool, send_options: Mapping[str, Any]) -> bool:
+    """Whether a message sent with ``send_options`` is published as it is: neither
+    deduplicated (``lock_scope``) nor debounced (``lock_debounce``).
 
-    Only with ``lock_scope`` "queue" or "coalesce", never in eager mode (``app``'s
-    ``task_always_eager``, read only when the scope asks for it), and never for messages
-    whose callers already hold their ``AsyncResult``: messages republished for an execution
+    So is every message in eager mode (``app``'s ``task_always_eager``), and every message
+    whose caller already holds its ``AsyncResult``: messages republished for an execution
     (``retries`` given: ``Task.retry`` and singletask's own), canvas parts (links, chords,
     groups), frozen signatures (``freeze()`` sets ``reply_to``: a chord's callback, for one,
     carries nothing else before Celery 5.6), and messages a worker sends for a task it finished
     (a chain's next link, with ``chain=[]`` for the last one; a link callback, with
     ``parent_id``) or replaced (``Task.replace``). The execution-time lock alone applies to them.
     """
-    return not (
-        options.scope == "execution"
-        or app.conf.task_always_eager
+    return (
+        app.conf.task_always_eager
         or "retries" in send_options
         or linked
         or any(send_options.get(name) for name in ("chord", "group_id"))
         or any(name in send_options for name in _PUBLISHED_AS_IS)
     )
+
+
+def deduplicates(
+    options: LockOptions, app: Celery, linked: bool, send_options: Mapping[str, Any]
+) -> bool:
+    """Whether a message sent with ``send_options`` is deduplicated before it is published:
+    only with ``lock_scope`` "queue" or "coalesce" (``app``'s settings are read only then),
+    and never a message :func:`published_as_is`."""
+    return options.scope != "execution" and not published_as_is(app, linked, send_options)
+
+
+def send_delay(options: Mapping[str, Any]) -> float:
+    """Seconds a message sent with ``options`` waits before it may start: its ``countdown``,
+    or the time until its ``eta``; 0 without either."""
+    if options.get("countdown") is not None:
+        return max(0.0, float(options["countdown"]))
+    if options.get("eta") is not None:
+        return seconds_until(maybe_iso8601(options["eta"]))
+    return 0.0
 
 
 def send(
@@ -174,12 +190,7 @@ def queue_lease(queue_ttl: float, options: Mapping[str, Any]) -> float:
     """How long a sent message keeps its key reserved: its delay plus ``queue_ttl``, never past
     its ``expires`` (a worker discards an expired message), and never more than the lock
     stores' ``MAX_LEASE`` (366 days: a message delayed longer loses its reservation then)."""
-    delay = 0.0
-    if options.get("countdown") is not None:
-        delay = max(0.0, float(options["countdown"]))
-    elif options.get("eta") is not None:
-        delay = seconds_until(maybe_iso8601(options["eta"]))
-    lease = delay + queue_ttl
+    lease = send_delay(options) + queue_ttl
     expires = options.get("expires")
     if isinstance(expires, int | float):
         lease = min(lease, max(0.001, float(expires)))
