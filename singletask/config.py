@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Final
 from .backends import check_url
 from .backends._sql import TABLE_SCHEMES, check_table
 from .exceptions import ConfigurationError
-from .slots import MAX_LIMIT
+from .slots import check_limit
 from .urls import mask_url
 
 if TYPE_CHECKING:
@@ -150,19 +150,6 @@ def check_count(value: object, where: str, *, maximum: int = MAX_COUNT) -> int:
         raise ConfigurationError(
             f"{where}: expected a whole number from 0 to {maximum} (at most {maximum}), "
             f"got {value!r}"
-        )
-    return value
-
-
-def check_limit(value: object, where: str) -> int:
-    """Return ``value`` if it is a whole number of holders from 1 to ``slots.MAX_LIMIT``.
-
-    Raises:
-        ConfigurationError: It is not; the message names ``where`` and the bounds.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
-        raise ConfigurationError(
-            f"{where}: expected a whole number of holders from 1 to {MAX_LIMIT}, got {value!r}"
         )
     return value
 

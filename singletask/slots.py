@@ -21,9 +21,14 @@ way, with :func:`companion_key`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from .exceptions import ConfigurationError
+
 __all__ = [
-    "MAX_LIMIT", "SLOT_MARK", "base_key", "companion_key", "slot_index", "slot_key", "slot_keys",
-    "split_slot",
+    "MAX_LIMIT", "SLOT_MARK", "base_key", "check_limit", "choose_slot", "companion_key",
+    "slot_index",
+    "slot_key", "slot_keys", "split_slot",
 ]  # fmt: skip
 
 #: What a slot key has between its key (and the closing brace) and its index.
@@ -31,6 +36,19 @@ SLOT_MARK = "}:slot:"
 
 #: The largest ``lock_limit``: a limit names a handful of holders, not a pool of thousands.
 MAX_LIMIT = 1000
+
+
+def check_limit(value: object, where: str) -> int:
+    """Return ``value`` if it is a whole number of holders from 1 to :data:`MAX_LIMIT`.
+
+    Raises:
+        ConfigurationError: It is not; the message names ``where`` and the bounds.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
+        raise ConfigurationError(
+            f"{where}: expected a whole number of holders from 1 to {MAX_LIMIT}, got {value!r}"
+        )
+    return value
 
 
 def companion_key(key: str, name: str) -> str:
@@ -50,8 +68,12 @@ def slot_key(key: str, index: int) -> str:
 
 
 def slot_keys(key: str, limit: int) -> list[str]:
-    """The store keys of the ``limit`` holder slots of ``key``, slot 0 (``key``) first."""
-    return [slot_key(key, index) for index in range(limit)]
+    """The store keys of the ``limit`` holder slots of ``key``, slot 0 (``key``) first.
+
+    Raises:
+        ConfigurationError: ``limit`` is no number of holders (see :func:`check_limit`).
+    """
+    return [slot_key(key, index) for index in range(check_limit(limit, f"slots of {key!r}"))]
 
 
 def split_slot(stored: str) -> tuple[str, int]:
@@ -78,3 +100,19 @@ def base_key(stored: str) -> str:
 def slot_index(stored: str) -> int:
     """The holder slot a store key is: 0 for a plain key."""
     return split_slot(stored)[1]
+
+
+def choose_slot(
+    holders: Sequence[str | None], token: str, takeover_prefix: str | None
+) -> int | None:
+    """The slot an ``acquire_slot`` takes, given the owner token of each slot's live holder
+    (None: free), slot 0 first: the slot ``token`` holds, else one whose holder's token starts
+    with ``takeover_prefix``, else the lowest free one; None when every slot is held. For the
+    stores that choose in Python (the Redis and SQL stores choose in their script)."""
+    if token in holders:
+        return holders.index(token)
+    if takeover_prefix:
+        for index, held in enumerate(holders):
+            if held is not None and held.startswith(takeover_prefix):
+                return index
+    return holders.index(None) if None in holders else None

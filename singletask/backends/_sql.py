@@ -54,7 +54,7 @@ from typing import TypeVar
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from ..exceptions import ConfigurationError, LockKeyError
-from ..slots import MAX_LIMIT, base_key, slot_index, slot_keys
+from ..slots import base_key, slot_index, slot_keys
 from ..urls import check_port
 from .base import AcquireResult, Holder, LockBackend, check_lease
 
@@ -66,7 +66,6 @@ __all__ = [
     "TABLE_SCHEMES",
     "SQLBackend",
     "SQLOptions",
-    "check_limit",
     "check_table",
     "dump_meta",
     "like_prefix",
@@ -227,19 +226,6 @@ def is_listed(key: str, prefix: str) -> bool:
     return base_key(key).startswith(prefix)
 
 
-def check_limit(limit: object) -> int:
-    """Return ``limit`` if it is a number of holder slots (1 to MAX_LIMIT).
-
-    Raises:
-        ConfigurationError: It is not.
-    """
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-        raise ConfigurationError(
-            f"acquire_slot: a lock limit is an integer from 1 to {MAX_LIMIT}, got {limit!r}"
-        )
-    return limit
-
-
 class SQLBackend(LockBackend):
     """What the PostgreSQL and MySQL stores share above their SQL: holder slots taken by one
     script (``_take_slot``), rate records and debounce windows on the key's row, the operator
@@ -267,7 +253,7 @@ class SQLBackend(LockBackend):
         meta: Mapping[str, str] | None = None, takeover_prefix: str | None = None,
         interval: float | None = None,
     ) -> AcquireResult:  # fmt: skip
-        names = slot_keys(key, check_limit(limit))
+        names = slot_keys(key, limit)
         if interval is not None:
             interval = check_lease(interval, "acquire_slot interval")
         return self._take_slot(key, names, token, ttl, meta, takeover_prefix, interval)

@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..exceptions import ConfigurationError
-from ..slots import base_key, slot_keys
+from ..slots import base_key, choose_slot, slot_keys
 from ..urls import mask_url
 from .base import AcquireResult, Holder, LockBackend, check_lease
 
@@ -132,23 +132,18 @@ class MemoryBackend(LockBackend):
         now = time.monotonic()
         with self._mutex:
             slots = [(name, self._live(name, now)) for name in slot_keys(key, limit)]
-            for wanted in (
-                lambda e: e is not None and e.token == token,
-                lambda e: e is not None and bool(takeover_prefix)
-                and e.token.startswith(takeover_prefix or ""),
-                lambda e: e is None,
-            ):  # fmt: skip
-                for name, entry in slots:
-                    if wanted(entry):
-                        if interval is not None and (entry is None or entry.token != token):
-                            allowed = self._rates.get(key, now)
-                            if allowed > now:  # too soon after the key's last start
-                                return AcquireResult(False, retry_after=allowed - now)
-                            self._rates[key] = now + interval
-                            self._prune(now)
-                        return self._take(name, entry, token, ttl, meta, now)
-            holders = tuple(self._holder(e, now, brief=True) for _, e in slots if e is not None)
-            return AcquireResult(False, holders[0], holders=holders)
+            chosen = choose_slot([e.token if e else None for _, e in slots], token, takeover_prefix)
+            if chosen is None:
+                holders = tuple(self._holder(e, now, brief=True) for _, e in slots if e)
+                return AcquireResult(False, holders[0], holders=holders)
+            name, entry = slots[chosen]
+            if interval is not None and (entry is None or entry.token != token):
+                allowed = self._rates.get(key, now)
+                if allowed > now:  # too soon after the key's last start
+                    return AcquireResult(False, retry_after=allowed - now)
+                self._rates[key] = now + interval
+                self._prune(now)
+            return self._take(name, entry, token, ttl, meta, now)
 
     def _take(
         self,

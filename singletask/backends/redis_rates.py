@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..exceptions import ConfigurationError, LockKeyError
-from ..slots import MAX_LIMIT, companion_key, slot_keys
+from ..exceptions import LockKeyError
+from ..slots import companion_key, slot_keys
 from .base import check_lease
 from .redis_scripts import _ACQUIRE_FUNCTION, _CHECK_MS
 from .redis_slots import _ACQUIRE_SLOT, _ACQUIRE_SLOT_FUNCTION, COMPANION_ENDS
@@ -191,10 +191,6 @@ def slot_request(
     Raises:
         ConfigurationError: ``limit``, ``ttl`` or ``interval`` is out of range.
     """
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-        raise ConfigurationError(
-            f"acquire {key!r}: a lock limit is 1 to {MAX_LIMIT}, got {limit!r}"
-        )
     keys = slot_keys(key, limit)
     since, fields = encode_meta(key, token, meta or {})
     args: list[str | int] = [token, _ms(ttl, "acquire"), takeover_prefix or "", since, *fields]

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..exceptions import BackendError, BackendTimeout, ConfigurationError
-from ..slots import base_key, slot_keys
+from ..slots import base_key, choose_slot, slot_keys
 from . import _sqlite_windows as windows
 from ._sql import load_holder, stored_key
 from ._sqlite_files import (
@@ -214,20 +214,16 @@ class SQLiteBackend(LockBackend):
         with self._transaction("acquire", key) as conn:
             now = time.time()
             slots = [(name, self._row(conn, name, now)) for name in slot_keys(key, limit)]
-            for wanted in (
-                lambda r: r is not None and r[0] == token,
-                lambda r: r is not None and _takes_over(r, takeover_prefix),
-                lambda r: r is None,
-            ):
-                for name, row in slots:
-                    if wanted(row):
-                        if interval is not None and (row is None or row[0] != token):
-                            wait = windows.start(conn, key, interval, now)  # a start
-                            if wait is not None:
-                                return AcquireResult(False, retry_after=wait)
-                        return self._take(conn, name, row, token, ttl, meta, now)
-            holders = tuple(_brief(row, now) for _, row in slots if row is not None)
-            return AcquireResult(False, holders[0], holders=holders)
+            chosen = choose_slot([r[0] if r else None for _, r in slots], token, takeover_prefix)
+            if chosen is None:
+                holders = tuple(_brief(row, now) for _, row in slots if row is not None)
+                return AcquireResult(False, holders[0], holders=holders)
+            name, row = slots[chosen]
+            if interval is not None and (row is None or row[0] != token):
+                wait = windows.start(conn, key, interval, now)  # a start
+                if wait is not None:
+                    return AcquireResult(False, retry_after=wait)
+            return self._take(conn, name, row, token, ttl, meta, now)
 
     @staticmethod
     def _take(
