@@ -57,19 +57,20 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.nodenames import gethostname
 
+from .acquire import gone_holder, take, twin_of, waits_for_rate
 from .exceptions import BackendError, BackendTimeout, BackendUnavailable
 from .lease import LockHandle
 from .messages import is_redelivery, seconds_until
 from .policies import Conflict, locked_out, store_unreachable, superseded
 from .runtime import app_state
 from .signals import lock_acquired, lock_lost
-from .slots import base_key, slot_keys
-from .tokens import direct_token, execution_token, process_state, reservation_token
+from .slots import base_key
+from .tokens import direct_token, execution_token, reservation_token
 
 if TYPE_CHECKING:
     from celery import Task
 
-    from .backends.base import AcquireResult, Holder, LockBackend
+    from .backends.base import LockBackend
     from .options import LockOptions
 
 __all__ = ["ENDINGS", "Ending", "current_lock", "ending_of", "execute"]
@@ -189,23 +190,23 @@ def execute(
             if latest is not None and latest != task_id:
                 return superseded(task, key, latest)
             sent_at = time.monotonic()
-        result = _take(backend, options, key, token, meta, takeover)
-        holder = _gone_holder(result) if attempt is not None else None
+        result = take(backend, options, key, token, meta, takeover)
+        holder = gone_holder(result) if attempt is not None else None
         if holder is not None:
             # Same host, and the holder's process is gone: no need to wait for its lease.
             sent_at = time.monotonic()
-            result = _take(backend, options, key, token, meta, holder.token)
+            result = take(backend, options, key, token, meta, holder.token)
             if result.acquired:
                 logger.warning(
                     "Task %s[%s] took over lock %r from %s, whose process is gone",
                     task.name, task_id, key, holder.task_id,
                 )  # fmt: skip
-        if _waits_for_rate(result, options, request, direct):
+        if waits_for_rate(result, options, request, direct):
             # A start is allowed very soon: waiting here for it beats a trip through the broker,
             # which would make the start late (and evenly spaced starts never make that up).
             time.sleep(float(result.retry_after or 0))
             sent_at = time.monotonic()
-            result = _take(backend, options, key, token, meta, takeover)
+            result = take(backend, options, key, token, meta, takeover)
     except (BackendUnavailable, BackendTimeout) as exc:
         return store_unreachable(task, options, exc, direct, body, args, kwargs)
     if not result.acquired:
@@ -217,7 +218,7 @@ def execute(
     lock_key, key = key, result.key or key
     if options.limit > 1:
         try:
-            twin = _twin(backend, options, request, lock_key, key)
+            twin = twin_of(backend, options, request, lock_key, key)
         except BaseException:
             _end(task, options, backend, key, token, None)  # never leave the slot taken
             raise
@@ -278,73 +279,6 @@ def execute(
             completed=attempt if row.completed and task.acks_late else None,
             meta=meta,
         )
-
-
-def _take(
-    backend: LockBackend,
-    options: LockOptions,
-    key: str,
-    token: str,
-    meta: Mapping[str, str],
-    takeover: str | None,
-) -> AcquireResult:
-    """Acquire ``key`` for ``token``: the key itself, or one of its ``lock_limit`` slots;
-    with ``lock_rate``, only if the key's last start is far enough back (same atomic step)."""
-    if options.rate_interval is not None:
-        return backend.acquire_slot(
-            key, options.limit, token, options.ttl, meta=meta, takeover_prefix=takeover,
-            interval=options.rate_interval,
-        )  # fmt: skip
-    if options.limit > 1:
-        return backend.acquire_slot(
-            key, options.limit, token, options.ttl, meta=meta, takeover_prefix=takeover
-        )
-    return backend.acquire(key, token, options.ttl, meta=meta, takeover_prefix=takeover)
-
-
-def _twin(
-    backend: LockBackend, options: LockOptions, request: Any, lock_key: str, held: str
-) -> Holder | None:
-    """With ``lock_limit`` above 1: another slot of ``lock_key`` held by this very message.
-
-    The singleton sees such a copy as a conflict on its one key; with several slots the copy
-    would take a free one. Only a redelivered message can have a twin, so only then are the
-    other slots read (one request each). Returns that holder, or None.
-    """
-    if request.id is None or not is_redelivery(request):
-        return None
-    for slot in slot_keys(lock_key, options.limit):
-        if slot != held:
-            holder = backend.holder(slot)
-            if holder is not None and holder.task_id == request.id:
-                return holder
-    return None
-
-
-#: The longest an execution refused by its ``lock_rate`` waits in its own process, with the
-#: ``"retry"`` policy, for the start to be allowed, before acquiring once more.
-RATE_WAIT: Final = 0.25
-
-
-def _waits_for_rate(
-    result: AcquireResult, options: LockOptions, request: Any, direct: bool
-) -> bool:
-    """Whether a start refused by the rate waits here (see :data:`RATE_WAIT`)."""
-    return (
-        result.retry_after is not None
-        and result.retry_after <= RATE_WAIT
-        and options.policy == "retry"
-        and not direct
-        and not request.is_eager
-    )
-
-
-def _gone_holder(result: AcquireResult) -> Holder | None:
-    """A holder of the refused key whose process, on this host, is gone."""
-    for holder in result.holders or ((result.holder,) if result.holder else ()):
-        if process_state(holder.token) == "gone":
-            return holder
-    return None
 
 
 def _end(

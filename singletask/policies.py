@@ -137,7 +137,7 @@ class Conflict:
     def countdown(self) -> float:
         """``lock_retry_countdown`` plus up to 25% jitter; for a rate refusal, the time until
         a start is allowed less 5 ms and up to 10% of it: the message comes back a little
-        early, finds the start allowed within ``lifecycle.RATE_WAIT`` and waits for it in its
+        early, finds the start allowed within ``acquire.RATE_WAIT`` and waits for it in its
         process, so that the start is not late by a trip through the broker."""
         if self.retry_after is not None:
             # At most 0.125 s early: well within the 0.25 s an execution waits in its process.
