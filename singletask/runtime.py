@@ -110,8 +110,8 @@ class AppState:
 
     @property
     def store_limit(self) -> tuple[float, str, frozenset[str]] | None:
-        """The longest lease of this app's lock store, the store's name and whether it has
-        holder slots, from its class (an override's, or the one the URL's scheme chooses);
+        """The longest lease of this app's lock store, the store's name and the ``supports_*``
+        features it has, from its class (an override's, or the one the URL's scheme chooses);
         None while that is not known."""
         if self._override is not None:
             store = type(self._override)
@@ -139,8 +139,8 @@ def features(store: type[LockBackend]) -> frozenset[str]:
 def store_limit(settings: Settings) -> tuple[float, str, frozenset[str]] | None:
     """The longest lease the lock store of ``settings`` accepts (the ``max_lease`` of the class
     its URL's scheme chooses), its scheme as ``"scheme://"`` and the ``supports_*`` features
-    it has; None when the URL is missing,
-    invalid or of a store that cannot be imported (each use of the store reports that)."""
+    it has; None when the URL is missing, invalid or of a store that cannot be imported (each
+    use of the store reports that)."""
     try:
         url = settings.backend_url
         store = backend_class(url)

@@ -141,7 +141,6 @@ def test_bad_debounce_options_are_refused_naming_task_and_attribute(
 
 @pytest.mark.parametrize("url", ["memcached://127.0.0.1:1", "django://default"])
 def test_a_store_without_debounce_windows_refuses_debounce_at_definition(url: str) -> None:
-    pytest.importorskip("pymemcache" if url.startswith("memcached") else "django")
     app = celery.Celery("debounce-store", set_as_current=False)
     app.conf.update(singletask_backend_url=url)
     scheme = url.split(":", 1)[0]

@@ -147,7 +147,6 @@ def test_a_limit_with_an_app_wide_queueing_scope_is_refused_at_definition() -> N
 def test_a_store_without_holder_slots_refuses_a_limit_at_definition(url: str) -> None:
     """memcached and Django caches keep one holder per key: the task is refused, not
     silently run as a singleton."""
-    pytest.importorskip("pymemcache" if url.startswith("memcached") else "django")
     app = celery.Celery("limit-store", set_as_current=False)
     app.conf.update(singletask_backend_url=url)
     scheme = url.split(":", 1)[0]

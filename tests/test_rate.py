@@ -106,7 +106,6 @@ def test_celerys_rate_syntax_is_accepted(value: str) -> None:
 
 @pytest.mark.parametrize("url", ["memcached://127.0.0.1:1", "django://default"])
 def test_a_store_without_rate_records_refuses_a_rate_at_definition(url: str) -> None:
-    pytest.importorskip("pymemcache" if url.startswith("memcached") else "django")
     app = celery.Celery("rate-store", set_as_current=False)
     app.conf.update(singletask_backend_url=url)
     scheme = url.split(":", 1)[0]
