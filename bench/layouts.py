@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
 import redis  # noqa: E402
 
 from bench.common import RedisServer, log  # noqa: E402
-from singletask.backends.redis import RedisBackend, fence_key  # noqa: E402
+from singletask.backends.redis.store import RedisBackend, fence_key  # noqa: E402
 from singletask.tokens import execution_token  # noqa: E402
 
 TASK = "bench.singletask.noop"

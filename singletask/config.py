@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from .backends import check_url
-from .backends._sql import TABLE_SCHEMES, check_table
+from .backends.sql.core import TABLE_SCHEMES, check_table
 from .exceptions import ConfigurationError
 from .slots import check_limit
 from .urls import mask_url

@@ -17,7 +17,7 @@ from singletask.backends import backend_from_url
 from singletask.backends.base import LockBackend
 from singletask.backends.memory import MemoryBackend
 from singletask.backends.redis import RedisBackend
-from singletask.backends.sqlite import SQLiteBackend
+from singletask.backends.sql.sqlite import SQLiteBackend
 
 from .backends.expiry import INSPECTORS, close_connections
 from .deployments import (

@@ -248,7 +248,7 @@ def sql_problem(kind: str) -> str | None:
         else:
             import pymysql
 
-            from singletask.backends.mysql import MySQLBackend
+            from singletask.backends.sql.mysql import MySQLBackend
 
             args = MySQLBackend.from_url(url)._connect_args
             pymysql.connect(**{k: v for k, v in args.items() if k != "client_flag"}).close()
@@ -293,7 +293,7 @@ def drop_sql_table(kind: str, table: str) -> None:
     else:
         import pymysql
 
-        from singletask.backends.mysql import MySQLBackend
+        from singletask.backends.sql.mysql import MySQLBackend
 
         args = MySQLBackend.from_url(SQL_URLS[kind])._connect_args
         conn = pymysql.connect(**{k: v for k, v in args.items() if k != "client_flag"})

@@ -123,3 +123,29 @@ def test_the_core_never_imports_the_task_class_or_what_is_built_on_it(name: str)
     # Given a module of the core
     # Then none of its imports leads up to the face or past it
     assert [target for target in GRAPH[name] if above_the_core(target)] == []
+
+
+BACKENDS = PACKAGE / "backends"
+FAMILIES = ("redis", "sql", "memcached")
+
+
+def test_each_store_family_is_a_package_of_its_own() -> None:
+    """The top of backends/ holds the contract, the registry and the one-module stores; a family
+    of modules (a name prefix) is a folder, whose modules lose the prefix."""
+    top = sorted(path.stem for path in BACKENDS.glob("*.py"))
+    assert top == ["__init__", "_moved", "base", "django", "memory"]
+    for family in FAMILIES:
+        assert (BACKENDS / family / "__init__.py").is_file()
+        prefixed = [p.name for p in (BACKENDS / family).glob(f"{family}_*.py")]
+        assert prefixed == [], f"backends/{family}/ modules keep the family prefix: {prefixed}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_store_family_imports_no_other_family(family: str) -> None:
+    """A family's modules import their own family, the contract and the bottom layer: never
+    another family (the django:// store, which hands over to Redis or memcached, is the one
+    module that may)."""
+    prefix = f"singletask.backends.{family}"
+    others = [f"singletask.backends.{other}" for other in FAMILIES if other != family]
+    for name in [name for name in MODULES if name == prefix or name.startswith(prefix + ".")]:
+        assert [t for t in GRAPH[name] if t.startswith(tuple(others))] == [], name

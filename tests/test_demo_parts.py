@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from kombu import Connection
 
-from singletask.backends.sqlite import SQLiteBackend
+from singletask.backends.sql.sqlite import SQLiteBackend
 from singletask.demo.checks import Limits, closest_starts, most_at_once, problems, spacing_line
 from singletask.demo.display import LiveDisplay, PlainDisplay
 from singletask.demo.events import Event, EventLog

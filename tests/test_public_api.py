@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.resources
+import re
+import sys
 
 import pytest
 
 import singletask
+from singletask.backends import backend_class
 
 
 def test_all_is_sorted() -> None:
@@ -65,3 +69,57 @@ def test_the_pytest_plugin_is_registered_as_singletask() -> None:
 
     plugins = {ep.name: ep.value for ep in entry_points(group="pytest11")}
     assert plugins.get("singletask") == "singletask.testing.plugin"
+
+
+@pytest.mark.parametrize(
+    ("path", "name"),
+    [
+        ("singletask.backends.memory", "MemoryBackend"),
+        ("singletask.backends.django", "DjangoCacheBackend"),
+        ("singletask.backends.redis", "RedisBackend"),
+        ("singletask.backends.redis", "RedisSentinelBackend"),
+        ("singletask.backends.redis", "RedisClusterBackend"),
+        ("singletask.backends.memcached", "MemcachedBackend"),
+        ("singletask.backends.sql.postgres", "PostgresBackend"),
+        ("singletask.backends.sql.mysql", "MySQLBackend"),
+        ("singletask.backends.sql.sqlite", "SQLiteBackend"),
+    ],
+)
+def test_the_store_classes_import_from_their_family_package(path: str, name: str) -> None:
+    """Each store class imports from the path its docs give, and the registry serves that class."""
+    cls = getattr(importlib.import_module(path), name)
+    assert cls in {backend_class(url) for url in STORE_URLS}
+
+
+STORE_URLS = [
+    "redis://h",
+    "sentinel://h:1",
+    "redis+cluster://h:1",
+    "postgresql://h/db",
+    "mysql://h/db",
+    "sqlite:///x.db",
+    "memcached://h:1",
+    "memory://",
+    "django://default",
+]
+
+
+@pytest.mark.parametrize(
+    ("old", "name", "new"),
+    [
+        ("singletask.backends.postgres", "PostgresBackend", "singletask.backends.sql.postgres"),
+        ("singletask.backends.mysql", "MySQLBackend", "singletask.backends.sql.mysql"),
+        ("singletask.backends.sqlite", "SQLiteBackend", "singletask.backends.sql.sqlite"),
+        ("singletask.backends.redis_deploy", "RedisClusterBackend", "singletask.backends.redis"),
+        ("singletask.backends.redis_deploy", "RedisSentinelBackend", "singletask.backends.redis"),
+    ],
+)
+def test_a_store_class_still_imports_from_its_path_before_0_3_0(
+    old: str, name: str, new: str
+) -> None:
+    """The old path gives the same class, so isinstance checks and subclasses keep working, and
+    warns once with the new path."""
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=re.escape(old) + " is now"):
+        moved = importlib.import_module(old)
+    assert getattr(moved, name) is getattr(importlib.import_module(new), name)

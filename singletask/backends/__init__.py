@@ -1,16 +1,23 @@
 """Lock backends, chosen by the scheme of ``singletask_backend_url``.
 
-Built in: ``redis://``, ``rediss://``, ``unix://``
-(:class:`~singletask.backends.redis.RedisBackend`), ``sentinel://``
-(:class:`~singletask.backends.redis_deploy.RedisSentinelBackend`), ``redis+cluster://`` and
-``rediss+cluster://`` (:class:`~singletask.backends.redis_deploy.RedisClusterBackend`), ``sqlite://``
-(:class:`~singletask.backends.sqlite.SQLiteBackend`), ``postgresql://``, ``postgres://``
-(:class:`~singletask.backends.postgres.PostgresBackend`, extra ``singletask[postgres]``),
-``mysql://``, ``mariadb://`` (:class:`~singletask.backends.mysql.MySQLBackend`, extra
-``singletask[mysql]``), ``memcached://`` (:class:`~singletask.backends.memcached.MemcachedBackend`,
-extra ``singletask[memcached]``), ``django://``
-(:class:`~singletask.backends.django.DjangoCacheBackend`, extra ``singletask[django]``) and
-``memory://`` (:class:`~singletask.backends.memory.MemoryBackend`).
+The contract every store implements is :mod:`singletask.backends.base`; the stores are grouped
+by family:
+
+* :mod:`~singletask.backends.memory` (``memory://``) and :mod:`~singletask.backends.django`
+  (``django://<cache alias>``, extra
+  ``singletask[django]``), small enough to be one module each;
+* :mod:`~singletask.backends.redis`: ``redis://``, ``rediss://``, ``unix://``
+  (:class:`~singletask.backends.redis.RedisBackend`), ``sentinel://``
+  (:class:`~singletask.backends.redis.RedisSentinelBackend`), ``redis+cluster://`` and
+  ``rediss+cluster://`` (:class:`~singletask.backends.redis.RedisClusterBackend`);
+* ``sql``: ``postgresql://``, ``postgres://``
+  (:class:`~singletask.backends.sql.postgres.PostgresBackend`, extra ``singletask[postgres]``),
+  ``mysql://``, ``mariadb://`` (:class:`~singletask.backends.sql.mysql.MySQLBackend`, extra
+  ``singletask[mysql]``) and ``sqlite://``
+  (:class:`~singletask.backends.sql.sqlite.SQLiteBackend`);
+* :mod:`~singletask.backends.memcached`: ``memcached://``
+  (:class:`~singletask.backends.memcached.MemcachedBackend`, extra ``singletask[memcached]``).
+
 A third-party package adds a scheme through the ``singletask.backends`` entry-point group::
 
     [project.entry-points."singletask.backends"]
@@ -29,6 +36,7 @@ from kombu.utils.imports import symbol_by_name
 
 from ..exceptions import ConfigurationError, UnknownBackendError
 from ..urls import mask_url
+from ._moved import install as _install_moved_modules
 from .base import AcquireResult, Holder, LockBackend
 
 __all__ = [
@@ -44,31 +52,33 @@ __all__ = [
 
 #: URL scheme -> "module:Class" of the built-in backends.
 BACKEND_ALIASES: dict[str, str] = {
-    "redis": "singletask.backends.redis:RedisBackend",
-    "rediss": "singletask.backends.redis:RedisBackend",
-    "unix": "singletask.backends.redis:RedisBackend",
-    "sentinel": "singletask.backends.redis_deploy:RedisSentinelBackend",
-    "redis+cluster": "singletask.backends.redis_deploy:RedisClusterBackend",
-    "rediss+cluster": "singletask.backends.redis_deploy:RedisClusterBackend",
+    "redis": "singletask.backends.redis.store:RedisBackend",
+    "rediss": "singletask.backends.redis.store:RedisBackend",
+    "unix": "singletask.backends.redis.store:RedisBackend",
+    "sentinel": "singletask.backends.redis.deploy:RedisSentinelBackend",
+    "redis+cluster": "singletask.backends.redis.deploy:RedisClusterBackend",
+    "rediss+cluster": "singletask.backends.redis.deploy:RedisClusterBackend",
     "memory": "singletask.backends.memory:MemoryBackend",
-    "sqlite": "singletask.backends.sqlite:SQLiteBackend",
-    "postgresql": "singletask.backends.postgres:PostgresBackend",
-    "postgres": "singletask.backends.postgres:PostgresBackend",
-    "postgresql+psycopg": "singletask.backends.postgres:PostgresBackend",
-    "mysql": "singletask.backends.mysql:MySQLBackend",
-    "mariadb": "singletask.backends.mysql:MySQLBackend",
-    "mysql+pymysql": "singletask.backends.mysql:MySQLBackend",
+    "sqlite": "singletask.backends.sql.sqlite:SQLiteBackend",
+    "postgresql": "singletask.backends.sql.postgres:PostgresBackend",
+    "postgres": "singletask.backends.sql.postgres:PostgresBackend",
+    "postgresql+psycopg": "singletask.backends.sql.postgres:PostgresBackend",
+    "mysql": "singletask.backends.sql.mysql:MySQLBackend",
+    "mariadb": "singletask.backends.sql.mysql:MySQLBackend",
+    "mysql+pymysql": "singletask.backends.sql.mysql:MySQLBackend",
     "memcached": "singletask.backends.memcached:MemcachedBackend",
     "django": "singletask.backends.django:DjangoCacheBackend",
 }
 
 #: Module of a built-in backend -> the extra that installs its driver.
 EXTRAS: dict[str, str] = {
-    "singletask.backends.postgres": "postgres",
-    "singletask.backends.mysql": "mysql",
+    "singletask.backends.sql.postgres": "postgres",
+    "singletask.backends.sql.mysql": "mysql",
 }
 
 ENTRY_POINT_GROUP = "singletask.backends"
+
+_install_moved_modules()
 
 
 def _plugins() -> dict[str, str]:

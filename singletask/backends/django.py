@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 from ..exceptions import ConfigurationError, UnsupportedOperation
 from ..urls import mask_url, parse_redis_url
 from .base import AcquireResult, Holder, LockBackend
-from .memcached import MAX_RELATIVE_EXPIRY
+from .memcached.store import MAX_RELATIVE_EXPIRY
 
 __all__ = ["REFUSED", "DjangoCacheBackend"]
 
@@ -211,7 +211,7 @@ class DjangoCacheBackend(LockBackend):
             ) from exc
 
     def _redis_store(self, cache: Any) -> LockBackend:
-        from .redis import CLIENT_DEFAULTS, RedisBackend
+        from .redis.store import CLIENT_DEFAULTS, RedisBackend
 
         # The server Django writes to, checked as singletask checks its own Redis URLs:
         # redis-py's parse errors quote parts of a malformed URL, password included.
@@ -248,7 +248,7 @@ class DjangoCacheBackend(LockBackend):
         return RedisBackend(client=client)
 
     def _memcached_store(self, cache: Any) -> LockBackend:
-        from .memcached import MemcachedBackend
+        from .memcached.store import MemcachedBackend
 
         # Options left unset (or None) take the memcached store's defaults (5 s timeouts):
         # pymemcache's own default is to wait for ever.

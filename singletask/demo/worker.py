@@ -224,7 +224,7 @@ def delete_lock_keys(url: str, prefix: str) -> int:
     if scheme == "sqlite":
         import sqlite3
 
-        from ..backends.sqlite import SQLiteBackend
+        from ..backends.sql.sqlite import SQLiteBackend
 
         backend = SQLiteBackend.from_url(url)
         conn = sqlite3.connect(backend.path, timeout=10)

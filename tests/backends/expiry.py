@@ -22,8 +22,8 @@ import redis
 
 from singletask.backends.base import MAX_LEASE, LockBackend
 from singletask.backends.memory import MemoryBackend
-from singletask.backends.sqlite import FENCE_RETENTION as SQLITE_FENCE_RETENTION
-from singletask.backends.sqlite import SQLiteBackend
+from singletask.backends.sql.sqlite import FENCE_RETENTION as SQLITE_FENCE_RETENTION
+from singletask.backends.sql.sqlite import SQLiteBackend
 
 from .memcached_records import inspect_memcached
 
@@ -160,7 +160,7 @@ def _postgresql(
     import psycopg
     from psycopg import sql
 
-    from singletask.backends.postgres import PostgresBackend
+    from singletask.backends.sql.postgres import PostgresBackend
 
     from ..servers import SQL_URLS
 
@@ -182,7 +182,7 @@ def _mysql(
     """Rows of the backend's table, by ``expires_at`` (when the whole row may be deleted)."""
     import pymysql
 
-    from singletask.backends.mysql import MySQLBackend
+    from singletask.backends.sql.mysql import MySQLBackend
 
     assert isinstance(backend, MySQLBackend)
     args = {k: v for k, v in backend._connect_args.items() if k != "client_flag"}

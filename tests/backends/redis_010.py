@@ -11,7 +11,7 @@ from typing import Any
 
 import redis
 
-from singletask.backends.redis import fence_key
+from singletask.backends.redis.store import fence_key
 
 ACQUIRE_010 = """
 local cur = redis.call('HGET', KEYS[1], 'token')

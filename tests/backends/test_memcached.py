@@ -19,7 +19,7 @@ from pymemcache.client.base import Client
 
 from singletask.backends import backend_from_url
 from singletask.backends.django import DjangoCacheBackend
-from singletask.backends.memcached import (
+from singletask.backends.memcached.store import (
     MAX_RELATIVE_EXPIRY,
     MemcachedBackend,
     expiry,

@@ -23,7 +23,7 @@ from singletask import (
 )
 from singletask.backends import backend_class, backend_from_url, known_schemes
 from singletask.backends.memory import MemoryBackend
-from singletask.backends.redis import RedisBackend, fence_key
+from singletask.backends.redis.store import RedisBackend, fence_key
 from singletask.exceptions import UnknownBackendError
 from singletask.slots import slot_key
 from singletask.tokens import execution_token
@@ -799,7 +799,7 @@ def test_a_script_given_a_duration_out_of_range_writes_nothing(
     (The acquire script used to write the lock hash and then fail on PEXPIRE: a lock that never
     expired, so its task was skipped for ever.)
     """
-    from singletask.backends import redis_scripts as scripts
+    from singletask.backends.redis import scripts
 
     fence = fence_key(key)
     calls = [

@@ -20,9 +20,9 @@ import pytest
 import redis
 
 from singletask.backends import backend_from_url
-from singletask.backends.redis import FENCE_RETENTION, MARKER_RETENTION
-from singletask.backends.redis_deploy import RedisClusterBackend, RedisSentinelBackend
-from singletask.backends.redis_options import mask
+from singletask.backends.redis.deploy import RedisClusterBackend, RedisSentinelBackend
+from singletask.backends.redis.options import mask
+from singletask.backends.redis.store import FENCE_RETENTION, MARKER_RETENTION
 from singletask.exceptions import (
     BackendError,
     BackendUnavailable,

@@ -21,8 +21,8 @@ import redis
 
 from singletask import BackendError, BackendTimeout, BackendUnavailable
 from singletask.backends import backend_from_url
-from singletask.backends.redis import CLIENT_DEFAULTS, RedisBackend
-from singletask.backends.redis_wire import driver_error, not_run
+from singletask.backends.redis.store import CLIENT_DEFAULTS, RedisBackend
+from singletask.backends.redis.wire import driver_error, not_run
 
 from ..deployments import FailoverPair, default_binary, wait_until
 from ..faultproxy import FaultProxy, address_of

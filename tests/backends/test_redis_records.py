@@ -14,7 +14,12 @@ import pytest
 import redis
 
 from singletask.backends import backend_from_url
-from singletask.backends.redis import FENCE_RETENTION, MARKER_RETENTION, RedisBackend, fence_key
+from singletask.backends.redis.store import (
+    FENCE_RETENTION,
+    MARKER_RETENTION,
+    RedisBackend,
+    fence_key,
+)
 from singletask.inventory import find_locks
 from singletask.tokens import execution_token, reservation_token
 

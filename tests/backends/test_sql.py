@@ -18,8 +18,8 @@ import pytest
 
 from singletask import ConfigurationError
 from singletask.backends import backend_from_url
-from singletask.backends.mysql import MySQLBackend
-from singletask.backends.postgres import PostgresBackend
+from singletask.backends.sql.mysql import MySQLBackend
+from singletask.backends.sql.postgres import PostgresBackend
 from singletask.exceptions import BackendError, BackendUnavailable
 
 from ..servers import SQL_URLS, free_port
@@ -82,8 +82,8 @@ def test_a_missing_driver_names_the_extra_to_install(
     """Without its driver, a store fails at once with the pip command that installs it."""
     # Given the driver cannot be imported (and the store's module is not loaded yet)
     driver, module, extra = {
-        "postgresql": ("psycopg", "singletask.backends.postgres", "postgres"),
-        "mysql": ("pymysql", "singletask.backends.mysql", "mysql"),
+        "postgresql": ("psycopg", "singletask.backends.sql.postgres", "postgres"),
+        "mysql": ("pymysql", "singletask.backends.sql.mysql", "mysql"),
     }[kind]
     monkeypatch.setitem(sys.modules, driver, None)
     monkeypatch.delitem(sys.modules, module)

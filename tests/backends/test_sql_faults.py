@@ -21,7 +21,7 @@ import pytest
 
 from singletask import ConfigurationError, SingletaskError
 from singletask.backends import backend_from_url
-from singletask.backends.mysql import MySQLBackend
+from singletask.backends.sql.mysql import MySQLBackend
 from singletask.exceptions import BackendError, BackendTimeout, LockKeyError
 
 from ..faultproxy import FaultProxy
@@ -258,12 +258,12 @@ def test_a_key_written_like_a_stored_long_key_is_another_lock(
 ) -> None:
     """A long key is stored in a fixed-size form; a user key whose text is exactly that form
     is still a different lock (no key a user can write maps onto another lock's row)."""
-    from singletask.backends import _sql
-    from singletask.backends.mysql import KEY_BYTES as MYSQL_BYTES
-    from singletask.backends.postgres import KEY_BYTES as POSTGRES_BYTES
+    from singletask.backends.sql import core
+    from singletask.backends.sql.mysql import KEY_BYTES as MYSQL_BYTES
+    from singletask.backends.sql.postgres import KEY_BYTES as POSTGRES_BYTES
 
     long_key = _long_key(3000, 3)
-    stored, _ = _sql.stored_key(long_key, POSTGRES_BYTES if kind == "postgresql" else MYSQL_BYTES)
+    stored, _ = core.stored_key(long_key, POSTGRES_BYTES if kind == "postgresql" else MYSQL_BYTES)
     assert store.acquire(long_key, "t1", 30).acquired
     assert store.acquire(stored, "t2", 30).acquired
     assert store.holder(long_key).token == "t1"
@@ -424,11 +424,11 @@ def test_a_table_made_by_an_earlier_version_gains_full_key_and_keeps_its_locks(
 ) -> None:
     """A table without the full_key column (made by an earlier version) is upgraded on first
     use: its held locks stay held, and long keys work."""
-    from singletask.backends import _mysql_sql, _postgres_sql
+    from singletask.backends.sql import mysql_queries, postgres_queries
 
     url, table = sql_store
     # Given the table as an earlier version made it, with a held lock in it
-    schema = (_postgres_sql if kind == "postgresql" else _mysql_sql).SCHEMA
+    schema = (postgres_queries if kind == "postgresql" else mysql_queries).SCHEMA
     old = schema.replace(",\n    full_key text", "").replace(",\n    full_key MEDIUMBLOB NULL", "")
     assert "full_key" not in old
     now = "now()" if kind == "postgresql" else "UTC_TIMESTAMP(6)"

@@ -11,7 +11,7 @@ import pytest
 
 from singletask import ConfigurationError
 from singletask.backends import backend_from_url
-from singletask.backends.sqlite import SQLiteBackend
+from singletask.backends.sql.sqlite import SQLiteBackend
 from singletask.exceptions import LockKeyError
 from singletask.slots import slot_index, slot_keys
 

@@ -12,16 +12,17 @@ with ``gets`` and writes it with ``cas``, so a concurrent change makes the write
 step is decided again on the new record. A lock record is only ever created free (``add``) and
 taken with a ``cas``; the fencing token comes from a counter item per lock (``incr``, seeded
 with ``add``) read between that ``gets`` and that ``cas`` (why:
-:mod:`~singletask.backends.memcached_fences`). A pending follow-up is one item (``add``; cleared
+:mod:`~singletask.backends.memcached.fences`). A pending follow-up is one item (``add``; cleared
 by a ``cas`` with a negative expiry, memcached's delete-if-unchanged). The counter and the
 follow-up slot have names no lock key can have (see
-:func:`~singletask.backends.memcached_items.item_name`).
+:func:`~singletask.backends.memcached.items.item_name`).
 
 What differs from Redis (the guarantees page has the details): memcached's own expiry ends a
 lease, in whole seconds of its clock, and the lease time reported is derived from a deadline the
 writing host stored; memcached may evict a live lock, and loses every lock when it restarts; a
 lost fence counter restarts from the acquiring host's clock; keys cannot be listed
-(:meth:`MemcachedBackend.iter_locks` raises :class:`~singletask.exceptions.UnsupportedOperation`).
+(:meth:`~singletask.backends.memcached.MemcachedBackend.iter_locks` raises
+:class:`~singletask.exceptions.UnsupportedOperation`).
 Each lock lives on the one server its key hashes to, and never moves: a server that does not
 answer makes its locks unavailable (:class:`~singletask.exceptions.BackendUnavailable`).
 """
@@ -36,7 +37,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ..exceptions import (
+from ...exceptions import (
     BackendError,
     BackendTimeout,
     BackendUnavailable,
@@ -44,9 +45,9 @@ from ..exceptions import (
     SingletaskError,
     UnsupportedOperation,
 )
-from .base import AcquireResult, Holder, LockBackend
-from .memcached_fences import next_fence
-from .memcached_items import (
+from ..base import AcquireResult, Holder, LockBackend
+from .fences import next_fence
+from .items import (
     CLIENT_DEFAULTS,
     MAX_RELATIVE_EXPIRY,
     OPTION_TYPES,
@@ -107,8 +108,9 @@ class MemcachedBackend(LockBackend):
 
     #: The longest lease and follow-up claim, 30 days less a second: memcached reads an expiry
     #: over 30 days (2,592,000 s) as an absolute Unix time, and an item is kept a second longer
-    #: than its lease (see :func:`expiry`). Longer leases as absolute times are not offered:
-    #: they would rest on the agreement of the workers' and the server's clocks.
+    #: than its lease (see :func:`~singletask.backends.memcached.store.expiry`). Longer leases
+    #: as absolute times are not offered: they would rest on the agreement of the workers' and
+    #: the server's clocks.
     max_lease = float(MAX_RELATIVE_EXPIRY - 1)
 
     @classmethod
@@ -182,13 +184,13 @@ class MemcachedBackend(LockBackend):
 
     def _next_fence(self, client: Any, key: str, floor: int | None, *, fresh: bool) -> int:
         """A fencing token greater than every one issued before (and than ``floor``): see
-        :func:`~singletask.backends.memcached_fences.next_fence`."""
+        :func:`~singletask.backends.memcached.fences.next_fence`."""
         return next_fence(client, key, floor, fresh=fresh, owner=self)
 
     # -- the primitives --------------------------------------------------------------------------
 
     # Why a fence is never below one issued before it for the key, whatever the interleaving:
-    # see :mod:`~singletask.backends.memcached_fences`.
+    # see :mod:`~singletask.backends.memcached.fences`.
     def acquire(
         self,
         key: str,

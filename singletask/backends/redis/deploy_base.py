@@ -1,6 +1,6 @@
-"""What the Sentinel and Cluster backends (:mod:`~singletask.backends.redis_deploy`) share:
+"""What the Sentinel and Cluster backends (:mod:`~singletask.backends.redis.deploy`) share:
 their transport options, the errors of a topology change, and the opt-in replica wait
-(``wait_replicas``, ``wait_timeout``: see :class:`~singletask.backends.redis_options.ReplicaWait`).
+(``wait_replicas``, ``wait_timeout``: see :class:`~singletask.backends.redis.options.ReplicaWait`).
 """
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ from typing import Any
 
 import redis
 
-from ..exceptions import BackendError, BackendUnavailable, ConfigurationError
-from .redis import _DRIVER_ERRORS, FENCE_RETENTION, MARKER_RETENTION, RedisBackend
-from .redis_options import (
+from ...exceptions import BackendError, BackendUnavailable, ConfigurationError
+from .options import (
     RETENTION_OPTIONS,
     SOCKET_OPTIONS,
     TLS_OPTIONS,
@@ -23,9 +22,10 @@ from .redis_options import (
     socket_options,
     tls_options,
 )
-from .redis_rates import _ACQUIRE_SLOT_RATED, _ACQUIRE_SLOT_RATED_KEEPING
-from .redis_slots import _ACQUIRE_SLOT, _ACQUIRE_SLOT_KEEPING
-from .redis_wire import _ACQUIRE, _ACQUIRE_KEEPING, _RESTORE, _Script, drop_idle, not_run
+from .rates import _ACQUIRE_SLOT_RATED, _ACQUIRE_SLOT_RATED_KEEPING
+from .slots import _ACQUIRE_SLOT, _ACQUIRE_SLOT_KEEPING
+from .store import _DRIVER_ERRORS, FENCE_RETENTION, MARKER_RETENTION, RedisBackend
+from .wire import _ACQUIRE, _ACQUIRE_KEEPING, _RESTORE, _Script, drop_idle, not_run
 
 __all__ = ["QUERY_OPTIONS"]
 

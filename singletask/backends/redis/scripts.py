@@ -6,7 +6,7 @@ writes the lock key alone, so it runs on one Redis Cluster slot with nothing els
 them has moved). The key is a hash in one of two states:
 
 * *held*: the field ``token`` (the owner token), ``f`` (the fencing token) and the holder's
-  metadata in the compact fields :mod:`singletask.backends.redis_wire` writes; its expiry is
+  metadata in the compact fields :mod:`singletask.backends.redis.wire` writes; its expiry is
   the lease;
 * *released*: no ``token``; ``f``, the last fencing token issued, and ``d``, the completion
   marker of the last execution that recorded one; its expiry is how long they are kept (the
@@ -29,7 +29,7 @@ be killed once it has written, so nothing else can stop one between a write and 
 
 from __future__ import annotations
 
-from .base import MAX_LEASE
+from ..base import MAX_LEASE
 
 __all__ = [
     "ACQUIRE_KEEPING_SCRIPT",
@@ -97,7 +97,7 @@ end
 # last completion marker (d) is carried into the new held record.
 # Errors (before any write) when ARGV[2] is out of range.
 # (The body is the Lua function acquire(), which ACQUIRE_KEEPING_SCRIPT calls as well; it gives
-# the key with take(), which the holder-slot scripts of redis_slots call for the slot they
+# the key with take(), which the holder-slot scripts of slots.py call for the slot they
 # choose.)
 # take(key, cur, last, marker, lease): give key to ARGV[1] for lease ms, ARGV[4…] as above; cur
 # is its holder's token (or false), last the last fence to grow from (or false), marker the

@@ -26,12 +26,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..exceptions import LockKeyError
-from ..slots import companion_key, slot_keys
-from .base import check_lease
-from .redis_scripts import _ACQUIRE_FUNCTION, _CHECK_MS
-from .redis_slots import _ACQUIRE_SLOT, _ACQUIRE_SLOT_FUNCTION, COMPANION_ENDS
-from .redis_wire import _ms, _Script, _text, encode_meta
+from ...exceptions import LockKeyError
+from ...slots import companion_key, slot_keys
+from ..base import check_lease
+from .scripts import _ACQUIRE_FUNCTION, _CHECK_MS
+from .slots import _ACQUIRE_SLOT, _ACQUIRE_SLOT_FUNCTION, COMPANION_ENDS
+from .wire import _ms, _Script, _text, encode_meta
 
 __all__ = [
     "ACQUIRE_SLOT_RATED_KEEPING_SCRIPT",

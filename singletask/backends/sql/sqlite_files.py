@@ -1,14 +1,14 @@
 """Where the SQLite lock store keeps its file: its URL, and the filesystems it refuses.
 
-Private to :mod:`singletask.backends.sqlite`.
+Private to :mod:`singletask.backends.sql.sqlite`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..exceptions import ConfigurationError
-from ..urls import mask_url, query_options
+from ...exceptions import ConfigurationError
+from ...urls import mask_url, query_options
 
 __all__ = [
     "LIMITS", "NETWORK_FILESYSTEMS", "filesystem_type", "path_from_url", "timeout_from_url",

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Generic, TypeVar
 
-from ..exceptions import BackendTimeout
+from ...exceptions import BackendTimeout
 
 __all__ = ["Pool"]
 

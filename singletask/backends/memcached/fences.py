@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..exceptions import BackendError
-from .memcached_items import FENCE_EXPIRY, item_name
+from ...exceptions import BackendError
+from .items import FENCE_EXPIRY, item_name
 
 __all__ = ["next_fence"]
 

@@ -18,7 +18,7 @@ opt-in replica wait (``wait_replicas``, ``wait_timeout``: see :class:`ReplicaWai
 
 Acquire, release and renewal touch the lock key alone, and the coalesce follow-up claim and
 debounce window their companion record, which hashes to the lock key's slot (see
-:mod:`~singletask.backends.redis_rates`), so every script touches one slot; a holder-slot
+:mod:`~singletask.backends.redis.rates`), so every script touches one slot; a holder-slot
 acquisition touches the key's slots (and its rate record, with ``lock_rate``), which share it.
 Redirections and failovers are the cluster client's to follow; what it cannot follow surfaces
 as :class:`~singletask.exceptions.BackendUnavailable`.
@@ -37,12 +37,11 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.sentinel import Sentinel
 
-from ..exceptions import ConfigurationError, LockKeyError
-from ..slots import base_key
-from .base import Holder
-from .redis import _DRIVER_ERRORS
-from .redis_deploy_base import _Deployed, _raised
-from .redis_options import (
+from ...exceptions import ConfigurationError, LockKeyError
+from ...slots import base_key
+from ..base import Holder
+from .deploy_base import _Deployed, _raised
+from .options import (
     TLS_OPTIONS,
     ReplicaWait,
     mask,
@@ -52,8 +51,9 @@ from .redis_options import (
     url_db,
     url_query,
 )
-from .redis_slots import listed, scan_patterns
-from .redis_wire import _holder, _Script
+from .slots import listed, scan_patterns
+from .store import _DRIVER_ERRORS
+from .wire import _holder, _Script
 
 __all__ = ["RedisClusterBackend", "RedisSentinelBackend"]
 

@@ -7,8 +7,8 @@ and singletask's own: ``table`` (default ``singletask_locks``), ``pool_size`` (4
 ``transaction_pooling`` (0; 1 behind PgBouncer in transaction mode).
 Needs ``pip install "singletask[postgres]"`` (psycopg 3).
 
-How it holds its guarantees (the table layout is in :mod:`singletask.backends._sql`, the SQL
-in :mod:`singletask.backends._postgres_sql`):
+How it holds its guarantees (the table layout is in :mod:`singletask.backends.sql.core`, the SQL
+in :mod:`singletask.backends.sql.postgres_queries`):
 
 * Each new connection sets its session's isolation (READ COMMITTED) and server-side time limits
   (``statement_timeout``, ``lock_timeout``: the store's ``timeout``) with one statement, never
@@ -23,10 +23,10 @@ in :mod:`singletask.backends._postgres_sql`):
 * Waits are bounded on the client too: ``connect_timeout``, TCP keepalives and
   ``tcp_user_timeout``, and a deadline (``timeout`` + 1 s) after which the connection's socket
   is shut down, so a stalled server or link gives BackendTimeout instead of blocking.
-* Errors are classified (``_postgres_sql.error_class``): a serialization failure or deadlock
+* Errors are classified (``postgres_queries.error_class``): a serialization failure or deadlock
   committed nothing and is sent again (3 attempts in all); a key PostgreSQL cannot store (NUL)
   is a LockKeyError before anything is sent. Keys over ``KEY_BYTES`` (2,000) UTF-8 bytes are
-  stored in a fixed-size form (``_sql.stored_key``).
+  stored in a fixed-size form (``core.stored_key``).
 * A new fencing token is ``greatest(last + 1, database time in microseconds)``; the row keeps
   the last one after release, so tokens of a key strictly increase (the Redis store's rule).
 * The table and its index on ``expires_at`` are created on a process's first use, serialised by
@@ -45,14 +45,14 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from ..exceptions import BackendTimeout, BackendUnavailable, ConfigurationError, LockKeyError
-from ..slots import base_key, slot_index
-from ..urls import mask_url
-from . import _postgres_sql as Q
-from . import _sql, _sql_pool, _sql_slots
-from ._postgres_sql import KEY_BYTES
-from ._watchdog import WATCHDOG
-from .base import AcquireResult, Holder, check_lease
+from ...exceptions import BackendTimeout, BackendUnavailable, ConfigurationError, LockKeyError
+from ...slots import base_key, slot_index
+from ...urls import mask_url
+from ..base import AcquireResult, Holder, check_lease
+from . import core, pool, slots
+from . import postgres_queries as Q
+from .postgres_queries import KEY_BYTES
+from .watchdog import WATCHDOG
 
 __all__ = ["PostgresBackend"]
 
@@ -61,7 +61,7 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
-class PostgresBackend(_sql.SQLBackend):
+class PostgresBackend(core.SQLBackend):
     """Locks in a PostgreSQL table; see the module docstring.
 
     Args:
@@ -82,13 +82,13 @@ class PostgresBackend(_sql.SQLBackend):
         self,
         conninfo: str,
         *,
-        table: str = _sql.DEFAULT_TABLE,
+        table: str = core.DEFAULT_TABLE,
         pool_size: int = 4,
         timeout: float = 5.0,
         prepare_threshold: int | None = 5,
         transaction_pooling: bool = False,
     ) -> None:
-        options = _sql.SQLOptions(table=table, pool_size=pool_size, timeout=timeout)
+        options = core.SQLOptions(table=table, pool_size=pool_size, timeout=timeout)
         self._prepare_threshold = prepare_threshold
         self.transaction_pooling = transaction_pooling
         self._preamble = Q.PREAMBLE if transaction_pooling else 0
@@ -138,12 +138,12 @@ class PostgresBackend(_sql.SQLBackend):
                 "reclaim": Q.RECLAIM,
             }.items()
         )  # fmt: skip
-        self._pool: _sql_pool.Pool[psycopg.Connection[Any]] = _sql_pool.Pool(
+        self._pool: pool.Pool[psycopg.Connection[Any]] = pool.Pool(
             self._connect, lambda conn: conn.close(), size=options.pool_size,
             timeout=options.timeout, describe=repr(self), broken=lambda conn: conn.closed,
         )  # fmt: skip
         self._ready: tuple[int, int] | None = None  # (pid, pool generation) the table was checked
-        self._reclaimer = _sql.Reclaimer()
+        self._reclaimer = core.Reclaimer()
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> PostgresBackend:
@@ -153,7 +153,7 @@ class PostgresBackend(_sql.SQLBackend):
                 f"{mask_url(url)!r}: a PostgreSQL lock URL looks like "
                 "postgresql://user:password@host:5432/dbname"
             )
-        plain, own = _sql.split_url(f"postgresql://{rest}", options)
+        plain, own = core.split_url(f"postgresql://{rest}", options)
         conninfo, threshold, pooling = Q.own_url_options(plain)
         return cls(
             conninfo, table=own.table, pool_size=own.pool_size, timeout=own.timeout,
@@ -233,7 +233,7 @@ class PostgresBackend(_sql.SQLBackend):
         self, conn: psycopg.Connection[Any], name: str, args: Mapping[str, Any]
     ) -> psycopg.Cursor[Any]:
         """Send the operation ``name`` (with ``transaction_pooling``, wrapped in
-        ``_postgres_sql.SCRIPT``); the cursor is left on the result of its statement."""
+        ``postgres_queries.SCRIPT``); the cursor is left on the result of its statement."""
         skip = Q.SKIPPED.get(name)
         pooled = self.transaction_pooling or skip is not None
         cursor = psycopg.ClientCursor(conn) if pooled else conn.cursor()
@@ -261,7 +261,7 @@ class PostgresBackend(_sql.SQLBackend):
         """Delete a batch of expired rows; a failure (a read-only database) only logs: the
         operation it follows has succeeded."""
         try:
-            self._script(conn, "reclaim", {"limit": _sql.RECLAIM_BATCH})
+            self._script(conn, "reclaim", {"limit": core.RECLAIM_BATCH})
         except psycopg.Error as exc:
             logger.warning("%r: could not delete expired rows: %s", self, exc)
             if not conn.closed:
@@ -275,35 +275,35 @@ class PostgresBackend(_sql.SQLBackend):
         """
         if "\x00" in key:
             raise LockKeyError(f"lock key {key!r}: PostgreSQL text cannot hold a NUL character")
-        stored, full = _sql.stored_key(key, KEY_BYTES)
+        stored, full = core.stored_key(key, KEY_BYTES)
         return {"key": stored, "full_key": full}
 
     def _acquire(
         self, key: str, token: str, ttl: float, meta: Mapping[str, str] | None,
         takeover_prefix: str | None,
     ) -> AcquireResult:  # fmt: skip
-        stored, task_id = _sql.dump_meta(meta)
+        stored, task_id = core.dump_meta(meta)
         args = {
             **self._keys(key), "token": token, "task_id": task_id, "meta": stored, "ttl": ttl,
-            "keep": _sql.FENCE_RETENTION, "prefix": takeover_prefix or "",
+            "keep": core.FENCE_RETENTION, "prefix": takeover_prefix or "",
         }  # fmt: skip
         row = self._run("acquire", key, "acquire", args, lambda c: c.fetchone())
         assert row is not None  # an upsert always returns its row
         holder, meta_text, fence, done, left = row
         if holder == token:
             return AcquireResult(True, fence=fence, completed=done)
-        return AcquireResult(False, _sql.load_holder(holder, meta_text, left, fence))
+        return AcquireResult(False, core.load_holder(holder, meta_text, left, fence))
 
     def _take_slot(
         self, key: str, names: list[str], token: str, ttl: float,
         meta: Mapping[str, str] | None, takeover_prefix: str | None,
         interval: float | None = None,
     ) -> AcquireResult:  # fmt: skip
-        """One transaction: ``_postgres_sql.SLOT_SCRIPT``."""
-        args = _sql_slots.slot_args(self._keys, key, names, token, meta, takeover_prefix)
-        args.update(ttl=check_lease(ttl, "acquire"), keep=_sql.FENCE_RETENTION, interval=interval)
+        """One transaction: ``postgres_queries.SLOT_SCRIPT``."""
+        args = slots.slot_args(self._keys, key, names, token, meta, takeover_prefix)
+        args.update(ttl=check_lease(ttl, "acquire"), keep=core.FENCE_RETENTION, interval=interval)
         rows = self._run("acquire", names[0], "acquire_slot", args, lambda c: c.fetchall())
-        return _sql_slots.slot_outcome(names, token, rows)
+        return slots.slot_outcome(names, token, rows)
 
     def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float]:
         stored = self._keys(key)
@@ -329,7 +329,7 @@ class PostgresBackend(_sql.SQLBackend):
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
         args = {**self._keys(key), "token": token, "ttl": check_lease(ttl, "extend")}
-        args["keep"] = _sql.FENCE_RETENTION
+        args["keep"] = core.FENCE_RETENTION
         return self._run("extend", key, "extend", args, lambda c: c.rowcount > 0)
 
     def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool]:
@@ -339,7 +339,7 @@ class PostgresBackend(_sql.SQLBackend):
         args = {
             "keys": keys, "tokens": [token for _, token, _ in leases],
             "ttls": [check_lease(ttl, "extend") for _, _, ttl in leases],
-            "keep": _sql.FENCE_RETENTION,
+            "keep": core.FENCE_RETENTION,
         }  # fmt: skip
         what = f"{len(leases)} locks"
         renewed = set(self._run("extend", what, "extend_many", args, lambda c: c.fetchall()))
@@ -349,7 +349,7 @@ class PostgresBackend(_sql.SQLBackend):
 
     def claim_next(self, key: str, task_id: str, ttl: float) -> str:
         ttl = check_lease(ttl, "claim_next")
-        args = {**self._keys(key), "task_id": task_id, "ttl": ttl, "keep": _sql.FENCE_RETENTION}
+        args = {**self._keys(key), "task_id": task_id, "ttl": ttl, "keep": core.FENCE_RETENTION}
         row = self._run("claim_next", key, "claim_next", args, lambda c: c.fetchone())
         assert row is not None
         return str(row[0])
@@ -360,7 +360,7 @@ class PostgresBackend(_sql.SQLBackend):
 
     def holder(self, key: str) -> Holder | None:
         row = self._run("inspect", key, "holder", self._keys(key), lambda c: c.fetchone())
-        return None if row is None else _sql.load_holder(row[0], row[1], row[3], row[2])
+        return None if row is None else core.load_holder(row[0], row[1], row[3], row[2])
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """Yield every live lock under ``prefix``, reading pages of ``page_size`` keys in key
@@ -369,17 +369,17 @@ class PostgresBackend(_sql.SQLBackend):
         def fetch(args: dict[str, object]) -> list[Any]:
             return self._run("list", prefix, "iter", args, lambda c: c.fetchall())
 
-        for scan in _sql.listed_prefixes(prefix):  # the keys, then slots named {<key>}:slot:<i>
-            for _, key, token, meta, fence, left in _sql.pages(
+        for scan in core.listed_prefixes(prefix):  # the keys, then slots named {<key>}:slot:<i>
+            for _, key, token, meta, fence, left in core.pages(
                 fetch, scan, page_size, lambda r: r[0], KEY_BYTES
             ):
-                if _sql.is_listed(key, prefix):
-                    yield key, _sql.load_holder(token, meta, left, fence)
+                if core.is_listed(key, prefix):
+                    yield key, core.load_holder(token, meta, left, fence)
 
     def _release_holder(self, operation: str, key: str, task_id: str | None) -> Holder | None:
         args = {**self._keys(key), "task_id": task_id}
         row = self._run(operation, key, "release_holder", args, lambda c: c.fetchone())
-        return None if row is None else _sql.load_holder(row[0], row[1], row[3], row[2])
+        return None if row is None else core.load_holder(row[0], row[1], row[3], row[2])
 
     def close(self) -> None:
         self._pool.clear()

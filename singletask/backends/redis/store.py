@@ -1,7 +1,7 @@
 """The Redis lock store: one hash per lock, every operation one round trip.
 
 A lock is one Redis hash at the lock key: owner token, fencing token and compact holder
-metadata (:mod:`~singletask.backends.redis_wire`); its lease is the key's expiry. A release
+metadata (:mod:`~singletask.backends.redis.wire`); its lease is the key's expiry. A release
 deletes the key, or leaves a small released record (last fencing token, completion marker) as
 long as the transport options ``fence_retention`` and ``marker_retention`` say. Acquire,
 release and extend are Lua scripts over the lock key alone, run with EVALSHA: each is atomic
@@ -11,7 +11,7 @@ URLs: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` (TLS) and
 ``unix:///path/to/socket?db=0``, with redis-py's query options (``socket_timeout``, ...),
 checked strictly when the backend is built (:func:`singletask.urls.parse_redis_url`). The
 scripts, and how they keep every key with an expiry, are in
-:mod:`singletask.backends.redis_scripts`.
+:mod:`singletask.backends.redis.scripts`.
 
 A backend built from a URL sends its scripts over redis-py connections it keeps itself, one
 per thread that uses it at once, with the command encoded here: the lock costs its two round
@@ -31,13 +31,13 @@ from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
-from ..exceptions import BackendError, ConfigurationError
-from ..slots import base_key
-from ..urls import mask_url, parse_redis_url
-from .base import AcquireResult, Holder, LockBackend
-from .redis_connections import send
-from .redis_options import connection_options, retentions
-from .redis_rates import (
+from ...exceptions import BackendError, ConfigurationError
+from ...slots import base_key
+from ...urls import mask_url, parse_redis_url
+from ..base import AcquireResult, Holder, LockBackend
+from .connections import send
+from .options import connection_options, retentions
+from .rates import (
     _DEBOUNCE,
     _DEBOUNCE_TAKE,
     check_key,
@@ -47,8 +47,8 @@ from .redis_rates import (
     slot_request,
     window_key,
 )
-from .redis_slots import scan_locks, slot_result
-from .redis_wire import (
+from .slots import scan_locks, slot_result
+from .wire import (
     _ACQUIRE,
     _CLAIM_NEXT,
     _CLEAR_NEXT,
@@ -96,17 +96,18 @@ class RedisBackend(LockBackend):
     """Locks in Redis (or Valkey, or anything speaking its protocol with Lua scripting).
 
     Holder slots (``lock_limit``) are lock keys of their own (see
-    :mod:`~singletask.backends.redis_slots`); rate records (``lock_rate``) and debounce windows
+    :mod:`~singletask.backends.redis.slots`); rate records (``lock_rate``) and debounce windows
     (``lock_debounce``) are companion records of the key (see
-    :mod:`~singletask.backends.redis_rates`).
+    :mod:`~singletask.backends.redis.rates`).
 
     Args:
         client: A ready client (``redis.Redis``, ``valkey.Valkey``, a cluster client, ...).
         url: A URL to build a client from, lazily, in the process that first uses it.
         fence_retention: How long a released key keeps its last fencing token, in seconds
-            (:data:`FENCE_RETENTION`, 0, by default: not at all).
+            (:data:`~singletask.backends.redis.store.FENCE_RETENTION`, 0, by default: not at all).
         marker_retention: How long a released key keeps the completion marker its release
-            recorded, in seconds (:data:`MARKER_RETENTION`, a day, by default; 0: not at all).
+            recorded, in seconds (:data:`~singletask.backends.redis.store.MARKER_RETENTION`, a
+            day, by default; 0: not at all).
         **options: Extra client options for ``redis.Redis.from_url``.
 
     Exactly one of ``client`` and ``url`` is required.
@@ -137,14 +138,14 @@ class RedisBackend(LockBackend):
         if url is not None:
             self._check_url(url)  # fail early, and strictly, on a bad URL
         self._url = url
-        # Whether scripts go out on this backend's own connections (see redis_connections), or
+        # Whether scripts go out on this backend's own connections (see connections.py), or
         # through the client's methods (a ready client, or a cluster client, which routes by key).
         self._own_connections = url is not None
         self._options = {**CLIENT_DEFAULTS, **options}
         self._client = client
         self._pid = os.getpid() if client is None else None
         # Connections of a URL-built backend, idle between two script calls (see
-        # redis_connections.send).
+        # connections.send).
         self._idle: list[_Connection] = []
 
     @classmethod
@@ -203,7 +204,7 @@ class RedisBackend(LockBackend):
 
     def _error(self, exc: Exception, operation: str, key: str) -> BackendError:
         """singletask's error for a redis-py one, naming the server but never its password
-        (see :func:`~singletask.backends.redis_wire.driver_error`)."""
+        (see :func:`~singletask.backends.redis.wire.driver_error`)."""
         return driver_error(exc, f"{self!r}: {operation} {key!r}")
 
     @contextlib.contextmanager
@@ -353,7 +354,7 @@ class RedisBackend(LockBackend):
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """SCAN MATCH ``prefix*`` then ``{prefix*`` (holder slots), COUNT ``page_size``; each
-        page of keys read in one pipeline (see :func:`~.redis_slots.scan_locks`)."""
+        page of keys read in one pipeline (see :func:`~.slots.scan_locks`)."""
         client = self.client
         with self._translate("list", prefix):
             yield from scan_locks(client, prefix, max(1, page_size))

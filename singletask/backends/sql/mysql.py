@@ -6,7 +6,7 @@ own: ``table`` (default ``singletask_locks``), ``pool_size`` (4) and ``timeout``
 Needs ``pip install "singletask[mysql]"`` (PyMySQL). Written for MySQL 5.7+ and MariaDB
 10.3+ (InnoDB); tested on MariaDB.
 
-How it holds its guarantees (the table layout is in :mod:`singletask.backends._sql`):
+How it holds its guarantees (the table layout is in :mod:`singletask.backends.sql.core`):
 
 * MySQL has no ``RETURNING`` and evaluates the assignments of an UPDATE left to right, so an
   operation that must decide and report in one step is a short script sent as *one* request
@@ -35,13 +35,13 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import pymysql
 from pymysql.constants import CLIENT
 
-from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
-from ..slots import base_key, slot_index
-from ..urls import mask_url
-from . import _mysql_sql as Q
-from . import _sql, _sql_pool, _sql_slots
-from ._mysql_sql import KEY_BYTES
-from .base import AcquireResult, Holder, check_lease
+from ...exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
+from ...slots import base_key, slot_index
+from ...urls import mask_url
+from ..base import AcquireResult, Holder, check_lease
+from . import core, pool, slots
+from . import mysql_queries as Q
+from .mysql_queries import KEY_BYTES
 
 __all__ = ["MySQLBackend"]
 
@@ -69,7 +69,7 @@ def _error_class(exc: pymysql.MySQLError) -> type[BackendError]:
 
 def _keys(key: str) -> dict[str, str | None]:
     """The ``key`` and ``full_key`` arguments of lock key ``key``."""
-    stored, full = _sql.stored_key(key, KEY_BYTES)
+    stored, full = core.stored_key(key, KEY_BYTES)
     return {"key": stored, "full_key": full}
 
 
@@ -92,12 +92,12 @@ def _script(cursor: pymysql.cursors.Cursor, text: str, args: Mapping[str, Any]) 
 
 def _holder(row: Sequence[Any]) -> Holder:
     token, meta, fence, left_us = row[:4]
-    return _sql.load_holder(
+    return core.load_holder(
         _text(token) or "", meta, None if left_us is None else left_us / 1e6, fence
     )
 
 
-class MySQLBackend(_sql.SQLBackend):
+class MySQLBackend(core.SQLBackend):
     """Locks in a MySQL or MariaDB table (InnoDB); see the module docstring.
 
     Args:
@@ -112,12 +112,12 @@ class MySQLBackend(_sql.SQLBackend):
         self,
         connect_args: Mapping[str, Any],
         *,
-        table: str = _sql.DEFAULT_TABLE,
+        table: str = core.DEFAULT_TABLE,
         pool_size: int = 4,
         timeout: float = 5.0,
         display: str = "MySQL",
     ) -> None:
-        options = _sql.SQLOptions(table=table, pool_size=pool_size, timeout=timeout)
+        options = core.SQLOptions(table=table, pool_size=pool_size, timeout=timeout)
         self._connect_args = {
             **connect_args,
             "charset": "utf8mb4",
@@ -143,11 +143,11 @@ class MySQLBackend(_sql.SQLBackend):
                 "debounce": Q.DEBOUNCE, "debounce_take": Q.DEBOUNCE_TAKE,
             }.items()
         }  # fmt: skip
-        self._pool: _sql_pool.Pool[pymysql.connections.Connection[Any]] = _sql_pool.Pool(
+        self._pool: pool.Pool[pymysql.connections.Connection[Any]] = pool.Pool(
             self._connect, lambda conn: conn.close(), size=options.pool_size,
             timeout=options.timeout, describe=repr(self),
         )  # fmt: skip
-        self._reclaimer = _sql.Reclaimer()
+        self._reclaimer = core.Reclaimer()
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MySQLBackend:
@@ -157,7 +157,7 @@ class MySQLBackend(_sql.SQLBackend):
                 f"{mask_url(url)!r}: a MySQL lock URL looks like "
                 "mysql://user:password@host:3306/dbname"
             )
-        plain, own = _sql.split_url(url, options)
+        plain, own = core.split_url(url, options)
         parts = urlsplit(plain)
         database = unquote(parts.path.lstrip("/"))
         if not database:
@@ -243,7 +243,7 @@ class MySQLBackend(_sql.SQLBackend):
         """Delete a batch of expired rows; a failure (a read-only database) only logs: the
         operation it follows has succeeded."""
         try:
-            cursor.execute(self._q["reclaim"], {"limit": _sql.RECLAIM_BATCH})
+            cursor.execute(self._q["reclaim"], {"limit": core.RECLAIM_BATCH})
         except pymysql.MySQLError as exc:
             logger.warning("%r: could not delete expired rows: %s", self, exc)
 
@@ -251,10 +251,10 @@ class MySQLBackend(_sql.SQLBackend):
         self, key: str, token: str, ttl: float, meta: Mapping[str, str] | None,
         takeover_prefix: str | None,
     ) -> AcquireResult:  # fmt: skip
-        stored, task_id = _sql.dump_meta(meta)
+        stored, task_id = core.dump_meta(meta)
         args = {
             **_keys(key), "token": token, "task_id": task_id, "meta": stored,
-            "lease_us": _us(ttl), "row_us": _us(ttl + _sql.FENCE_RETENTION),
+            "lease_us": _us(ttl), "row_us": _us(ttl + core.FENCE_RETENTION),
             "prefix": takeover_prefix or "",
         }  # fmt: skip
         rows = self._run("acquire", key, lambda c: _script(c, self._q["acquire"], args)[4])
@@ -268,19 +268,19 @@ class MySQLBackend(_sql.SQLBackend):
         meta: Mapping[str, str] | None, takeover_prefix: str | None,
         interval: float | None = None,
     ) -> AcquireResult:  # fmt: skip
-        """One transaction: ``_mysql_sql.ACQUIRE_SLOT``."""
+        """One transaction: ``mysql_queries.ACQUIRE_SLOT``."""
         ttl = check_lease(ttl, "acquire")
-        args = _sql_slots.slot_args(_keys, key, names, token, meta, takeover_prefix)
-        args.update(lease_us=_us(ttl), row_us=_us(ttl + _sql.FENCE_RETENTION))
+        args = slots.slot_args(_keys, key, names, token, meta, takeover_prefix)
+        args.update(lease_us=_us(ttl), row_us=_us(ttl + core.FENCE_RETENTION))
         args["rate_us"] = None if interval is None else _us(interval)
         for n, (stored, full) in enumerate(
             zip(args.pop("keys"), args.pop("fulls"), strict=True), 1
         ):
             args[f"k{n}"], args[f"f{n}"] = stored, full
-        slots = " UNION ALL ".join(Q.SLOT.format(n=n) for n in range(1, len(names) + 1))
-        text = self._q["acquire_slot"].format(slots=slots)
+        selects = " UNION ALL ".join(Q.SLOT.format(n=n) for n in range(1, len(names) + 1))
+        text = self._q["acquire_slot"].format(slots=selects)
         rows = self._run("acquire", names[0], lambda c: _script(c, text, args)[-2])
-        return _sql_slots.slot_outcome(
+        return slots.slot_outcome(
             names, token,
             [(n, _text(holder), meta_now, fence, None if left is None else left / 1e6, done)
              for n, holder, meta_now, fence, left, done in rows],
@@ -325,7 +325,7 @@ class MySQLBackend(_sql.SQLBackend):
             for i, (key, token, ttl) in enumerate(leases):
                 args.update({f"{i}_key": _keys(key)["key"], f"{i}_token": token,
                              f"{i}_lease_us": _us(ttl),
-                             f"{i}_row_us": _us(ttl + _sql.FENCE_RETENTION)})  # fmt: skip
+                             f"{i}_row_us": _us(ttl + core.FENCE_RETENTION)})  # fmt: skip
             cursor.execute(text, args)
             counts = [cursor.rowcount]
             while cursor.nextset():
@@ -338,7 +338,7 @@ class MySQLBackend(_sql.SQLBackend):
         ttl = check_lease(ttl, "claim_next")
         args = {
             **_keys(key), "task_id": task_id, "ttl_us": _us(ttl),
-            "row_us": _us(max(ttl, _sql.FENCE_RETENTION)),
+            "row_us": _us(max(ttl, core.FENCE_RETENTION)),
         }  # fmt: skip
         rows = self._run("claim_next", key, lambda c: _script(c, self._q["claim_next"], args)[4])
         return _text(rows[0][0]) or task_id
@@ -369,10 +369,10 @@ class MySQLBackend(_sql.SQLBackend):
         def key_of(row: Any) -> str:
             return _text(row[0]) or ""
 
-        for scan in _sql.listed_prefixes(prefix):  # the keys, then slots named {<key>}:slot:<i>
-            for row in _sql.pages(fetch, scan, page_size, key_of, KEY_BYTES):
+        for scan in core.listed_prefixes(prefix):  # the keys, then slots named {<key>}:slot:<i>
+            for row in core.pages(fetch, scan, page_size, key_of, KEY_BYTES):
                 key = _text(row[1]) or ""
-                if _sql.is_listed(key, prefix):
+                if core.is_listed(key, prefix):
                     yield key, _holder(row[2:])
 
     def _release_holder(self, operation: str, key: str, task_id: str | None) -> Holder | None:

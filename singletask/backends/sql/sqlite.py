@@ -7,7 +7,7 @@ serialised by SQLite's file lock; the database runs in WAL mode with a busy time
 worker processes wait for each other instead of failing. Holder slots (``lock_limit``) are rows
 of their own, sharing their key's row in the fence table; one transaction takes a free one.
 Rate records (``lock_rate``) and debounce windows (``lock_debounce``) are rows of tables of their
-own (:mod:`._sqlite_windows`), read and written in the same kind of transaction.
+own (:mod:`.sqlite_windows`), read and written in the same kind of transaction.
 
 Limits: every process using the file must run on the same host (SQLite's locking does not work
 across machines, and is unreliable on network filesystems such as NFS or SMB, which this backend
@@ -26,18 +26,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..exceptions import BackendError, BackendTimeout, ConfigurationError
-from ..slots import base_key, choose_slot, slot_keys
-from . import _sqlite_windows as windows
-from ._sql import load_holder, stored_key
-from ._sqlite_files import (
+from ...exceptions import BackendError, BackendTimeout, ConfigurationError
+from ...slots import base_key, choose_slot, slot_keys
+from ..base import AcquireResult, Holder, LockBackend, check_lease
+from . import sqlite_windows as windows
+from .core import load_holder, stored_key
+from .sqlite_files import (
     LIMITS,
     NETWORK_FILESYSTEMS,
     filesystem_type,
     path_from_url,
     timeout_from_url,
 )
-from .base import AcquireResult, Holder, LockBackend, check_lease
 
 __all__ = ["SQLiteBackend"]
 

@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from ..exceptions import BackendError, ConfigurationError
-from ..urls import mask_url
-from .base import Holder, check_lease
+from ...exceptions import BackendError, ConfigurationError
+from ...urls import mask_url
+from ..base import Holder, check_lease
 
 __all__ = [
     "CLIENT_DEFAULTS",
@@ -107,9 +107,9 @@ def expiry(seconds: float, operation: str = "lease") -> int:
 
     Raises:
         ConfigurationError: ``seconds`` is not a lease :func:`check_lease` accepts, or is over
-            :attr:`MemcachedBackend.max_lease` (memcached reads an expiry over 30 days as an
-            absolute Unix time: the item would expire at once). The message names the store and
-            ``operation``.
+            :attr:`~singletask.backends.memcached.MemcachedBackend.max_lease` (memcached reads
+            an expiry over 30 days as an absolute Unix time: the item would expire at once). The
+            message names the store and ``operation``.
     """
     exptime = math.ceil(check_lease(seconds, f"memcached:// {operation}")) + 1
     if exptime > MAX_RELATIVE_EXPIRY:

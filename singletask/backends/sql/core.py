@@ -1,8 +1,8 @@
 """What the PostgreSQL and MySQL lock stores share: the table layout, URL options.
 
-The SQL itself lives in each store's module (:mod:`~singletask.backends.postgres`,
-:mod:`~singletask.backends.mysql`); this module holds only what is the same for both. Their
-connection pool is :mod:`~singletask.backends._sql_pool`.
+The SQL itself lives in each store's module (:mod:`~singletask.backends.sql.postgres`,
+:mod:`~singletask.backends.sql.mysql`); this module holds only what is the same for both. Their
+connection pool is :mod:`~singletask.backends.sql.pool`.
 
 One row per lock key, in one table (``singletask_locks`` unless a setting names another)::
 
@@ -53,10 +53,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TypeVar
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
-from ..exceptions import ConfigurationError, LockKeyError
-from ..slots import base_key, slot_index, slot_keys
-from ..urls import check_port
-from .base import AcquireResult, Holder, LockBackend, check_lease
+from ...exceptions import ConfigurationError, LockKeyError
+from ...slots import base_key, slot_index, slot_keys
+from ...urls import check_port
+from ..base import AcquireResult, Holder, LockBackend, check_lease
 
 __all__ = [
     "DEFAULT_TABLE",

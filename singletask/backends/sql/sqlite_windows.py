@@ -1,6 +1,6 @@
 """Rate records (``lock_rate``) and debounce windows (``lock_debounce``) of the SQLite lock store.
 
-Private to :mod:`singletask.backends.sqlite`: each function runs inside the caller's
+Private to :mod:`singletask.backends.sql.sqlite`: each function runs inside the caller's
 ``BEGIN IMMEDIATE`` transaction, with ``now`` read from the store's clock (``time.time()``) in
 that transaction. Both live in tables of their own, created next to the lock and fence tables
 (``CREATE TABLE IF NOT EXISTS``, so a database of an older version gains them on first use),

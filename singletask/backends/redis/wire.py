@@ -1,7 +1,7 @@
 """The Redis store's wire format: its scripts as EVALSHA commands, and its replies decoded.
 
 :mod:`singletask.backends.redis` sends the Lua scripts of
-:mod:`singletask.backends.redis_scripts` over connections of its own, with the RESP command
+:mod:`singletask.backends.redis.scripts` over connections of its own, with the RESP command
 encoded here once per script (its SHA1 digest computed at import), and turns the lock hashes
 that scripts and pipelines return into :class:`~singletask.backends.base.Holder` values, and
 redis-py's errors into singletask's (:func:`driver_error`).
@@ -16,9 +16,9 @@ from typing import Any, Protocol
 
 import redis
 
-from ..exceptions import BackendError, BackendTimeout, BackendUnavailable
-from .base import Holder, check_lease
-from .redis_scripts import (
+from ...exceptions import BackendError, BackendTimeout, BackendUnavailable
+from ..base import Holder, check_lease
+from .scripts import (
     ACQUIRE_KEEPING_SCRIPT,
     ACQUIRE_SCRIPT,
     CLAIM_NEXT_SCRIPT,
@@ -59,7 +59,7 @@ def _bulk(data: bytes) -> bytes:
 
 
 class _Script:
-    """A script of :mod:`~singletask.backends.redis_scripts`, called by its SHA1 digest, with
+    """A script of :mod:`~singletask.backends.redis.scripts`, called by its SHA1 digest, with
     the command encoded here."""
 
     __slots__ = ("_eval", "_evalsha", "sha", "text")
@@ -103,7 +103,7 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-# The held record's compact fields (see redis_scripts): what an execution's metadata says that the
+# The held record's compact fields (see scripts.py): what an execution's metadata says that the
 # lock key, the owner token or the fencing token already say is left out, and the rest is
 # written under one-letter names, so that a held lock costs about a third less Redis memory
 # (``bench/layouts.py``). The encoding is lossless: a record reads back as exactly the metadata

@@ -9,7 +9,7 @@ from typing import Any, cast
 
 import redis
 
-from .redis_wire import _Connection, _Script, not_run
+from .wire import _Connection, _Script, not_run
 
 __all__ = ["drop", "send"]
 
@@ -26,7 +26,7 @@ def send(
     A connection serves one call at a time: it is taken from the idle list (or made with the
     client's connection settings) and put back once the reply is read. One that fails, or
     whose reply says the server did not run the script and cannot take writes now
-    (:data:`~.redis_wire.NOT_RUN_CODES`: a failover moved the primary away from the address the
+    (:data:`~.wire.NOT_RUN_CODES`: a failover moved the primary away from the address the
     connection was made to), is closed; if it had been idle, the others may be stale as well
     (a server restart drops them all, a failover leaves them on the demoted primary), so
     they are closed too and the call is made once more, on a new connection. That retry is

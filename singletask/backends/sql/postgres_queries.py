@@ -1,9 +1,9 @@
-"""The SQL of the PostgreSQL lock store (:mod:`singletask.backends.postgres`), and how it
+"""The SQL of the PostgreSQL lock store (:mod:`singletask.backends.sql.postgres`), and how it
 classifies its driver's errors.
 
 Each operation's statement is formatted into ``SCRIPT``: one READ COMMITTED transaction with
 its own time limits, sent as one simple-query message. The table layout is described in
-:mod:`singletask.backends._sql`.
+:mod:`singletask.backends.sql.core`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
 
-from ..exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
+from ...exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
 
 #: Created on first use. ``key`` sorts bytewise (COLLATE "C") so prefix scans use its index.
 SCHEMA = """
@@ -56,7 +56,7 @@ FIND_TABLE = (
 )
 
 #: Lock keys longer than this many UTF-8 bytes are stored in a fixed-size form (see
-#: ``_sql.stored_key``); a B-tree entry holds at most about 2,700 bytes.
+#: ``core.stored_key``); a B-tree entry holds at most about 2,700 bytes.
 KEY_BYTES = 2000
 
 #: Run once on each new connection (a statement, not a startup parameter, which PgBouncer

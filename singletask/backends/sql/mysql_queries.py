@@ -1,6 +1,6 @@
-"""The SQL of the MySQL / MariaDB lock store (:mod:`singletask.backends.mysql`).
+"""The SQL of the MySQL / MariaDB lock store (:mod:`singletask.backends.sql.mysql`).
 
-The table layout is described in :mod:`singletask.backends._sql`.
+The table layout is described in :mod:`singletask.backends.sql.core`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ FIND_COLUMNS = (
 )
 
 #: Lock keys longer than this many bytes are stored in a fixed-size form (see
-#: ``_sql.stored_key``), which fits the VARBINARY(1024) primary key.
+#: ``core.stored_key``), which fits the VARBINARY(1024) primary key.
 KEY_BYTES = 950
 
 #: Run once on every new connection.

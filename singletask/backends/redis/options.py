@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import SplitResult, parse_qsl, unquote
 
-from ..exceptions import ConfigurationError
-from ..urls import mask_url
-from .base import MAX_LEASE
+from ...exceptions import ConfigurationError
+from ...urls import mask_url
+from ..base import MAX_LEASE
 
 __all__ = [
     "RETENTION_OPTIONS",

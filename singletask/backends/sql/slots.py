@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ._sql import dump_meta, load_holder
-from .base import AcquireResult
+from ..base import AcquireResult
+from .core import dump_meta, load_holder
 
 __all__ = ["slot_args", "slot_outcome"]
 

@@ -1,13 +1,13 @@
 """Holder slots (``lock_limit``, :mod:`singletask.slots`) on the Redis stores.
 
-A slot is a lock key of its own, one hash as :mod:`~singletask.backends.redis_scripts` describes;
+A slot is a lock key of its own, one hash as :mod:`~singletask.backends.redis.scripts` describes;
 slot 0 is the key itself. :data:`ACQUIRE_SLOT_SCRIPT` reads every slot of a key and takes one,
 in one script: the slots of a key hash to the key's own Redis Cluster slot (a key with a hash
 tag, or without ``}``; :meth:`RedisClusterBackend.acquire_slot
-<singletask.backends.redis_deploy.RedisClusterBackend>` refuses any other). The key's last
+<singletask.backends.redis.deploy.RedisClusterBackend>` refuses any other). The key's last
 fencing token is the largest the records of its slots hold (held or released), and the server
 clock's after that, as for one key; its completion marker is the base key's (field ``d``),
-where a slot's release records it (:data:`~singletask.backends.redis_scripts.RELEASE_SCRIPT`).
+where a slot's release records it (:data:`~singletask.backends.redis.scripts.RELEASE_SCRIPT`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from ..slots import base_key, slot_index
-from .base import AcquireResult, Holder
-from .redis_scripts import _ACQUIRE_FUNCTION, _CHECK_MS
-from .redis_wire import _conflict_holder, _glob_escape, _holder, _Script, _text
+from ...slots import base_key, slot_index
+from ..base import AcquireResult, Holder
+from .scripts import _ACQUIRE_FUNCTION, _CHECK_MS
+from .wire import _conflict_holder, _glob_escape, _holder, _Script, _text
 
 __all__ = [
     "ACQUIRE_SLOT_KEEPING_SCRIPT",
@@ -36,7 +36,7 @@ __all__ = [
 # Lua: acquire_slot(keeping, start) is ACQUIRE_SLOT_SCRIPT's body (take() is ACQUIRE_SCRIPT's:
 # the chosen slot is given exactly as acquire() gives a key). With keeping, a successful reply
 # gets what the slot was before as a fifth element (as ACQUIRE_KEEPING_SCRIPT's fourth). With
-# start (the rated scripts of redis_rates), a slot about to be taken by a new token is a start:
+# start (the rated scripts of rates.py), a slot about to be taken by a new token is a start:
 # start() records it and returns false, or returns the ms until one is allowed, and the reply is
 # {2, those ms} (nothing written).
 _ACQUIRE_SLOT_FUNCTION = """
@@ -125,7 +125,7 @@ _ACQUIRE_SLOT_KEEPING = _Script(ACQUIRE_SLOT_KEEPING_SCRIPT)
 
 
 def slot_result(keys: Sequence[str], reply: Sequence[Any]) -> AcquireResult:
-    """The AcquireResult of an ACQUIRE_SLOT_SCRIPT (or rated: redis_rates) ``reply`` over the
+    """The AcquireResult of an ACQUIRE_SLOT_SCRIPT (or rated: rates.py) ``reply`` over the
     slot ``keys``."""
     if reply[0] == 2:  # a start within the interval: refused by the rate record
         return AcquireResult(False, retry_after=int(reply[1]) / 1000)
@@ -141,7 +141,7 @@ def slot_result(keys: Sequence[str], reply: Sequence[Any]) -> AcquireResult:
     return AcquireResult(False, holders[0], holders=holders)
 
 
-#: How the name of every companion record of a lock key ends (see :mod:`.redis_rates`).
+#: How the name of every companion record of a lock key ends (see :mod:`.rates`).
 COMPANION_ENDS = ("}:fence", "}:rate", "}:debounce")
 
 

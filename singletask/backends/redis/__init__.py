@@ -1,0 +1,17 @@
+"""The Redis family of lock stores: one server, Sentinel and Cluster, with or without TLS.
+
+* ``store``: :class:`RedisBackend` (``redis://``, ``rediss://``, ``unix://``);
+* ``deploy`` and ``deploy_base``: :class:`RedisSentinelBackend` (``sentinel://``) and
+  :class:`RedisClusterBackend` (``redis+cluster://``, ``rediss+cluster://``);
+* ``scripts``, ``slots``, ``rates``: the Lua scripts of the lock, of holder slots and
+  of rates, coalesce claims and debounce windows;
+* ``wire``, ``connections``, ``options``: how a script goes out and its reply comes
+  back, the connections the store keeps, and its URL and transport options.
+"""
+
+from __future__ import annotations
+
+from .deploy import RedisClusterBackend, RedisSentinelBackend
+from .store import RedisBackend
+
+__all__ = ["RedisBackend", "RedisClusterBackend", "RedisSentinelBackend"]
