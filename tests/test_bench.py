@@ -3,8 +3,10 @@
 Benchmark numbers are not part of the suite's pass/fail: this test runs ``--quick`` once, with
 singletask and the plain task only (the alternatives live in the benchmark's own virtualenv),
 so that the script cannot rot. It checks what the run *observed*, never how fast it was: the
-round trips it counted on the server, which executions ran their body, how many bodies of one
-key overlapped, and that a dead holder's key came back.
+round trips it counted on the server (within the tolerance of
+:func:`~tests.servers.counted_on_the_server`), which executions ran their body, how many bodies
+of one key overlapped, and that a dead holder's key came back. Like every benchmark check it
+runs in the ``-m bench`` step of .ci/run, not in the README's command.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from typing import Any
 
 import pytest
 
-from .servers import redis_server_binary, unavailable
+from .servers import counted_on_the_server, redis_server_binary, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.bench
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +42,6 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
     return json.loads((out / "results.json").read_text()), out
 
 
-@pytest.mark.e2e
 def test_quick_run_writes_every_measurement_as_json_and_markdown(
     quick_run: tuple[dict[str, Any], Path],
 ) -> None:
@@ -56,7 +59,6 @@ def test_quick_run_writes_every_measurement_as_json_and_markdown(
     assert "| singletask " in table
 
 
-@pytest.mark.e2e
 def test_an_uncontended_execution_costs_exactly_two_round_trips_counted_on_the_server(
     quick_run: tuple[dict[str, Any], Path],
 ) -> None:
@@ -67,16 +69,15 @@ def test_an_uncontended_execution_costs_exactly_two_round_trips_counted_on_the_s
     overhead = results["overhead"]["variants"]
 
     # Then
-    assert overhead["plain"]["round_trips"] == pytest.approx(0.0, abs=0.01)
-    assert overhead["singletask"]["round_trips"] == pytest.approx(2.0, abs=0.01)
+    assert counted_on_the_server(overhead["plain"]["round_trips"], 0.0)
+    assert counted_on_the_server(overhead["singletask"]["round_trips"], 2.0)
     assert overhead["singletask"]["client_commands"]["sent"] == {"EVALSHA": 2.0}
-    assert overhead["PING"]["round_trips"] == pytest.approx(1.0, abs=0.01)
+    assert counted_on_the_server(overhead["PING"]["round_trips"], 1.0)
     reject = results["contention"]["reject"]["singletask"]
-    assert reject["round_trips"] == pytest.approx(1.0, abs=0.01)
+    assert counted_on_the_server(reject["round_trips"], 1.0)
     assert reject["outcomes"]["body ran"] == 0
 
 
-@pytest.mark.e2e
 def test_real_workers_run_every_task_and_never_overlap_a_singletask_key(
     quick_run: tuple[dict[str, Any], Path],
 ) -> None:
@@ -96,7 +97,6 @@ def test_real_workers_run_every_task_and_never_overlap_a_singletask_key(
         assert overlap["plain"][via]["bodies_run"]["median"] == results["contention"]["duplicates"]
 
 
-@pytest.mark.e2e
 def test_a_singletask_key_is_usable_again_after_each_kind_of_holder_death(
     quick_run: tuple[dict[str, Any], Path],
 ) -> None:
@@ -112,7 +112,6 @@ def test_a_singletask_key_is_usable_again_after_each_kind_of_holder_death(
         assert not recovery[fault]["never"], (fault, recovery[fault])
 
 
-@pytest.mark.e2e
 def test_held_locks_are_counted_in_redis_memory(quick_run: tuple[dict[str, Any], Path]) -> None:
     """The scale measurement holds its locks for real: Redis memory and keys grow with them."""
     # Given / When
@@ -124,7 +123,6 @@ def test_held_locks_are_counted_in_redis_memory(quick_run: tuple[dict[str, Any],
     assert scale["keys_per_held_lock"] >= 1
 
 
-@pytest.mark.deployments
 def test_the_deployments_benchmark_runs_and_counts_two_round_trips(tmp_path: Path) -> None:
     """``bench/deployments.py --quick`` (no failover rounds) measures one server, a cluster and
     Sentinel, with and without the replica wait, and counts 2 round trips per execution on
@@ -141,6 +139,6 @@ def test_the_deployments_benchmark_runs_and_counts_two_round_trips(tmp_path: Pat
     # Then it wrote a row per lock store, each execution taking the lock in 2 round trips
     results = json.loads((tmp_path / "deployments.json").read_text())
     assert len(results["rows"]) == 5
-    assert [row["round_trips"] for row in results["rows"]] == [2, 2, 2, 2, 2]
+    assert all(counted_on_the_server(row["round_trips"], 2) for row in results["rows"]), results
     assert [row["commands"].get("wait", 0) for row in results["rows"]] == [0, 0, 1, 0, 1]
     assert (tmp_path / "deployments.rst").read_text().startswith(".. list-table::")

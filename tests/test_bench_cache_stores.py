@@ -1,7 +1,9 @@
 """bench/cache_stores.py (memcached and Django's cache beside Redis) runs in its tiny configuration.
 
 As for the main benchmark (test_bench.py), no timing is asserted: only what the run observed,
-the round trips each store's server counted for one execution of a singleton task.
+the round trips each store's server counted for one execution of a singleton task (within the
+tolerance of :func:`~tests.servers.counted_on_the_server`). It runs in the ``-m bench`` step of
+.ci/run.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from .servers import redis_server_binary, unavailable
+from .servers import counted_on_the_server, redis_server_binary, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = [pytest.mark.e2e, pytest.mark.stores]
+pytestmark = pytest.mark.bench
 
 
 def test_the_quick_run_counts_each_stores_round_trips(tmp_path: Path) -> None:
@@ -38,11 +40,10 @@ def test_the_quick_run_counts_each_stores_round_trips(tmp_path: Path) -> None:
     # Then every measurement is there, with the round trips counted on the servers
     results = json.loads((tmp_path / "cache_stores.json").read_text())
     assert results["stores"] == ["redis", "memcached", "django-memcached"]
-    assert results["overhead"]["round_trips"] == {
-        "redis": 2.0,
-        "memcached": 7.0,
-        "django-memcached": 7.0,
-    }
+    trips = results["overhead"]["round_trips"]
+    expected = {"redis": 2, "memcached": 7, "django-memcached": 7}
+    assert trips.keys() == expected.keys()
+    assert all(counted_on_the_server(trips[k], expected[k]) for k in expected), trips
     assert set(results["throughput"]) == {"redis", "memcached"}
     assert all(tp["all_complete"] for tp in results["throughput"].values())
     assert set(results["held"]) == {"redis", "memcached", "memcached_evictions"}

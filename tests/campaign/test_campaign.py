@@ -11,8 +11,8 @@ every error a caller saw is a ``SingletaskError`` with its cause chained, and no
 longer than the store's timeouts allow.
 
 A short run per store is part of the default suite; the long one is its own step of .ci/run:
-``python -m pytest -m campaign -n 0`` (``SINGLETASK_CAMPAIGN_SECONDS`` of faults per store, 75 by
-default).
+``python -m pytest -m campaign -n 2 --dist load`` (two stores at a time, each on servers of its
+own; ``SINGLETASK_CAMPAIGN_SECONDS`` of faults per store, 75 by default).
 Every run prints its seed; ``SINGLETASK_CAMPAIGN_SEED=<seed>`` replays its fault schedule.
 """
 
@@ -36,18 +36,18 @@ def long_seconds() -> float:
 
 
 def verdict(store: str, seed: int, report: Report) -> None:
-    """Print the run's figures (and append them to ``SINGLETASK_CAMPAIGN_REPORT``, if set);
-    fail with every violation and the seed that replays the schedule."""
+    """Print the run's figures (and append them to ``SINGLETASK_CAMPAIGN_REPORT``, if set, in
+    one write: the stores' runs may go on in parallel); fail with every violation and the seed
+    that replays the schedule."""
     line = report.summary(store, seed)
     print(line)
     out = os.environ.get("SINGLETASK_CAMPAIGN_REPORT")
     if out:
+        entry = [line]
+        entry += [f"  documented loss: {loss}" for loss in report.documented_losses]
+        entry += [f"  VIOLATION: {violation}" for violation in report.violations]
         with open(out, "a", encoding="utf-8") as file:
-            file.write(line + "\n")
-            for loss in report.documented_losses:
-                file.write(f"  documented loss: {loss}\n")
-            for violation in report.violations:
-                file.write(f"  VIOLATION: {violation}\n")
+            file.write("\n".join(entry) + "\n")
     if report.violations:
         shown = "\n  ".join(report.violations[:30])
         more = len(report.violations) - 30

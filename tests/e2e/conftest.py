@@ -3,9 +3,11 @@
 One prefork worker per broker for the whole session (Redis always; RabbitMQ when
 ``SINGLETASK_TEST_AMQP_URL`` is set, as CI does: without it, the RabbitMQ runs are skipped
 with that reason, and fail in CI). The ``cluster`` fixture is parametrized over
-them, so every e2e test runs once per broker. :func:`start_cluster` starts a worker of another
-pool (test_pools.py). Databases of the private Redis server: 0 broker, 1 results, 2 locks,
-3 probe.
+them, so every e2e test runs once per broker. The RabbitMQ runs carry the ``amqp`` marker: the
+README's command leaves them out (the broker is not what most of them test), and the
+``-m "e2e or pools"`` steps of .ci/run, on the oldest and the newest Python and Celery, run
+them. :func:`start_cluster` starts a worker of another pool (test_pools.py). Databases of the
+private Redis server: 0 broker, 1 results, 2 locks, 3 probe.
 """
 
 from __future__ import annotations
@@ -309,7 +311,15 @@ def start_cluster(
         app.close()
 
 
-@pytest.fixture(scope="session", params=CLUSTER_PARAMS)
+def broker_params(params: list[str]) -> list[Any]:
+    """``params`` for a fixture or a parametrize, the RabbitMQ ones marked ``amqp``."""
+    return [
+        pytest.param(p, marks=pytest.mark.amqp) if p.partition("@")[0] == "amqp" else p
+        for p in params
+    ]
+
+
+@pytest.fixture(scope="session", params=broker_params(CLUSTER_PARAMS))
 def cluster(
     request: pytest.FixtureRequest,
     redis_base_url: str,
