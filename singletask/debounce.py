@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from celery.utils import uuid
 from celery.utils.time import maybe_iso8601
 
-from .enqueue import published_as_is, send_delay
+from .enqueue import call_arguments, published_as_is, send_delay
 from .exceptions import BackendError
 from .runtime import app_state
 
@@ -69,7 +69,7 @@ def send(
     if published_as_is(task.app, linked, send_options):
         return publish(task_id, send_options)
     task_id = task_id or uuid()
-    key = options.key(args or (), kwargs or {})
+    key = options.key(*call_arguments(args, kwargs))
     delay = send_delay(send_options)
     try:
         backend = app_state(task.app).backend

@@ -18,7 +18,7 @@ from celery.utils import uuid
 from celery.utils.time import maybe_iso8601
 
 from .backends.base import MAX_LEASE
-from .exceptions import BackendError, TaskLocked
+from .exceptions import BackendError, LockKeyError, TaskLocked
 from .messages import seconds_until
 from .policies import POLICIES
 from .runtime import app_state
@@ -32,7 +32,15 @@ if TYPE_CHECKING:
     from .backends.base import LockBackend
     from .options import LockOptions
 
-__all__ = ["deduplicates", "published_as_is", "queue_lease", "send", "send_delay", "send_once"]
+__all__ = [
+    "call_arguments",
+    "deduplicates",
+    "published_as_is",
+    "queue_lease",
+    "send",
+    "send_delay",
+    "send_once",
+]
 
 logger = logging.getLogger("singletask")
 
@@ -70,6 +78,30 @@ def deduplicates(
     return options.scope != "execution" and not published_as_is(app, linked, send_options)
 
 
+def call_arguments(
+    args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The ``args`` and ``kwargs`` of a send, as the lock key is built from them.
+
+    Only a send that singletask reads (deduplicated or debounced) goes through here; the
+    message itself is published with the values as the caller gave them.
+
+    Raises:
+        LockKeyError: A ``TypeError``, as Celery raises for the same values: ``args`` is not a
+            list or a tuple (a ``str`` missing its comma, a dict), or ``kwargs`` not a mapping.
+    """
+    args = args or ()
+    kwargs = kwargs or {}
+    if not isinstance(args, list | tuple):
+        raise LockKeyError(
+            f"task args must be a list or tuple, not {type(args).__name__} (a one-item "
+            "tuple needs a comma: (value,))"
+        )
+    if not isinstance(kwargs, Mapping):
+        raise LockKeyError(f"task keyword arguments must be a mapping, not {type(kwargs).__name__}")
+    return tuple(args), dict(kwargs)
+
+
 def send_delay(options: Mapping[str, Any]) -> float:
     """Seconds a message sent with ``options`` waits before it may start: its ``countdown``,
     or the time until its ``eta``; 0 without either."""
@@ -99,11 +131,12 @@ def send(
     """
     if options.scope == "execution" or not deduplicates(options, task.app, linked, send_options):
         return publish(task_id)  # the common case first: no lookup in the app's settings
+    key_args, key_kwargs = call_arguments(args, kwargs)
     task_id = task_id or uuid()
     try:
         backend = app_state(task.app).backend
         return send_once(
-            task, options, backend, publish, task_id, args or (), kwargs or {}, send_options
+            task, options, backend, publish, task_id, key_args, key_kwargs, send_options
         )
     except BackendError as exc:
         logger.warning(

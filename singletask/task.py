@@ -158,12 +158,20 @@ class SingletonTask(_TaskBase):
         retries), canvas parts (links, chains, chords, groups) and frozen signatures are never
         deduplicated here: for them, and for ``send_task``, the execution-time lock alone
         applies.
+
+        ``args`` and ``kwargs`` reach Celery as they were given (a list is sent as a list), so
+        Celery checks them as for any task: ``args`` that are neither a list nor a tuple (a
+        ``str`` missing its comma, a dict) raise ``TypeError``. Where the key is built at send
+        time (deduplication, ``lock_debounce``), such arguments raise
+        :class:`~singletask.LockKeyError`, a ``TypeError`` too, before anything is reserved.
         """
 
         def publish(task_id: str | None, send: Mapping[str, Any] = options) -> AsyncResult[Any]:
+            # As given: Celery checks them (a str is not a tuple), and sends a list as a list.
+            # (Celery's stubs say tuple and dict; it takes any list or tuple, and any mapping.)
             return super(SingletonTask, self).apply_async(
-                tuple(args) if args is not None else None,
-                dict(kwargs) if kwargs is not None else None,
+                args,  # type: ignore[arg-type]
+                kwargs,  # type: ignore[arg-type]
                 task_id,
                 producer,
                 link,

@@ -1,0 +1,107 @@
+"""SingletonTask is invisible where no two executions share a key.
+
+A base class users put under all their tasks must not change what Celery does for a task whose
+executions never conflict: the same inputs give the same message, the same error, the same
+call, as a plain ``celery.Task`` gives. Each test here compares the two directly, or checks
+what Celery's own test fixtures check (no thread left behind by an app).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import celery
+import pytest
+from celery.signals import before_task_publish
+
+from singletask import SingletonTask
+
+#: What a send gave: ``("sent", args, kwargs)`` as Celery was about to serialize them (their
+#: types shown by their repr), or ``("raised", exception type)``.
+Outcome = tuple[str, ...]
+
+#: Inputs to ``apply_async(args, kwargs)``, with what Celery does with them.
+SEND_INPUTS = [
+    pytest.param(("report"), None, id="str-missing-its-comma"),  # Celery: TypeError
+    pytest.param({"customer_id": 7}, None, id="dict-as-args"),  # Celery: TypeError
+    pytest.param([], "str", id="str-as-kwargs"),  # Celery: TypeError
+    pytest.param([1, 2], None, id="list-args"),  # Celery: sent as a list
+    pytest.param((1, 2), OrderedDict(a=1), id="ordered-kwargs"),  # Celery: sent as it is
+    pytest.param(None, None, id="none"),  # Celery: sent as () and {}
+]
+
+
+@pytest.fixture
+def broker_app() -> Iterator[celery.Celery]:
+    """A Celery app that publishes to the in-memory broker (a queue of its own, purged at the
+    end), without eager mode; its locks live in the in-process store."""
+    queue = f"invisible-{uuid.uuid4().hex[:12]}"
+    app = celery.Celery("invisible", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        task_default_queue=queue,
+        singletask_backend_url="memory://",
+    )
+    yield app
+    with app.connection_for_write() as connection:
+        connection.default_channel.queue_purge(queue)
+    app.close()
+
+
+def send_outcome(task: Any, args: Any, kwargs: Any) -> Outcome:
+    """What ``task.apply_async(args, kwargs)`` does: the message's args and kwargs as Celery
+    hands them to the serializer (``before_task_publish``), or the exception it raises."""
+    published: list[Outcome] = []
+
+    def seen(sender: Any = None, body: Any = None, **_: Any) -> None:
+        published.append(("sent", repr(body[0]), repr(body[1])))
+
+    before_task_publish.connect(seen, weak=False)
+    try:
+        task.apply_async(args, kwargs)
+    except Exception as exc:
+        return ("raised", TypeError.__name__ if isinstance(exc, TypeError) else repr(exc))
+    finally:
+        before_task_publish.disconnect(seen)
+    (outcome,) = published
+    return outcome
+
+
+def any_arguments(*args: Any, **kwargs: Any) -> None:
+    """A body that accepts every call, so Celery's own argument check never refuses one."""
+
+
+@pytest.mark.parametrize(
+    "lock_options",
+    [
+        pytest.param({}, id="execution-scope"),
+        pytest.param({"lock_scope": "queue"}, id="queue-scope"),
+        pytest.param({"lock_debounce": 5}, id="debounced"),
+    ],
+)
+@pytest.mark.parametrize(("args", "kwargs"), SEND_INPUTS)
+def test_apply_async_sends_or_refuses_the_arguments_as_plain_celery_does(
+    broker_app: celery.Celery, lock_options: dict[str, Any], args: Any, kwargs: Any
+) -> None:
+    """``apply_async`` hands ``args`` and ``kwargs`` to Celery as the caller gave them.
+
+    A str missing its comma, or a dict, given as ``args`` fails with ``TypeError`` as with a
+    plain task (never published as its letters or its keys); a list is sent as a list, a
+    mapping as that mapping; whatever singletask reads from them to build a lock key.
+    """
+    # Given a plain task and a singleton task with the same body, on one app
+    register: Callable[..., Any] = broker_app.task
+    plain = register(name="invisible.plain", shared=False, lazy=False)(any_arguments)
+    singleton = register(
+        name="invisible.singleton", base=SingletonTask, shared=False, lazy=False, **lock_options
+    )(any_arguments)
+
+    # When each is sent with the same args and kwargs
+    expected = send_outcome(plain, args, kwargs)
+    outcome = send_outcome(singleton, args, kwargs)
+
+    # Then the singleton task publishes the same message, or raises the same TypeError
+    assert outcome == expected
