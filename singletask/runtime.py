@@ -205,5 +205,6 @@ def lock_options(task: Task[Any, Any]) -> LockOptions:
         limit = state.store_limit
         if limit is not None:  # first use: the store may be known only now
             declared.check_store(task.name, state.settings, *limit)
-        task.__dict__["_singletask_lock_options"] = options
+        if task.name is not None:  # a task without a name yet may get one, and a key with it
+            task.__dict__["_singletask_lock_options"] = options
     return options

@@ -29,7 +29,7 @@ from celery import Task
 from celery.app.task import Context
 
 from . import debounce, enqueue, lifecycle, messages, policies, recovery
-from .exceptions import TaskLocked
+from .exceptions import ConfigurationError, TaskLocked
 from .options import TaskOptions
 from .runtime import app_state, check_lease_options, lock_options
 from .worker import CheckLockStore
@@ -126,7 +126,14 @@ class SingletonTask(_TaskBase):
 
         Raises:
             LockKeyError: The key cannot be built from these arguments.
+            ConfigurationError: The task has no name yet (a task class not registered with an
+                app): its keys start with its name.
         """
+        if self.name is None:
+            raise ConfigurationError(
+                f"task class {type(self).__qualname__} has no name yet, so no lock key: "
+                "register it with an app (app.register_task) or give it a name"
+            )
         return lock_options(self).key(args, kwargs or {})
 
     @property
@@ -206,6 +213,11 @@ class SingletonTask(_TaskBase):
             self.request_stack.push(Context(*args, **{**self.request.__dict__, **kwargs}))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.name is None:
+            # A task class not registered yet (no name) can only be called directly: no
+            # message can name it, so no worker runs it. It has no lock key either; its body
+            # runs as Celery runs it, without a lock (``self.lock`` is None).
+            return super().__call__(*args, **kwargs)
         return lifecycle.execute(self, lock_options(self), super().__call__, args, kwargs)
 
     # -- Celery hooks ----------------------------------------------------------------------

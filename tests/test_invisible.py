@@ -17,7 +17,7 @@ import celery
 import pytest
 from celery.signals import before_task_publish
 
-from singletask import SingletonTask
+from singletask import ConfigurationError, SingletonTask
 
 #: What a send gave: ``("sent", args, kwargs)`` as Celery was about to serialize them (their
 #: types shown by their repr), or ``("raised", exception type)``.
@@ -105,3 +105,51 @@ def test_apply_async_sends_or_refuses_the_arguments_as_plain_celery_does(
 
     # Then the singleton task publishes the same message, or raises the same TypeError
     assert outcome == expected
+
+
+@pytest.fixture
+def eager_app() -> Iterator[celery.Celery]:
+    """An eager Celery app whose locks live in the in-process store."""
+    app = celery.Celery("invisible-eager", set_as_current=False)
+    app.conf.update(task_always_eager=True, singletask_backend_url="memory://")
+    yield app
+    app.close()
+
+
+def test_a_task_class_without_a_name_runs_its_body_when_called_directly(
+    eager_app: celery.Celery,
+) -> None:
+    """A class-based task that has no name yet runs its body on a direct call, as Celery does.
+
+    No message can name such a task, so no worker runs it, and it has no lock key: the body
+    runs without a lock (``self.lock`` is None). Asking for its lock key is refused with a
+    ``ConfigurationError`` that says why.
+    """
+    # Given a plain and a singleton task class, both bound to an app and given no name
+    locks: list[Any] = []
+
+    class Plain(celery.Task):  # type: ignore[type-arg]
+        def run(self, value: int) -> int:
+            return value * 2
+
+    class Single(SingletonTask):
+        def run(self, value: int) -> int:
+            locks.append(self.lock)
+            return value * 2
+
+    Plain.bind(eager_app)
+    Single.bind(eager_app)
+    assert Plain.name is None
+    assert Single.name is None
+
+    # When each is called directly
+    expected = Plain()(21)
+    result = Single()(21)
+
+    # Then the singleton task's body ran as the plain one did, holding no lock
+    assert result == expected == 42
+    assert locks == [None]
+
+    # And its lock key is refused with a reason, not an AttributeError
+    with pytest.raises(ConfigurationError, match="has no name yet"):
+        Single().lock_key_for((21,))
