@@ -9,8 +9,10 @@ counts as lost as soon as its lease has passed without a successful renewal.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import sys
 import threading
 import time
@@ -28,6 +30,13 @@ logger = logging.getLogger("singletask")
 
 #: Seconds between renewal attempts while the backend is failing (bounded by a third of the lease).
 RETRY_INTERVAL = 1.0
+
+#: Seconds the renewer thread waits with nothing to renew before it ends (less with leases
+#: shorter than three times this: a third of the shortest). The next lease starts a new thread.
+IDLE_EXIT = 10.0
+
+#: Seconds :meth:`Renewer.stop` waits for an idle thread to end.
+STOP_WAIT = 1.0
 
 #: The clock-drift margin a holder takes off every lease it believes in: the share of the lease
 #: by which its monotonic clock may run slower than the store's (1 %), plus a fixed allowance
@@ -158,8 +167,10 @@ class Renewer:
     """Extends the leases of one process, in one round trip per interval, from a daemon thread.
 
     One renewer serves every lock its backend holds in the process; it starts its thread on the
-    first lease it is given. A forked child gets a new renewer, since threads do not survive
-    ``fork()``.
+    first lease it is given, and the thread ends once it has had nothing to renew for
+    :data:`IDLE_EXIT` seconds (a third of the shortest lease, if less), or at once on
+    :meth:`stop` (when the app is closed or collected): the next lease starts a new one. A
+    forked child gets a new renewer, since threads do not survive ``fork()``.
 
     Under gevent or eventlet (monkey-patched threading), given ``connect``, the thread is an OS
     thread that renews through a backend of its own, built by ``connect`` in that thread (a
@@ -168,10 +179,10 @@ class Renewer:
     the workers' hub. Without ``connect`` it is a green thread, which renews only when the body
     yields.
 
-    The thread sleeps until the next renewal is due; with nothing to renew, for a third of the
-    shortest lease it has been given. Adding a lease wakes it only if that lease must be renewed
-    before the thread would wake anyway, so a stream of short executions costs the thread
-    nothing: their leases are added and removed while it sleeps.
+    The thread sleeps until the next renewal is due; with nothing to renew, until it is due to
+    end. Adding a lease wakes it only if that lease must be renewed before the thread would wake
+    anyway, so a stream of short executions costs the thread nothing: their leases are added and
+    removed while it sleeps, and it lives on as long as they come more often than it ends.
     """
 
     def __init__(
@@ -188,6 +199,10 @@ class Renewer:
         self._bell = allocate()
         self._bell.acquire()
         self._running = False
+        self._thread: threading.Thread | None = None  # None for an OS thread under gevent
+        self._ending = False  # stop() was called: end as soon as there is nothing to renew
+        self._idle_since: float | None = None  # when the thread last found nothing to renew
+        self._pid = os.getpid()
         self._retry_at = 0.0
         self._shortest = math.inf  # the shortest lease given so far, in seconds
         self._wakes_at = math.inf  # monotonic time at which the sleeping thread wakes
@@ -197,13 +212,17 @@ class Renewer:
         with self._mutex:
             self._leases[handle.token] = handle
             self._shortest = min(self._shortest, handle.ttl)
+            self._ending = False  # in use again
             if not self._running:
                 self._running = True
+                self._idle_since = None
                 if self._native is not None:
+                    self._thread = None
                     self._native[0](self._run, ())
                 else:
                     thread = threading.Thread(target=self._run, name="singletask-renewer")
                     thread.daemon = True
+                    self._thread = thread
                     thread.start()
             elif handle._expires - handle.ttl + handle.ttl / 3 < self._wakes_at:
                 self._ring()  # its first renewal is due before the thread would wake
@@ -212,37 +231,81 @@ class Renewer:
         """Stop renewing ``handle``; call it before releasing (no renewal starts after it)."""
         with self._mutex:
             self._leases.pop(handle.token, None)
+            if self._ending and not self._leases:
+                self._ring()  # stopped meanwhile: the thread ends now
+
+    def stop(self, timeout: float = STOP_WAIT) -> None:
+        """End the thread as soon as it has nothing to renew: at once if it has nothing now
+        (then wait up to ``timeout`` seconds for it to end), else when its last lease is
+        removed. A later :meth:`add` starts a new thread. Does nothing in a process other than
+        the one that made the renewer (a forked child: the thread is not there).
+
+        It takes no lock (it may run in a garbage collection, in any thread, even one holding
+        the renewer's mutex).
+        """
+        if os.getpid() != self._pid:
+            return
+        self._ending = True
+        self._ring()
+        thread = self._thread
+        if thread is not None and not self._leases and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def _ring(self) -> None:
-        """Wake the thread (with the mutex held: only one releaser at a time)."""
-        if self._bell.locked():
-            self._bell.release()
+        """Wake the thread (a wake already pending is enough)."""
+        with contextlib.suppress(RuntimeError):  # released by another caller meanwhile
+            if self._bell.locked():
+                self._bell.release()
 
     def _due(self, now: float) -> float:
-        """Seconds until the next renewal round (or, with nothing to renew, the next look)."""
-        if not self._leases:
-            return self._shortest / 3
+        """Seconds until the next renewal round (there is something to renew)."""
         interval = min(handle.ttl for handle in self._leases.values()) / 3
         oldest = min(handle._expires - handle.ttl for handle in self._leases.values())
         return max(oldest + interval, self._retry_at) - now
 
     def _run(self) -> None:
+        ended = False
+        own: LockBackend | None = None
         try:
             if self._native is not None and self._connect is not None:
-                self._backend = self._connect()  # connections of this thread's own
+                own = self._backend = self._connect()  # connections of this thread's own
             self._loop()
+            ended = True  # _loop has cleared _running itself, under the mutex
         except Exception:  # never expected
             logger.exception("the lease renewer stopped")
         finally:  # the next add() starts a new thread
-            with self._mutex:
-                self._running = False
+            if not ended:
+                with self._mutex:
+                    self._running = False
+            if own is not None:
+                with contextlib.suppress(Exception):
+                    own.close()  # the next thread connects again
+
+    def _idle(self, now: float) -> float | None:
+        """With nothing to renew: seconds to wait for a lease, or None when the thread ends
+        now (stopped, or idle for its whole wait); then it is no longer running."""
+        if self._idle_since is None:
+            self._idle_since = now
+        wait = self._idle_since + min(IDLE_EXIT, self._shortest / 3) - now
+        if self._ending or wait <= 0:
+            self._running = self._ending = False
+            self._thread = None
+            return None
+        return wait
 
     def _loop(self) -> None:
         while True:
             with self._mutex:
                 now = time.monotonic()
-                wait = self._due(now)
-                if wait > 0 or not self._leases:
+                if self._leases:
+                    self._idle_since = None
+                    wait = self._due(now)
+                else:
+                    idle = self._idle(now)
+                    if idle is None:
+                        return  # the next add() starts a new thread
+                    wait = idle
+                if wait > 0:
                     self._wakes_at = now + wait
                     sleep: float | None = min(wait, 3600.0)
                 else:

@@ -2,17 +2,20 @@
 
 For each app (in an attribute of the app object, so two apps never share anything): the app's
 validated :class:`~singletask.config.Settings`, and, per process, the lock store client and its
-:class:`~singletask.lease.Renewer`, both made again in a forked child. For each singleton task
-(on the task object): its :class:`~singletask.options.LockOptions`, the task's declared options
-completed by its app's settings. Nothing is kept in module globals, so no app's configuration
-is pinned for another.
+:class:`~singletask.lease.Renewer`, both made again in a forked child. The renewers' threads
+end when the app is closed (``app.close()``, or leaving ``with app:``) or collected. For each
+singleton task (on the task object): its :class:`~singletask.options.LockOptions`, the task's
+declared options completed by its app's settings. Nothing is kept in module globals, so no
+app's configuration is pinned for another.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
+import weakref
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +56,26 @@ class AppState:
         # that installs the same store object for each test starts one renewer thread.
         self._override: LockBackend | None = None
         self._override_renewer: tuple[LockBackend, Renewer] | None = None
+        # Every renewer made for the app: their threads end when the app is closed or
+        # collected (see watch()). The list refers to neither the app nor this state.
+        self._renewers: list[Renewer] = []
+
+    def watch(self) -> None:
+        """Stop the renewers' threads when the app is closed or garbage-collected.
+
+        Celery has no hook for either: ``app.close`` is wrapped on the app object (Celery's
+        ``with app:`` calls it too), and a finalizer runs when the app is collected.
+        """
+        renewers = self._renewers
+        weakref.finalize(self.app, stop_renewers, renewers).atexit = False
+        close = self.app.close
+
+        @functools.wraps(close)
+        def closing() -> None:
+            stop_renewers(renewers)
+            close()
+
+        self.app.__dict__["close"] = closing
 
     @property
     def settings(self) -> Settings:
@@ -71,7 +94,9 @@ class AppState:
         with self._mutex:
             kept = self._override_renewer
             if backend is not None and (kept is None or kept[0] is not backend):
-                self._override_renewer = (backend, Renewer(backend))
+                renewer = Renewer(backend)
+                self._keep_renewer(renewer, instead_of=None if kept is None else kept[1])
+                self._override_renewer = (backend, renewer)
             self._override = backend
             self._settings = None  # read again: with an override, no backend URL is needed
 
@@ -92,11 +117,20 @@ class AppState:
                     self._backend = connect()
                     # Under gevent/eventlet the renewer runs on an OS thread, with a backend
                     # of its own (not possible for a store in this process's memory).
+                    previous = self._renewer  # a forked child's parent's
                     self._renewer = Renewer(
                         self._backend, connect=None if self._backend.in_process else connect
                     )
+                    self._keep_renewer(self._renewer, instead_of=previous)
                     self._pid = pid
         return self._backend
+
+    def _keep_renewer(self, renewer: Renewer, *, instead_of: Renewer | None) -> None:
+        """Count ``renewer`` among the app's, instead of the one it replaces (whose thread
+        still ends by itself once it has nothing to renew)."""
+        if instead_of is not None and instead_of in self._renewers:
+            self._renewers.remove(instead_of)
+        self._renewers.append(renewer)
 
     @property
     def renewer(self) -> Renewer:
@@ -128,6 +162,13 @@ class AppState:
                 return False
             self._released[task_id] = now
             return True
+
+
+def stop_renewers(renewers: list[Renewer]) -> None:
+    """End the threads of ``renewers`` that have nothing to renew (the others once they have
+    nothing left); a renewer given a lease later starts a new thread."""
+    for renewer in list(renewers):
+        renewer.stop()
 
 
 def features(store: type[LockBackend]) -> frozenset[str]:
@@ -173,7 +214,10 @@ def app_state(app: Celery) -> AppState:
     """The :class:`AppState` of ``app`` (made on first use)."""
     state = app.__dict__.get("_singletask_state")
     if state is None:
-        state = app.__dict__.setdefault("_singletask_state", AppState(app))
+        made = AppState(app)
+        state = app.__dict__.setdefault("_singletask_state", made)
+        if state is made:
+            made.watch()
     assert isinstance(state, AppState)
     return state
 

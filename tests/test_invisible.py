@@ -8,6 +8,9 @@ what Celery's own test fixtures check (no thread left behind by an app).
 
 from __future__ import annotations
 
+import gc
+import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -22,6 +25,9 @@ from singletask import ConfigurationError, SingletonTask
 #: What a send gave: ``("sent", args, kwargs)`` as Celery was about to serialize them (their
 #: types shown by their repr), or ``("raised", exception type)``.
 Outcome = tuple[str, ...]
+
+#: How many apps the thread-leak test builds (Celery's fixtures build one per test).
+APPS = 50
 
 #: Inputs to ``apply_async(args, kwargs)``, with what Celery does with them.
 SEND_INPUTS = [
@@ -153,3 +159,77 @@ def test_a_task_class_without_a_name_runs_its_body_when_called_directly(
     # And its lock key is refused with a reason, not an AttributeError
     with pytest.raises(ConfigurationError, match="has no name yet"):
         Single().lock_key_for((21,))
+
+
+def alive_threads() -> set[threading.Thread]:
+    """The threads alive now: what Celery's own test suite compares before and after each test."""
+    return {thread for thread in threading.enumerate() if thread.is_alive()}
+
+
+def run_on_new_app(number: int, **lock_options: Any) -> celery.Celery:
+    """A new eager app (in-process store) that has run a singleton task once."""
+    app = celery.Celery(f"invisible-{number}", set_as_current=False)
+    app.conf.update(task_always_eager=True, singletask_backend_url="memory://")
+    task = app.task(
+        name="invisible.once", base=SingletonTask, shared=False, lazy=False, **lock_options
+    )(any_arguments)
+    task.apply()
+    return app
+
+
+@pytest.mark.parametrize("ending", ["closed", "collected"])
+def test_apps_that_ran_a_singleton_task_leave_no_thread_behind(ending: str) -> None:
+    """An app that ran singleton tasks leaves no thread once it is closed or collected.
+
+    Celery's own fixtures build an app per test, close it, and fail a test that leaves a thread
+    alive: the renewer thread each app started must be gone by then.
+    """
+    # Given many apps, each of which has run a singleton task (and so started a renewer)
+    before = alive_threads()
+    apps = [run_on_new_app(number) for number in range(APPS)]
+    started = {t for t in alive_threads() - before if t.name == "singletask-renewer"}
+    assert started  # renewal was running for them
+
+    # When the apps are closed, or dropped and collected
+    if ending == "closed":
+        for app in apps:
+            app.close()
+    else:
+        del apps
+        gc.collect()
+
+    # Then no thread they started is still alive
+    assert alive_threads() - before == set()
+
+
+def test_the_renewer_ends_with_nothing_to_renew_and_starts_again_for_a_new_lease() -> None:
+    """The renewer thread ends once it has had nothing to renew for a third of the shortest
+    lease, and a later execution starts a new one that renews its lease as before."""
+    # Given an app that has run a task with a 0.6 s lease, and is not closed
+    lease = 0.6
+    app = run_on_new_app(0, lock_ttl=lease)
+    renewers = [t for t in threading.enumerate() if t.name == "singletask-renewer"]
+
+    # When it has nothing to renew for a while
+    deadline = time.monotonic() + 5
+    while any(t.is_alive() for t in renewers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    # Then its renewer thread has ended
+    assert not any(t.is_alive() for t in renewers)
+
+    # And a body that runs for three leases afterwards keeps its lock all along (renewed)
+    held: list[bool] = []
+
+    @app.task(name="invisible.long", base=SingletonTask, bind=True, lock_ttl=lease, shared=False)
+    def long(self: Any) -> None:
+        end = time.monotonic() + 3 * lease
+        while time.monotonic() < end:
+            held.append(not self.lock.lost)
+            time.sleep(0.05)
+        self.lock.check()
+
+    long.apply().get()
+    assert held
+    assert all(held)
+    app.close()
