@@ -18,7 +18,8 @@ Policy (which key, which token, what to do when a lock is held, when to release)
 * ``lock_rate``: :meth:`LockBackend.acquire_slot` can also space the starts of a key by an
   interval, checked and recorded in the same atomic step (a *rate record* per key);
 * ``lock_debounce``: a key can have one open *debounce window* naming its latest send
-  (:meth:`LockBackend.debounce`, :meth:`LockBackend.debounce_take`);
+  (:meth:`LockBackend.debounce`, :meth:`LockBackend.debounce_take`), and a send whose message
+  was never published can be taken back out of it (:meth:`LockBackend.debounce_undo`);
 * for operators (``singletask locks / inspect / release``): the held locks can be listed by key
   prefix, in bounded pages, and a lock can be released by its holder's task id or by force.
 
@@ -249,6 +250,24 @@ class LockBackend(abc.ABC):
         """
         raise UnsupportedOperation(f"{self!r} cannot keep debounce windows")
 
+    def debounce_undo(self, key: str, task_id: str, previous: str | None) -> bool:
+        """Take back the :meth:`debounce` of ``task_id``, whose message was never published,
+        in one atomic step; ``previous`` is what that call returned as the previous latest send.
+
+        Only if the open window of ``key`` still names ``task_id`` as its latest send: with
+        ``previous``, ``previous`` is the latest again (the window keeps when it opened, and
+        the expiry ``task_id``'s call gave its record); without (``task_id``'s call opened the
+        window), the window is removed, as if it had never been opened. Otherwise (a later send
+        superseded ``task_id``, the window was closed or ran out) nothing changes. Returns
+        whether the window changed. Called only when a publish fails, never on the way of a
+        send that is published.
+
+        Raises:
+            UnsupportedOperation: The store has no debounce windows (:attr:`supports_debounce`).
+            BackendError: The store failed.
+        """
+        raise UnsupportedOperation(f"{self!r} cannot keep debounce windows")
+
     @abc.abstractmethod
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         """Delete ``key`` if ``token`` holds it. Returns whether it did.
@@ -298,6 +317,9 @@ class LockBackend(abc.ABC):
     @abc.abstractmethod
     def clear_next(self, key: str, task_id: str) -> bool:
         """End ``task_id``'s pending follow-up claim on ``key``; returns whether it was pending.
+
+        One atomic step, and only for ``task_id``: a claim of another task id is left as it is.
+        (A follow-up whose message could not be published takes its claim back with it.)
 
         Raises:
             BackendError: The store failed.

@@ -199,6 +199,18 @@ class MemoryBackend(LockBackend):
                 self._windows[key] = (task_id, None, window[2])  # closed: opened is None
             return window[0]
 
+    def debounce_undo(self, key: str, task_id: str, previous: str | None) -> bool:
+        now = time.monotonic()
+        with self._mutex:
+            window = self._windows.get(key)
+            if window is None or window[0] != task_id or window[1] is None or window[2] <= now:
+                return False
+            if previous is None:
+                del self._windows[key]  # task_id opened it
+            else:
+                self._windows[key] = (previous, window[1], window[2])
+            return True
+
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         with self._mutex:
             entry = self._live(key, time.monotonic())

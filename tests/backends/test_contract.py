@@ -62,6 +62,7 @@ OPERATIONS = (
     "acquire_slot",
     "debounce",
     "debounce_take",
+    "debounce_undo",
     "release",
     "extend",
     "extend_many",
@@ -822,3 +823,4 @@ def test_an_operator_release_is_safe_for_the_old_and_the_next_holder(
     assert new.fence > old.fence
     # And the follow-up claim survived the release
     assert backend.claim_next(key, "other-id", LEASE) == "next-id"
+

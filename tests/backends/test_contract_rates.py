@@ -4,7 +4,9 @@ against every backend.
 :meth:`LockBackend.acquire_slot` with ``interval`` spaces the starts of a key by at least that
 many seconds of the store's clock, checked and recorded in the same atomic step as the slot it
 takes. :meth:`LockBackend.debounce` names the latest send of a key's debounce window, and
-:meth:`LockBackend.debounce_take` closes the window for that send only. A store without them
+:meth:`LockBackend.debounce_take` closes the window for that send only;
+:meth:`LockBackend.debounce_undo` takes a send whose message was never published back out of
+the window, and only while the window still names it. A store without them
 (``supports_rate`` / ``supports_debounce`` False) refuses at once with UnsupportedOperation,
 and task definitions on it are refused when they are bound (tests/test_rate.py).
 """
@@ -254,3 +256,98 @@ def test_racing_sends_each_supersede_exactly_one_other(debounced: LockBackend, k
     assert previous.count(None) == 1
     superseded = [p for p in previous if p is not None]
     assert len(set(superseded)) == contenders - 1
+
+
+# -- debounce windows: taking back a send that was never published ---------------------------
+
+
+def test_an_unpublished_send_taken_back_makes_the_send_before_it_the_latest_again(
+    debounced: LockBackend, key: str
+) -> None:
+    """The window is as it was before the send: the send it superseded is the latest again
+    (and runs), and the window keeps the time it opened."""
+    # Given a window opened by send-1, then superseded by send-2, whose publish failed
+    assert debounced.debounce(key, "send-1", LEASE) == (None, 0.0)
+    time.sleep(0.2)
+    assert debounced.debounce(key, "send-2", LEASE)[0] == "send-1"
+
+    # When send-2 is taken back
+    assert debounced.debounce_undo(key, "send-2", "send-1") is True
+
+    # Then send-1 is the latest again: a later send supersedes it, in the same window (its age
+    # counted from send-1's send)
+    previous, age = debounced.debounce(key, "send-3", LEASE)
+    assert previous == "send-1"
+    assert 0.1 < age < 10
+    # And once that one is taken back too, send-1 is the send that runs and closes the window
+    assert debounced.debounce_undo(key, "send-3", "send-1") is True
+    assert debounced.debounce_take(key, "send-1") == "send-1"
+    assert debounced.debounce_take(key, "send-2") == "send-1"
+
+
+def test_an_unpublished_send_that_opened_the_window_takes_the_window_away(
+    debounced: LockBackend, key: str
+) -> None:
+    # Given a window opened by send-1, whose publish failed
+    assert debounced.debounce(key, "send-1", LEASE) == (None, 0.0)
+
+    # When send-1 is taken back
+    assert debounced.debounce_undo(key, "send-1", None) is True
+
+    # Then the key has no window: a message that starts finds none, the next send opens one
+    assert debounced.debounce_take(key, "send-0") is None
+    assert debounced.debounce(key, "send-2", LEASE) == (None, 0.0)
+    assert debounced.debounce_take(key, "send-2") == "send-2"
+
+
+def test_taking_back_a_send_the_window_no_longer_names_changes_nothing(
+    debounced: LockBackend, key: str
+) -> None:
+    """Only the open window's latest send can be taken back: a send superseded since, or a
+    window closed or gone, is left as it is."""
+    # Given send-2 superseding send-1
+    debounced.debounce(key, "send-1", LEASE)
+    debounced.debounce(key, "send-2", LEASE)
+
+    # When send-1 (superseded) is taken back / Then send-2 stays the latest
+    assert debounced.debounce_undo(key, "send-1", None) is False
+    assert debounced.debounce_take(key, "send-1") == "send-2"
+
+    # When send-2 closed the window (it ran) and is then taken back / Then the closed window
+    # still names it
+    assert debounced.debounce_take(key, "send-2") == "send-2"
+    assert debounced.debounce_undo(key, "send-2", "send-1") is False
+    assert debounced.debounce_take(key, "send-1") == "send-2"
+    assert debounced.debounce_take(key, "send-2") == "send-2"
+
+    # And a key without a window stays without one
+    assert debounced.debounce_undo(f"{key}:other", "send-1", None) is False
+    assert debounced.debounce_take(f"{key}:other", "send-1") is None
+
+
+def test_a_take_back_racing_a_later_send_never_loses_the_later_send(
+    debounced: LockBackend, key: str
+) -> None:
+    """Whichever comes first, the later send ends as the latest: the take-back either restores
+    send-1 before send-3 supersedes it, or finds send-3 there and changes nothing."""
+    for round_ in range(10):
+        name = f"{key}:{round_}"
+        debounced.debounce(name, "send-1", LEASE)
+        debounced.debounce(name, "send-2", LEASE)
+        barrier = threading.Barrier(2)
+
+        def undo(name: str = name, barrier: threading.Barrier = barrier) -> object:
+            barrier.wait(timeout=30)
+            return debounced.debounce_undo(name, "send-2", "send-1")
+
+        def later(
+            name: str = name, barrier: threading.Barrier = barrier
+        ) -> tuple[str | None, float]:
+            barrier.wait(timeout=30)
+            return debounced.debounce(name, "send-3", LEASE)
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            undoing, sending = pool.submit(undo), pool.submit(later)
+            undone, (previous, _) = undoing.result(), sending.result()
+        assert debounced.debounce_take(name, "send-1") == "send-3"
+        assert previous == ("send-1" if undone else "send-2")

@@ -39,6 +39,7 @@ __all__ = [
     "COMPANION_ENDS",
     "DEBOUNCE_SCRIPT",
     "DEBOUNCE_TAKE_SCRIPT",
+    "DEBOUNCE_UNDO_SCRIPT",
     "check_key",
     "fence_key",
     "rate_key",
@@ -172,8 +173,29 @@ end
 return rec[1]
 """
 
+# KEYS[1]  the key's debounce window
+# ARGV[1]  the task id of a send whose message was never published
+# ARGV[2]  the latest send its DEBOUNCE_SCRIPT call replaced, or '' when that call opened the
+#          window
+# Returns 1 when it changed the window, else 0. Only when the window is open (field o) and its
+# latest (field l) is ARGV[1]: with ARGV[2], l becomes ARGV[2] (o and the expiry are kept);
+# with '', the hash is deleted. Otherwise (superseded, closed, or no window) it writes nothing.
+DEBOUNCE_UNDO_SCRIPT = """
+local rec = redis.call('HMGET', KEYS[1], 'l', 'o')
+if rec[1] ~= ARGV[1] or not rec[2] then
+  return 0
+end
+if ARGV[2] == '' then
+  redis.call('DEL', KEYS[1])
+else
+  redis.call('HSET', KEYS[1], 'l', ARGV[2])
+end
+return 1
+"""
+
 _DEBOUNCE = _Script(DEBOUNCE_SCRIPT)
 _DEBOUNCE_TAKE = _Script(DEBOUNCE_TAKE_SCRIPT)
+_DEBOUNCE_UNDO = _Script(DEBOUNCE_UNDO_SCRIPT)
 
 
 def slot_request(

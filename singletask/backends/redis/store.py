@@ -40,6 +40,7 @@ from .options import connection_options, retentions
 from .rates import (
     _DEBOUNCE,
     _DEBOUNCE_TAKE,
+    _DEBOUNCE_UNDO,
     check_key,
     debounce_args,
     debounce_result,
@@ -289,6 +290,11 @@ class RedisBackend(LockBackend):
         self._check_key(key, "debounce")
         latest = self._call("debounce", _DEBOUNCE_TAKE, (window_key(key),), (task_id,))
         return _text(latest) if latest else None
+
+    def debounce_undo(self, key: str, task_id: str, previous: str | None) -> bool:
+        self._check_key(key, "debounce")
+        args = (task_id, previous or "")
+        return bool(self._call("debounce", _DEBOUNCE_UNDO, (window_key(key),), args))
 
     def _check_key(self, key: str, operation: str) -> None:
         """Refuse a raw key that may be another lock's companion record."""

@@ -141,6 +141,7 @@ class MySQLBackend(core.SQLBackend):
                 "iter": Q.ITER, "release_holder": Q.RELEASE_HOLDER, "reclaim": Q.RECLAIM,
                 "acquire_slot": Q.ACQUIRE_SLOT, "release_slot": Q.RELEASE_SLOT,
                 "debounce": Q.DEBOUNCE, "debounce_take": Q.DEBOUNCE_TAKE,
+                "debounce_undo": Q.DEBOUNCE_UNDO,
             }.items()
         }  # fmt: skip
         self._pool: pool.Pool[pymysql.connections.Connection[Any]] = pool.Pool(
@@ -298,6 +299,11 @@ class MySQLBackend(core.SQLBackend):
             "debounce_take", key, lambda c: _script(c, self._q["debounce_take"], args)[4]
         )
         return _text(rows[0][0]) if rows else None
+
+    def debounce_undo(self, key: str, task_id: str, previous: str | None) -> bool:
+        args = {**_keys(key), "task_id": task_id, "previous": previous}
+        text = self._q["debounce_undo"]
+        return self._run("debounce_undo", key, lambda c: c.execute(text, args) > 0)
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         args = {**_keys(key), "token": token, "done": completed}

@@ -242,5 +242,17 @@ SELECT debounce_latest FROM {table}
 WHERE `key` = %(key)s AND debounce_until > @st_now FOR UPDATE;
 COMMIT"""
 
+# Takes back a send whose message was never published, if the open window still names it: the
+# send it superseded is the latest again, or without one (it opened the window) the window is
+# gone (the row stays, for its other records). One statement in autocommit: the row lock is its
+# atomicity. (MySQL assigns left to right: debounce_latest, which the others do not read, last.)
+DEBOUNCE_UNDO = """
+UPDATE {table} SET
+    debounce_opened = IF(%(previous)s IS NULL, NULL, debounce_opened),
+    debounce_until = IF(%(previous)s IS NULL, NULL, debounce_until),
+    debounce_latest = %(previous)s
+WHERE `key` = %(key)s AND debounce_latest = %(task_id)s AND debounce_opened IS NOT NULL
+    AND debounce_until > UTC_TIMESTAMP(6)"""
+
 RECLAIM = """
 DELETE FROM {table} WHERE expires_at < UTC_TIMESTAMP(6) ORDER BY expires_at LIMIT %(limit)s"""

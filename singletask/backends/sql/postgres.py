@@ -134,6 +134,7 @@ class PostgresBackend(core.SQLBackend):
                 "acquire": Q.ACQUIRE, "release": Q.RELEASE, "extend": Q.EXTEND,
                 "extend_many": Q.EXTEND_MANY, "claim_next": Q.CLAIM_NEXT,
                 "clear_next": Q.CLEAR_NEXT, "debounce_take": Q.DEBOUNCE_TAKE,
+                "debounce_undo": Q.DEBOUNCE_UNDO,
                 "holder": Q.HOLDER, "iter": Q.ITER, "release_holder": Q.RELEASE_HOLDER,
                 "reclaim": Q.RECLAIM,
             }.items()
@@ -317,6 +318,10 @@ class PostgresBackend(core.SQLBackend):
         args = {**self._keys(key), "task_id": task_id}
         row = self._run("debounce_take", key, "debounce_take", args, lambda c: c.fetchone())
         return None if row is None else str(row[0])
+
+    def debounce_undo(self, key: str, task_id: str, previous: str | None) -> bool:
+        args = {**self._keys(key), "task_id": task_id, "previous": previous}
+        return self._run("debounce_undo", key, "debounce_undo", args, lambda c: c.rowcount > 0)
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         args = {**self._keys(key), "token": token, "done": completed}

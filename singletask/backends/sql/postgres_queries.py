@@ -308,6 +308,15 @@ d AS (UPDATE {table} AS l SET debounce_opened = NULL
     FROM o WHERE l.key = %(key)s AND o.latest = %(task_id)s AND o.opened IS NOT NULL)
 SELECT latest FROM o"""
 
+# Takes back an unpublished send if the open window still names it: the send it superseded is
+# the latest again, or the window is gone (the row stays). One statement, one row lock.
+DEBOUNCE_UNDO = """
+UPDATE {table} SET debounce_latest = %(previous)s,
+    debounce_opened = CASE WHEN %(previous)s::text IS NULL THEN NULL ELSE debounce_opened END,
+    debounce_until = CASE WHEN %(previous)s::text IS NULL THEN NULL ELSE debounce_until END
+WHERE key = %(key)s AND debounce_latest = %(task_id)s AND debounce_opened IS NOT NULL
+    AND debounce_until > clock_timestamp()"""
+
 #: The scripts of several statements (sent as one message in every mode), and how many results
 #: come before the one the operation reads.
 SKIPPED = {"acquire_slot": PREAMBLE + 2, "release_slot": PREAMBLE + 1, "debounce": PREAMBLE + 1}

@@ -267,6 +267,10 @@ class SQLiteBackend(LockBackend):
         with self._transaction("debounce_take", key) as conn:
             return windows.debounce_take(conn, key, task_id, time.time())
 
+    def debounce_undo(self, key: str, task_id: str, previous: str | None) -> bool:
+        with self._transaction("debounce_undo", key) as conn:
+            return windows.debounce_undo(conn, key, task_id, previous, time.time())
+
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         with self._transaction("release", key) as conn:
             now = time.time()

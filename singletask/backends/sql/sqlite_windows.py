@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import sqlite3
 
-__all__ = ["CLOSED", "SCHEMA", "debounce", "debounce_take", "prune", "start"]
+__all__ = ["CLOSED", "SCHEMA", "debounce", "debounce_take", "debounce_undo", "prune", "start"]
 
 SCHEMA = (
     # Per key: the earliest time (time.time()) of its next start; the row expires then.
@@ -116,3 +116,18 @@ def debounce_take(conn: sqlite3.Connection, key: str, task_id: str, now: float) 
     if row[0] == task_id and row[1] >= 0:
         conn.execute("UPDATE singletask_debounce SET opened = ? WHERE key = ?", (CLOSED, key))
     return str(row[0])
+
+
+def debounce_undo(
+    conn: sqlite3.Connection, key: str, task_id: str, previous: str | None, now: float
+) -> bool:
+    """Take back the :func:`debounce` of ``task_id`` if the open window of ``key`` still names
+    it: ``previous`` is the latest again (``opened`` and ``until`` kept), or without one the row
+    is deleted. Returns whether it changed anything."""
+    where = " WHERE key = ? AND latest = ? AND opened >= 0 AND until > ?"
+    if previous is None:
+        cursor = conn.execute("DELETE FROM singletask_debounce" + where, (key, task_id, now))
+    else:
+        change = "UPDATE singletask_debounce SET latest = ?" + where
+        cursor = conn.execute(change, (previous, key, task_id, now))
+    return cursor.rowcount > 0
