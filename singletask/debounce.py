@@ -9,7 +9,9 @@ window still names it until its record expires, for the earlier sends a worker s
 every earlier one ends as a :class:`~singletask.Skipped` naming the send that superseded it (see
 :func:`singletask.lifecycle.execute`). With ``lock_debounce_max``, the countdown is shortened
 so that no send waits longer than that after the first send of its window, and a steady
-stream of sends still runs at least that often.
+stream of sends still runs at least that often. A send whose publish fails is taken back out
+of the window (:meth:`~singletask.backends.base.LockBackend.debounce_undo`) before its error
+reaches the caller.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from celery.utils import uuid
 from celery.utils.time import maybe_iso8601
 
-from .enqueue import call_arguments, published_as_is, send_delay
+from .enqueue import call_arguments, publish_or_undo, published_as_is, send_delay
 from .exceptions import BackendError
 from .runtime import app_state
 
@@ -98,4 +101,8 @@ def send(
         moment = maybe_iso8601(expires)
         if moment is not None:
             published["expires"] = moment + timedelta(seconds=waited)
-    return publish(task_id, {**published, "countdown": countdown})
+    # Unpublished, the send would stay the window's latest: the burst's published sends would
+    # all end superseded by it, and no body would run. Taken back, the window is as before.
+    undo = partial(backend.debounce_undo, key, task_id, previous)
+    message = partial(publish, task_id, {**published, "countdown": countdown})
+    return publish_or_undo(task, task_id, message, undo, "debounce window")

@@ -10,11 +10,13 @@ from __future__ import annotations
 import time
 
 import pytest
+from kombu.exceptions import OperationalError
 
 from singletask import Skipped
 
 from .conftest import CLUSTER_PARAMS, Cluster
 from .tasks_limits import PREFIX
+from .test_scopes import without_broker
 
 # On the Redis broker only: rates and debounce live in the lock store, and the other e2e
 # modules already cover RabbitMQ; this keeps the suite short.
@@ -91,6 +93,25 @@ def test_a_burst_of_sends_runs_once_with_the_last_arguments_after_the_last_send(
         assert isinstance(skipped, Skipped), skipped
         assert skipped.reason == "debounced"
         assert skipped.holder == sends[-1].id
+
+
+def test_a_send_that_cannot_be_published_leaves_the_burst_to_its_last_published_send(
+    cluster: Cluster, label: str
+) -> None:
+    """Issue 29: a debounced send whose publish fails is taken back out of the window, so the
+    burst's last published send still runs, with its arguments (it is not skipped as superseded
+    by a send that no worker will ever run)."""
+    # Given a task debounced by 1.5 s per label, and a producer whose broker is down
+    task = cluster.task(PREFIX + "rebuild_slow")
+    with without_broker(cluster, PREFIX + "rebuild_slow") as dead:
+        # When a send is published, and a later one of the burst cannot be
+        published = task.delay(label, 1)
+        with pytest.raises(OperationalError):
+            dead.apply_async((label, 2), task_id=f"lost-{label}", ignore_result=True)
+
+    # Then the published send runs its body, once; nothing ran the lost one
+    assert published.get(timeout=BOUND) == 1
+    assert [s["version"] for s in cluster.probe.starts(label)] == [1]
 
 
 def test_a_steady_stream_still_runs_within_debounce_max(cluster: Cluster, label: str) -> None:

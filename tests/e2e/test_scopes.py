@@ -111,6 +111,35 @@ def producer_conflicts(key: str) -> Iterator[ProducerConflicts]:
         lock_conflict.disconnect(listener)
 
 
+@contextlib.contextmanager
+def without_broker(cluster: Cluster, name: str) -> Iterator[Any]:
+    """Task ``name`` of a producer whose broker is down (a closed port, no retries: a publish
+    raises OperationalError at once, well within a debounce wait), sharing the cluster's real
+    lock store."""
+    env = cluster.worker.env
+    dead = make_app(
+        broker=f"redis://127.0.0.1:{free_port()}/0",
+        results=env["SINGLETASK_E2E_RESULTS"],
+        locks=env["SINGLETASK_E2E_LOCKS"],
+        queue=env["SINGLETASK_E2E_QUEUE"],
+        lock_options=json.loads(env.get(LOCK_OPTIONS_ENV) or "{}"),
+    )
+    dead.conf.update(
+        broker_connection_timeout=0.5,
+        broker_connection_retry=False,
+        broker_connection_max_retries=1,
+        task_publish_retry=False,
+        # Without it the transport waits 2 s before it gives up on the closed port.
+        broker_transport_options={**dead.conf.broker_transport_options, "max_retries": 0},
+    )
+    task = dead.tasks[name]
+    try:
+        yield task
+    finally:
+        task.lock_backend.close()
+        dead.close()
+
+
 def log_offset(cluster: Cluster) -> int:
     return cluster.worker.log.stat().st_size
 
@@ -334,32 +363,14 @@ def test_a_message_that_cannot_be_published_frees_its_key_at_once(
     cluster: Cluster, label: str
 ) -> None:
     # Given a producer whose broker is down, sharing the real lock store
-    env = cluster.worker.env
-    dead = make_app(
-        broker=f"redis://127.0.0.1:{free_port()}/0",
-        results=env["SINGLETASK_E2E_RESULTS"],
-        locks=env["SINGLETASK_E2E_LOCKS"],
-        queue=env["SINGLETASK_E2E_QUEUE"],
-        lock_options=json.loads(env.get(LOCK_OPTIONS_ENV) or "{}"),
-    )
-    dead.conf.update(
-        broker_connection_timeout=0.5,
-        broker_connection_retry=False,
-        broker_connection_max_retries=1,
-        task_publish_retry=False,
-    )
     key = key_of(cluster, "queued", label)
-    task = dead.tasks[NAME + "queued"]
-    try:
+    with without_broker(cluster, NAME + "queued") as task:
         # When it sends a queue-scope task (ignore_result: no result subscription to close)
         with pytest.raises(OperationalError):
             task.apply_async((label,), ignore_result=True)
 
         # Then the publish error reaches the caller, and the key is not left reserved
         assert not cluster.locks.exists(key)
-    finally:
-        task.lock_backend.close()
-        dead.close()
 
     # And a submission through the live broker runs
     fresh = cluster.task(NAME + "queued").delay(label, note="fresh")

@@ -1,0 +1,73 @@
+"""A send whose publish fails leaves the lock store as it was before the send (issue 29).
+
+``apply_async`` writes to the lock store before it publishes: a debounced send becomes its key's
+latest, a coalescing follow-up claims the follow-up slot. When the publish then raises (here:
+an argument the JSON serializer refuses, ``EncodeError``; a broker that is down is covered by
+the e2e tests, tests/e2e/test_rates.py and test_scopes.py), that write is taken back before the
+error reaches the caller, so the sends that were published still run. In one process, against
+the memory store, SQLite and the session's private Redis; the messages go to an in-memory
+broker that no worker reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import celery
+import pytest
+from kombu.exceptions import EncodeError
+
+from singletask import SingletonTask
+
+
+class Unserializable:
+    """An argument the JSON serializer refuses: its message can never be published."""
+
+
+@pytest.fixture(params=["memory", "redis", "sqlite"])
+def app(request: pytest.FixtureRequest, key_prefix: str, tmp_path: Path) -> Iterator[celery.Celery]:
+    """A producer app (not eager: its sends are published, to an in-memory broker) whose locks
+    live in the in-process store, the session's Redis or a SQLite file."""
+    if request.param == "memory":
+        url = "memory://"
+    elif request.param == "sqlite":
+        url = f"sqlite:///{tmp_path}/locks.db"
+    else:
+        url = request.getfixturevalue("redis_url")
+        request.getfixturevalue("redis_client")  # fails / skips when the server is missing
+    app = celery.Celery("publish-failure", set_as_current=False, broker="memory://")
+    app.conf.update(
+        singletask_backend_url=url, singletask_key_prefix=key_prefix, task_serializer="json"
+    )
+    yield app
+    app.close()
+
+
+def test_a_debounced_send_that_cannot_be_published_leaves_the_last_published_send_latest(
+    app: celery.Celery,
+) -> None:
+    """The burst's published send still runs: the window names it again, not the send that
+    never left."""
+
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_debounce=5, lock_args=("key",))
+    def rebuild(key: str, version: object) -> None:
+        raise AssertionError("no worker runs this")
+
+    backend, key = rebuild.lock_backend, rebuild.lock_key_for(("k", 0))
+
+    # Given a first send of a burst whose publish fails: nothing is left in the store
+    with pytest.raises(EncodeError):
+        rebuild.delay("k", Unserializable())
+    assert backend.debounce_take(key, "any-send") is None
+
+    # And a send that is published
+    published = rebuild.delay("k", 1)
+
+    # When a later send of the burst cannot be published
+    with pytest.raises(EncodeError):
+        rebuild.apply_async(("k", Unserializable()), task_id="never-sent")
+
+    # Then the published send is still the window's latest: when it starts, it runs (it is not
+    # skipped as superseded by "never-sent", which no worker will ever run)
+    assert backend.debounce_take(key, published.id) == published.id
