@@ -198,7 +198,9 @@ def send_once(
             "Task %s[%s] sent as the follow-up of the run in progress on %r (%s)",
             task.name, task_id, key, holder_id,
         )  # fmt: skip
-        return publish(task_id)
+        # Unpublished, its claim would make later calls join a follow-up that never runs.
+        undo = partial(backend.clear_next, key, task_id)
+        return publish_or_undo(task, task_id, partial(publish, task_id), undo, "follow-up claim")
     if action == "join":
         logger.info(
             "Task %s not sent: it joins the pending follow-up %s of %r",

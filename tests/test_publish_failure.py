@@ -19,6 +19,7 @@ import pytest
 from kombu.exceptions import EncodeError
 
 from singletask import SingletonTask
+from singletask.tokens import execution_token
 
 
 class Unserializable:
@@ -71,3 +72,31 @@ def test_a_debounced_send_that_cannot_be_published_leaves_the_last_published_sen
     # Then the published send is still the window's latest: when it starts, it runs (it is not
     # skipped as superseded by "never-sent", which no worker will ever run)
     assert backend.debounce_take(key, published.id) == published.id
+
+
+def test_a_coalescing_follow_up_that_cannot_be_published_gives_its_claim_back(
+    app: celery.Celery,
+) -> None:
+    """Later calls during the run do not join a follow-up that was never sent: the next one
+    becomes the follow-up itself."""
+
+    @app.task(
+        base=SingletonTask, shared=False, lazy=False, lock_scope="coalesce", lock_args=("key",)
+    )
+    def sync(key: str, tag: object) -> None:
+        raise AssertionError("no worker runs this")
+
+    backend, key = sync.lock_backend, sync.lock_key_for(("k", "any"))
+    # Given a run in progress (an execution holds the key)
+    running = backend.acquire(key, execution_token("run-1", 0), 60, meta={"task_id": "run-1"})
+    assert running.acquired
+
+    # When a call during the run, the would-be follow-up, cannot be published
+    with pytest.raises(EncodeError):
+        sync.apply_async(("k", Unserializable()), task_id="never-sent")
+
+    # Then the next call becomes the follow-up, with a message of its own (it does not join
+    # "never-sent", whose result would stay PENDING for ever)
+    later = sync.delay("k", "later")
+    assert later.id not in ("never-sent", "run-1")
+    assert backend.claim_next(key, "probe", 60) == later.id

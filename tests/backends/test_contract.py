@@ -824,3 +824,23 @@ def test_an_operator_release_is_safe_for_the_old_and_the_next_holder(
     # And the follow-up claim survived the release
     assert backend.claim_next(key, "other-id", LEASE) == "next-id"
 
+
+# -- follow-up claims: claim_next, clear_next ------------------------------------------------
+
+
+def test_clear_next_ends_only_the_claim_of_its_own_task_id(backend: LockBackend, key: str) -> None:
+    """A coalescing follow-up whose message cannot be published takes its claim back with
+    clear_next: that must end its own claim only, never one another send made since."""
+    # Given a pending follow-up claimed by next-a
+    assert backend.claim_next(key, "next-a", LEASE) == "next-a"
+
+    # When another task id clears it / Then nothing changes: next-a is still the follow-up
+    assert backend.clear_next(key, "next-b") is False
+    assert backend.claim_next(key, "next-c", LEASE) == "next-a"
+
+    # When next-a clears its own claim / Then the next claim takes
+    assert backend.clear_next(key, "next-a") is True
+    assert backend.claim_next(key, "next-c", LEASE) == "next-c"
+    # And a late clear by next-a leaves next-c's claim alone
+    assert backend.clear_next(key, "next-a") is False
+    assert backend.claim_next(key, "next-d", LEASE) == "next-c"

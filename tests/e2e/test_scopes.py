@@ -30,7 +30,7 @@ from singletask.signals import lock_conflict
 
 from ..servers import free_port
 from .app import LOCK_OPTIONS_ENV, make_app
-from .conftest import Cluster
+from .conftest import CLUSTER_PARAMS, Cluster
 from .tasks_scopes import QUEUE_TTL, gate_key
 
 pytestmark = pytest.mark.e2e
@@ -463,6 +463,43 @@ def test_a_burst_during_a_run_coalesces_into_one_follow_up_with_the_first_argume
     assert later.id not in (first.id, follow_up.id)
     assert later.get(timeout=10) == "later"
     assert len(cluster.probe.starts(label)) == 3
+    cluster.wait_free(key)
+
+
+@pytest.mark.parametrize(
+    "cluster", [p for p in CLUSTER_PARAMS if p.partition("@")[0] == "redis"], indirect=True
+)
+def test_a_follow_up_that_cannot_be_published_leaves_the_follow_up_slot_free(
+    cluster: Cluster, label: str
+) -> None:
+    """Issue 29: a coalescing follow-up whose publish fails gives its claim back, so later calls
+    during the run do not join a follow-up that was never sent (their results would stay
+    PENDING, and nothing would follow the run)."""
+    # Given a coalescing task running
+    task = cluster.task(NAME + "coalesced")
+    key = key_of(cluster, "coalesced", label)
+    first = task.delay(label, "first", hold=True)
+    cluster.probe.wait_for(label, "start")
+
+    # When a call during the run, the would-be follow-up, comes from a producer whose broker
+    # is down
+    with without_broker(cluster, NAME + "coalesced") as dead:
+        with producer_conflicts(key) as decided, pytest.raises(OperationalError):
+            dead.apply_async((label, "lost"), task_id=f"lost-{label}", ignore_result=True)
+        assert decided.actions() == ["follow"]
+
+    # Then a later call through the live broker becomes the follow-up itself
+    with producer_conflicts(key) as decided:
+        later = task.delay(label, "later")
+    assert decided.actions() == ["follow"]
+    assert later.id != f"lost-{label}"
+
+    # And once the run ends, the follow-up runs with its own arguments
+    open_gate(cluster, label)
+    assert first.get(timeout=10) == "first"
+    assert later.get(timeout=15) == "later"
+    assert [start["tag"] for start in cluster.probe.starts(label)] == ["first", "later"]
+    assert cluster.probe.max_overlap(label) == 1
     cluster.wait_free(key)
 
 
