@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -193,8 +193,19 @@ def failover_round(deployment: SentinelDeployment, wait: bool) -> dict[str, Any]
 
 
 @contextlib.contextmanager
-def started(deployment: Any) -> Iterator[Any]:
-    deployment.start()
+def started(make: Callable[[int], Any]) -> Iterator[Any]:
+    """A deployment made by ``make(attempt)`` and started; one that cannot start (a port found
+    free was taken meanwhile by another process) is stopped and made again, in a folder of its
+    own and on other ports, twice."""
+    for attempt in range(3):
+        deployment = make(attempt)
+        try:
+            deployment.start()
+            break
+        except (RuntimeError, OSError):
+            deployment.stop()
+            if attempt == 2:
+                raise
     try:
         yield deployment
     finally:
@@ -205,10 +216,11 @@ def run(quick: bool, failovers: int, workdir: Path) -> dict[str, Any]:
     executions, rounds = (200, 3) if quick else (2000, 7)
     binary = default_binary()
     results: dict[str, Any] = {"executions": executions, "rounds": rounds, "rows": []}
-    single = RedisServer(binary, workdir / "single")
-    cluster = ClusterDeployment(binary, workdir / "cluster")
-    sentinel = SentinelDeployment(binary, workdir / "sentinel")
-    with started(single), started(cluster), started(sentinel):
+    with (
+        started(lambda n: RedisServer(binary, workdir / f"single-{n}")) as single,
+        started(lambda n: ClusterDeployment(binary, workdir / f"cluster-{n}")) as cluster,
+        started(lambda n: SentinelDeployment(binary, workdir / f"sentinel-{n}")) as sentinel,
+    ):
         stores: list[tuple[str, str, dict[str, Any], list[int]]] = [
             ("Redis, one server", f"{single.url}/2", {}, [single.port]),
             ("Redis Cluster (3 masters)", cluster.url, {}, cluster.masters()),

@@ -73,12 +73,35 @@ class RedisServer:
         self.binary = binary
         self.workdir = workdir
         self.extra_args = tuple(extra_args)
+        self._chosen_port = port is None
         self.port = port or free_port()
         self.tls = tls
         self.url = f"redis://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 10.0) -> None:
+        """Start the server and wait until it answers. A server on a port chosen here that
+        exits at once (another process took the port since it was found free: the test
+        processes start servers at the same time) is started again on other ports, twice."""
+        for attempt in range(3):
+            try:
+                self._start(timeout)
+                return
+            except RuntimeError:
+                if not self._chosen_port or self.process is None or self.process.poll() is None:
+                    raise
+                if attempt == 2 or b"in use" not in self.log_tail():
+                    raise
+                self.port = free_port()
+                self.url = f"redis://127.0.0.1:{self.port}"
+
+    def log_tail(self) -> bytes:
+        """The end of the server's log file."""
+        with contextlib.suppress(OSError):
+            return (self.workdir / "redis.log").read_bytes()[-2000:]
+        return b""
+
+    def _start(self, timeout: float) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         with (self.workdir / "redis.log").open("ab") as log:
             self.process = self._spawn(log)
