@@ -181,3 +181,67 @@ def test_a_send_waits_its_debounce_on_top_of_its_countdown_and_its_expires_moves
     ]
     assert rebuild.lock_backend.debounce_take(rebuild.lock_key_for(), "send-1") == "send-2"
     app.close()
+
+
+@pytest.mark.parametrize("store", ["memory", "sqlite", "redis"])
+def test_an_earlier_send_with_a_longer_countdown_of_its_own_never_runs_its_older_arguments(
+    store: str, request: pytest.FixtureRequest, key_prefix: str, tmp_path: Any
+) -> None:
+    """The window outlives every send it superseded: a later send with a shorter wait does not
+    shorten it, so an earlier send that starts long after the later one ran (its own countdown
+    was longer) still finds the window, and ends superseded instead of running."""
+    import time
+
+    from singletask import debounce
+
+    if store == "memory":
+        url = "memory://"
+    elif store == "sqlite":
+        url = f"sqlite:///{tmp_path}/locks.db"
+    else:
+        url = request.getfixturevalue("redis_url")
+        request.getfixturevalue("redis_client")
+    app = celery.Celery("debounce-outlives", set_as_current=False)
+    app.conf.update(singletask_backend_url=url, singletask_key_prefix=key_prefix)
+    ran: list[int] = []
+
+    # Given a debounced task whose queued messages are given 0.3 s to start (lock_queue_ttl)
+    @app.task(
+        base=SingletonTask, shared=False, lazy=False, lock_debounce=0.2, lock_queue_ttl=0.3
+    )  # fmt: skip
+    def rebuild(version: int) -> int:
+        ran.append(version)
+        return version
+
+    published: list[tuple[str | None, dict[str, Any]]] = []
+
+    def publish(task_id: str | None, send_options: Any = None) -> Any:
+        published.append((task_id, dict(send_options or {})))
+        return rebuild.AsyncResult(task_id)
+
+    try:
+        options = lock_options(rebuild)
+        # When send-1 is sent with a countdown of its own of 1.5 s, then send-2 at once
+        sent = time.monotonic()
+        debounce.send(
+            rebuild, options, publish, "send-1", (1,), {}, linked=False,
+            send_options={"countdown": 1.5},
+        )  # fmt: skip
+        debounce.send(rebuild, options, publish, "send-2", (2,), {}, linked=False, send_options={})
+        assert [countdown["countdown"] for _, countdown in published] == [1.7, 0.2]
+
+        # And each message starts when its countdown ends: send-2 first, send-1 after send-2's
+        # window record would have run out by send-2's countdown alone
+        time.sleep(max(0.0, sent + 0.2 - time.monotonic()))
+        latest = rebuild.apply((2,), task_id="send-2").get()
+        time.sleep(max(0.0, sent + 1.7 - time.monotonic()))
+        earlier = rebuild.apply((1,), task_id="send-1").get()
+
+        # Then only the burst's last send ran; send-1 ended superseded by it
+        assert latest == 2
+        assert isinstance(earlier, Skipped), earlier
+        assert earlier.reason == "debounced"
+        assert earlier.holder == "send-2"
+        assert ran == [2]
+    finally:
+        app.close()

@@ -224,7 +224,10 @@ class LockBackend(abc.ABC):
         """Make ``task_id`` the latest send of the debounce window of ``key``, in one step.
 
         Opens the window if none is open (no record, a record that ran out, or a closed one).
-        The window's record lasts ``ttl`` seconds from this call (each send sets it again).
+        The window's record lasts ``ttl`` seconds from this call, or longer if an earlier
+        send's call asked for longer: a send never shortens it, so an earlier send with a
+        longer countdown of its own still finds the window (naming its successor) when it
+        starts.
         Returns the previous latest send (None when this call opened the window) and the
         seconds since the window was opened, by the store's clock (0 when this call opened it).
 

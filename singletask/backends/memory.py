@@ -184,7 +184,8 @@ class MemoryBackend(LockBackend):
             latest, opened, until = self._windows.get(key, (None, now, now))
             if until <= now or opened is None:  # no window, it ran out, or it is closed
                 latest, opened = None, now
-            self._windows[key] = (task_id, opened, now + ttl)
+            # Never shorter than an earlier send asked: it may start later than this one.
+            self._windows[key] = (task_id, opened, max(until, now + ttl))
             self._prune(now)
             return latest, now - opened
 

@@ -241,6 +241,36 @@ def test_a_window_runs_out_by_itself(debounced: LockBackend, key: str) -> None:
     assert debounced.debounce(key, "send-2", LEASE) == (None, 0.0)
 
 
+def test_a_later_send_with_a_shorter_wait_never_shortens_the_window(
+    debounced: LockBackend, key: str
+) -> None:
+    """Each send keeps the window at least as long as its own ``ttl`` asks, never shorter than
+    an earlier send asked: an earlier send with a longer countdown of its own, superseded by a
+    later send with a short one, still finds the window (naming the later send) when it starts,
+    whether the later send's run has closed it or not, and never runs its older arguments."""
+    # Given send-1 with a long countdown of its own (its window kept LEASE seconds), and
+    # send-2, a later send with a short one (its window kept SHORT seconds)
+    assert debounced.debounce(key, "send-1", LEASE) == (None, 0.0)
+    assert debounced.debounce(key, "send-2", SHORT)[0] == "send-1"
+
+    # When send-2's wait has long passed (it starts and closes the window), and send-1 starts
+    # only then
+    time.sleep(SHORT + 0.3)
+    assert debounced.debounce_take(key, "send-2") == "send-2"
+    time.sleep(SHORT + 0.3)
+
+    # Then send-1 still finds the window naming send-2: it is superseded
+    assert debounced.debounce_take(key, "send-1") == "send-2"
+
+    # And the same holds for a window that is still open when send-1 starts
+    other = f"{key}:open"
+    debounced.debounce(other, "send-1", LEASE)
+    debounced.debounce(other, "send-2", SHORT)
+    time.sleep(SHORT + 0.3)
+    assert debounced.debounce_take(other, "send-1") == "send-2"
+    assert debounced.debounce_take(other, "send-2") == "send-2"
+
+
 def test_racing_sends_each_supersede_exactly_one_other(debounced: LockBackend, key: str) -> None:
     """16 sends at once: one opened the window, every other superseded a distinct send."""
     contenders = 16

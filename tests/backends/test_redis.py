@@ -510,12 +510,16 @@ def test_a_take_closes_the_window_keeping_its_record_and_expiry(
     assert redis_backend.debounce_take(key, "send-1") == "send-2"
     assert redis_backend.debounce_take(key, "send-2") == "send-2"
     assert redis_client.hgetall(window) == {b"l": b"send-2"}
-    # When a send comes, it opens a new window
+    # When a send comes, it opens a new window, keeping the record's longer expiry: send-1,
+    # which asked for 40 s, may still start and must find a window naming its successor
     assert redis_backend.debounce(key, "send-3", 10) == (None, 0.0)
     fields = redis_client.hgetall(window)
     assert fields[b"l"] == b"send-3"
     assert b"o" in fields
-    assert 9_000 < redis_client.pttl(window) <= 10_000
+    assert 30_000 < redis_client.pttl(window) <= 40_000
+    # And a send asking for longer than the record has left extends it
+    assert redis_backend.debounce(key, "send-4", 60)[0] == "send-3"
+    assert 59_000 < redis_client.pttl(window) <= 60_000
     # And with no record a take returns None
     redis_client.delete(window)
     assert redis_backend.debounce_take(key, "send-3") is None

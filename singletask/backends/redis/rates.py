@@ -138,12 +138,14 @@ _ACQUIRE_SLOT_RATED_KEEPING = _Script(ACQUIRE_SLOT_RATED_KEEPING_SCRIPT)
 # window opened, by the server clock (0 when this call opened it)}. ARGV[1] becomes the latest
 # (field l). A window is open when the hash has field o; with no hash, or one without o (a
 # window closed by DEBOUNCE_TAKE_SCRIPT), this call opens a new one: the hash is written
-# again as {l: ARGV[1], o: the server ms now}. The hash is kept ARGV[2] ms from now.
+# again as {l: ARGV[1], o: the server ms now}. The hash is kept ARGV[2] ms from now, or
+# longer if an earlier send asked for longer (its PTTL is never shortened: an earlier send
+# with a longer countdown of its own must still find the window when it starts).
 # Errors (before any write) when ARGV[2] is out of range.
 DEBOUNCE_SCRIPT = (
     _CHECK_MS
     + """
-local ttl = ms(ARGV[2])
+local ttl = math.max(ms(ARGV[2]), redis.call('PTTL', KEYS[1]))
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local rec = redis.call('HMGET', KEYS[1], 'l', 'o')

@@ -212,7 +212,8 @@ COMMIT"""
 # the clock read after the lock, the open window's latest send and age are read (NULL and 0
 # when none is open: ``debounce_until`` not later than now, or the window closed, its
 # ``debounce_opened`` NULL), and the window is given the new latest send, opened now unless it
-# was open (assigned before debounce_until changes).
+# was open (assigned before debounce_until changes), and kept until ``ttl_us`` from now or, if an
+# earlier send asked for longer, until then (never shortened).
 DEBOUNCE = f"""{LOCK_ROW}
 SET @st_open = COALESCE(
     (SELECT debounce_until > @st_now AND debounce_opened IS NOT NULL FROM {{table}}
@@ -223,7 +224,8 @@ FROM {{table}} WHERE `key` = %(key)s;
 UPDATE {{table}} SET
     debounce_opened = IF(@st_open, debounce_opened, @st_now),
     debounce_latest = %(task_id)s,
-    debounce_until = @st_now + INTERVAL %(ttl_us)s MICROSECOND,
+    debounce_until = GREATEST(COALESCE(debounce_until, @st_now),
+        @st_now + INTERVAL %(ttl_us)s MICROSECOND),
     expires_at = GREATEST(expires_at, @st_now + INTERVAL %(ttl_us)s MICROSECOND)
 WHERE `key` = %(key)s;
 COMMIT"""

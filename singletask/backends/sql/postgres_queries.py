@@ -279,8 +279,9 @@ COMMIT"""
 # Debounce windows, on the key's own row: locked first (inserted free if missing, as a slot
 # acquisition locks it), then, with the clock read after the lock, the window's latest send is
 # replaced, opened now unless it is open (``debounce_until`` later than now and not closed:
-# ``debounce_opened`` set); returns the send it superseded (NULL when it opened the window)
-# and the window's age.
+# ``debounce_opened`` set), and kept until ``ttl`` from now or, if an earlier send asked for
+# longer, until then (never shortened); returns the send it superseded (NULL when it opened
+# the window) and the window's age.
 DEBOUNCE = f"""
 BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL statement_timeout = {{ms}};
 SET LOCAL lock_timeout = {{ms}};
@@ -291,7 +292,7 @@ o AS (SELECT debounce_latest AS latest, debounce_opened AS opened,
     FROM {{table}}, n WHERE key = %(base)s)
 UPDATE {{table}} AS l SET debounce_latest = %(task_id)s,
     debounce_opened = CASE WHEN o.open THEN o.opened ELSE n.now END,
-    debounce_until = n.now + %(ttl)s * interval '1 second',
+    debounce_until = greatest(l.debounce_until, n.now + %(ttl)s * interval '1 second'),
     expires_at = greatest(l.expires_at, n.now + %(ttl)s * interval '1 second')
 FROM o, n WHERE l.key = %(base)s
 RETURNING CASE WHEN o.open THEN o.latest END,

@@ -89,13 +89,15 @@ def debounce(
         "SELECT latest, opened, until FROM singletask_debounce WHERE key = ?", (key,)
     ).fetchone()
     latest: str | None = None
-    opened = now
+    opened, until = now, now + ttl
     if row is not None and row[2] > now and row[1] >= 0:  # a window is open (not CLOSED)
         latest, opened = str(row[0]), float(row[1])
+    if row is not None:  # never shorter than an earlier send asked: it may start later
+        until = max(until, float(row[2]))
     conn.execute(
         "INSERT OR REPLACE INTO singletask_debounce (key, latest, opened, until) "
         "VALUES (?, ?, ?, ?)",
-        (key, task_id, opened, now + ttl),
+        (key, task_id, opened, until),
     )
     _wrote(conn, now)
     return latest, max(0.0, now - opened)  # the wall clock may step back
