@@ -213,12 +213,21 @@ def execute(
         conflict = Conflict(
             task, options, backend, key, result.holder, direct, result.holders, result.retry_after
         )
-        return locked_out(conflict)
+        try:
+            return locked_out(conflict)
+        except (BackendUnavailable, BackendTimeout) as exc:
+            # A coalescing follow-up could not record its claim: as for the acquire itself.
+            return store_unreachable(task, options, exc, direct, body, args, kwargs)
     # With lock_limit above 1 the execution holds one of the key's slots: renew and release it.
     lock_key, key = key, result.key or key
     if options.limit > 1:
         try:
             twin = twin_of(backend, options, request, lock_key, key)
+        except (BackendUnavailable, BackendTimeout) as exc:
+            # Whether a copy of this message runs in another slot is unknown: give the slot
+            # back (its lease ends it if the store stays away) and do as for the acquire.
+            _end(task, options, backend, key, token, None)
+            return store_unreachable(task, options, exc, direct, body, args, kwargs)
         except BaseException:
             _end(task, options, backend, key, token, None)  # never leave the slot taken
             raise

@@ -1,0 +1,126 @@
+"""The lock store failing at a step after the acquire, on real prefork workers.
+
+``lock_on_backend_error`` (docs/configuration.rst) says what an execution does when the lock
+store cannot be reached as it takes its lock: by default it is sent again with backoff, on a
+budget of its own. Taking the lock is sometimes more than the one acquire: with ``lock_limit``
+above 1 a redelivered message reads the key's other slots (is a copy of it running there?), and
+with ``lock_scope = "coalesce"`` an execution that finds the run in progress records itself as
+the key's follow-up. These tests make the store time out on exactly that second request (the
+fault proxy holds its reply back past the workers' 1 s socket timeout, once) and state that the
+execution follows ``lock_on_backend_error`` as for the acquire itself: it is retried with
+backoff, then runs once, instead of failing at once with the store's error.
+
+Each test has a worker of its own (a :class:`~tests.e2e.faults.FaultEnv`) whose locks live in
+the session's private Redis, reached through a :class:`~tests.e2e.proxy.TcpProxy`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from singletask.backends import backend_from_url
+from singletask.backends.redis.wire import _CLAIM_NEXT
+from singletask.messages import REDELIVERED_HEADER
+from singletask.slots import slot_keys
+
+from .faults import BOUND, FaultEnv
+from .proxy import TcpProxy
+from .tasks_limits import PREFIX as LIMITS
+from .tasks_scopes import PREFIX as SCOPES
+from .tasks_scopes import gate_key
+
+pytestmark = pytest.mark.e2e
+
+#: Longer than the workers' socket timeout (1 s): a reply held this long is a timeout.
+HELD = 3.0
+
+
+@pytest.fixture
+def proxied(redis_url: str, tmp_path: Path) -> Iterator[tuple[FaultEnv, TcpProxy]]:
+    """A worker whose lock store (the session's Redis) is reached through a proxy."""
+    proxy, url = TcpProxy.for_url(redis_url)
+    env = FaultEnv(tmp_path, lock_store=f"{url}?socket_timeout=1&socket_connect_timeout=1")
+    try:
+        env.start_worker()
+        yield env, proxy
+    finally:
+        env.close()
+        proxy.close()
+
+
+def backend_retries(env: FaultEnv, task_id: str) -> int:
+    """How many times the worker logged that ``task_id`` retries for an unreachable store."""
+    return len(env.log_lines(task_id, "the lock store is unreachable"))
+
+
+def test_a_store_timeout_in_the_redelivered_twin_check_retries_with_backoff_then_runs(
+    proxied: tuple[FaultEnv, TcpProxy], redis_url: str
+) -> None:
+    """``lock_limit`` above 1, a redelivered message: the read of the other slots times out.
+    The execution gives its slot back and is retried (``lock_on_backend_error = "retry"``);
+    the retry finds no twin and runs, once."""
+    env, proxy = proxied
+    label = uuid.uuid4().hex[:12]
+
+    # Given a task with two slots per key, and a message of it that is a redelivered copy (its
+    # header says a copy of it was deferred before), so its execution reads the other slot
+    task = env.app.tasks[LIMITS + "export"]
+    # And the lock store answering that read too late, once (a holder is read in one MULTI
+    # transaction: no other request of an execution is one)
+    proxy.delay_reply_to(b"$5\r\nMULTI\r\n", HELD)
+
+    # When it runs
+    message = task.apply_async(kwargs={"label": label}, headers={REDELIVERED_HEADER: 1})
+
+    # Then it is retried for the unreachable store, not failed, and then runs once
+    value: Any = message.get(timeout=BOUND)
+    assert isinstance(value, dict), f"{value!r}\n{env.explain()}"
+    assert backend_retries(env, message.id) == 1, env.explain()
+    assert [s["task_id"] for s in env.probe.starts(label)] == [message.id]
+    # And every slot of the key is free again
+    locks = backend_from_url(redis_url)
+    try:
+        key = str(task.lock_key_for((), {"label": label}))
+        assert [locks.holder(slot) for slot in slot_keys(key, 2)] == [None, None]
+    finally:
+        locks.close()
+
+
+def test_a_store_timeout_in_the_follow_up_claim_retries_with_backoff_then_runs(
+    proxied: tuple[FaultEnv, TcpProxy],
+) -> None:
+    """``lock_scope = "coalesce"``: an execution that finds the run in progress cannot record
+    itself as the follow-up (the claim times out). It is retried (``lock_on_backend_error =
+    "retry"``), records its claim on the next try, and runs once the run in progress is done."""
+    env, proxy = proxied
+    label = uuid.uuid4().hex[:12]
+    task = env.app.tasks[SCOPES + "coalesced"]
+
+    # Given a coalescing task whose run is in progress (its body waits on a gate)
+    running = task.apply_async(kwargs={"label": label, "tag": "first", "hold": True})
+    env.probe.wait_for(label, "start")
+    # And the lock store answering the next follow-up claim too late, once
+    proxy.delay_reply_to(_CLAIM_NEXT.sha.encode(), HELD)
+
+    # When another message of the key runs meanwhile (sent by name: no claim when it is sent,
+    # so its execution is the first to claim)
+    follow_up = env.app.send_task(SCOPES + "coalesced", kwargs={"label": label, "tag": "second"})
+    env.wait_until(lambda: backend_retries(env, follow_up.id) >= 1, "a retry for the store")
+
+    # Then it is retried for the unreachable store, not failed
+    assert not follow_up.ready() or follow_up.state != "FAILURE", env.explain()
+
+    # When the run in progress ends
+    env.probe.client.rpush(gate_key(label), "open")
+
+    # Then both ran, one after the other, the follow-up once
+    assert running.get(timeout=BOUND) == "first"
+    assert follow_up.get(timeout=BOUND) == "second", env.explain()
+    assert [s["task_id"] for s in env.probe.starts(label)] == [running.id, follow_up.id]
+    assert env.probe.max_overlap(label) == 1
+    assert backend_retries(env, follow_up.id) == 1, env.explain()
