@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 __all__ = [
     "BACKEND_RETRIES_HEADER",
     "LOCK_RETRIES_HEADER",
+    "PREVIOUS_WAITS_HEADER",
     "REDELIVERED_HEADER",
+    "attempt_count",
     "header_count",
     "is_redelivery",
     "republish",
@@ -37,6 +39,11 @@ BACKEND_RETRIES_HEADER = "singletask_backend_retries"
 #: Message header marking a copy deferred because another delivery of it held the lock.
 REDELIVERED_HEADER = "singletask_redelivered"
 
+#: Message header counting the checks of a retried attempt that found the attempt before it
+#: still running: ``"<retries>:<checks>"``, so that the count of one attempt does not carry
+#: over (Celery copies headers into the next retry) to the next.
+PREVIOUS_WAITS_HEADER = "singletask_previous_waits"
+
 
 def header_count(request: Any, header: str) -> int:
     """A counter this library keeps in the message headers (0 when absent)."""
@@ -45,6 +52,19 @@ def header_count(request: Any, header: str) -> int:
         value = (getattr(request, "headers", None) or {}).get(header)
     try:
         return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def attempt_count(request: Any, header: str) -> int:
+    """A counter kept as ``"<retries>:<count>"`` in the message headers: the count if it was
+    kept by this attempt (same ``retries``), else 0."""
+    value = getattr(request, header, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(header)
+    retries, _, count = str(value or "").partition(":")
+    try:
+        return int(count) if int(retries) == int(request.retries or 0) else 0
     except (TypeError, ValueError):
         return 0
 

@@ -68,3 +68,34 @@ def test_every_policy_name_the_settings_accept_is_one_policy_object() -> None:
         assert isinstance(policy, Policy)
         assert policy.name == name
         assert policy.at_send in ("dedupe", "raise")
+
+
+def test_a_retried_attempt_waits_longer_at_each_check_while_its_previous_attempt_runs() -> None:
+    """The checks of a retried attempt that finds the attempt before it still running: 0.5 to
+    0.75 s first, then doubling (up to 25 % more), never above the holder's lease left (at
+    least 1 s, at most ``lock_ttl``)."""
+    from singletask.policies import previous_attempt_wait
+
+    for _ in range(50):
+        assert 0.5 <= previous_attempt_wait(0, 30.0, 29.0) <= 0.75
+        assert 1.0 <= previous_attempt_wait(1, 30.0, 29.0) <= 1.25
+        assert 4.0 <= previous_attempt_wait(3, 30.0, 29.0) <= 5.0
+        assert 20.0 <= previous_attempt_wait(9, 30.0, 20.0) <= 25.0
+        assert 30.0 <= previous_attempt_wait(9, 30.0, None) <= 37.5
+        assert 1.0 <= previous_attempt_wait(9, 30.0, 0.1) <= 1.25
+
+
+def test_the_count_of_checks_belongs_to_one_attempt() -> None:
+    """Celery copies a message's headers into the next retry: a count kept by attempt 1 is no
+    count for attempt 2, which starts again from 0."""
+    from types import SimpleNamespace
+
+    from singletask.messages import PREVIOUS_WAITS_HEADER, attempt_count
+
+    def request(retries: int, value: object) -> object:
+        return SimpleNamespace(retries=retries, headers={PREVIOUS_WAITS_HEADER: value})
+
+    assert attempt_count(request(1, "1:3"), PREVIOUS_WAITS_HEADER) == 3
+    assert attempt_count(request(2, "1:3"), PREVIOUS_WAITS_HEADER) == 0
+    assert attempt_count(request(1, None), PREVIOUS_WAITS_HEADER) == 0
+    assert attempt_count(request(1, "garbage"), PREVIOUS_WAITS_HEADER) == 0

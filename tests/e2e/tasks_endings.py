@@ -129,6 +129,25 @@ def retrying(
     return f"done after {retries} retries"
 
 
+@shared_task(base=SingletonTask, name="e2e.endings.goes_on", bind=True, lock_key="{label}")
+def goes_on(self: SingletonTask, label: str, how: str = "throw=False", seconds: float = 8.0) -> str:
+    """On its first attempt, asks for a retry (countdown 0) and goes on running ``seconds``:
+    with ``self.retry(throw=False)``, or with ``raise self.retry()`` inside ``except
+    Exception`` (which catches Celery's ``Retry``). Its retried attempt returns at once."""
+    retries = self.request.retries
+    with probe().running(label, self.request.id, token=_token(self), retries=retries):
+        if retries == 0:
+            if how == "throw=False":
+                self.retry(countdown=0, throw=False)
+            else:
+                try:
+                    raise self.retry(countdown=0)
+                except Exception:  # the Retry is swallowed: what the test is about
+                    pass
+            time.sleep(seconds)
+    return f"done after {retries} retries"
+
+
 @shared_task(
     base=SingletonTask,
     name="e2e.endings.flaky",

@@ -500,6 +500,42 @@ def test_a_retried_attempt_does_not_start_while_the_attempt_that_asked_for_it_st
     assert_released_by_its_owner_only(cluster, attempt.id)
 
 
+@pytest.mark.parametrize("how", ["throw=False", "swallowed"])
+def test_a_body_that_goes_on_after_its_retry_has_its_retry_run_after_it_with_few_sends(
+    cluster: Cluster, how: str
+) -> None:
+    """A body that asks for a retry and goes on (``self.retry(throw=False)``, or ``Retry``
+    caught by ``except Exception``): as with Celery, the retried message runs later, here once
+    the attempt that asked for it has ended, never beside it. While it waits, its message is
+    sent again with growing countdowns (0.5 s, then doubling up to the holder's lease), not
+    every 0.5 s for as long as the body runs."""
+    task_name = "e2e.endings.goes_on"
+    label = cluster.label()
+    key = lock_key(cluster, task_name, label)
+    seconds = 8.0
+
+    # Given a body that asks for a retry with countdown 0, then runs 8 s more (lock_ttl 30 s)
+    attempt = cluster.task(task_name).apply_async(
+        kwargs={"label": label, "how": how, "seconds": seconds}
+    )
+
+    # When the retried attempt reaches the other pool process while the body still runs
+    ends = cluster.probe.wait_for(label, "end", count=2, timeout=seconds + BOUND)
+
+    # Then it ran once, after the first attempt had ended: no overlap, same task id
+    starts = cluster.probe.starts(label)
+    assert [(s["task_id"], s["retries"]) for s in starts] == [(attempt.id, 0), (attempt.id, 1)]
+    assert starts[1]["t"] >= ends[0]["t"]
+    assert cluster.probe.max_overlap(label) == 1
+    # And its caller sees an outcome: SUCCESS (the first attempt's, which Celery's result store
+    # keeps: it does not overwrite a SUCCESS)
+    assert attempt.get(timeout=BOUND) in ("done after 0 retries", "done after 1 retries")
+    # And it waited with few sends: 0.5 s, then 1, 2, 4 (8 s in all), plus one for a slow start
+    waits = [line for line in log_lines(cluster, attempt.id) if "previous attempt" in line]
+    assert 1 <= len(waits) <= 5, "\n".join(waits)
+    cluster.wait_free(key, timeout=BOUND)
+
+
 @pytest.mark.parametrize("lost", ["revoked", "expired"])
 def test_a_retry_that_never_runs_does_not_keep_its_reservation(
     cluster: Cluster, watch: Any, lost: str
