@@ -15,7 +15,7 @@ import pytest
 
 from singletask import ConfigurationError, SingletonTask, Skipped, TaskLocked
 from singletask.backends.base import LockBackend
-from singletask.slots import slot_key
+from singletask.slots import slot_key, slot_keys
 
 LEASE = 30.0
 
@@ -203,3 +203,44 @@ def test_a_redelivered_copy_of_a_running_message_waits_for_it_instead_of_taking_
     # Then it deferred once, and ran once the original had ended
     assert actions == ["defer"]
     assert ran == ["body"]
+
+
+def test_a_lowered_limit_takes_effect_once_the_holders_of_the_dropped_slots_end(
+    app: celery.Celery,
+) -> None:
+    """``lock_limit`` lowered from 3 to 1 in a deploy, while executions of the old setting
+    still hold slots 1 and 2: the new setting takes slot 0 only (the singleton's one request,
+    no more), so until those holders end the key has up to 3 holders, the old limit, and never
+    more; once they have ended, 1 (docs/limits.rst, "Changing the limit")."""
+    inside: list[int] = []
+
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_limit=1, bind=True)
+    def export(self: Any) -> str:
+        key = export.lock_key_for()
+        inside.append(sum(backend.holder(slot) is not None for slot in slot_keys(key, 3)))
+        return str(self.lock.key)
+
+    backend, key = backend_of(export), export.lock_key_for()
+    # Given two executions of the old setting (lock_limit = 3) holding slots 1 and 2
+    old = [
+        backend.acquire_slot(key, 3, f"old-{i}", LEASE, meta={"task_id": f"old-{i}"})
+        for i in range(3)
+    ]
+    assert [taken.key for taken in old] == [key, slot_key(key, 1), slot_key(key, 2)]
+    backend.release(key, "old-0")
+
+    # When an execution of the new setting (lock_limit = 1) runs
+    # Then it takes the key itself beside them: 3 holders, the old limit
+    assert export.delay().get() == key
+    assert inside == [3]
+
+    # And while the key itself is held, another one is refused, whatever slots are free
+    assert backend.acquire(key, "new-holder", LEASE, meta={"task_id": "new-holder"}).acquired
+    assert isinstance(export.delay().get(), Skipped)
+    backend.release(key, "new-holder")
+
+    # When the old holders have ended / Then an execution runs alone
+    backend.release(slot_key(key, 1), "old-1")
+    backend.release(slot_key(key, 2), "old-2")
+    assert export.delay().get() == key
+    assert inside == [3, 1]
