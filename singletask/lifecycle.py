@@ -59,6 +59,7 @@ from celery.utils.nodenames import gethostname
 
 from .acquire import gone_holder, take, twin_of, waits_for_rate
 from .exceptions import BackendError, BackendTimeout, BackendUnavailable
+from .handoffs import rate_refused
 from .lease import LockHandle
 from .messages import is_redelivery, seconds_until
 from .policies import Conflict, locked_out, store_unreachable, superseded
@@ -214,7 +215,9 @@ def execute(
             task, options, backend, key, result.holder, direct, result.holders, result.retry_after
         )
         try:
-            return locked_out(conflict)
+            # Refused by the rate, an execution may still keep a reservation or a follow-up
+            # claim.
+            return rate_refused(conflict) if conflict.rated else locked_out(conflict)
         except (BackendUnavailable, BackendTimeout) as exc:
             # A coalescing follow-up could not record its claim: as for the acquire itself.
             return store_unreachable(task, options, exc, direct, body, args, kwargs)

@@ -1,0 +1,78 @@
+"""What an execution that ends without its body leaves for the sends after it, on a real
+prefork worker (issue 29, "every send accounted for").
+
+An execution can find something kept in the lock store for its message alone: the reservation
+``apply_async`` made for it (``lock_scope`` "queue" or "coalesce"), the reservation its previous
+attempt left when the body retried itself, or its follow-up claim. Whatever it ends as, it must
+not keep them: a later send must never be deduplicated onto, joined to, or locked out by an
+execution that has ended.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from singletask import RateLimited, Skipped
+
+from .conftest import CLUSTER_PARAMS, Cluster
+from .tasks_handoffs import PREFIX
+
+# On the Redis broker only: what is tested lives in the lock store, and the other e2e modules
+# already cover RabbitMQ; this keeps the suite short.
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.parametrize(
+        "cluster", [p for p in CLUSTER_PARAMS if p.partition("@")[0] == "redis"], indirect=True
+    ),
+]
+
+#: A generous bound for what should happen "soon".
+BOUND = 30.0
+#: Seconds the probe's start times may lag the store's start of a lease.
+SLACK = 0.1
+
+
+@pytest.fixture
+def label(cluster: Cluster) -> str:
+    return cluster.label()
+
+
+# -- finding 3: a queued message refused by the rate -----------------------------------------
+
+
+@pytest.mark.parametrize("name", ["queued_skip", "queued_raise", "coalesced_skip"])
+def test_a_queued_message_refused_by_the_rate_frees_its_reservation(
+    cluster: Cluster, label: str, name: str
+) -> None:
+    """Issue 29, finding 3: a message deduplicated when sent (``lock_scope`` "queue" or
+    "coalesce") that a worker starts too soon for the task's ``lock_rate`` ends as its policy
+    says for the rate, and gives its reservation back: later sends are published and run,
+    instead of being deduplicated onto (or refused by) an execution that has ended."""
+    # Given a task deduplicated when sent and limited to one start a second, whose key has
+    # just started (and finished) a run
+    task = cluster.task(PREFIX + name)
+    key = task.lock_key_for((label,))
+    assert task.delay(label, note="first").get(timeout=BOUND) == "first"
+
+    # When a second send is queued at once, so that a worker starts it within that second
+    second = task.delay(label, note="second")
+
+    # Then it ends as the policy says for the rate: a Skipped saying so, or RateLimited
+    if name == "queued_raise":
+        with pytest.raises(RateLimited):
+            second.get(timeout=BOUND)
+    else:
+        skipped = second.get(timeout=BOUND)
+        assert isinstance(skipped, Skipped), skipped
+        assert skipped.reason == "rate"
+    # And it leaves the key free at once (not reserved for lock_queue_ttl)
+    cluster.wait_free(key, timeout=2)
+    # And a send made once the rate allows a start is a message of its own, and runs
+    time.sleep(1.0)
+    third = task.delay(label, note="third")
+    assert third.id != second.id
+    assert third.get(timeout=BOUND) == "third"
+    assert [start["note"] for start in cluster.probe.starts(label)] == ["first", "third"]
+    cluster.wait_free(key)
