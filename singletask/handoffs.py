@@ -8,9 +8,11 @@ the claim; this module decides what happens to them when it does not, so that no
 has ended keeps its key (a later send deduplicated onto it, joined to it or locked out by it
 would get an outcome that is not its own):
 
-* refused by the task's ``lock_rate`` (:func:`rate_refused`), an execution ends as its policy
-  says, and gives its reservation and claim back first (:func:`give_back`), unless it is sent
-  again (it then comes back for them).
+* refused by the task's ``lock_rate`` (:func:`rate_refused`): a retried attempt of the body
+  waits for the allowed start as the ``"retry"`` policy does, whatever the policy, and keeps its
+  reservation for it (the retry the body asked for is not lost to the task's own rate); any
+  other execution ends as its policy says, and gives its reservation and claim back first
+  (:func:`give_back`), unless it is sent again (it then comes back for them).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from celery.exceptions import Ignore
 from celery.exceptions import Retry as CeleryRetry
 
 from .exceptions import BackendError
+from .messages import LOCK_RETRIES_HEADER, header_count
 from .policies import POLICIES
 from .slots import slot_keys
 from .tokens import reservation_token
@@ -46,6 +49,11 @@ def rate_refused(conflict: Conflict) -> Any:
         # Nothing can be kept for it: no reservation (or claim) to keep or to give back.
         return POLICIES[options.policy].apply(conflict)
     reservation = reservation_token(str(request.id), retries)
+    spent = header_count(request, LOCK_RETRIES_HEADER)
+    if retries > 0 and not request.is_eager and spent < options.retry_max:
+        # The body asked for this retry: it waits for the allowed start, reserved meanwhile.
+        _keep(conflict, reservation, float(conflict.retry_after or 0) + options.ttl)
+        POLICIES["retry"].apply(conflict)
     try:
         value = POLICIES[options.policy].apply(conflict)
     except (CeleryRetry, Ignore):
@@ -55,6 +63,20 @@ def rate_refused(conflict: Conflict) -> Any:
         raise
     give_back(task, options, conflict.backend, conflict.key, reservation)
     return value
+
+
+def _keep(conflict: Conflict, reservation: str, lease: float) -> None:
+    """Make the reservation (if this attempt has one) last ``lease`` seconds from now."""
+    try:
+        for slot in slot_keys(conflict.key, conflict.options.limit):
+            if conflict.backend.extend(slot, reservation, lease):
+                return
+    except BackendError as exc:
+        logger.warning(
+            "Task %s[%s]: could not extend its reservation of lock %r (%s); it waits for "
+            "its start all the same",
+            conflict.task.name, conflict.task.request.id, conflict.key, exc,
+        )  # fmt: skip
 
 
 def give_back(

@@ -1,7 +1,8 @@
 """Tasks of tests/e2e/test_handoffs.py: what an execution that ends without its body leaves
 for the sends after it (issue 29, "every send accounted for").
 
-Each body runs inside ``probe().running(label, ...)``.
+Each body runs inside ``probe().running(label, ...)``; a body that retries itself marks
+``"retrying"`` in the probe first, so that a test can act during the retry's countdown.
 Registered only on apps whose lock store keeps rates and debounce windows (as in
 tasks_limits.py): binding them to a memcached store is refused, which would stop its workers.
 """
@@ -36,6 +37,17 @@ def note(self: SingletonTask, label: str, note: str = "") -> str:
     return note
 
 
+def retrying(self: SingletonTask, label: str, countdown: float = 0.2) -> dict[str, Any]:
+    """Its first attempt retries itself after ``countdown`` seconds; the retry returns."""
+    retries = int(self.request.retries or 0)
+    with probe().running(label, self.request.id, retries=retries):
+        pass
+    if retries == 0:
+        probe().mark(label, "retrying", self.request.id)
+        raise self.retry(countdown=countdown)
+    return {"task_id": self.request.id, "retries": retries}
+
+
 QUEUED = {"lock_queue_ttl": QUEUE_TTL, "lock_rate": "1/s"}
 
 #: The tasks of this module, each with the store feature it needs, and its options.
@@ -49,6 +61,12 @@ TASKS: list[tuple[Any, str, dict[str, Any]]] = [
     (
         note, "supports_rate",
         {**QUEUED, "lock_scope": "coalesce", "name": PREFIX + "coalesced_skip"},
+    ),
+    (retrying, "supports_rate", {"lock_rate": "1/s", "max_retries": 1}),
+    (
+        retrying, "supports_rate",
+        {"lock_rate": "1/s", "lock_limit": 2, "max_retries": 1,
+         "name": PREFIX + "retrying_limited"},
     ),
 ]  # fmt: skip
 

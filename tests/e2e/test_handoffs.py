@@ -15,6 +15,7 @@ import time
 import pytest
 
 from singletask import RateLimited, Skipped
+from singletask.slots import slot_keys
 
 from .conftest import CLUSTER_PARAMS, Cluster
 from .tasks_handoffs import PREFIX
@@ -37,6 +38,11 @@ SLACK = 0.1
 @pytest.fixture
 def label(cluster: Cluster) -> str:
     return cluster.label()
+
+
+def held(cluster: Cluster, key: str, limit: int = 1) -> list[str]:
+    """The slots of ``key`` that a lock or a reservation holds."""
+    return [slot for slot in slot_keys(key, limit) if cluster.locks.hexists(slot, "token")]
 
 
 # -- finding 3: a queued message refused by the rate -----------------------------------------
@@ -76,3 +82,36 @@ def test_a_queued_message_refused_by_the_rate_frees_its_reservation(
     assert third.get(timeout=BOUND) == "third"
     assert [start["note"] for start in cluster.probe.starts(label)] == ["first", "third"]
     cluster.wait_free(key)
+
+
+# -- finding 5: a body retry sooner than the rate ---------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "limit"), [("retrying", 1), ("retrying_limited", 2)])
+def test_a_body_retry_sooner_than_the_rate_waits_for_its_start_and_runs(
+    cluster: Cluster, label: str, name: str, limit: int
+) -> None:
+    """Issue 29, finding 5: a retry the body asked for is not lost to the task's own
+    ``lock_rate`` (with the default ``skip`` policy too): it waits for the allowed start,
+    keeping its reservation meanwhile, and runs; once it has ended nothing holds the key."""
+    # Given a task limited to one start a second (skip policy) whose first attempt retries
+    # itself after 0.2 s, well within that second
+    task = cluster.task(PREFIX + name)
+    key = task.lock_key_for((label,))
+
+    # When it is sent
+    result = task.delay(label)
+
+    # Then the retry runs, once the rate allows (a second after the first start), and its
+    # value is the task's result
+    assert result.get(timeout=BOUND) == {"task_id": result.id, "retries": 1}
+    starts = cluster.probe.starts(label)
+    assert [start["retries"] for start in starts] == [0, 1]
+    assert starts[1]["t"] - starts[0]["t"] >= 1.0 - SLACK
+    # And nothing holds the key once it has ended
+    assert held(cluster, key, limit) == []
+    # And a later send, once the rate allows, runs: it is not skipped as held
+    time.sleep(1.0)
+    later = task.delay(label)
+    assert later.get(timeout=BOUND) == {"task_id": later.id, "retries": 1}
+    assert held(cluster, key, limit) == []
