@@ -11,8 +11,13 @@ would get an outcome that is not its own):
 * refused by the task's ``lock_rate`` (:func:`rate_refused`): a retried attempt of the body
   waits for the allowed start as the ``"retry"`` policy does, whatever the policy, and keeps its
   reservation for it (the retry the body asked for is not lost to the task's own rate); any
-  other execution ends as its policy says, and gives its reservation and claim back first
-  (:func:`give_back`), unless it is sent again (it then comes back for them).
+  other execution ends as its policy says, and gives its reservation and claim back first,
+  unless it is sent again (it then comes back for them);
+* a retried attempt superseded by a later send of its debounce window gives its reservation back
+  (:func:`give_back`);
+* the latest send of a debounce window that finds the key reserved for the body retry of an
+  earlier send (:func:`superseded_retry`) takes that reservation over: the retry, superseded by
+  it, will not run.
 """
 
 from __future__ import annotations
@@ -27,16 +32,16 @@ from .exceptions import BackendError
 from .messages import LOCK_RETRIES_HEADER, header_count
 from .policies import POLICIES
 from .slots import slot_keys
-from .tokens import reservation_token
+from .tokens import parse_token, reservation_token
 
 if TYPE_CHECKING:
     from celery import Task
 
-    from .backends.base import LockBackend
+    from .backends.base import AcquireResult, Holder, LockBackend
     from .options import LockOptions
     from .policies import Conflict
 
-__all__ = ["give_back", "rate_refused"]
+__all__ = ["give_back", "rate_refused", "superseded_retry"]
 
 logger = logging.getLogger("singletask")
 
@@ -102,3 +107,18 @@ def give_back(
             "released (%s): it stays until its lease ends",
             task.name, task_id, key, exc,
         )  # fmt: skip
+
+
+def superseded_retry(result: AcquireResult, task_id: str) -> Holder | None:
+    """A holder of the refused key that is the reservation a body retry of another message
+    left (``<id>:<n>:-:0:reserved``, ``n`` at least 1), or None."""
+    for holder in result.holders or ((result.holder,) if result.holder else ()):
+        parsed = parse_token(holder.token)
+        if (
+            parsed is not None
+            and parsed[0] != task_id
+            and parsed[1] > 0
+            and holder.token == reservation_token(parsed[0], parsed[1])
+        ):
+            return holder
+    return None

@@ -59,7 +59,7 @@ from celery.utils.nodenames import gethostname
 
 from .acquire import gone_holder, take, twin_of, waits_for_rate
 from .exceptions import BackendError, BackendTimeout, BackendUnavailable
-from .handoffs import rate_refused
+from .handoffs import give_back, rate_refused, superseded_retry
 from .lease import LockHandle
 from .messages import is_redelivery, seconds_until
 from .policies import Conflict, locked_out, store_unreachable, superseded
@@ -160,10 +160,10 @@ def execute(
     # ``attempt`` names one execution attempt of one message: a redelivered copy of the
     # message has the same one, the body's own retry the next one.
     attempt: str | None = None
+    retries = int(request.retries or 0)
     if direct:
         token, takeover = direct_token(), None
     else:
-        retries = int(request.retries or 0)
         attempt = f"{task_id}:{retries}"
         token = execution_token(str(task_id), retries)
         # Take over the reservation made for this attempt: by apply_async when the message
@@ -184,14 +184,29 @@ def execute(
     # The store starts the lease at some moment after the request leaves: the holder's deadline
     # counts from the send (LockHandle's sent_at), not from the reply or what follows it.
     sent_at = time.monotonic()
+    latest: str | None = None  # with lock_debounce: the latest send of the window
     try:
         if options.debounce is not None and attempt is not None:
             # Only the latest send of a debounce window runs; its run closes the window.
             latest = backend.debounce_take(key, str(task_id))
             if latest is not None and latest != task_id:
+                if retries > 0:  # a body retry, superseded: its reservation must not stay
+                    give_back(task, options, backend, key, str(takeover))
                 return superseded(task, key, latest)
             sent_at = time.monotonic()
         result = take(backend, options, key, token, meta, takeover)
+        retried = superseded_retry(result, str(task_id)) if latest == task_id else None
+        if retried is not None:
+            # The latest send of its window supersedes an earlier send's body retry: that retry
+            # will not run (it ends superseded), so its reservation is this send's to take.
+            sent_at = time.monotonic()
+            result = take(backend, options, key, token, meta, retried.token)
+            if result.acquired:
+                logger.info(
+                    "Task %s[%s] took over lock %r reserved for the retry of %s, which it "
+                    "supersedes (lock_debounce)",
+                    task.name, task_id, key, retried.task_id,
+                )  # fmt: skip
         holder = gone_holder(result) if attempt is not None else None
         if holder is not None:
             # Same host, and the holder's process is gone: no need to wait for its lease.

@@ -48,6 +48,17 @@ def retrying(self: SingletonTask, label: str, countdown: float = 0.2) -> dict[st
     return {"task_id": self.request.id, "retries": retries}
 
 
+def versioned(self: SingletonTask, label: str, version: int, countdown: float = 0.0) -> int:
+    """Returns ``version``; with a ``countdown``, its first attempt retries itself first."""
+    retries = int(self.request.retries or 0)
+    with probe().running(label, self.request.id, version=version, retries=retries):
+        pass
+    if countdown and retries == 0:
+        probe().mark(label, "retrying", self.request.id, version=version)
+        raise self.retry(countdown=countdown)
+    return version
+
+
 QUEUED = {"lock_queue_ttl": QUEUE_TTL, "lock_rate": "1/s"}
 
 #: The tasks of this module, each with the store feature it needs, and its options.
@@ -68,6 +79,7 @@ TASKS: list[tuple[Any, str, dict[str, Any]]] = [
         {"lock_rate": "1/s", "lock_limit": 2, "max_retries": 1,
          "name": PREFIX + "retrying_limited"},
     ),
+    (versioned, "supports_debounce", {"lock_debounce": 1.0, "max_retries": 1}),
 ]  # fmt: skip
 
 

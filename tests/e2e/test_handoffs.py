@@ -115,3 +115,39 @@ def test_a_body_retry_sooner_than_the_rate_waits_for_its_start_and_runs(
     later = task.delay(label)
     assert later.get(timeout=BOUND) == {"task_id": later.id, "retries": 1}
     assert held(cluster, key, limit) == []
+
+
+# -- finding 4: debounce, a body retry and a later send ---------------------------------------
+
+
+@pytest.mark.parametrize("countdown", [3.0, 0.5], ids=["send-starts-first", "retry-due-first"])
+def test_a_send_during_a_body_retrys_countdown_runs_and_supersedes_the_retry(
+    cluster: Cluster, label: str, countdown: float
+) -> None:
+    """Issue 29, finding 4: with ``lock_debounce``, a send made during the countdown of a body
+    retry carries the latest arguments: it runs them, and the retry of the earlier arguments
+    ends superseded by it. Whichever starts first, each send has one outcome and nothing stays
+    reserved."""
+    # Given a task debounced by 1 s whose first run (version 1) retries itself after
+    # ``countdown`` seconds
+    task = cluster.task(PREFIX + "versioned")
+    key = task.lock_key_for((label, 1))
+    first = task.delay(label, 1, countdown=countdown)
+    cluster.probe.wait_for(label, "retrying")
+
+    # When a later send (version 2) is made during the retry's countdown; it starts 1 s later:
+    # before the retry is due (3 s), or after it (0.5 s)
+    second = task.delay(label, 2)
+
+    # Then the later send runs its arguments
+    assert second.get(timeout=BOUND) == 2
+    # And the retry, superseded by it, ends as a Skipped naming it
+    superseded = first.get(timeout=BOUND)
+    assert isinstance(superseded, Skipped), superseded
+    assert superseded.reason == "debounced"
+    assert superseded.holder == second.id
+    # And each body ran once: version 1 (which retried), then version 2
+    starts = cluster.probe.starts(label)
+    assert [(start["version"], start["retries"]) for start in starts] == [(1, 0), (2, 0)]
+    # And nothing stays reserved
+    cluster.wait_free(key, timeout=2)
