@@ -22,7 +22,7 @@ from celery.utils.time import maybe_iso8601
 from .backends.base import MAX_LEASE
 from .exceptions import BackendError, LockKeyError, SingletaskError, TaskLocked
 from .messages import seconds_until
-from .policies import POLICIES
+from .policies import POLICIES, claim_follow_up
 from .runtime import app_state
 from .signals import lock_conflict
 from .tokens import reservation_token
@@ -186,7 +186,7 @@ def send_once(
     queued = holder.token == reservation_token(holder_id, 0)
     follow_up = holder_id
     if options.scope == "coalesce" and not queued:
-        follow_up = backend.claim_next(key, task_id, ttl)
+        follow_up = claim_follow_up(backend, key, task_id, holder_id, ttl)
         action = "follow" if follow_up == task_id else "join"
     else:
         action = POLICIES[options.policy].at_send

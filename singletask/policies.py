@@ -61,6 +61,7 @@ __all__ = [
     "Raise",
     "Retry",
     "Skip",
+    "claim_follow_up",
     "locked_out",
     "store_unreachable",
 ]
@@ -291,7 +292,9 @@ def _wait_as_follow_up(conflict: Conflict) -> None:
     """
     task, request = conflict.task, conflict.task.request
     queue_ttl = conflict.options.queue_ttl
-    follow_up = conflict.backend.claim_next(conflict.key, str(request.id), queue_ttl)
+    follow_up = claim_follow_up(
+        conflict.backend, conflict.key, str(request.id), conflict.holder_id, queue_ttl
+    )
     if follow_up != request.id:
         return
     countdown = conflict.countdown()
@@ -302,6 +305,19 @@ def _wait_as_follow_up(conflict: Conflict) -> None:
     )  # fmt: skip
     conflict.report("follow")
     republish(task, countdown, {}, None, quietly=True)
+
+
+def claim_follow_up(
+    backend: LockBackend, key: str, task_id: str, holder_id: str | None, ttl: float
+) -> str:
+    """Claim the follow-up slot of ``key`` for ``task_id``; return the pending follow-up. A
+    claim naming ``holder_id`` (the holder, read before) is stale: that follow-up has started
+    and clears it next. It is cleared here and the slot claimed again: no call joins a run."""
+    follow_up = backend.claim_next(key, task_id, ttl)
+    if follow_up != task_id and follow_up == holder_id:
+        backend.clear_next(key, follow_up)
+        follow_up = backend.claim_next(key, task_id, ttl)
+    return follow_up
 
 
 def _held_by_same_task(conflict: Conflict, holder: Holder) -> NoReturn:

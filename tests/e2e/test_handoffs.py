@@ -19,6 +19,9 @@ from singletask.slots import slot_keys
 
 from .conftest import CLUSTER_PARAMS, Cluster
 from .tasks_handoffs import PREFIX
+from .tasks_scopes import QUEUE_TTL as SCOPES_QUEUE_TTL
+from .test_scopes import NAME as SCOPES
+from .test_scopes import key_of, open_gate, producer_conflicts
 
 # On the Redis broker only: what is tested lives in the lock store, and the other e2e modules
 # already cover RabbitMQ; this keeps the suite short.
@@ -151,3 +154,36 @@ def test_a_send_during_a_body_retrys_countdown_runs_and_supersedes_the_retry(
     assert [(start["version"], start["retries"]) for start in starts] == [(1, 0), (2, 0)]
     # And nothing stays reserved
     cluster.wait_free(key, timeout=2)
+
+
+# -- finding 10: a coalescing call and a follow-up that has started ---------------------------
+
+
+def test_a_call_made_once_a_follow_up_has_taken_the_lock_becomes_the_next_follow_up(
+    cluster: Cluster, label: str
+) -> None:
+    """Issue 29, finding 10: a follow-up clears its claim one request after it has taken the
+    lock. A coalescing call made in between finds the key held by the very task its claim
+    names: that run has started, so the call must not join it (its caller would get a result
+    computed before the call); it becomes the next follow-up, and runs after it."""
+    # Given a coalescing key whose run holds the lock while its follow-up claim still names it:
+    # the moment between a follow-up's take and the clearing of its claim
+    task = cluster.task(SCOPES + "coalesced")
+    key = key_of(cluster, "coalesced", label)
+    running = task.delay(label, tag="running", hold=True)
+    cluster.probe.wait_for(label, "start")
+    assert task.lock_backend.claim_next(key, running.id, SCOPES_QUEUE_TTL) == running.id
+
+    # When a call is made
+    with producer_conflicts(key) as decided:
+        later = task.delay(label, tag="later")
+
+    # Then it is sent as the follow-up of that run, not joined to it
+    assert decided.actions() == ["follow"]
+    assert later.id != running.id
+    # And it runs after the run, with its own arguments
+    open_gate(cluster, label)
+    assert running.get(timeout=BOUND) == "running"
+    assert later.get(timeout=BOUND) == "later"
+    assert [start["tag"] for start in cluster.probe.starts(label)] == ["running", "later"]
+    cluster.wait_free(key)
