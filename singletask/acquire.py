@@ -57,7 +57,7 @@ def gone_holder(result: AcquireResult) -> Holder | None:
 def waits_for_rate(result: AcquireResult, options: LockOptions, request: Any, direct: bool) -> bool:
     """Whether a start refused by the rate waits here (see :data:`RATE_WAIT`): with the
     ``"retry"`` policy, and for a retried attempt of the body, which waits whatever the policy
-    (see :func:`singletask.handoffs.rate_refused`)."""
+    (see :func:`singletask.outcomes.refused`)."""
     return (
         result.retry_after is not None
         and result.retry_after <= RATE_WAIT

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 from celery.utils import uuid
 from celery.utils.time import maybe_iso8601
 
-from .enqueue import call_arguments, publish_or_undo, published_as_is, send_delay
+from .enqueue import call_arguments, published_as_is, send_delay
 from .exceptions import BackendError
 from .runtime import app_state
+from .sends import enter_window, publish_or_undo
 
 if TYPE_CHECKING:
     from celery import Task
@@ -79,7 +80,7 @@ def send(
         # The window outlives its latest message's countdown by lock_queue_ttl, the time a
         # queued message is given to start: an earlier send that starts late still finds it.
         ttl = delay + float(options.debounce or 0) + options.queue_ttl
-        previous, age = backend.debounce(key, task_id, min(ttl, backend.max_lease))
+        previous, age, window = enter_window(backend, key, task_id, min(ttl, backend.max_lease))
     except BackendError as exc:
         logger.warning(
             "Task %s[%s] sent without debounce: the lock store is unreachable (%s); it runs "
@@ -103,6 +104,5 @@ def send(
             published["expires"] = moment + timedelta(seconds=waited)
     # Unpublished, the send would stay the window's latest: the burst's published sends would
     # all end superseded by it, and no body would run. Taken back, the window is as before.
-    undo = partial(backend.debounce_undo, key, task_id, previous)
     message = partial(publish, task_id, {**published, "countdown": countdown})
-    return publish_or_undo(task, task_id, message, undo, "debounce window")
+    return publish_or_undo(task, task_id, message, window)

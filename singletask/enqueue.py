@@ -5,7 +5,8 @@ deduplicated (:func:`deduplicates`), :func:`send_once` reserves the key for it b
 it; the worker's execution of that message then takes the reservation over as its lock. A
 duplicate sent meanwhile is answered here, without a message: it gets the holder's
 ``AsyncResult`` (or, when coalescing, the pending follow-up's), or ``TaskLocked``. A message
-whose publish fails takes back what its send wrote to the store first (:func:`publish_or_undo`).
+whose publish fails takes back what its send wrote to the store first
+(:func:`singletask.sends.publish_or_undo`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from celery.utils import uuid
 from celery.utils.time import maybe_iso8601
 
 from .backends.base import MAX_LEASE
-from .exceptions import BackendError, LockKeyError, SingletaskError, TaskLocked
+from .exceptions import BackendError, LockKeyError, TaskLocked
 from .messages import seconds_until
-from .policies import POLICIES, claim_follow_up
+from .policies import POLICIES
 from .runtime import app_state
+from .sends import claim_follow_up, publish_or_undo, reserve
 from .signals import lock_conflict
 from .tokens import reservation_token
 
@@ -37,7 +39,6 @@ if TYPE_CHECKING:
 __all__ = [
     "call_arguments",
     "deduplicates",
-    "publish_or_undo",
     "published_as_is",
     "queue_lease",
     "send",
@@ -175,10 +176,9 @@ def send_once(
         "scope": options.scope,  # for `singletask locks`; same round trip
         "since": f"{time.time():.3f}",
     }
-    reserved = backend.acquire(key, token, ttl, meta=meta)
+    reserved, reservation = reserve(backend, key, token, ttl, meta)
     if reserved.acquired:  # the message never left if publish raises: nothing will run it
-        undo = partial(backend.release, key, token)
-        return publish_or_undo(task, task_id, partial(publish, task_id), undo, "reservation")
+        return publish_or_undo(task, task_id, partial(publish, task_id), reservation)
     holder = reserved.holder
     if holder is None or holder.task_id is None:
         return publish(task_id)  # held by a direct call: leave it to the execution-time lock
@@ -186,7 +186,7 @@ def send_once(
     queued = holder.token == reservation_token(holder_id, 0)
     follow_up = holder_id
     if options.scope == "coalesce" and not queued:
-        follow_up = claim_follow_up(backend, key, task_id, holder_id, ttl)
+        follow_up, claim = claim_follow_up(backend, key, task_id, holder_id, ttl)
         action = "follow" if follow_up == task_id else "join"
     else:
         action = POLICIES[options.policy].at_send
@@ -199,8 +199,7 @@ def send_once(
             task.name, task_id, key, holder_id,
         )  # fmt: skip
         # Unpublished, its claim would make later calls join a follow-up that never runs.
-        undo = partial(backend.clear_next, key, task_id)
-        return publish_or_undo(task, task_id, partial(publish, task_id), undo, "follow-up claim")
+        return publish_or_undo(task, task_id, partial(publish, task_id), claim)
     if action == "join":
         logger.info(
             "Task %s not sent: it joins the pending follow-up %s of %r",
@@ -219,35 +218,6 @@ def send_once(
         task.name, holder_id, state, key,
     )  # fmt: skip
     return task.AsyncResult(holder_id)
-
-
-def publish_or_undo(
-    task: Task[Any, Any],
-    task_id: str,
-    publish: Callable[[], AsyncResult[Any]],
-    undo: Callable[[], object],
-    what: str,
-) -> AsyncResult[Any]:
-    """Return ``publish()``; if it raises (the broker is down, the serializer refuses an
-    argument), call ``undo()`` to take back ``what`` the send wrote to the lock store for the
-    message ``task_id`` before publishing it, then raise the publish's error.
-
-    ``undo`` is one atomic store call that acts only while the record still names ``task_id``.
-    If it fails too, a WARNING says what stays in the store (until its expiry), and the caller
-    still gets the publish's error. The published path costs nothing more.
-    """
-    try:
-        return publish()
-    except BaseException:
-        try:
-            undo()
-        except SingletaskError as exc:
-            logger.warning(
-                "Task %s[%s] was not published, and its %s in the lock store could not be "
-                "taken back (%s): it stays until it expires",
-                task.name, task_id, what, exc,
-            )  # fmt: skip
-        raise
 
 
 def queue_lease(queue_ttl: float, options: Mapping[str, Any]) -> float:

@@ -9,9 +9,12 @@ order (``docs/lifecycle.rst`` tells the same story for users):
    attempt's body retry). A direct call ``task(...)`` has neither. A direct call from inside the
    execution that holds the same key is re-entrant: it runs the body and takes nothing.
 2. **Acquire**, in one atomic step of the store. If the holder's process is gone (same host),
-   take the lock over at once. An unreachable store goes to
-   :func:`~singletask.policies.store_unreachable`; a held key to
-   :func:`~singletask.policies.locked_out`. Neither ever releases: they hold nothing.
+   take the lock over at once. Every execution that does not get to run its body ends in
+   :mod:`singletask.outcomes`: superseded by a later send of its debounce window
+   (:func:`~singletask.outcomes.superseded`), the store unreachable
+   (:func:`~singletask.outcomes.store_unreachable`), or its key refused, held or too soon for
+   its rate (:func:`~singletask.outcomes.refused`). None of them releases the lock: they hold
+   nothing (what the store keeps for the message alone, they give back).
 3. **Run the body**, the lease renewed by the process's renewer, the
    :class:`~singletask.LockHandle` reachable as ``self.lock``. A lease found lost is logged and
    sent as :data:`~singletask.signals.lock_lost`, once.
@@ -59,10 +62,10 @@ from celery.utils.nodenames import gethostname
 
 from .acquire import gone_holder, take, twin_of, waits_for_rate
 from .exceptions import BackendError, BackendTimeout, BackendUnavailable
-from .handoffs import give_back, rate_refused, superseded_retry
 from .lease import LockHandle
 from .messages import is_redelivery, seconds_until
-from .policies import Conflict, locked_out, store_unreachable, superseded
+from .outcomes import refused, store_unreachable, superseded, superseded_retry
+from .policies import Conflict
 from .runtime import app_state
 from .signals import lock_acquired, lock_lost
 from .slots import base_key
@@ -190,9 +193,9 @@ def execute(
             # Only the latest send of a debounce window runs; its run closes the window.
             latest = backend.debounce_take(key, str(task_id))
             if latest is not None and latest != task_id:
-                if retries > 0:  # a body retry, superseded: its reservation must not stay
-                    give_back(task, options, backend, key, str(takeover))
-                return superseded(task, key, latest)
+                # A body retry, superseded, gives its reservation back: it must not stay.
+                reservation = str(takeover) if retries > 0 else None
+                return superseded(task, options, backend, key, latest, reservation)
             sent_at = time.monotonic()
         result = take(backend, options, key, token, meta, takeover)
         retried = superseded_retry(result, str(task_id)) if latest == task_id else None
@@ -230,9 +233,7 @@ def execute(
             task, options, backend, key, result.holder, direct, result.holders, result.retry_after
         )
         try:
-            # Refused by the rate, an execution may still keep a reservation or a follow-up
-            # claim.
-            return rate_refused(conflict) if conflict.rated else locked_out(conflict)
+            return refused(conflict)
         except (BackendUnavailable, BackendTimeout) as exc:
             # A coalescing follow-up could not record its claim: as for the acquire itself.
             return store_unreachable(task, options, exc, direct, body, args, kwargs)
@@ -252,7 +253,7 @@ def execute(
         if twin is not None:
             # A copy of a message that still runs in another slot: it must not run twice.
             _end(task, options, backend, key, token, None)
-            return locked_out(Conflict(task, options, backend, lock_key, twin, direct, (twin,)))
+            return refused(Conflict(task, options, backend, lock_key, twin, direct, (twin,)))
 
     if attempt is not None and result.completed == attempt and is_redelivery(request):
         # This very message already ran to completion: a redelivered copy must not run.

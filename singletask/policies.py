@@ -1,9 +1,9 @@
-"""What an execution does when it cannot take its lock: the lock policies, and what comes first.
+"""The lock policies: what an execution locked out by a rival holder, or by the rate, does.
 
-An execution that finds its key held is *locked out*, described by a :class:`Conflict`.
-:func:`locked_out` first sorts out the holders that are no rival (another delivery or attempt of
-the same message; with ``lock_scope`` "coalesce", the run a follow-up waits for), then hands the
-conflict to the task's :class:`Policy`:
+An execution that finds its key held is described by a :class:`Conflict`; once
+:func:`singletask.outcomes.refused` has sorted out what comes before the policy (another
+delivery or attempt of the same message, a coalescing follow-up, a reservation to keep or give
+back), it hands the conflict to the task's :class:`Policy`:
 
 =========  ==============================================================================
 policy     a locked-out execution
@@ -17,9 +17,6 @@ policy     a locked-out execution
 A new policy is one :class:`Policy` subclass in :data:`POLICIES` (and its name in
 :data:`singletask.config.POLICIES`, which validates it). Every policy sends the
 :data:`~singletask.signals.lock_conflict` signal and logs what it did.
-
-:func:`store_unreachable` is the same kind of decision for an execution that could not reach
-the lock store at all (``lock_on_backend_error``).
 """
 
 from __future__ import annotations
@@ -27,25 +24,18 @@ from __future__ import annotations
 import logging
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, NoReturn
 
-from celery.exceptions import Ignore
-
-from .exceptions import BackendTimeout, BackendUnavailable, RateLimited, TaskLocked
+from .exceptions import RateLimited, TaskLocked
 from .messages import (
-    BACKEND_RETRIES_HEADER,
     LOCK_RETRIES_HEADER,
-    PREVIOUS_WAITS_HEADER,
-    REDELIVERED_HEADER,
-    attempt_count,
     header_count,
     republish,
 )
 from .result import Skipped
 from .signals import lock_conflict
-from .tokens import parse_token
 
 if TYPE_CHECKING:
     from celery import Task
@@ -53,24 +43,9 @@ if TYPE_CHECKING:
     from .backends.base import Holder, LockBackend
     from .options import LockOptions
 
-__all__ = [
-    "BACKEND_RETRY_CAP",
-    "POLICIES",
-    "Conflict",
-    "Policy",
-    "Raise",
-    "Retry",
-    "Skip",
-    "claim_follow_up",
-    "locked_out",
-    "store_unreachable",
-]
+__all__ = ["POLICIES", "Conflict", "Policy", "Raise", "Retry", "Skip"]
 
 logger = logging.getLogger("singletask")
-
-#: Longest wait, in seconds, between two retries of an execution that could not reach the lock
-#: store (they back off 1, 2, 4, ... up to this).
-BACKEND_RETRY_CAP = 30.0
 
 
 @dataclass(frozen=True)
@@ -257,159 +232,3 @@ class Retry(Policy):
 
 #: The policies by ``lock_policy`` name.
 POLICIES: Final[Mapping[str, Policy]] = {p.name: p for p in (Skip(), Retry(), Raise())}
-
-
-def locked_out(conflict: Conflict) -> Any:
-    """Act for an execution that found its key held: return its value, or raise to end it."""
-    request = conflict.task.request
-    for holder in conflict.holders or ((conflict.holder,) if conflict.holder else ()):
-        if not conflict.direct and holder.task_id == request.id:
-            _held_by_same_task(conflict, holder)
-    if conflict.rated:
-        return POLICIES[conflict.options.policy].apply(conflict)
-    if conflict.options.scope == "coalesce" and not conflict.direct and not request.is_eager:
-        _wait_as_follow_up(conflict)
-    return POLICIES[conflict.options.policy].apply(conflict)
-
-
-def superseded(task: Task[Any, Any], key: str, latest: str) -> Skipped:
-    """A debounced send that a later send of its key superseded: it ends without its body."""
-    logger.info(
-        "Task %s[%s] skipped: a later send (%s) of lock %r superseded it (lock_debounce)",
-        task.name, task.request.id, latest, key,
-    )  # fmt: skip
-    lock_conflict.send(
-        sender=task, key=key, holder=latest, ttl=None, task_id=task.request.id,
-        action="superseded",
-    )  # fmt: skip
-    return Skipped(key, latest, reason="debounced")
-
-
-def _wait_as_follow_up(conflict: Conflict) -> None:
-    """Coalescing: the key's one pending follow-up waits for the run in progress to end.
-
-    Returns (so the lock policy applies) when another execution is already the follow-up.
-    """
-    task, request = conflict.task, conflict.task.request
-    queue_ttl = conflict.options.queue_ttl
-    follow_up = claim_follow_up(
-        conflict.backend, conflict.key, str(request.id), conflict.holder_id, queue_ttl
-    )
-    if follow_up != request.id:
-        return
-    countdown = conflict.countdown()
-    logger.info(
-        "Task %s[%s] is the follow-up of lock %r (held by %s): starting when it is free, "
-        "checking again in %.1fs",
-        task.name, request.id, conflict.key, conflict.holder_id, countdown,
-    )  # fmt: skip
-    conflict.report("follow")
-    republish(task, countdown, {}, None, quietly=True)
-
-
-def claim_follow_up(
-    backend: LockBackend, key: str, task_id: str, holder_id: str | None, ttl: float
-) -> str:
-    """Claim the follow-up slot of ``key`` for ``task_id``; return the pending follow-up. A
-    claim naming ``holder_id`` (the holder, read before) is stale: that follow-up has started
-    and clears it next. It is cleared here and the slot claimed again: no call joins a run."""
-    follow_up = backend.claim_next(key, task_id, ttl)
-    if follow_up != task_id and follow_up == holder_id:
-        backend.clear_next(key, follow_up)
-        follow_up = backend.claim_next(key, task_id, ttl)
-    return follow_up
-
-
-def _held_by_same_task(conflict: Conflict, holder: Holder) -> NoReturn:
-    """The lock is held under this task id: by another delivery of this very message (a
-    broker redelivery), or by a newer attempt of the task (this copy is stale).
-
-    Neither may store a result under the task id, which belongs to the holder: a stale
-    copy is dropped, a redelivered one checks again once the holder's lease could have
-    run out. If the holder is alive it keeps renewing and the copy keeps waiting, until the
-    holder completes (then the copy is dropped) or dies (then the copy runs).
-    """
-    task, request, key = conflict.task, conflict.task.request, conflict.key
-    parsed = parse_token(holder.token)
-    retries = int(request.retries or 0)
-    if parsed is not None and parsed[1] == retries - 1:
-        # The attempt that asked for this retry has not ended yet (Celery publishes the
-        # retry before the body returns): look again shortly, then take its reservation.
-        checks = attempt_count(request, PREVIOUS_WAITS_HEADER)
-        countdown = previous_attempt_wait(checks, conflict.options.ttl, holder.ttl)
-        logger.info(
-            "Task %s[%s]: the previous attempt still holds lock %r; retrying in %.1fs",
-            task.name, request.id, key, countdown,
-        )  # fmt: skip
-        count = {PREVIOUS_WAITS_HEADER: f"{retries}:{checks + 1}"}
-        republish(task, countdown, count, None, quietly=True)
-    if parsed is not None and parsed[1] > retries:
-        logger.warning(
-            "Task %s[%s] dropped: a newer attempt of this task (retry %d) holds lock %r",
-            task.name, request.id, parsed[1], key,
-        )  # fmt: skip
-        conflict.report("drop")
-        raise Ignore()
-    ttl = conflict.options.ttl
-    countdown = min(ttl, max(1.0, holder.ttl or ttl)) + random.uniform(0, 0.5)
-    logger.info(
-        "Task %s[%s]: another delivery of this message holds lock %r (lease left: %s); "
-        "checking again in %.1fs",
-        task.name, request.id, key, conflict.lease_left, countdown,
-    )  # fmt: skip
-    conflict.report("defer")
-    republish(task, countdown, {REDELIVERED_HEADER: True}, None, quietly=True)
-
-
-def previous_attempt_wait(checks: int, ttl: float, lease_left: float | None) -> float:
-    """The countdown of a retried attempt that found the attempt before it still holding the
-    lock, after ``checks`` such checks: 0.5 to 0.75 s first (that attempt is usually in its
-    last statements), then doubling, with up to 25% jitter, up to the holder's lease left (at
-    least 1 s, at most ``ttl``). A body that goes on after asking for its retry
-    (``self.retry(throw=False)``, or ``Retry`` caught) so costs a few sends, then one per lease,
-    instead of one every 0.5 s for as long as it runs; a holder that died is looked at again
-    about when its lease runs out."""
-    if checks <= 0:
-        return 0.5 + random.uniform(0, 0.25)
-    cap = max(1.0, min(ttl, lease_left if lease_left is not None else ttl))
-    return min(cap, 0.5 * 2.0**checks) * random.uniform(1.0, 1.25)
-
-
-def store_unreachable(
-    task: Task[Any, Any],
-    options: LockOptions,
-    exc: BackendUnavailable | BackendTimeout,
-    direct: bool,
-    body: Callable[..., Any],
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
-) -> Any:
-    """The lock store could not be reached to acquire: run unlocked, retry later, or fail."""
-    request = task.request
-    if options.on_backend_error == "run":
-        logger.warning(
-            "Task %s[%s] runs WITHOUT its lock: the lock store is unreachable (%s) and "
-            "lock_on_backend_error is 'run'",
-            task.name, request.id, exc,
-        )  # fmt: skip
-        return body(*args, **kwargs)
-    spent = header_count(request, BACKEND_RETRIES_HEADER)
-    if direct or request.is_eager or spent >= options.backend_retry_max:
-        why = (
-            "cannot wait in eager mode or a direct call"
-            if direct or request.is_eager
-            else f"gave up after {spent} retries"
-        )
-        logger.error(
-            "Task %s[%s] fails: the lock store is unreachable (%s); %s",
-            task.name, request.id, exc, why,
-        )  # fmt: skip
-        if isinstance(exc, BackendUnavailable):
-            raise exc
-        raise BackendUnavailable(str(exc)) from exc
-    countdown = min(BACKEND_RETRY_CAP, 2.0**spent * random.uniform(1.0, 1.25))
-    logger.warning(
-        "Task %s[%s] retries in %.1fs (%d of %d): the lock store is unreachable: %s",
-        task.name, request.id, countdown, spent + 1, options.backend_retry_max, exc,
-    )  # fmt: skip
-    republish(task, countdown, {BACKEND_RETRIES_HEADER: spent + 1}, exc)

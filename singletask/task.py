@@ -13,8 +13,9 @@ module, so the whole lifecycle reads top to bottom here:
 * definition time: :class:`~singletask.options.TaskOptions` validates the ``lock_*`` attributes;
 * ``apply_async``: :mod:`singletask.enqueue` (send-time deduplication) and
   :mod:`singletask.debounce` (``lock_debounce``);
-* ``__call__``: :mod:`singletask.lifecycle` (acquire, renew, release; the locked-out and
-  unreachable-store cases in :mod:`singletask.policies`);
+* ``__call__``: :mod:`singletask.lifecycle` (acquire, renew, release; every execution that
+  does not run its body ends in :mod:`singletask.outcomes`, which applies the
+  :mod:`singletask.policies`);
 * ``on_success`` / ``on_failure`` / ``after_return`` called by the worker's main process, and
   Celery's signals there: :mod:`singletask.recovery`.
 """
@@ -28,7 +29,7 @@ import celery
 from celery import Task
 from celery.app.task import Context
 
-from . import debounce, enqueue, lifecycle, messages, policies, recovery
+from . import debounce, enqueue, lifecycle, messages, outcomes, recovery
 from .exceptions import ConfigurationError, TaskLocked
 from .options import TaskOptions
 from .runtime import app_state, check_lease_options, lock_options
@@ -51,7 +52,7 @@ LOCK_RETRIES_HEADER = messages.LOCK_RETRIES_HEADER
 BACKEND_RETRIES_HEADER = messages.BACKEND_RETRIES_HEADER
 
 #: Longest wait between those retries, in seconds (they back off 1, 2, 4, ... up to this).
-BACKEND_RETRY_CAP = policies.BACKEND_RETRY_CAP
+BACKEND_RETRY_CAP = outcomes.BACKEND_RETRY_CAP
 
 #: Celery before 5.5 pushes a blank request in ``Task.__call__`` (see SingletonTask.push_request).
 _PUSHES_BLANK_REQUEST = tuple(celery.VERSION[:2]) < (5, 5)

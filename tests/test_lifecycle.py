@@ -74,7 +74,7 @@ def test_a_retried_attempt_waits_longer_at_each_check_while_its_previous_attempt
     """The checks of a retried attempt that finds the attempt before it still running: 0.5 to
     0.75 s first, then doubling (up to 25 % more), never above the holder's lease left (at
     least 1 s, at most ``lock_ttl``)."""
-    from singletask.policies import previous_attempt_wait
+    from singletask.outcomes import previous_attempt_wait
 
     for _ in range(50):
         assert 0.5 <= previous_attempt_wait(0, 30.0, 29.0) <= 0.75
