@@ -1,0 +1,591 @@
+"""The ledger of an interaction run, and the checker that accounts for every send.
+
+The runner writes down every send attempt (:class:`Send`: the task id it chose or got, or the
+exception its caller got, its args, configuration, time and producer), reads every body's start
+and end from the probe (:class:`Body`), every task id's stored outcome (:class:`Outcome`), what
+the lock store still holds once the fleet is idle (:class:`Residue`), and the faults it injected
+(:class:`Fault`). :func:`check` then asserts the ledger promise of docs/guarantees.rst ("Every
+send accounted for") and the exclusion, fence and rate promises, rule by rule:
+
+* ``accounted``: every send has exactly one outcome its caller can see. A send the caller got an
+  ``AsyncResult`` for resolves (a final state, or a body that raised ``Ignore``, whose result
+  Celery leaves PENDING), whether it was its own message or one it joined; a send whose publish
+  failed ran nothing, is named by no store record, and no other send joined it or was
+  superseded by it. Only a send in flight when its producer was killed has no outcome
+  (documented: a producer killed between its store write and its publish).
+* ``joined-ended``: a send deduplicated onto another joined one that had not yet ended.
+* ``once``: no attempt of a message (task id, retries) completes its body twice.
+* ``retry-runs``: a body that called ``self.retry()`` has its retried attempt run.
+* ``superseded``: a ``Skipped(reason="debounced")`` names a later send that was published and
+  whose body ran (or that met a visible refusal of its own).
+* ``last-runs``: of a debounced burst, the last send actually published runs its body (or meets
+  a visible refusal: held, rate, ``TaskLocked``), never superseded by nothing.
+* ``holder-alive``: a refusal as "held" names holders that had not ended (a lease whose release
+  a store fault lost is excused for one lease).
+* ``exclusion``: never more than ``lock_limit`` bodies of a key at once.
+* ``fences``: a body's fence is larger than that of every holder of its key that started
+  before it.
+* ``rate``: no two starts of a rated key closer than its interval.
+* ``idle``: once the fleet is idle the store holds no live lock, reservation, open debounce
+  window, pending follow-up claim or rate record of a key (records naming a send whose producer
+  was killed in flight excepted, until they expire).
+* ``failures``: a FAILURE carries an exception its send's ending or configuration explains.
+
+Every violation names the seed, the configuration, the key, the sends involved and the rule.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .space import Config
+
+__all__ = ["Body", "Fault", "History", "Outcome", "Report", "Residue", "Send", "check"]
+
+#: Exceptions a caller gets from a publish that failed.
+PUBLISH_ERRORS = frozenset({"OperationalError", "EncodeError"})
+#: Exceptions a caller gets at send by its task's policy (``lock_scope`` "queue", "raise").
+POLICY_ERRORS = frozenset({"TaskLocked", "RateLimited"})
+#: States after which nothing more happens to a task id.
+FINAL = frozenset({"SUCCESS", "FAILURE", "REVOKED"})
+#: How a body's end is recorded when it ran to an end of its own.
+COMPLETED = frozenset({"return", "raise", "retry", "ignore", "reject", "soft"})
+#: Seconds of clock and scheduling slack between what different processes record.
+SLACK = 1.0
+#: Two starts this close are in no order the probe can tell.
+TIE = 0.05
+
+#: The exceptions a FAILURE may carry, by the body's ending (any ending: the policy's).
+EXPECTED_FAILURES: dict[str, frozenset[str]] = {
+    "raise": frozenset({"RuntimeError"}),
+    "soft": frozenset({"SoftTimeLimitExceeded"}),
+    "hard": frozenset({"TimeLimitExceeded"}),
+    "kill": frozenset({"WorkerLostError"}),
+    "reject": frozenset({"Reject"}),
+    "*": frozenset({"TaskLocked", "RateLimited", "BackendUnavailable", "BackendTimeout"}),
+}
+
+
+@dataclass
+class Send:
+    """One send attempt, as its producer saw it."""
+
+    seq: int
+    producer: str
+    config: str
+    key: str
+    method: str  # delay, apply_async, send_task, group
+    ending: str
+    t_before: float  # time.time() just before the call
+    task_id: str | None = None  # the id the send chose (None: delay, which picks its own)
+    returned: str | None = None  # the AsyncResult's id the caller got
+    error: str | None = None  # the class name of the exception the caller got
+    t_after: float | None = None  # None: no reply (the producer was killed meanwhile)
+    countdown: float | None = None
+    fault: str | None = None  # the hand-off fault the send met (broker-down, encode, ...)
+    own: str | None = None  # the id of the message it published, when it published one
+
+    def describe(self) -> str:
+        what = self.returned if self.error is None else f"raised {self.error}"
+        if self.t_after is None and self.error is None:
+            what = "no reply (producer killed)"
+        fault = f" fault={self.fault}" if self.fault else ""
+        return f"send#{self.seq}({self.method} by {self.producer}{fault} id={self.own or self.task_id} -> {what})"
+
+
+@dataclass
+class Body:
+    """One body, from the probe: its start and, if it got there, its end."""
+
+    task_id: str
+    retries: int
+    seq: int
+    key: str
+    config: str
+    pid: int
+    fence: int | None
+    start: float
+    end: float | None = None
+    how: str | None = None  # return, raise, retry, ignore, reject, soft, hard, unwound
+    ending: str = "return"
+    redelivered: bool = False
+
+    def describe(self) -> str:
+        end = "no end" if self.end is None else f"{self.end:.3f} {self.how}"
+        return (
+            f"body({self.task_id[:8]}#{self.retries} send#{self.seq} pid={self.pid} "
+            f"fence={self.fence} [{self.start:.3f}, {end}])"
+        )
+
+    def until(self) -> float:
+        """When the body stopped acting: its end, or (killed: no end) its start."""
+        if self.end is not None:
+            return self.end
+        return self.start + (1.5 if self.ending == "hard" else 0.01)
+
+
+@dataclass
+class Outcome:
+    """What the result store holds for a task id."""
+
+    state: str
+    kind: str | None = None  # "skipped", "value", "exception"
+    reason: str | None = None  # Skipped.reason
+    holder: str | None = None
+    holders: tuple[str, ...] = ()
+    exception: str | None = None  # the exception's class name
+    date_done: float | None = None  # time.time() when it was stored
+
+    def describe(self) -> str:
+        if self.kind == "skipped":
+            return f"Skipped(reason={self.reason}, holder={self.holder})"
+        if self.kind == "exception":
+            return f"{self.state}({self.exception}, holder={self.holder})"
+        return self.state
+
+
+@dataclass
+class Residue:
+    """A record the lock store still holds once the fleet is idle."""
+
+    key: str
+    kind: str  # lock, reservation, window, claim, rate
+    task_id: str | None
+    detail: str
+
+
+@dataclass
+class Fault:
+    kind: str
+    start: float
+    end: float
+    side: str = "send"  # "send": a producer's hand-off; "run": the worker's store link
+
+
+@dataclass
+class History:
+    seed: int
+    configs: dict[str, Config]
+    sends: list[Send]
+    bodies: list[Body]
+    outcomes: dict[str, Outcome]
+    residues: list[Residue]
+    faults: list[Fault] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    seed: int
+    sends: int = 0
+    configs: list[str] = field(default_factory=list)
+    methods: dict[str, int] = field(default_factory=dict)
+    outcomes: dict[str, int] = field(default_factory=dict)
+    faults: dict[str, int] = field(default_factory=dict)
+    bodies: int = 0
+    documented: list[str] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        def counts(d: Mapping[str, int]) -> str:
+            return ", ".join(f"{k} {n}" for k, n in sorted(d.items())) or "none"
+
+        return (
+            f"interactions seed={self.seed}: {self.sends} sends ({counts(self.methods)}), "
+            f"{len(self.configs)} combinations, {self.bodies} bodies, outcomes: "
+            f"{counts(self.outcomes)}; faults injected: {counts(self.faults)}; documented "
+            f"exceptions {len(self.documented)}; violations {len(self.violations)}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Judge:
+    def __init__(self, history: History) -> None:
+        self.h = history
+        self.report = Report(history.seed, configs=[c.describe() for c in history.configs.values()])
+        self.by_seq = {s.seq: s for s in history.sends}
+        self._assign_own_ids()
+        self.by_id: dict[str, Send] = {s.own: s for s in history.sends if s.own}
+        self.failed = {
+            s.task_id: s for s in history.sends if s.error in PUBLISH_ERRORS and s.task_id
+        }
+        self.killed = {
+            s.task_id: s
+            for s in history.sends
+            if s.t_after is None and s.error is None and s.task_id
+        }
+        self.bodies: dict[str, list[Body]] = collections.defaultdict(list)
+        for body in history.bodies:
+            self.bodies[body.task_id].append(body)
+
+    def _assign_own_ids(self) -> None:
+        chosen = {s.task_id for s in self.h.sends if s.task_id}
+        for send in self.h.sends:
+            if send.error is not None or send.t_after is None:
+                continue
+            if send.task_id is not None:
+                send.own = send.task_id if send.returned == send.task_id else None
+        taken = {s.own for s in self.h.sends if s.own}
+        for send in sorted(self.h.sends, key=lambda s: s.t_after or 0.0):
+            if send.task_id is None and send.returned and send.error is None:
+                if send.returned not in chosen and send.returned not in taken:
+                    send.own = send.returned
+                    taken.add(send.returned)
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def where(self, send: Send | None, key: str | None = None, config: str | None = None) -> str:
+        config = send.config if send is not None else config
+        key = send.key if send is not None else key
+        described = self.h.configs[config].describe() if config in self.h.configs else config
+        return f"seed={self.h.seed} {described} key={key!r}"
+
+    def violation(self, rule: str, where: str, sends: Iterable[Send], detail: str) -> None:
+        involved = " ".join(s.describe() for s in sends)
+        self.report.violations.append(f"{where}: rule {rule}: {detail}; sends: {involved}")
+
+    def outcome(self, task_id: str) -> Outcome:
+        return self.h.outcomes.get(task_id) or Outcome("PENDING")
+
+    def ended_at(self, task_id: str) -> float | None:
+        """When ``task_id`` had ended for good, or None while it may still run."""
+        outcome = self.outcome(task_id)
+        ends = [b.until() for b in self.bodies.get(task_id, ())]
+        if outcome.state in FINAL:
+            return max([outcome.date_done or 0.0, *ends])
+        last = max(self.bodies.get(task_id, ()), key=lambda b: (b.retries, b.start), default=None)
+        if last is not None and last.how == "ignore":
+            return last.end
+        return None
+
+    def visible(self, task_id: str) -> bool:
+        return self.ended_at(task_id) is not None
+
+    def ran(self, task_id: str) -> bool:
+        return bool(self.bodies.get(task_id))
+
+    def store_fault_near(self, moment: float, lease: float) -> bool:
+        return any(
+            f.side == "run" and f.start - SLACK <= moment <= f.end + lease + SLACK
+            for f in self.h.faults
+        )
+
+    def sends_of(self, task_id: str | None) -> list[Send]:
+        if task_id is None:
+            return []
+        return [s for s in self.h.sends if task_id in (s.own, s.task_id, s.returned)]
+
+    # -- the rules ---------------------------------------------------------------------
+
+    def accounted(self) -> None:
+        for send in self.h.sends:
+            here = self.where(send)
+            if send.error in PUBLISH_ERRORS:
+                self._unpublished(send, here)
+                continue
+            if send.error in POLICY_ERRORS:
+                continue
+            if send.error is not None:
+                self.violation("accounted", here, [send], f"unexpected {send.error} at send")
+                continue
+            if send.t_after is None:
+                self.report.documented.append(f"{here}: {send.describe()} in flight at the kill")
+                continue
+            target = send.returned
+            assert target is not None
+            if target in self.failed:
+                self.violation(
+                    "accounted", here, [send, self.failed[target]],
+                    f"joined {target}, a send whose publish failed: it never runs",
+                )  # fmt: skip
+                continue
+            if target in self.killed:
+                self.report.documented.append(f"{here}: {send.describe()} joined a killed send")
+                continue
+            if not self.visible(target):
+                outcome = self.outcome(target)
+                ran = ", ".join(b.describe() for b in self.bodies.get(target, ())) or "no body"
+                self.violation(
+                    "accounted", here, [send, *self.sends_of(target)][:4],
+                    f"its AsyncResult {target} is still {outcome.state} past the bound ({ran})",
+                )  # fmt: skip
+            if send.own is None:
+                self._joined(send, target, here)
+
+    def _unpublished(self, send: Send, here: str) -> None:
+        tid = send.task_id
+        if tid is None:
+            return
+        if self.ran(tid):
+            self.violation("accounted", here, [send], "its publish failed, yet a body ran for it")
+        for residue in self.h.residues:
+            if residue.task_id == tid:
+                self.violation(
+                    "accounted", here, [send],
+                    f"its publish failed, yet the store still holds a {residue.kind} naming it "
+                    f"({residue.detail})",
+                )  # fmt: skip
+
+    def _joined(self, send: Send, target: str, here: str) -> None:
+        ended = self.ended_at(target)
+        if ended is not None and ended < send.t_before - SLACK:
+            self.violation(
+                "joined-ended", here, [send, *self.sends_of(target)][:3],
+                f"deduplicated onto {target}, which had ended {send.t_before - ended:.2f}s "
+                f"before the send ({self.outcome(target).describe()})",
+            )  # fmt: skip
+
+    def once(self) -> None:
+        done: dict[tuple[str, int], list[Body]] = collections.defaultdict(list)
+        for body in self.h.bodies:
+            if body.how in COMPLETED:
+                done[(body.task_id, body.retries)].append(body)
+        for (task_id, retries), bodies in done.items():
+            if len(bodies) > 1:
+                send = self.by_seq.get(bodies[0].seq)
+                self.violation(
+                    "once", self.where(send, bodies[0].key, bodies[0].config), [send] if send else [],
+                    f"attempt {retries} of {task_id} completed {len(bodies)} times: "
+                    + ", ".join(b.describe() for b in bodies),
+                )  # fmt: skip
+
+    def retry_runs(self) -> None:
+        for body in self.h.bodies:
+            if body.how != "retry":
+                continue
+            later = [b for b in self.bodies[body.task_id] if b.retries == body.retries + 1]
+            if later:
+                continue
+            send = self.by_seq.get(body.seq)
+            self.violation(
+                "retry-runs", self.where(send, body.key, body.config), [send] if send else [],
+                f"{body.describe()} called self.retry(), and its attempt {body.retries + 1} never "
+                f"ran: it ended {self.outcome(body.task_id).describe()}",
+            )  # fmt: skip
+
+    def superseded(self) -> None:
+        for task_id, outcome in self.h.outcomes.items():
+            if outcome.kind != "skipped" or outcome.reason != "debounced":
+                continue
+            chain = [task_id]
+            holder = outcome.holder
+            while holder is not None and holder not in chain:
+                chain.append(holder)
+                next_ = self.outcome(holder)
+                if next_.kind == "skipped" and next_.reason == "debounced" and not self.ran(holder):
+                    holder = next_.holder
+                    continue
+                break
+            last = chain[-1]
+            send = next(iter(self.sends_of(task_id)), None)
+            here = self.where(send) if send else f"seed={self.h.seed} task {task_id}"
+            involved = [s for tid in chain for s in self.sends_of(tid)][:5]
+            if last in self.killed:
+                self.report.documented.append(f"{here}: superseded by {last}, killed in flight")
+            elif last in self.failed:
+                self.violation(
+                    "superseded", here, involved,
+                    f"{task_id} was superseded by {last}, a send whose publish failed: the "
+                    f"burst's latest published send does not run",
+                )  # fmt: skip
+            elif last == task_id or holder is None:
+                self.violation("superseded", here, involved, f"{task_id} superseded by nothing")
+            elif not self.ran(last) and self.outcome(last).kind in (None, "skipped"):
+                final = self.outcome(last)
+                if final.kind == "skipped" and final.reason != "debounced":
+                    continue  # a visible refusal of the latest send
+                self.violation(
+                    "superseded", here, involved,
+                    f"{task_id} was superseded by {last}, which never ran ({final.describe()})",
+                )  # fmt: skip
+
+    def last_runs(self) -> None:
+        bursts: dict[tuple[str, str], list[Send]] = collections.defaultdict(list)
+        for send in self.h.sends:
+            config = self.h.configs.get(send.config)
+            if config is None or config.options["lock_debounce"] is None:
+                continue
+            if send.method in ("delay", "apply_async") and send.own and send.fault is None:
+                bursts[(send.config, send.key)].append(send)
+        for (_config, _key), sends in bursts.items():
+            latest_start = max(s.t_before for s in sends)
+            last = [s for s in sends if (s.t_after or 0.0) >= latest_start]
+            if any(self._ran_or_refused(s.own) for s in last if s.own):
+                continue
+            if any(s.own in self.killed for s in last):
+                continue
+            later_kill = [s for s in self.killed.values() if s.key == _key and s.config == _config]
+            if later_kill:
+                self.report.documented.append(f"{self.where(last[0])}: latest burst after a kill")
+                continue
+            self.violation(
+                "last-runs", self.where(last[0]), last,
+                "the last published send of the burst did not run: "
+                + ", ".join(f"{s.own} {self.outcome(s.own).describe()}" for s in last if s.own),
+            )  # fmt: skip
+
+    def _ran_or_refused(self, task_id: str) -> bool:
+        if self.ran(task_id):
+            return True
+        outcome = self.outcome(task_id)
+        if outcome.state not in FINAL:
+            return False
+        return not (outcome.kind == "skipped" and outcome.reason == "debounced")
+
+    def holder_alive(self) -> None:
+        for task_id, outcome in self.h.outcomes.items():
+            refused_held = (outcome.kind == "skipped" and outcome.reason == "held") or (
+                outcome.exception == "TaskLocked"
+            )
+            if not refused_held or outcome.date_done is None:
+                continue
+            holders = [h for h in (outcome.holders or (outcome.holder,)) if h]
+            for holder in holders:
+                if holder == task_id:
+                    continue
+                ended = self.ended_at(holder)
+                if ended is None or outcome.date_done <= ended + SLACK:
+                    continue
+                send = next(iter(self.sends_of(task_id)), None)
+                config = self.h.configs.get(send.config) if send else None
+                lease = float(config.task_options()["lock_ttl"]) if config else 5.0
+                if self.store_fault_near(ended, lease):
+                    self.report.documented.append(f"{holder}: release lost to a store fault")
+                    continue
+                here = self.where(send) if send else f"seed={self.h.seed} task {task_id}"
+                self.violation(
+                    "holder-alive", here, [*([send] if send else []), *self.sends_of(holder)][:4],
+                    f"{task_id} was refused as held by {holder}, which had ended "
+                    f"{outcome.date_done - ended:.2f}s before ({self.outcome(holder).describe()})",
+                )  # fmt: skip
+
+    def exclusion_fences_rate(self) -> None:
+        by_key: dict[tuple[str, str], list[Body]] = collections.defaultdict(list)
+        for body in self.h.bodies:
+            by_key[(body.config, body.key)].append(body)
+        for (config_name, key), bodies in by_key.items():
+            config = self.h.configs.get(config_name)
+            if config is None:
+                continue
+            here = self.where(None, key, config_name)
+            bodies.sort(key=lambda b: b.start)
+            self._exclusion(here, config.options["lock_limit"], bodies)
+            self._fences(here, bodies)
+            if config.rate_interval is not None:
+                self._rate(here, config.rate_interval, bodies)
+
+    def _sends(self, bodies: Sequence[Body]) -> list[Send]:
+        return [self.by_seq[b.seq] for b in bodies if b.seq in self.by_seq][:4]
+
+    def _exclusion(self, here: str, limit: int, bodies: Sequence[Body]) -> None:
+        for body in bodies:
+            along = [b for b in bodies if b.start <= body.start < b.until() and b is not body]
+            if len(along) + 1 > limit:
+                self.violation(
+                    "exclusion", here, self._sends([*along, body]),
+                    f"{len(along) + 1} bodies at once, over the limit of {limit}: "
+                    + ", ".join(b.describe() for b in [*along, body]),
+                )  # fmt: skip
+
+    def _fences(self, here: str, bodies: Sequence[Body]) -> None:
+        for i, body in enumerate(bodies):
+            if body.fence is None:
+                continue
+            for earlier in bodies[:i]:
+                if earlier.fence is None or earlier.start >= body.start - TIE:
+                    continue
+                if earlier.fence >= body.fence:
+                    self.violation(
+                        "fences", here, self._sends([earlier, body]),
+                        f"{body.describe()} started after {earlier.describe()} with a fence "
+                        "not larger",
+                    )  # fmt: skip
+
+    def _rate(self, here: str, interval: float, bodies: Sequence[Body]) -> None:
+        for earlier, later in zip(bodies, bodies[1:], strict=False):
+            gap = later.start - earlier.start
+            if gap < interval - TIE:
+                self.violation(
+                    "rate", here, self._sends([earlier, later]),
+                    f"two starts {gap:.3f}s apart, closer than the rate's interval "
+                    f"{interval:.3f}s: {earlier.describe()}, {later.describe()}",
+                )  # fmt: skip
+
+    def idle(self) -> None:
+        for residue in self.h.residues:
+            if residue.task_id in self.killed:
+                self.report.documented.append(f"{residue.key}: {residue.kind} of a killed send")
+                continue
+            if residue.task_id in self.failed:
+                continue  # reported by the accounted rule, naming the failed send
+            config = next((c for c in self.h.configs.values() if f"{c.name}:" in residue.key), None)
+            sends = [s for s in self.sends_of(residue.task_id)][:3]
+            where = (
+                self.where(sends[0])
+                if sends
+                else self.where(None, residue.key, config.name if config else "?")
+            )
+            self.violation(
+                "idle", where, sends,
+                f"the idle store still holds a {residue.kind} of {residue.task_id} "
+                f"({residue.detail}); its send ended {self.outcome(residue.task_id or '').describe()}",
+            )  # fmt: skip
+
+    def failures(self) -> None:
+        for task_id, outcome in self.h.outcomes.items():
+            if outcome.state != "FAILURE":
+                continue
+            send = next(iter(self.sends_of(task_id)), None)
+            ending = send.ending if send else "*"
+            allowed = EXPECTED_FAILURES["*"] | EXPECTED_FAILURES.get(ending, frozenset())
+            if outcome.exception in allowed:
+                continue
+            here = self.where(send) if send else f"seed={self.h.seed} task {task_id}"
+            self.violation(
+                "failures", here, [send] if send else [],
+                f"{task_id} failed with {outcome.exception}, which its ending {ending!r} "
+                "does not explain",
+            )  # fmt: skip
+
+    def figures(self) -> None:
+        r = self.report
+        r.sends = len(self.h.sends)
+        r.bodies = len(self.h.bodies)
+        r.methods = dict(collections.Counter(s.method for s in self.h.sends))
+        kinds = collections.Counter()
+        for send in self.h.sends:
+            if send.error is not None:
+                kinds[f"raised {send.error}"] += 1
+            elif send.t_after is None:
+                kinds["killed in flight"] += 1
+            elif send.own is None:
+                kinds["joined"] += 1
+            elif self.ran(send.own):
+                kinds["ran"] += 1
+            else:
+                o = self.outcome(send.own)
+                kinds[f"skipped {o.reason}" if o.kind == "skipped" else o.exception or o.state] += 1
+        r.outcomes = dict(kinds)
+        faults = collections.Counter(f.kind for f in self.h.faults)
+        faults.update(s.fault for s in self.h.sends if s.fault)
+        r.faults = dict(faults)
+
+
+def check(history: History) -> Report:
+    """Judge one run's history; the report lists every violation."""
+    judge = _Judge(history)
+    judge.accounted()
+    judge.once()
+    judge.retry_runs()
+    judge.superseded()
+    judge.last_runs()
+    judge.holder_alive()
+    judge.exclusion_fences_rate()
+    judge.idle()
+    judge.failures()
+    judge.figures()
+    return judge.report
