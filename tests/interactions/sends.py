@@ -100,7 +100,7 @@ def plan_round(
                 method = _pick(rng, METHOD_WEIGHTS)
                 fault = rng.choice(FAULTS) if rng.random() < fault_share else None
                 if fault is not None:
-                    method = rng.choice(("delay", "apply_async"))
+                    method = "apply_async"  # its ledger needs the id it would have had
                 producer = rng.choice(producers)
                 if fault == "broker-down":
                     producer = "dead-broker"

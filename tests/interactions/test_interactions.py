@@ -1,0 +1,307 @@
+"""The interaction campaign: every send accounted for (issue 29, docs/guarantees.rst).
+
+Seeded bursts of sends, over configurations drawn from the whole option space that
+``SingletonTask`` accepts, go to a real prefork worker from several producers, with bodies that
+end in every way the lifecycle knows and faults at the hand-offs (publishes that fail, a
+producer killed mid-burst, the lock store unreachable at send or at run, redeliveries). After a
+quiet period the checker (checker.py) accounts for every send and checks exclusion, fences,
+rates and what the idle store still holds.
+
+The generator's space is tested against what ``SingletonTask`` accepts, and the checker's rules
+on ledgers written by hand. A short run (one round, two configurations, on the session's Redis)
+is part of the README's command; the long run is its own step of .ci/run:
+``python -m pytest -m interactions -n 0`` (``SINGLETASK_INTERACTIONS_SECONDS`` of rounds, 240 by
+default). Every run prints its seed and figures; ``SINGLETASK_INTERACTIONS_SEED=<seed>`` replays
+its draws, and ``SINGLETASK_INTERACTIONS_SCENARIO=<name>`` (runner.SCENARIOS) runs one targeted
+combination.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from singletask import SingletonTask
+from singletask.exceptions import ConfigurationError
+from singletask.options import ATTRIBUTE_CHECKS
+
+from ..e2e.conftest import CLIENT_GARBAGE
+from ..servers import unavailable
+from .checker import Body, Fault, History, Outcome, Report, Residue, Send, check
+from .runner import SCENARIOS, Servers, Settings, campaign_seed, run
+from .space import FIXED, NOT_DRAWN, OPTIONS, Config, draw, find, product, space, valid
+
+# -- the option space ------------------------------------------------------------------------
+
+
+def accepted_by_singletask(options: dict[str, object]) -> bool:
+    """Whether defining a task with these options succeeds."""
+    app = Celery("space", set_as_current=False, broker="memory://")
+    app.conf.singletask_backend_url = "memory://"
+    config = Config(0, dict(options))
+
+    def body(self: object, key: str, seq: int) -> None: ...
+
+    try:
+        app.task(base=SingletonTask, bind=True, shared=False, lazy=False, name="space.t",
+                 **config.task_options())(body)  # fmt: skip
+    except ConfigurationError:
+        return False
+    finally:
+        app.close()
+    return True
+
+
+def test_the_table_names_every_task_option() -> None:
+    """An option added to SingletonTask must join the campaign's table (drawn, fixed, or one
+    of the key's): then the generator draws it."""
+    covered = set(OPTIONS) | set(FIXED) | set(NOT_DRAWN)
+    options = set(ATTRIBUTE_CHECKS) | {"lock_args", "lock_key"}
+    assert options <= covered, f"options the campaign does not know: {options - covered}"
+
+
+def test_the_generators_space_is_what_singletask_accepts() -> None:
+    # Given every combination of the table's values
+    # Then the generator's rule and SingletonTask agree on every one
+    disagreements = [
+        options for options in product() if valid(options) != accepted_by_singletask(options)
+    ]
+    assert disagreements == []
+    # And the space is neither empty nor everything
+    assert 0 < len(space()) < len(list(product()))
+
+
+def test_the_generator_draws_only_accepted_combinations_and_replays_by_seed() -> None:
+    import random
+
+    drawn = draw(random.Random(5), 12)
+    assert all(valid(c.options) for c in drawn)
+    assert [c.options for c in drawn] == [c.options for c in draw(random.Random(5), 12)]
+    assert len({c.describe().split("[")[1] for c in drawn}) == 12
+
+
+def test_every_targeted_scenario_is_a_combination_the_generator_can_draw() -> None:
+    for name, scenario in SCENARIOS.items():
+        assert find(scenario["options"]) in space(), name
+
+
+# -- the checker, on ledgers written by hand -------------------------------------------------
+
+CONFIG = Config(0, find({}))
+DEBOUNCED = Config(1, find({"lock_debounce": 1.0}))
+QUEUED = Config(2, find({"lock_scope": "queue"}))
+LIMITED = Config(3, find({"lock_limit": 2, "lock_rate": "2/s"}))
+
+
+def send(seq: int, tid: str | None, t: float = 0.0, config: Config = CONFIG, **kw: object) -> Send:
+    fields: dict[str, object] = {"returned": tid, "t_after": t + 0.01}
+    fields.update(kw)
+    return Send(seq, "p0", config.name, "k", "apply_async", "return", t, task_id=tid, **fields)  # type: ignore[arg-type]
+
+
+def body(tid: str, start: float, end: float | None, fence: int, config: Config = CONFIG,
+         retries: int = 0, how: str = "return", seq: int = 0) -> Body:  # fmt: skip
+    return Body(tid, retries, seq, "k", config.name, 1, fence, start, end, how)
+
+
+def judge(sends: list[Send], bodies: list[Body], outcomes: dict[str, Outcome],
+          residues: list[Residue] | None = None, faults: list[Fault] | None = None) -> Report:  # fmt: skip
+    configs = {c.name: c for c in (CONFIG, DEBOUNCED, QUEUED, LIMITED)}
+    return check(History(42, configs, sends, bodies, outcomes, residues or [], faults or []))
+
+
+def done(at: float, **kw: object) -> Outcome:
+    return Outcome("SUCCESS", kind="value", date_done=at, **kw)  # type: ignore[arg-type]
+
+
+def skipped(at: float, reason: str, holder: str | None) -> Outcome:
+    return Outcome("SUCCESS", kind="skipped", reason=reason, holder=holder, date_done=at)
+
+
+def rules(report: Report) -> list[str]:
+    return [v.split(": rule ")[1].split(":")[0] for v in report.violations]
+
+
+def test_a_clean_ledger_passes() -> None:
+    # Given a send that ran, a duplicate skipped while it ran, and a failed publish
+    sends = [send(0, "a"), send(1, "b", 0.05), send(2, "c", 0.1, error="OperationalError",
+                                                    returned=None)]  # fmt: skip
+    outcomes = {"a": done(0.5), "b": skipped(0.2, "held", "a"), "c": Outcome("PENDING")}
+    report = judge(sends, [body("a", 0.1, 0.4, 10)], outcomes)
+    # Then nothing is wrong, and the figures count them
+    assert report.violations == []
+    assert report.sends == 3 and report.bodies == 1
+
+
+def test_an_asyncresult_pending_past_the_bound_is_a_violation_naming_seed_config_key_sends() -> None:
+    report = judge([send(0, "a")], [], {})
+    assert rules(report) == ["accounted"]
+    violation = report.violations[0]
+    assert violation.startswith("seed=42 interactions.c0[execution skip limit=1")
+    assert "key='k'" in violation and "send#0(" in violation
+    assert "still PENDING past the bound (no body)" in violation
+
+
+def test_joining_a_send_whose_publish_failed_is_a_violation() -> None:
+    """Finding 2: a later call joined an unpublished follow-up, PENDING for ever."""
+    failed = send(0, "f", error="OperationalError", returned=None)
+    joiner = send(1, "j", 0.2, returned="f")
+    report = judge([failed, joiner], [], {})
+    assert rules(report) == ["accounted"]
+    assert "a send whose publish failed" in report.violations[0]
+
+
+def test_a_failed_publish_that_ran_or_left_a_record_is_a_violation() -> None:
+    failed = send(0, "f", error="EncodeError", returned=None)
+    residue = Residue("k", "follow-up claim", "f", "claim")
+    report = judge([failed], [body("f", 1, 2, 5)], {}, [residue])
+    assert rules(report) == ["accounted", "accounted"]
+
+
+def test_a_burst_superseded_by_a_send_whose_publish_failed_is_a_violation() -> None:
+    """Finding 1: the window named the unpublished send; no body of the burst ran."""
+    first = send(0, "a", config=DEBOUNCED)
+    failed = send(1, "f", 0.2, config=DEBOUNCED, error="OperationalError", returned=None)
+    report = judge([first, failed], [], {"a": skipped(1.5, "debounced", "f")})
+    assert "superseded" in rules(report) and "last-runs" in rules(report)
+    assert any("a send whose publish failed" in v for v in report.violations)
+
+
+def test_the_last_published_send_of_a_burst_runs() -> None:
+    sends = [send(0, "a", config=DEBOUNCED), send(1, "b", 0.3, config=DEBOUNCED)]
+    good = judge(sends, [body("b", 1.4, 1.5, 3, DEBOUNCED, seq=1)],
+                 {"a": skipped(1.1, "debounced", "b"), "b": done(1.5)})  # fmt: skip
+    assert good.violations == []
+    bad = judge(sends, [body("a", 1.1, 1.2, 3, DEBOUNCED)],
+                {"a": done(1.2), "b": skipped(3.4, "held", "a")})  # fmt: skip
+    assert "last-runs" not in rules(bad)  # a visible refusal of its own ...
+    assert "holder-alive" in rules(bad)  # ... by a holder that had ended
+
+
+def test_a_body_retry_that_never_runs_is_a_violation() -> None:
+    """Findings 4 and 5: the retried attempt was refused (rate, debounce); its retry never ran."""
+    report = judge([send(0, "a")], [body("a", 0, 0.1, 1, how="retry")],
+                   {"a": Outcome("SUCCESS", kind="skipped", reason="rate", date_done=0.5)})  # fmt: skip
+    assert rules(report) == ["retry-runs"]
+    ran = judge([send(0, "a")], [body("a", 0, 0.1, 1, how="retry"),
+                                 body("a", 0.5, 0.6, 2, retries=1)], {"a": done(0.6)})  # fmt: skip
+    assert ran.violations == []
+
+
+def test_a_send_deduplicated_onto_one_that_had_ended_is_a_violation() -> None:
+    """Finding 3: a reservation kept by an ended message swallows later sends."""
+    first = send(0, "a", config=QUEUED)
+    late = send(1, "b", 5.0, config=QUEUED, returned="a")
+    report = judge([first, late], [], {"a": skipped(0.5, "rate", None)})
+    assert rules(report) == ["joined-ended"]
+    assert "which had ended 4.50s before the send" in report.violations[0]
+
+
+def test_refused_as_held_by_an_ended_holder_is_a_violation_unless_a_store_fault_lost_its_release() -> None:
+    sends = [send(0, "a"), send(1, "b", 3.0)]
+    outcomes = {"a": done(1.0), "b": skipped(3.1, "held", "a")}
+    assert rules(judge(sends, [body("a", 0.1, 0.9, 1)], outcomes)) == ["holder-alive"]
+    fault = Fault("store-stop-at-run", 0.8, 1.1, "run")
+    excused = judge(sends, [body("a", 0.1, 0.9, 1)], outcomes, faults=[fault])
+    assert excused.violations == [] and excused.documented
+
+
+def test_more_bodies_than_the_limit_at_once_is_a_violation() -> None:
+    ok = [body("a", 0, 1, 1, LIMITED), body("b", 0.5, 1.5, 2, LIMITED)]
+    assert "exclusion" not in rules(judge([], ok, {}))
+    over = [*ok, body("c", 0.7, 0.8, 3, LIMITED)]
+    assert "exclusion" in rules(judge([], over, {}))
+    single = [body("a", 0, 1, 1), body("b", 0.5, 1.5, 2)]
+    assert rules(judge([], single, {})) == ["exclusion"]
+
+
+def test_a_fence_that_does_not_grow_is_a_violation() -> None:
+    bodies = [body("a", 0, 1, 5), body("b", 2, 3, 5), body("c", 4, 5, 9)]
+    assert rules(judge([], bodies, {})) == ["fences"]
+
+
+def test_starts_closer_than_the_rate_interval_are_a_violation() -> None:
+    spaced = [body("a", 0, 0.1, 1, LIMITED), body("b", 0.5, 0.6, 2, LIMITED)]
+    assert judge([], spaced, {}).violations == []
+    close = [body("a", 0, 0.1, 1, LIMITED), body("b", 0.3, 0.4, 2, LIMITED)]
+    assert rules(judge([], close, {})) == ["rate"]
+
+
+def test_what_the_idle_store_still_holds_is_a_violation_unless_a_killed_producer_left_it() -> None:
+    residue = Residue("test:x:interactions.c0:k", "reservation", "a", "token a:0:-:0:reserved")
+    report = judge([send(0, "a")], [body("a", 0, 0.1, 1)], {"a": done(0.1)}, [residue])
+    assert rules(report) == ["idle"]
+    killed = send(0, "a", t_after=None, returned=None)
+    excused = judge([killed], [], {}, [residue])
+    assert excused.violations == [] and len(excused.documented) == 2
+
+
+def test_a_body_completing_twice_and_an_unexplained_failure_are_violations() -> None:
+    twice = [body("a", 0, 0.1, 1), body("a", 1, 1.1, 2)]
+    assert "once" in rules(judge([send(0, "a")], twice, {"a": done(1.1)}))
+    failed = Outcome("FAILURE", kind="exception", exception="KeyError", date_done=1)
+    assert rules(judge([send(0, "a")], [body("a", 0, 0.1, 1)], {"a": failed})) == ["failures"]
+
+
+# -- the runs --------------------------------------------------------------------------------
+
+
+def verdict(report: Report, seconds: float) -> None:
+    line = f"{report.summary()} in {seconds:.0f}s"
+    print(line)
+    out = os.environ.get("SINGLETASK_INTERACTIONS_REPORT")
+    if out:
+        with open(out, "a", encoding="utf-8") as file:
+            file.write("\n".join([line, *(f"  VIOLATION: {v}" for v in report.violations)]) + "\n")
+    if report.violations:
+        shown = "\n  ".join(report.violations[:30])
+        more = len(report.violations) - 30
+        pytest.fail(
+            f"{line}\n  {shown}" + (f"\n  ... and {more} more" if more > 0 else "")
+            + f"\nreplay: SINGLETASK_INTERACTIONS_SEED={report.seed}",
+            pytrace=False,
+        )  # fmt: skip
+
+
+def servers(redis_base_url: str) -> Servers:
+    if not redis_base_url:
+        unavailable("the interaction campaign needs the session's Redis")
+    return Servers(redis_base_url)
+
+
+def _run(redis_base_url: str, tmp_path: Path, settings: Settings) -> None:
+    import time
+
+    scenario = os.environ.get("SINGLETASK_INTERACTIONS_SCENARIO") or None
+    if scenario:
+        settings.scenario = scenario
+    started = time.monotonic()
+    report, _ = run(servers(redis_base_url), campaign_seed(), settings, tmp_path)
+    verdict(report, time.monotonic() - started)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings(*CLIENT_GARBAGE)
+def test_short_interactions(redis_base_url: str, tmp_path: Path) -> None:
+    """One round of two drawn configurations, on the session's Redis."""
+    _run(redis_base_url, tmp_path, Settings(configs=2, rounds=1, sends_per_key=6, keys=2))
+
+
+def long_seconds() -> float:
+    return float(os.environ.get("SINGLETASK_INTERACTIONS_SECONDS", "240"))
+
+
+@pytest.mark.interactions
+@pytest.mark.timeout(1800)
+@pytest.mark.filterwarnings(*CLIENT_GARBAGE)
+def test_long_interactions(redis_base_url: str, tmp_path: Path) -> None:
+    """Rounds for SINGLETASK_INTERACTIONS_SECONDS over 12 drawn configurations, with a producer
+    killed mid-burst and the worker's store link cut and stalled."""
+    _run(redis_base_url, tmp_path, Settings(
+        configs=12, seconds=long_seconds(), sends_per_key=7, keys=2, configs_per_round=3,
+        killed_producer=True, run_faults=True, quiet_bound=40.0,
+    ))  # fmt: skip
