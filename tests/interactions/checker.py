@@ -37,6 +37,7 @@ Every violation names the seed, the configuration, the key, the sends involved a
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -93,7 +94,8 @@ class Send:
         if self.t_after is None and self.error is None:
             what = "no reply (producer killed)"
         fault = f" fault={self.fault}" if self.fault else ""
-        return f"send#{self.seq}({self.method} by {self.producer}{fault} id={self.own or self.task_id} -> {what})"
+        ident = self.own or self.task_id
+        return f"send#{self.seq}({self.method} by {self.producer}{fault} id={ident} -> {what})"
 
 
 @dataclass
@@ -231,10 +233,10 @@ class _Judge:
                 send.own = send.task_id if send.returned == send.task_id else None
         taken = {s.own for s in self.h.sends if s.own}
         for send in sorted(self.h.sends, key=lambda s: s.t_after or 0.0):
-            if send.task_id is None and send.returned and send.error is None:
-                if send.returned not in chosen and send.returned not in taken:
-                    send.own = send.returned
-                    taken.add(send.returned)
+            fresh = send.returned not in chosen and send.returned not in taken
+            if send.task_id is None and send.returned and send.error is None and fresh:
+                send.own = send.returned
+                taken.add(send.returned)
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -347,8 +349,9 @@ class _Judge:
         for (task_id, retries), bodies in done.items():
             if len(bodies) > 1:
                 send = self.by_seq.get(bodies[0].seq)
+                here = self.where(send, bodies[0].key, bodies[0].config)
                 self.violation(
-                    "once", self.where(send, bodies[0].key, bodies[0].config), [send] if send else [],
+                    "once", here, [send] if send else [],
                     f"attempt {retries} of {task_id} completed {len(bodies)} times: "
                     + ", ".join(b.describe() for b in bodies),
                 )  # fmt: skip
@@ -506,7 +509,7 @@ class _Judge:
                     )  # fmt: skip
 
     def _rate(self, here: str, interval: float, bodies: Sequence[Body]) -> None:
-        for earlier, later in zip(bodies, bodies[1:], strict=False):
+        for earlier, later in itertools.pairwise(bodies):
             gap = later.start - earlier.start
             if gap < interval - TIE:
                 self.violation(
@@ -532,7 +535,8 @@ class _Judge:
             self.violation(
                 "idle", where, sends,
                 f"the idle store still holds a {residue.kind} of {residue.task_id} "
-                f"({residue.detail}); its send ended {self.outcome(residue.task_id or '').describe()}",
+                f"({residue.detail}); its send ended "
+                f"{self.outcome(residue.task_id or '').describe()}",
             )  # fmt: skip
 
     def failures(self) -> None:

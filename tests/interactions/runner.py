@@ -479,9 +479,7 @@ def run(servers: Servers, seed: int, settings: Settings, workdir: Path) -> tuple
             if settings.killed_producer:
                 mine = [p for p in plans if p.producer == "killed"]
                 kill_at = start + rng.uniform(0.2, settings.burst)
-                killed = _killed_producer(
-                    mine, cluster["env"], workdir, run_id, start, kill_at
-                )
+                killed = _killed_producer(mine, cluster["env"], workdir, run_id, start, kill_at)
                 faults.append(Fault("producer-killed", kill_at, kill_at, "send"))
             ours = [p for p in plans if p.producer != "killed"]
             ledger += _run_plans(ours, apps, run_id, start)
@@ -494,7 +492,7 @@ def run(servers: Servers, seed: int, settings: Settings, workdir: Path) -> tuple
             out_of_time = settings.seconds is not None and (
                 time.time() - started > settings.seconds
             )
-            if settings.seconds is None and round_no >= settings.rounds or out_of_time:
+            if (settings.seconds is None and round_no >= settings.rounds) or out_of_time:
                 break
         _mark_store_faults(ledger, faults)
         _wait_quiet(apps["main"], ledger, probe, run_id, settings.quiet_bound)

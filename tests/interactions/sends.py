@@ -172,9 +172,7 @@ def perform(app: Celery, plan: SendPlan, run: str, partner: SendPlan | None = No
         elif plan.method == "apply_async":
             results = [task.apply_async(args, kwargs, task_id=plan.task_id, **options)]
         elif plan.method == "send_task":
-            results = [
-                app.send_task(plan.config, args, kwargs, task_id=plan.task_id, **options)
-            ]
+            results = [app.send_task(plan.config, args, kwargs, task_id=plan.task_id, **options)]
         else:
             assert partner is not None
             members = [

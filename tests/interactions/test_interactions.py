@@ -107,8 +107,13 @@ def body(tid: str, start: float, end: float | None, fence: int, config: Config =
     return Body(tid, retries, seq, "k", config.name, 1, fence, start, end, how)
 
 
-def judge(sends: list[Send], bodies: list[Body], outcomes: dict[str, Outcome],
-          residues: list[Residue] | None = None, faults: list[Fault] | None = None) -> Report:  # fmt: skip
+def judge(
+    sends: list[Send],
+    bodies: list[Body],
+    outcomes: dict[str, Outcome],
+    residues: list[Residue] | None = None,
+    faults: list[Fault] | None = None,
+) -> Report:
     configs = {c.name: c for c in (CONFIG, DEBOUNCED, QUEUED, LIMITED)}
     return check(History(42, configs, sends, bodies, outcomes, residues or [], faults or []))
 
@@ -133,15 +138,17 @@ def test_a_clean_ledger_passes() -> None:
     report = judge(sends, [body("a", 0.1, 0.4, 10)], outcomes)
     # Then nothing is wrong, and the figures count them
     assert report.violations == []
-    assert report.sends == 3 and report.bodies == 1
+    assert report.sends == 3
+    assert report.bodies == 1
 
 
-def test_an_asyncresult_pending_past_the_bound_is_a_violation_naming_seed_config_key_sends() -> None:
+def test_a_result_pending_past_the_bound_is_a_violation_naming_seed_config_key_sends() -> None:
     report = judge([send(0, "a")], [], {})
     assert rules(report) == ["accounted"]
     violation = report.violations[0]
     assert violation.startswith("seed=42 interactions.c0[execution skip limit=1")
-    assert "key='k'" in violation and "send#0(" in violation
+    assert "key='k'" in violation
+    assert "send#0(" in violation
     assert "still PENDING past the bound (no body)" in violation
 
 
@@ -166,7 +173,8 @@ def test_a_burst_superseded_by_a_send_whose_publish_failed_is_a_violation() -> N
     first = send(0, "a", config=DEBOUNCED)
     failed = send(1, "f", 0.2, config=DEBOUNCED, error="OperationalError", returned=None)
     report = judge([first, failed], [], {"a": skipped(1.5, "debounced", "f")})
-    assert "superseded" in rules(report) and "last-runs" in rules(report)
+    assert "superseded" in rules(report)
+    assert "last-runs" in rules(report)
     assert any("a send whose publish failed" in v for v in report.violations)
 
 
@@ -183,8 +191,8 @@ def test_the_last_published_send_of_a_burst_runs() -> None:
 
 def test_a_body_retry_that_never_runs_is_a_violation() -> None:
     """Findings 4 and 5: the retried attempt was refused (rate, debounce); its retry never ran."""
-    report = judge([send(0, "a")], [body("a", 0, 0.1, 1, how="retry")],
-                   {"a": Outcome("SUCCESS", kind="skipped", reason="rate", date_done=0.5)})  # fmt: skip
+    refused = Outcome("SUCCESS", kind="skipped", reason="rate", date_done=0.5)
+    report = judge([send(0, "a")], [body("a", 0, 0.1, 1, how="retry")], {"a": refused})
     assert rules(report) == ["retry-runs"]
     ran = judge([send(0, "a")], [body("a", 0, 0.1, 1, how="retry"),
                                  body("a", 0.5, 0.6, 2, retries=1)], {"a": done(0.6)})  # fmt: skip
@@ -200,13 +208,14 @@ def test_a_send_deduplicated_onto_one_that_had_ended_is_a_violation() -> None:
     assert "which had ended 4.50s before the send" in report.violations[0]
 
 
-def test_refused_as_held_by_an_ended_holder_is_a_violation_unless_a_store_fault_lost_its_release() -> None:
+def test_refused_as_held_by_an_ended_holder_unless_a_store_fault_lost_its_release() -> None:
     sends = [send(0, "a"), send(1, "b", 3.0)]
     outcomes = {"a": done(1.0), "b": skipped(3.1, "held", "a")}
     assert rules(judge(sends, [body("a", 0.1, 0.9, 1)], outcomes)) == ["holder-alive"]
     fault = Fault("store-stop-at-run", 0.8, 1.1, "run")
     excused = judge(sends, [body("a", 0.1, 0.9, 1)], outcomes, faults=[fault])
-    assert excused.violations == [] and excused.documented
+    assert excused.violations == []
+    assert excused.documented
 
 
 def test_more_bodies_than_the_limit_at_once_is_a_violation() -> None:
@@ -236,7 +245,8 @@ def test_what_the_idle_store_still_holds_is_a_violation_unless_a_killed_producer
     assert rules(report) == ["idle"]
     killed = send(0, "a", t_after=None, returned=None)
     excused = judge([killed], [], {}, [residue])
-    assert excused.violations == [] and len(excused.documented) == 2
+    assert excused.violations == []
+    assert len(excused.documented) == 2
 
 
 def test_a_body_completing_twice_and_an_unexplained_failure_are_violations() -> None:
