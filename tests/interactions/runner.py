@@ -518,12 +518,13 @@ def _mark_store_faults(ledger: Sequence[Send], faults: Sequence[Fault]) -> None:
     """A send of the store-link producer made while its link was down met the store
     unreachable at send (it is published without deduplication or debounce)."""
     for send in ledger:
-        if send.producer != "store-link" or send.fault is not None:
+        if send.producer != "store-link" or send.fault not in (None, "encode"):
             continue
         end = send.t_after or send.t_before
         for fault in faults:
             if fault.side == "send" and fault.start <= end and send.t_before <= fault.end:
-                send.fault = "store-down-at-send"
+                send.fault = "store-down-at-send" + ("+encode" if send.fault else "")
+                break
 
 
 def run_seed(servers: Servers, settings: Settings, workdir: Path, seed: int | None = None

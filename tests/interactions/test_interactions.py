@@ -315,3 +315,14 @@ def test_long_interactions(redis_base_url: str, tmp_path: Path) -> None:
         configs=12, seconds=long_seconds(), sends_per_key=7, keys=2, configs_per_round=3,
         killed_producer=True, run_faults=True, quiet_bound=40.0,
     ))  # fmt: skip
+
+
+def test_a_failed_publish_whose_undo_met_a_store_fault_is_documented() -> None:
+    """docs/limits.rst: the store unreachable between the publish and the undo leaves the
+    window naming the unsent send (a WARNING says so) until a later send or its expiry."""
+    first = send(0, "a", config=DEBOUNCED)
+    failed = send(1, "f", 0.2, config=DEBOUNCED, error="EncodeError", returned=None,
+                  fault="store-down-at-send+encode")  # fmt: skip
+    report = judge([first, failed], [], {"a": skipped(1.5, "debounced", "f")})
+    assert report.violations == []
+    assert report.documented
