@@ -10,7 +10,9 @@ is and how to take it back.
 * a **follow-up claim** (:func:`claim_follow_up`, ``claim_next``), taken back by ``clear_next``,
   which ends only the claim of this task id;
 * the **debounce window**'s latest send (:func:`enter_window`, ``debounce``), taken back by
-  ``debounce_undo``, only while the window still names this send.
+  ``debounce_undo``, only while the window still names this send: the send it superseded is
+  the latest again, or the window it opened is removed, or closed again naming the send that
+  closed the window it replaced.
 
 :func:`publish_or_undo` publishes, and if the publish raises (the broker is down, the serializer
 refuses an argument), takes the record back in one atomic step before the error reaches the
@@ -85,8 +87,8 @@ def enter_window(
 ) -> tuple[str | None, float, Written]:
     """Make ``task_id`` the latest send of the debounce window of ``key``; return the send it
     superseded (None when it opened the window) and the window's age in seconds."""
-    previous, age = backend.debounce(key, task_id, ttl)
-    undo = partial(backend.debounce_undo, key, task_id, previous)
+    previous, age, closed = backend.debounce(key, task_id, ttl)
+    undo = partial(backend.debounce_undo, key, task_id, previous, closed=closed)
     return previous, age, Written("debounce window", undo)
 
 

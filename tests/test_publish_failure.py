@@ -18,7 +18,7 @@ import celery
 import pytest
 from kombu.exceptions import EncodeError
 
-from singletask import SingletonTask
+from singletask import SingletonTask, Skipped
 from singletask.tokens import execution_token
 
 
@@ -72,6 +72,42 @@ def test_a_debounced_send_that_cannot_be_published_leaves_the_last_published_sen
     # Then the published send is still the window's latest: when it starts, it runs (it is not
     # skipped as superseded by "never-sent", which no worker will ever run)
     assert backend.debounce_take(key, published.id) == published.id
+
+
+def test_a_debounced_send_that_cannot_be_published_after_a_run_began_keeps_that_burst_superseded(
+    app: celery.Celery,
+) -> None:
+    """A send that opened a new window over the closed one of a burst whose run began, and
+    cannot be published, puts the closed window back: an earlier send of that burst that a
+    worker starts late still ends superseded by the send that ran, and the burst runs one body,
+    not two."""
+    ran: list[object] = []
+
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_debounce=5, lock_args=("key",))
+    def rebuild(key: str, version: object) -> object:
+        ran.append(version)
+        return version
+
+    # Given a burst of two published sends whose latest ran (its run closed the window)
+    earlier = rebuild.delay("k", 1)
+    latest = rebuild.delay("k", 2)
+    assert rebuild.apply(("k", 2), task_id=latest.id).get() == 2
+
+    # When a send of the next burst, which opens a new window over the closed one, cannot be
+    # published
+    with pytest.raises(EncodeError):
+        rebuild.apply_async(("k", Unserializable()), task_id="never-sent")
+
+    # Then the burst's earlier send, started late, ends superseded by the send that ran
+    late = rebuild.apply(("k", 1), task_id=earlier.id).get()
+    assert isinstance(late, Skipped)
+    assert late.reason == "debounced"
+    assert late.holder == latest.id
+    assert ran == [2]
+    # And the next send opens a new window, and runs
+    following = rebuild.delay("k", 3)
+    assert rebuild.apply(("k", 3), task_id=following.id).get() == 3
+    assert ran == [2, 3]
 
 
 def test_a_coalescing_follow_up_that_cannot_be_published_gives_its_claim_back(

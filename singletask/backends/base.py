@@ -220,7 +220,7 @@ class LockBackend(abc.ABC):
         """
         raise UnsupportedOperation(f"{self!r} cannot keep more than one holder per lock key")
 
-    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float]:
+    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float, str | None]:
         """Make ``task_id`` the latest send of the debounce window of ``key``, in one step.
 
         Opens the window if none is open (no record, a record that ran out, or a closed one).
@@ -228,8 +228,10 @@ class LockBackend(abc.ABC):
         send's call asked for longer: a send never shortens it, so an earlier send with a
         longer countdown of its own still finds the window (naming its successor) when it
         starts.
-        Returns the previous latest send (None when this call opened the window) and the
-        seconds since the window was opened, by the store's clock (0 when this call opened it).
+        Returns the previous latest send (None when this call opened the window), the seconds
+        since the window was opened, by the store's clock (0 when this call opened it), and,
+        when this call opened the window over a closed one (its record not run out), the send
+        that closed it, else None: what :meth:`debounce_undo` puts back.
 
         Raises:
             UnsupportedOperation: The store has no debounce windows (:attr:`supports_debounce`).
@@ -253,17 +255,22 @@ class LockBackend(abc.ABC):
         """
         raise UnsupportedOperation(f"{self!r} cannot keep debounce windows")
 
-    def debounce_undo(self, key: str, task_id: str, previous: str | None) -> bool:
+    def debounce_undo(
+        self, key: str, task_id: str, previous: str | None, *, closed: str | None = None
+    ) -> bool:
         """Take back the :meth:`debounce` of ``task_id``, whose message was never published,
-        in one atomic step; ``previous`` is what that call returned as the previous latest send.
+        in one atomic step; ``previous`` and ``closed`` are what that call returned as the
+        previous latest send and as the send that closed the window it replaced.
 
         Only if the open window of ``key`` still names ``task_id`` as its latest send: with
         ``previous``, ``previous`` is the latest again (the window keeps when it opened, and
         the expiry ``task_id``'s call gave its record); without (``task_id``'s call opened the
-        window), the window is removed, as if it had never been opened. Otherwise (a later send
-        superseded ``task_id``, the window was closed or ran out) nothing changes. Returns
-        whether the window changed. Called only when a publish fails, never on the way of a
-        send that is published.
+        window), the window is removed, as if it had never been opened, or, with ``closed``
+        (it was opened over a closed window), the closed window is back: closed, naming
+        ``closed``, its record keeping the expiry ``task_id``'s call gave it. Otherwise (a
+        later send superseded ``task_id``, the window was closed or ran out) nothing changes.
+        Returns whether the window changed. Called only when a publish fails, never on the way
+        of a send that is published.
 
         Raises:
             UnsupportedOperation: The store has no debounce windows (:attr:`supports_debounce`).

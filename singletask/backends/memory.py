@@ -177,17 +177,18 @@ class MemoryBackend(LockBackend):
             self._rates = {k: at for k, at in self._rates.items() if at > now}
             self._windows = {k: w for k, w in self._windows.items() if w[2] > now}
 
-    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float]:
+    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float, str | None]:
         ttl = check_lease(ttl, "debounce")
         now = time.monotonic()
         with self._mutex:
             latest, opened, until = self._windows.get(key, (None, now, now))
+            closed = latest if until > now and opened is None else None
             if until <= now or opened is None:  # no window, it ran out, or it is closed
                 latest, opened = None, now
             # Never shorter than an earlier send asked: it may start later than this one.
             self._windows[key] = (task_id, opened, max(until, now + ttl))
             self._prune(now)
-            return latest, now - opened
+            return latest, now - opened, closed
 
     def debounce_take(self, key: str, task_id: str) -> str | None:
         now = time.monotonic()
@@ -200,16 +201,20 @@ class MemoryBackend(LockBackend):
                 self._windows[key] = (task_id, None, window[2])  # closed: opened is None
             return window[0]
 
-    def debounce_undo(self, key: str, task_id: str, previous: str | None) -> bool:
+    def debounce_undo(
+        self, key: str, task_id: str, previous: str | None, *, closed: str | None = None
+    ) -> bool:
         now = time.monotonic()
         with self._mutex:
             window = self._windows.get(key)
             if window is None or window[0] != task_id or window[1] is None or window[2] <= now:
                 return False
-            if previous is None:
-                del self._windows[key]  # task_id opened it
-            else:
+            if previous is not None:
                 self._windows[key] = (previous, window[1], window[2])
+            elif closed is not None:  # task_id opened it over this closed one: closed again
+                self._windows[key] = (closed, None, window[2])
+            else:
+                del self._windows[key]  # task_id opened it
             return True
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:

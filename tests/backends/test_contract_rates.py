@@ -202,7 +202,7 @@ def test_each_send_becomes_the_windows_latest_and_is_told_the_one_before(
 
     # Then the first opened it, and each later one learns the one it superseded and the age of
     # the window, counted from its first send
-    assert first == (None, 0.0)
+    assert first == (None, 0.0, None)
     assert second[0] == "send-1"
     assert third[0] == "send-2"
     assert 0.1 < second[1] <= third[1] < 10
@@ -226,7 +226,7 @@ def test_a_send_after_the_window_closed_opens_a_new_one(debounced: LockBackend, 
     debounced.debounce(key, "send-1", LEASE)
     time.sleep(0.2)
     assert debounced.debounce_take(key, "send-1") == "send-1"
-    assert debounced.debounce(key, "send-2", LEASE) == (None, 0.0)
+    assert debounced.debounce(key, "send-2", LEASE) == (None, 0.0, "send-1")
     # The new window is open: the first send is superseded, the new one takes it
     assert debounced.debounce_take(key, "send-1") == "send-2"
     assert debounced.debounce_take(key, "send-2") == "send-2"
@@ -238,7 +238,7 @@ def test_a_window_runs_out_by_itself(debounced: LockBackend, key: str) -> None:
     while debounced.debounce_take(key, "send-0") is not None:
         assert time.monotonic() < deadline, "the window did not run out"
         time.sleep(0.05)
-    assert debounced.debounce(key, "send-2", LEASE) == (None, 0.0)
+    assert debounced.debounce(key, "send-2", LEASE) == (None, 0.0, None)
 
 
 def test_a_later_send_with_a_shorter_wait_never_shortens_the_window(
@@ -250,7 +250,7 @@ def test_a_later_send_with_a_shorter_wait_never_shortens_the_window(
     whether the later send's run has closed it or not, and never runs its older arguments."""
     # Given send-1 with a long countdown of its own (its window kept LEASE seconds), and
     # send-2, a later send with a short one (its window kept SHORT seconds)
-    assert debounced.debounce(key, "send-1", LEASE) == (None, 0.0)
+    assert debounced.debounce(key, "send-1", LEASE) == (None, 0.0, None)
     assert debounced.debounce(key, "send-2", SHORT)[0] == "send-1"
 
     # When send-2's wait has long passed (it starts and closes the window), and send-1 starts
@@ -297,7 +297,7 @@ def test_an_unpublished_send_taken_back_makes_the_send_before_it_the_latest_agai
     """The window is as it was before the send: the send it superseded is the latest again
     (and runs), and the window keeps the time it opened."""
     # Given a window opened by send-1, then superseded by send-2, whose publish failed
-    assert debounced.debounce(key, "send-1", LEASE) == (None, 0.0)
+    assert debounced.debounce(key, "send-1", LEASE) == (None, 0.0, None)
     time.sleep(0.2)
     assert debounced.debounce(key, "send-2", LEASE)[0] == "send-1"
 
@@ -306,9 +306,10 @@ def test_an_unpublished_send_taken_back_makes_the_send_before_it_the_latest_agai
 
     # Then send-1 is the latest again: a later send supersedes it, in the same window (its age
     # counted from send-1's send)
-    previous, age = debounced.debounce(key, "send-3", LEASE)
+    previous, age, closed = debounced.debounce(key, "send-3", LEASE)
     assert previous == "send-1"
     assert 0.1 < age < 10
+    assert closed is None
     # And once that one is taken back too, send-1 is the send that runs and closes the window
     assert debounced.debounce_undo(key, "send-3", "send-1") is True
     assert debounced.debounce_take(key, "send-1") == "send-1"
@@ -319,15 +320,87 @@ def test_an_unpublished_send_that_opened_the_window_takes_the_window_away(
     debounced: LockBackend, key: str
 ) -> None:
     # Given a window opened by send-1, whose publish failed
-    assert debounced.debounce(key, "send-1", LEASE) == (None, 0.0)
+    assert debounced.debounce(key, "send-1", LEASE) == (None, 0.0, None)
 
     # When send-1 is taken back
     assert debounced.debounce_undo(key, "send-1", None) is True
 
     # Then the key has no window: a message that starts finds none, the next send opens one
     assert debounced.debounce_take(key, "send-0") is None
-    assert debounced.debounce(key, "send-2", LEASE) == (None, 0.0)
+    assert debounced.debounce(key, "send-2", LEASE) == (None, 0.0, None)
     assert debounced.debounce_take(key, "send-2") == "send-2"
+
+
+def test_a_send_that_opens_a_window_over_a_closed_one_is_told_the_send_that_closed_it(
+    debounced: LockBackend, key: str
+) -> None:
+    """debounce returns, third, the latest send of the closed window it replaced (what its
+    take-back puts back); None over an open window, no window, or one that ran out."""
+    # Given a window closed by send-1 (it ran)
+    debounced.debounce(key, "send-1", LEASE)
+    assert debounced.debounce_take(key, "send-1") == "send-1"
+
+    # When send-2 opens a new window over it / Then it is told send-1 closed the one it replaced
+    assert debounced.debounce(key, "send-2", LEASE) == (None, 0.0, "send-1")
+    # And a send into that open window is told of no closed one
+    assert debounced.debounce(key, "send-3", LEASE)[::2] == ("send-2", None)
+
+    # And a closed window that ran out is no window: nothing to put back
+    other = f"{key}:short"
+    debounced.debounce(other, "send-1", SHORT)
+    assert debounced.debounce_take(other, "send-1") == "send-1"
+    deadline = time.monotonic() + 10
+    while debounced.debounce_take(other, "send-0") is not None:
+        assert time.monotonic() < deadline, "the closed window did not run out"
+        time.sleep(0.05)
+    assert debounced.debounce(other, "send-2", LEASE) == (None, 0.0, None)
+
+
+def test_an_unpublished_send_that_opened_a_window_over_a_closed_one_puts_the_closed_one_back(
+    debounced: LockBackend, key: str
+) -> None:
+    """The previous burst ran (its latest send closed the window); a send of the next burst
+    opened a new window over it and was never published. Taken back, the closed window is as
+    it was: an earlier send of that burst that a worker starts late is still superseded by the
+    send that ran, instead of finding no window and running a second body for the burst."""
+    # Given a burst of send-1, send-2 whose latest, send-2, ran and closed the window
+    debounced.debounce(key, "send-1", LEASE)
+    debounced.debounce(key, "send-2", LEASE)
+    assert debounced.debounce_take(key, "send-2") == "send-2"
+    # And send-3, whose publish failed, which opened a new window over the closed one
+    assert debounced.debounce(key, "send-3", LEASE) == (None, 0.0, "send-2")
+
+    # When send-3 is taken back
+    assert debounced.debounce_undo(key, "send-3", None, closed="send-2") is True
+
+    # Then the window is closed again, naming send-2: send-1, started late, is superseded by
+    # send-2, and send-2 (its message sent again) gets its own id back
+    assert debounced.debounce_take(key, "send-1") == "send-2"
+    assert debounced.debounce_take(key, "send-2") == "send-2"
+    # And it stays closed: the next send opens a new window, told send-2 closed the one before
+    assert debounced.debounce(key, "send-4", LEASE) == (None, 0.0, "send-2")
+    assert debounced.debounce_take(key, "send-1") == "send-4"
+    assert debounced.debounce_take(key, "send-4") == "send-4"
+
+
+def test_unpublished_sends_over_a_closed_window_taken_back_in_turn_put_it_back(
+    debounced: LockBackend, key: str
+) -> None:
+    """Two sends of the next burst failed, taken back latest first: the first is the latest
+    again, then the closed window is back."""
+    # Given a window closed by send-1, then send-2 (over it) and send-3, both unpublished
+    debounced.debounce(key, "send-1", LEASE)
+    assert debounced.debounce_take(key, "send-1") == "send-1"
+    assert debounced.debounce(key, "send-2", LEASE) == (None, 0.0, "send-1")
+    assert debounced.debounce(key, "send-3", LEASE)[::2] == ("send-2", None)
+
+    # When send-3, then send-2 are taken back
+    assert debounced.debounce_undo(key, "send-3", "send-2") is True
+    assert debounced.debounce_undo(key, "send-2", None, closed="send-1") is True
+
+    # Then the closed window names send-1 again
+    assert debounced.debounce_take(key, "send-0") == "send-1"
+    assert debounced.debounce(key, "send-4", LEASE) == (None, 0.0, "send-1")
 
 
 def test_taking_back_a_send_the_window_no_longer_names_changes_nothing(
@@ -372,12 +445,12 @@ def test_a_take_back_racing_a_later_send_never_loses_the_later_send(
 
         def later(
             name: str = name, barrier: threading.Barrier = barrier
-        ) -> tuple[str | None, float]:
+        ) -> tuple[str | None, float, str | None]:
             barrier.wait(timeout=30)
             return debounced.debounce(name, "send-3", LEASE)
 
         with ThreadPoolExecutor(max_workers=2) as pool:
             undoing, sending = pool.submit(undo), pool.submit(later)
-            undone, (previous, _) = undoing.result(), sending.result()
+            undone, (previous, _, _) = undoing.result(), sending.result()
         assert debounced.debounce_take(name, "send-1") == "send-3"
         assert previous == ("send-1" if undone else "send-2")

@@ -460,7 +460,7 @@ def test_a_rated_slot_acquisition_and_a_debounce_cost_one_round_trip_each(
     assert again.fence == started.fence
     assert not refused.acquired
     assert refused.retry_after is not None
-    assert opened == (None, 0.0)
+    assert opened == (None, 0.0, None)
     assert taken == "send-1"
 
 
@@ -477,7 +477,7 @@ def test_a_rate_record_and_a_debounce_window_are_companions_of_the_key(
     # When the key starts with a rate, and a send opens its window
     server_ms = int(redis_client.time()[0]) * 1000
     assert redis_backend.acquire_slot(key, 1, "token-a", LEASE, interval=20).acquired
-    assert redis_backend.debounce(key, "send-1", 40) == (None, 0.0)
+    assert redis_backend.debounce(key, "send-1", 40) == (None, 0.0, None)
 
     # Then each is a key of its own, with an expiry, in the key's cluster slot
     allowed = int(redis_client.get(rate) or 0) // 1000
@@ -499,7 +499,7 @@ def test_a_take_closes_the_window_keeping_its_record_and_expiry(
     with its expiry, and the next send opens a new window over it."""
     window = f"{{{key}}}:debounce"
     # Given a window whose latest send takes it
-    assert redis_backend.debounce(key, "send-1", 40) == (None, 0.0)
+    assert redis_backend.debounce(key, "send-1", 40) == (None, 0.0, None)
     assert redis_backend.debounce(key, "send-2", 40)[0] == "send-1"
     assert redis_backend.debounce_take(key, "send-2") == "send-2"
 
@@ -512,7 +512,7 @@ def test_a_take_closes_the_window_keeping_its_record_and_expiry(
     assert redis_client.hgetall(window) == {b"l": b"send-2"}
     # When a send comes, it opens a new window, keeping the record's longer expiry: send-1,
     # which asked for 40 s, may still start and must find a window naming its successor
-    assert redis_backend.debounce(key, "send-3", 10) == (None, 0.0)
+    assert redis_backend.debounce(key, "send-3", 10) == (None, 0.0, "send-2")
     fields = redis_client.hgetall(window)
     assert fields[b"l"] == b"send-3"
     assert b"o" in fields

@@ -199,7 +199,7 @@ def test_a_database_of_an_older_version_gains_rate_and_debounce_tables(tmp_path:
 
     backend = SQLiteBackend(path)
     assert backend.acquire_slot("k", 1, "t1", 30, interval=30).acquired
-    assert backend.debounce("k", "send-1", 30) == (None, 0.0)
+    assert backend.debounce("k", "send-1", 30) == (None, 0.0, None)
     holder = backend.holder("held")
     assert holder is not None
     assert holder.token == "t0"

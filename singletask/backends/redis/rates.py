@@ -135,12 +135,13 @@ _ACQUIRE_SLOT_RATED_KEEPING = _Script(ACQUIRE_SLOT_RATED_KEEPING_SCRIPT)
 # ARGV[1]  the task id of this send
 # ARGV[2]  how long the window is kept from now, in milliseconds
 # Returns {previous latest task id, or false when this call opened the window; ms since the
-# window opened, by the server clock (0 when this call opened it)}. ARGV[1] becomes the latest
-# (field l). A window is open when the hash has field o; with no hash, or one without o (a
-# window closed by DEBOUNCE_TAKE_SCRIPT), this call opens a new one: the hash is written
-# again as {l: ARGV[1], o: the server ms now}. The hash is kept ARGV[2] ms from now, or
-# longer if an earlier send asked for longer (its PTTL is never shortened: an earlier send
-# with a longer countdown of its own must still find the window when it starts).
+# window opened, by the server clock (0 when this call opened it); the latest of the closed
+# window this call opened a new one over, else false (for DEBOUNCE_UNDO_SCRIPT)}. ARGV[1]
+# becomes the latest (field l). A window is open when the hash has field o; with no hash, or
+# one without o (a window closed by DEBOUNCE_TAKE_SCRIPT), this call opens a new one: the hash
+# is written again as {l: ARGV[1], o: the server ms now}. The hash is kept ARGV[2] ms from
+# now, or longer if an earlier send asked for longer (its PTTL is never shortened: an earlier
+# send with a longer countdown of its own must still find the window when it starts).
 # Errors (before any write) when ARGV[2] is out of range.
 DEBOUNCE_SCRIPT = (
     _CHECK_MS
@@ -150,15 +151,16 @@ local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local rec = redis.call('HMGET', KEYS[1], 'l', 'o')
 local opened = tonumber(rec[2])
+local closed = false
 if rec[1] and opened then
   redis.call('HSET', KEYS[1], 'l', ARGV[1])
 else
-  rec[1], opened = false, now_ms
+  closed, rec[1], opened = rec[1], false, now_ms
   redis.call('DEL', KEYS[1])
   redis.call('HSET', KEYS[1], 'l', ARGV[1], 'o', string.format('%.0f', now_ms))
 end
 redis.call('PEXPIRE', KEYS[1], ttl)
-return {rec[1], math.max(0, now_ms - opened)}
+return {rec[1], math.max(0, now_ms - opened), closed}
 """
 )
 
@@ -179,18 +181,24 @@ return rec[1]
 # ARGV[1]  the task id of a send whose message was never published
 # ARGV[2]  the latest send its DEBOUNCE_SCRIPT call replaced, or '' when that call opened the
 #          window
+# ARGV[3]  the latest of the closed window that call replaced (its third reply), or ''
 # Returns 1 when it changed the window, else 0. Only when the window is open (field o) and its
 # latest (field l) is ARGV[1]: with ARGV[2], l becomes ARGV[2] (o and the expiry are kept);
-# with '', the hash is deleted. Otherwise (superseded, closed, or no window) it writes nothing.
+# with '' and ARGV[3], the closed window is back: l becomes ARGV[3] and o is deleted (the
+# expiry kept); with '' and '', the hash is deleted. Otherwise (superseded, closed, or no
+# window) it writes nothing.
 DEBOUNCE_UNDO_SCRIPT = """
 local rec = redis.call('HMGET', KEYS[1], 'l', 'o')
 if rec[1] ~= ARGV[1] or not rec[2] then
   return 0
 end
-if ARGV[2] == '' then
-  redis.call('DEL', KEYS[1])
-else
+if ARGV[2] ~= '' then
   redis.call('HSET', KEYS[1], 'l', ARGV[2])
+elseif ARGV[3] ~= '' then
+  redis.call('HSET', KEYS[1], 'l', ARGV[3])
+  redis.call('HDEL', KEYS[1], 'o')
+else
+  redis.call('DEL', KEYS[1])
 end
 return 1
 """
@@ -232,8 +240,12 @@ def debounce_args(task_id: str, ttl: float) -> tuple[str, int]:
     return task_id, _ms(ttl, "debounce")
 
 
-def debounce_result(reply: Sequence[Any]) -> tuple[str | None, float]:
+def debounce_result(reply: Sequence[Any]) -> tuple[str | None, float, str | None]:
     """What :meth:`~singletask.backends.base.LockBackend.debounce` returns for DEBOUNCE_SCRIPT's
     reply."""
-    previous, age = reply
-    return (_text(previous) if previous else None), int(age) / 1000
+    previous, age, closed = reply
+    return (
+        _text(previous) if previous else None,
+        int(age) / 1000,
+        _text(closed) if closed else None,
+    )

@@ -281,7 +281,7 @@ class RedisBackend(LockBackend):
         self._check_slots(keys)
         return slot_result(keys[:limit], self._call("acquire", script, keys, args))
 
-    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float]:
+    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float, str | None]:
         self._check_key(key, "debounce")
         args = debounce_args(task_id, ttl)
         return debounce_result(self._call("debounce", _DEBOUNCE, (window_key(key),), args))
@@ -291,9 +291,11 @@ class RedisBackend(LockBackend):
         latest = self._call("debounce", _DEBOUNCE_TAKE, (window_key(key),), (task_id,))
         return _text(latest) if latest else None
 
-    def debounce_undo(self, key: str, task_id: str, previous: str | None) -> bool:
+    def debounce_undo(
+        self, key: str, task_id: str, previous: str | None, *, closed: str | None = None
+    ) -> bool:
         self._check_key(key, "debounce")
-        args = (task_id, previous or "")
+        args = (task_id, previous or "", closed or "")
         return bool(self._call("debounce", _DEBOUNCE_UNDO, (window_key(key),), args))
 
     def _check_key(self, key: str, operation: str) -> None:

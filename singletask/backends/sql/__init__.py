@@ -3,7 +3,8 @@
 * ``core``: what the server stores share, the table layout and URL options; ``pool``, their
   connection pool; ``slots``, their holder-slot arguments and outcomes;
 * ``postgres`` (:class:`~singletask.backends.sql.postgres.PostgresBackend`), its statements in
-  ``postgres_queries`` and its client-side deadline in ``watchdog``;
+  ``postgres_queries``, those of its debounce windows in ``postgres_windows``, and its
+  client-side deadline in ``watchdog``;
 * ``mysql`` (:class:`~singletask.backends.sql.mysql.MySQLBackend`), its statements in
   ``mysql_queries``;
 * ``sqlite`` (:class:`~singletask.backends.sql.sqlite.SQLiteBackend`), its file in

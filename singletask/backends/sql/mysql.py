@@ -287,11 +287,11 @@ class MySQLBackend(core.SQLBackend):
              for n, holder, meta_now, fence, left, done in rows],
         )  # fmt: skip
 
-    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float]:
+    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float, str | None]:
         args = {**_keys(key), "task_id": task_id, "ttl_us": _us(check_lease(ttl, "debounce"))}
         rows = self._run("debounce", key, lambda c: _script(c, self._q["debounce"], args)[4])
-        latest, age_us = rows[0]
-        return _text(latest), max(0.0, int(age_us) / 1e6)
+        latest, age_us, closed = rows[0]
+        return _text(latest), max(0.0, int(age_us) / 1e6), _text(closed)
 
     def debounce_take(self, key: str, task_id: str) -> str | None:
         args = {**_keys(key), "task_id": task_id}
@@ -300,8 +300,10 @@ class MySQLBackend(core.SQLBackend):
         )
         return _text(rows[0][0]) if rows else None
 
-    def debounce_undo(self, key: str, task_id: str, previous: str | None) -> bool:
-        args = {**_keys(key), "task_id": task_id, "previous": previous}
+    def debounce_undo(
+        self, key: str, task_id: str, previous: str | None, *, closed: str | None = None
+    ) -> bool:
+        args = {**_keys(key), "task_id": task_id, "previous": previous, "closed": closed}
         text = self._q["debounce_undo"]
         return self._run("debounce_undo", key, lambda c: c.execute(text, args) > 0)
 

@@ -211,15 +211,17 @@ COMMIT"""
 # Debounce windows, on the key's own row: locked first (inserted free if missing), then, with
 # the clock read after the lock, the open window's latest send and age are read (NULL and 0
 # when none is open: ``debounce_until`` not later than now, or the window closed, its
-# ``debounce_opened`` NULL), and the window is given the new latest send, opened now unless it
-# was open (assigned before debounce_until changes), and kept until ``ttl_us`` from now or, if an
-# earlier send asked for longer, until then (never shortened).
+# ``debounce_opened`` NULL), and the latest send of an unexpired closed window (NULL unless
+# the window is closed: what DEBOUNCE_UNDO puts back), and the window is given the new latest
+# send, opened now unless it was open (assigned before debounce_until changes), and kept until
+# ``ttl_us`` from now or, if an earlier send asked for longer, until then (never shortened).
 DEBOUNCE = f"""{LOCK_ROW}
 SET @st_open = COALESCE(
     (SELECT debounce_until > @st_now AND debounce_opened IS NOT NULL FROM {{table}}
      WHERE `key` = %(key)s), 0);
 SELECT IF(@st_open, debounce_latest, NULL),
-    IF(@st_open, TIMESTAMPDIFF(MICROSECOND, debounce_opened, @st_now), 0)
+    IF(@st_open, TIMESTAMPDIFF(MICROSECOND, debounce_opened, @st_now), 0),
+    IF(NOT @st_open AND debounce_until > @st_now, debounce_latest, NULL)
 FROM {{table}} WHERE `key` = %(key)s;
 UPDATE {{table}} SET
     debounce_opened = IF(@st_open, debounce_opened, @st_now),
@@ -245,14 +247,16 @@ WHERE `key` = %(key)s AND debounce_until > @st_now FOR UPDATE;
 COMMIT"""
 
 # Takes back a send whose message was never published, if the open window still names it: the
-# send it superseded is the latest again, or without one (it opened the window) the window is
-# gone (the row stays, for its other records). One statement in autocommit: the row lock is its
-# atomicity. (MySQL assigns left to right: debounce_latest, which the others do not read, last.)
+# send it superseded is the latest again; or without one (it opened the window), the closed
+# window it opened a new one over is back (``debounce_opened`` NULL, the latest ``closed``,
+# ``debounce_until`` kept: the longer expiry), or without that the window is gone (the row
+# stays, for its other records). One statement in autocommit: the row lock is its atomicity.
+# (MySQL assigns left to right: debounce_latest, which the others do not read, last.)
 DEBOUNCE_UNDO = """
 UPDATE {table} SET
     debounce_opened = IF(%(previous)s IS NULL, NULL, debounce_opened),
-    debounce_until = IF(%(previous)s IS NULL, NULL, debounce_until),
-    debounce_latest = %(previous)s
+    debounce_until = IF(COALESCE(%(previous)s, %(closed)s) IS NULL, NULL, debounce_until),
+    debounce_latest = COALESCE(%(previous)s, %(closed)s)
 WHERE `key` = %(key)s AND debounce_latest = %(task_id)s AND debounce_opened IS NOT NULL
     AND debounce_until > UTC_TIMESTAMP(6)"""
 

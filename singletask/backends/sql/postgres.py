@@ -8,7 +8,8 @@ and singletask's own: ``table`` (default ``singletask_locks``), ``pool_size`` (4
 Needs ``pip install "singletask[postgres]"`` (psycopg 3).
 
 How it holds its guarantees (the table layout is in :mod:`singletask.backends.sql.core`, the SQL
-in :mod:`singletask.backends.sql.postgres_queries`):
+in :mod:`singletask.backends.sql.postgres_queries`, that of debounce windows in
+:mod:`singletask.backends.sql.postgres_windows`):
 
 * Each new connection sets its session's isolation (READ COMMITTED) and server-side time limits
   (``statement_timeout``, ``lock_timeout``: the store's ``timeout``) with one statement, never
@@ -51,6 +52,7 @@ from ...urls import mask_url
 from ..base import AcquireResult, Holder, check_lease
 from . import core, pool, slots
 from . import postgres_queries as Q
+from . import postgres_windows as W
 from .postgres_queries import KEY_BYTES
 from .watchdog import WATCHDOG
 
@@ -124,7 +126,7 @@ class PostgresBackend(core.SQLBackend):
                 "schema": Q.SCHEMA, "index": Q.INDEX, "add_columns": Q.ADD_COLUMNS,
                 # Scripts of several statements: always one transaction, one message.
                 "acquire_slot": Q.SLOT_SCRIPT, "release_slot": Q.RELEASE_SLOT,
-                "debounce": Q.DEBOUNCE,
+                "debounce": W.DEBOUNCE,
             }.items()
         }  # fmt: skip
         wrap = sql.SQL(Q.SCRIPT if transaction_pooling else "{statement}")
@@ -133,8 +135,8 @@ class PostgresBackend(core.SQLBackend):
             for name, text in {
                 "acquire": Q.ACQUIRE, "release": Q.RELEASE, "extend": Q.EXTEND,
                 "extend_many": Q.EXTEND_MANY, "claim_next": Q.CLAIM_NEXT,
-                "clear_next": Q.CLEAR_NEXT, "debounce_take": Q.DEBOUNCE_TAKE,
-                "debounce_undo": Q.DEBOUNCE_UNDO,
+                "clear_next": Q.CLEAR_NEXT, "debounce_take": W.DEBOUNCE_TAKE,
+                "debounce_undo": W.DEBOUNCE_UNDO,
                 "holder": Q.HOLDER, "iter": Q.ITER, "release_holder": Q.RELEASE_HOLDER,
                 "reclaim": Q.RECLAIM,
             }.items()
@@ -306,21 +308,23 @@ class PostgresBackend(core.SQLBackend):
         rows = self._run("acquire", names[0], "acquire_slot", args, lambda c: c.fetchall())
         return slots.slot_outcome(names, token, rows)
 
-    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float]:
+    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float, str | None]:
         stored = self._keys(key)
         args = {"base": stored["key"], "base_full": stored["full_key"], "task_id": task_id,
                 "ttl": check_lease(ttl, "debounce")}  # fmt: skip
         row = self._run("debounce", key, "debounce", args, lambda c: c.fetchone())
         assert row is not None  # the row was inserted if missing
-        return row[0], max(0.0, row[1])
+        return row[0], max(0.0, row[1]), row[2]
 
     def debounce_take(self, key: str, task_id: str) -> str | None:
         args = {**self._keys(key), "task_id": task_id}
         row = self._run("debounce_take", key, "debounce_take", args, lambda c: c.fetchone())
         return None if row is None else str(row[0])
 
-    def debounce_undo(self, key: str, task_id: str, previous: str | None) -> bool:
-        args = {**self._keys(key), "task_id": task_id, "previous": previous}
+    def debounce_undo(
+        self, key: str, task_id: str, previous: str | None, *, closed: str | None = None
+    ) -> bool:
+        args = {**self._keys(key), "task_id": task_id, "previous": previous, "closed": closed}
         return self._run("debounce_undo", key, "debounce_undo", args, lambda c: c.rowcount > 0)
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:

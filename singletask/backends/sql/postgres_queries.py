@@ -276,48 +276,6 @@ k AS (UPDATE {{table}} SET done = %(done)s
 SELECT count(*) FROM r;
 COMMIT"""
 
-# Debounce windows, on the key's own row: locked first (inserted free if missing, as a slot
-# acquisition locks it), then, with the clock read after the lock, the window's latest send is
-# replaced, opened now unless it is open (``debounce_until`` later than now and not closed:
-# ``debounce_opened`` set), and kept until ``ttl`` from now or, if an earlier send asked for
-# longer, until then (never shortened); returns the send it superseded (NULL when it opened
-# the window) and the window's age.
-DEBOUNCE = f"""
-BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL statement_timeout = {{ms}};
-SET LOCAL lock_timeout = {{ms}};
-{SLOT_LOCK_KEY};
-WITH n AS (SELECT clock_timestamp() AS now),
-o AS (SELECT debounce_latest AS latest, debounce_opened AS opened,
-        coalesce(debounce_until > n.now AND debounce_opened IS NOT NULL, false) AS open
-    FROM {{table}}, n WHERE key = %(base)s)
-UPDATE {{table}} AS l SET debounce_latest = %(task_id)s,
-    debounce_opened = CASE WHEN o.open THEN o.opened ELSE n.now END,
-    debounce_until = greatest(l.debounce_until, n.now + %(ttl)s * interval '1 second'),
-    expires_at = greatest(l.expires_at, n.now + %(ttl)s * interval '1 second')
-FROM o, n WHERE l.key = %(base)s
-RETURNING CASE WHEN o.open THEN o.latest END,
-    CASE WHEN o.open THEN extract(epoch FROM n.now - o.opened)::float8 ELSE 0 END;
-COMMIT"""
-
-# The unexpired window's latest send, the row locked first (so a send that supersedes it
-# commits before, or after this); the window is closed (``debounce_opened`` NULL, its latest
-# send and ``debounce_until`` kept) when it is open and that send is the caller's.
-DEBOUNCE_TAKE = """
-WITH o AS (SELECT debounce_latest AS latest, debounce_opened AS opened FROM {table}
-    WHERE key = %(key)s AND debounce_until > clock_timestamp() FOR UPDATE),
-d AS (UPDATE {table} AS l SET debounce_opened = NULL
-    FROM o WHERE l.key = %(key)s AND o.latest = %(task_id)s AND o.opened IS NOT NULL)
-SELECT latest FROM o"""
-
-# Takes back an unpublished send if the open window still names it: the send it superseded is
-# the latest again, or the window is gone (the row stays). One statement, one row lock.
-DEBOUNCE_UNDO = """
-UPDATE {table} SET debounce_latest = %(previous)s,
-    debounce_opened = CASE WHEN %(previous)s::text IS NULL THEN NULL ELSE debounce_opened END,
-    debounce_until = CASE WHEN %(previous)s::text IS NULL THEN NULL ELSE debounce_until END
-WHERE key = %(key)s AND debounce_latest = %(task_id)s AND debounce_opened IS NOT NULL
-    AND debounce_until > clock_timestamp()"""
-
 #: The scripts of several statements (sent as one message in every mode), and how many results
 #: come before the one the operation reads.
 SKIPPED = {"acquire_slot": PREAMBLE + 2, "release_slot": PREAMBLE + 1, "debounce": PREAMBLE + 1}

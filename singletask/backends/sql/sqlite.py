@@ -258,7 +258,7 @@ class SQLiteBackend(LockBackend):
         )
         return AcquireResult(True, fence=fence, completed=last[1] if last else None, key=name)
 
-    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float]:
+    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float, str | None]:
         ttl = check_lease(ttl, "debounce")
         with self._transaction("debounce", key) as conn:
             return windows.debounce(conn, key, task_id, ttl, time.time())
@@ -267,9 +267,11 @@ class SQLiteBackend(LockBackend):
         with self._transaction("debounce_take", key) as conn:
             return windows.debounce_take(conn, key, task_id, time.time())
 
-    def debounce_undo(self, key: str, task_id: str, previous: str | None) -> bool:
+    def debounce_undo(
+        self, key: str, task_id: str, previous: str | None, *, closed: str | None = None
+    ) -> bool:
         with self._transaction("debounce_undo", key) as conn:
-            return windows.debounce_undo(conn, key, task_id, previous, time.time())
+            return windows.debounce_undo(conn, key, task_id, previous, closed, time.time())
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         with self._transaction("release", key) as conn:

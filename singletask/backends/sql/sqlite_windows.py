@@ -80,18 +80,21 @@ def start(conn: sqlite3.Connection, key: str, interval: float, now: float) -> fl
 
 def debounce(
     conn: sqlite3.Connection, key: str, task_id: str, ttl: float, now: float
-) -> tuple[str | None, float]:
+) -> tuple[str | None, float, str | None]:
     """Make ``task_id`` the latest send of the window of ``key`` (opening one if none is open:
     no row, the last one ran out, or it is closed), lasting ``ttl`` seconds from ``now``.
-    Returns the previous latest send (None: this call opened the window) and the window's
-    age."""
+    Returns the previous latest send (None: this call opened the window), the window's age,
+    and the latest send of the closed window it opened a new one over (else None)."""
     row = conn.execute(
         "SELECT latest, opened, until FROM singletask_debounce WHERE key = ?", (key,)
     ).fetchone()
     latest: str | None = None
+    closed: str | None = None
     opened, until = now, now + ttl
     if row is not None and row[2] > now and row[1] >= 0:  # a window is open (not CLOSED)
         latest, opened = str(row[0]), float(row[1])
+    elif row is not None and row[2] > now:  # a closed window, replaced
+        closed = str(row[0])
     if row is not None:  # never shorter than an earlier send asked: it may start later
         until = max(until, float(row[2]))
     conn.execute(
@@ -100,7 +103,7 @@ def debounce(
         (key, task_id, opened, until),
     )
     _wrote(conn, now)
-    return latest, max(0.0, now - opened)  # the wall clock may step back
+    return latest, max(0.0, now - opened), closed  # the wall clock may step back
 
 
 def debounce_take(conn: sqlite3.Connection, key: str, task_id: str, now: float) -> str | None:
@@ -121,15 +124,24 @@ def debounce_take(conn: sqlite3.Connection, key: str, task_id: str, now: float) 
 
 
 def debounce_undo(
-    conn: sqlite3.Connection, key: str, task_id: str, previous: str | None, now: float
+    conn: sqlite3.Connection,
+    key: str,
+    task_id: str,
+    previous: str | None,
+    closed: str | None,
+    now: float,
 ) -> bool:
     """Take back the :func:`debounce` of ``task_id`` if the open window of ``key`` still names
-    it: ``previous`` is the latest again (``opened`` and ``until`` kept), or without one the row
-    is deleted. Returns whether it changed anything."""
+    it: ``previous`` is the latest again (``opened`` and ``until`` kept), or without one the
+    closed window ``closed`` is back (``opened`` :data:`CLOSED`, ``until`` kept), or without
+    either the row is deleted. Returns whether it changed anything."""
     where = " WHERE key = ? AND latest = ? AND opened >= 0 AND until > ?"
-    if previous is None:
-        cursor = conn.execute("DELETE FROM singletask_debounce" + where, (key, task_id, now))
-    else:
+    if previous is not None:
         change = "UPDATE singletask_debounce SET latest = ?" + where
         cursor = conn.execute(change, (previous, key, task_id, now))
+    elif closed is not None:
+        change = "UPDATE singletask_debounce SET latest = ?, opened = ?" + where
+        cursor = conn.execute(change, (closed, CLOSED, key, task_id, now))
+    else:
+        cursor = conn.execute("DELETE FROM singletask_debounce" + where, (key, task_id, now))
     return cursor.rowcount > 0
