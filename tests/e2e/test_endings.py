@@ -168,9 +168,12 @@ def assert_body_over(cluster: Cluster, label: str, start: dict[str, Any]) -> Non
     if [e for e in cluster.probe.events(label, "end") if e["task_id"] == start["task_id"]]:
         return
     try:
-        status = psutil.Process(start["pid"]).status()
+        process = psutil.Process(start["pid"])
+        status, created = process.status(), process.create_time()
     except psutil.NoSuchProcess:
         return
+    if created > start["t"]:
+        return  # the pid was given to a new process (pids wrap around on a busy machine)
     assert status == psutil.STATUS_ZOMBIE, f"process {start['pid']} is still {status}"
 
 

@@ -15,7 +15,9 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
   (documented: a producer killed between its store write and its publish).
 * ``joined-ended``: a send deduplicated onto another joined one that had not yet ended.
 * ``once``: no attempt of a message (task id, retries) completes its body twice.
-* ``retry-runs``: a body that called ``self.retry()`` has its retried attempt run.
+* ``retry-runs``: a body that called ``self.retry()`` has its retried attempt run, unless a
+  later send of its debounce window superseded the retry (``docs/lifecycle.rst``: the latest
+  arguments run instead; ``superseded`` checks that they do).
 * ``superseded``: a ``Skipped(reason="debounced")`` names a later send that was published and
   whose body ran (or that met a visible refusal of its own).
 * ``last-runs``: of a debounced burst, the last send actually published runs its body (or meets
@@ -127,6 +129,19 @@ class Body:
         if self.end is not None:
             return self.end
         return self.start + (1.5 if self.ending == "hard" else 0.01)
+
+
+def _passed_on(dead: Body, later: Body) -> bool:
+    """Whether ``dead``, a body that killed its own process (it has no end), had its lock passed
+    on to ``later``: a larger fence, which the store gives only once the worker saw the process
+    gone (or its lease ran out). A dead process acts no more, however soon that was."""
+    return (
+        dead.end is None
+        and dead.ending == "kill"
+        and dead.fence is not None
+        and later.fence is not None
+        and later.fence > dead.fence
+    )
 
 
 @dataclass
@@ -368,6 +383,9 @@ class _Judge:
             later = [b for b in self.bodies[body.task_id] if b.retries == body.retries + 1]
             if later:
                 continue
+            outcome = self.outcome(body.task_id)
+            if outcome.kind == "skipped" and outcome.reason == "debounced":
+                continue  # superseded by a later send of its window: the `superseded` rule
             send = self.by_seq.get(body.seq)
             self.violation(
                 "retry-runs", self.where(send, body.key, body.config), [send] if send else [],
@@ -494,7 +512,10 @@ class _Judge:
 
     def _exclusion(self, here: str, limit: int, bodies: Sequence[Body]) -> None:
         for body in bodies:
-            along = [b for b in bodies if b.start <= body.start < b.until() and b is not body]
+            along = [
+                b for b in bodies
+                if b.start <= body.start < b.until() and b is not body and not _passed_on(b, body)
+            ]  # fmt: skip
             if len(along) + 1 > limit:
                 self.violation(
                     "exclusion", here, self._sends([*along, body]),

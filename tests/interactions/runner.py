@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import json
 import os
 import random
@@ -237,6 +238,10 @@ def _cluster(
             ),
         }
         for app in apps.values():
+            # An AsyncResult collected after the result store has stopped (at the session's
+            # end, from a failed test's kept frames) unsubscribes from it in its __del__:
+            # without this, Celery's reconnection retries hold the process at exit.
+            app.conf.result_backend_transport_options = {"retry_policy": {"max_retries": 0}}
             stack.callback(app.close)
         worker = WorkerProcess(env, workdir / "worker.log", apps["main"], settings.concurrency)
         stack.callback(worker.stop)
@@ -509,6 +514,10 @@ def run(servers: Servers, seed: int, settings: Settings, workdir: Path) -> tuple
             seed, {c.name: c for c in configs}, ledger, _bodies(probe, run_id), outcomes,
             _residues(locks, prefix), faults,
         )  # fmt: skip
+        # Collect the run's AsyncResults while the result store still answers: their __del__
+        # unsubscribes from it, and against a stopped server Celery's reconnection retries
+        # would hold the process at exit.
+        gc.collect()
     probe.close()
     locks.close()
     return check(history), history

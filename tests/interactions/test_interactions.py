@@ -199,6 +199,15 @@ def test_a_body_retry_that_never_runs_is_a_violation() -> None:
     assert ran.violations == []
 
 
+def test_a_debounced_body_retry_superseded_by_a_later_send_that_ran_is_no_violation() -> None:
+    """docs/lifecycle.rst: with lock_debounce, a later send of the key supersedes the retry and
+    runs the latest arguments; the retry not running is then what was asked for."""
+    sends = [send(0, "a", config=DEBOUNCED), send(1, "b", 0.3, config=DEBOUNCED)]
+    bodies = [body("a", 0, 0.1, 1, DEBOUNCED, how="retry"), body("b", 1.4, 1.5, 2, DEBOUNCED)]
+    report = judge(sends, bodies, {"a": skipped(1.2, "debounced", "b"), "b": done(1.5)})
+    assert report.violations == []
+
+
 def test_a_send_deduplicated_onto_one_that_had_ended_is_a_violation() -> None:
     """Finding 3: a reservation kept by an ended message swallows later sends."""
     first = send(0, "a", config=QUEUED)
@@ -225,6 +234,16 @@ def test_more_bodies_than_the_limit_at_once_is_a_violation() -> None:
     assert "exclusion" in rules(judge([], over, {}))
     single = [body("a", 0, 1, 1), body("b", 0.5, 1.5, 2)]
     assert rules(judge([], single, {})) == ["exclusion"]
+
+
+def test_a_body_that_killed_its_process_no_longer_holds_once_its_lock_passed_on() -> None:
+    """A dead process acts no more: a later body with a larger fence (the store handed the key
+    on once the worker saw the process gone) is no overlap, however soon it started; one with a
+    fence that is not larger still is."""
+    dead = body("a", 0, None, 1)
+    dead.ending = "kill"
+    assert "exclusion" not in rules(judge([], [dead, body("b", 0.005, 0.2, 2)], {}))
+    assert "exclusion" in rules(judge([], [dead, body("b", 0.005, 0.2, 1)], {}))
 
 
 def test_a_fence_that_does_not_grow_is_a_violation() -> None:
