@@ -19,7 +19,9 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
   later send of its debounce window superseded the retry (``docs/lifecycle.rst``: the latest
   arguments run instead; ``superseded`` checks that they do).
 * ``superseded``: a ``Skipped(reason="debounced")`` names a later send that was published and
-  whose body ran (or that met a visible refusal of its own).
+  whose body ran (or that met a visible refusal of its own); an execution that ended while the
+  send it names was failing to publish, before that send's undo, is documented
+  (docs/limits.rst), not a violation.
 * ``last-runs``: of a debounced burst, the last send actually published runs its body (or meets
   a visible refusal: held, rate, ``TaskLocked``), never superseded by nothing.
 * ``holder-alive``: a refusal as "held" names holders that had not ended (a lease whose release
@@ -45,6 +47,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .space import Config
+
+#: Seconds after a failed publish's reply within which its undo has reached the store (one
+#: round trip, and the result of a superseded execution being stored).
+UNDO_SLACK = 0.25
 
 __all__ = ["Body", "Fault", "History", "Outcome", "Report", "Residue", "Send", "check"]
 
@@ -393,6 +399,14 @@ class _Judge:
                 f"ran: it ended {self.outcome(body.task_id).describe()}",
             )  # fmt: skip
 
+    @staticmethod
+    def _during_failed_publish(outcome: Outcome, failed: Send) -> bool:
+        """Whether an execution superseded by ``failed`` ended between ``failed``'s window write
+        and its undo (docs/limits.rst: a message a worker starts while a send's publish is
+        failing ends superseded by that send)."""
+        end = (failed.t_after or failed.t_before) + UNDO_SLACK
+        return outcome.date_done is not None and failed.t_before <= outcome.date_done <= end
+
     def superseded(self) -> None:
         for task_id, outcome in self.h.outcomes.items():
             if outcome.kind != "skipped" or outcome.reason != "debounced":
@@ -412,6 +426,11 @@ class _Judge:
             involved = [s for tid in chain for s in self.sends_of(tid)][:5]
             if last in self.killed:
                 self.report.documented.append(f"{here}: superseded by {last}, killed in flight")
+            elif last in self.failed and self._during_failed_publish(outcome, self.failed[last]):
+                self.report.documented.append(
+                    f"{here}: superseded by {last} while that send's publish was failing, "
+                    "before its undo"
+                )
             elif last in self.failed:
                 self.violation(
                     "superseded", here, involved,

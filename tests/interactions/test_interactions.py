@@ -178,6 +178,19 @@ def test_a_burst_superseded_by_a_send_whose_publish_failed_is_a_violation() -> N
     assert any("a send whose publish failed" in v for v in report.violations)
 
 
+def test_a_message_that_ended_while_a_send_was_failing_to_publish_is_documented() -> None:
+    """docs/limits.rst: a message of the key a worker starts between a failing send's window
+    write and its undo (here a send_task message, which writes no window) ends superseded by
+    that send; only then, not after the undo."""
+    other = send(0, "a", config=DEBOUNCED)  # a message that wrote no window, as send_task()
+    failed = send(1, "f", 1.0, config=DEBOUNCED, error="EncodeError", returned=None)
+    during = judge([other, failed], [], {"a": skipped(1.005, "debounced", "f")})
+    assert "superseded" not in rules(during)
+    assert during.documented
+    after = judge([other, failed], [], {"a": skipped(2.0, "debounced", "f")})
+    assert "superseded" in rules(after)
+
+
 def test_the_last_published_send_of_a_burst_runs() -> None:
     sends = [send(0, "a", config=DEBOUNCED), send(1, "b", 0.3, config=DEBOUNCED)]
     good = judge(sends, [body("b", 1.4, 1.5, 3, DEBOUNCED, seq=1)],
