@@ -319,6 +319,13 @@ def broker_params(params: list[str]) -> list[Any]:
     ]
 
 
+#: For a module whose subject lives in the lock store (rates, debounce, hand-offs): its tests
+#: run on the Redis broker only, as ``pytestmark``; the other e2e modules cover RabbitMQ.
+ON_REDIS_BROKER = pytest.mark.parametrize(
+    "cluster", [p for p in CLUSTER_PARAMS if p.partition("@")[0] == "redis"], indirect=True
+)
+
+
 @pytest.fixture(scope="session", params=broker_params(CLUSTER_PARAMS))
 def cluster(
     request: pytest.FixtureRequest,

@@ -17,7 +17,7 @@ import pytest
 from singletask import RateLimited, Skipped
 from singletask.slots import slot_keys
 
-from .conftest import CLUSTER_PARAMS, Cluster
+from .conftest import ON_REDIS_BROKER, Cluster
 from .tasks_handoffs import PREFIX
 from .tasks_scopes import QUEUE_TTL as SCOPES_QUEUE_TTL
 from .test_scopes import NAME as SCOPES
@@ -25,12 +25,7 @@ from .test_scopes import key_of, open_gate, producer_conflicts
 
 # On the Redis broker only: what is tested lives in the lock store, and the other e2e modules
 # already cover RabbitMQ; this keeps the suite short.
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.parametrize(
-        "cluster", [p for p in CLUSTER_PARAMS if p.partition("@")[0] == "redis"], indirect=True
-    ),
-]
+pytestmark = [pytest.mark.e2e, ON_REDIS_BROKER]
 
 #: A generous bound for what should happen "soon".
 BOUND = 30.0

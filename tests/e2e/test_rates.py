@@ -14,18 +14,13 @@ from kombu.exceptions import OperationalError
 
 from singletask import Skipped
 
-from .conftest import CLUSTER_PARAMS, Cluster
+from .conftest import ON_REDIS_BROKER, Cluster
 from .tasks_limits import PREFIX
 from .test_scopes import without_broker
 
 # On the Redis broker only: rates and debounce live in the lock store, and the other e2e
 # modules already cover RabbitMQ; this keeps the suite short.
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.parametrize(
-        "cluster", [p for p in CLUSTER_PARAMS if p.partition("@")[0] == "redis"], indirect=True
-    ),
-]
+pytestmark = [pytest.mark.e2e, ON_REDIS_BROKER]
 
 #: A generous bound for what should happen "soon".
 BOUND = 30.0

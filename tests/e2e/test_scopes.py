@@ -30,7 +30,7 @@ from singletask.signals import lock_conflict
 
 from ..servers import free_port
 from .app import LOCK_OPTIONS_ENV, make_app
-from .conftest import CLUSTER_PARAMS, Cluster
+from .conftest import ON_REDIS_BROKER, Cluster
 from .tasks_scopes import QUEUE_TTL, gate_key
 
 pytestmark = pytest.mark.e2e
@@ -466,9 +466,7 @@ def test_a_burst_during_a_run_coalesces_into_one_follow_up_with_the_first_argume
     cluster.wait_free(key)
 
 
-@pytest.mark.parametrize(
-    "cluster", [p for p in CLUSTER_PARAMS if p.partition("@")[0] == "redis"], indirect=True
-)
+@ON_REDIS_BROKER
 def test_a_follow_up_that_cannot_be_published_leaves_the_follow_up_slot_free(
     cluster: Cluster, label: str
 ) -> None:
