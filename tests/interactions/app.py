@@ -35,6 +35,8 @@ ENV_LOCKS = "SINGLETASK_INTERACTIONS_LOCKS"
 ENV_PROBE = "SINGLETASK_INTERACTIONS_PROBE"
 ENV_QUEUE = "SINGLETASK_INTERACTIONS_QUEUE"
 ENV_PREFIX = "SINGLETASK_INTERACTIONS_PREFIX"
+#: Of a producer subprocess: each store's configurations, store URL and queue (JSON).
+ENV_GROUPS = "SINGLETASK_INTERACTIONS_GROUPS"
 
 #: How long the probe's records stay (they are read right after the run).
 PROBE_TTL = 3600

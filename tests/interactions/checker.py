@@ -186,6 +186,10 @@ class Fault:
     start: float
     end: float
     side: str = "send"  # "send": a producer's hand-off; "run": the worker's store link
+    stores: tuple[str, ...] = ()  # the stores whose link it met (none named: every store)
+
+    def hits(self, store: str | None) -> bool:
+        return not self.stores or store is None or store in self.stores
 
 
 @dataclass
@@ -295,9 +299,9 @@ class _Judge:
     def ran(self, task_id: str) -> bool:
         return bool(self.bodies.get(task_id))
 
-    def store_fault_near(self, moment: float, lease: float) -> bool:
+    def store_fault_near(self, moment: float, lease: float, store: str | None = None) -> bool:
         return any(
-            f.side == "run" and f.start - SLACK <= moment <= f.end + lease + SLACK
+            f.side == "run" and f.hits(store) and f.start - SLACK <= moment <= f.end + lease + SLACK
             for f in self.h.faults
         )
 
@@ -501,7 +505,7 @@ class _Judge:
                 send = next(iter(self.sends_of(task_id)), None)
                 config = self.h.configs.get(send.config) if send else None
                 lease = float(config.task_options()["lock_ttl"]) if config else 5.0
-                if self.store_fault_near(ended, lease):
+                if self.store_fault_near(ended, lease, config.store if config else None):
                     self.report.documented.append(f"{holder}: release lost to a store fault")
                     continue
                 here = self.where(send) if send else f"seed={self.h.seed} task {task_id}"

@@ -3,7 +3,9 @@
 ``python -m tests.interactions.producer PLANS LEDGER``: makes the sends of PLANS (JSON) at their
 times and appends, for each, a line to LEDGER before the call (the send's intent: its task id)
 and one after (what the caller got). A send whose second line is missing was in flight when the
-producer was killed: between its store write and its publish, or around them.
+producer was killed: between its store write and its publish, or around them. Each send goes
+through the app of its configuration's lock store (the environment names each store's
+configurations, URL and queue).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import os
 import sys
 import time
 
+from celery import Celery
+
 from . import app as interactions_app
 from .sends import SendPlan, perform
 from .space import Config
@@ -21,15 +25,18 @@ from .space import Config
 
 def main(plan_file: str, ledger_file: str) -> None:
     spec = json.loads(open(plan_file, encoding="utf-8").read())  # noqa: SIM115
-    configs = [Config.from_json(c) for c in json.loads(os.environ[interactions_app.ENV_CONFIGS])]
-    app = interactions_app.make_app(
-        broker=os.environ[interactions_app.ENV_BROKER],
-        results=os.environ[interactions_app.ENV_RESULTS],
-        locks=os.environ[interactions_app.ENV_LOCKS],
-        queue=os.environ[interactions_app.ENV_QUEUE],
-        prefix=os.environ[interactions_app.ENV_PREFIX],
-        configs=configs,
-    )
+    apps: dict[str, Celery] = {}  # configuration -> the app of its store
+    for group in json.loads(os.environ[interactions_app.ENV_GROUPS]):
+        configs = [Config.from_json(c) for c in group["configs"]]
+        app = interactions_app.make_app(
+            broker=os.environ[interactions_app.ENV_BROKER],
+            results=os.environ[interactions_app.ENV_RESULTS],
+            locks=group["locks"],
+            queue=group["queue"],
+            prefix=os.environ[interactions_app.ENV_PREFIX],
+            configs=configs,
+        )
+        apps.update((c.name, app) for c in configs)
     plans = [SendPlan(**p) for p in spec["plans"]]
     with open(ledger_file, "a", encoding="utf-8") as out:
         for plan in plans:
@@ -43,7 +50,7 @@ def main(plan_file: str, ledger_file: str) -> None:
             }  # fmt: skip
             out.write(json.dumps(intent) + "\n")
             out.flush()
-            for send in perform(app, plan, spec["run"]):
+            for send in perform(apps[plan.config], plan, spec["run"]):
                 out.write(json.dumps(dataclasses.asdict(send)) + "\n")
                 out.flush()
 

@@ -9,6 +9,13 @@ fault proxy that the schedule stops now and then (the store unreachable at send)
 moment of its sends (a send in flight then has no reply). The worker's own link to the lock
 store goes through another proxy, which the schedule cuts and stalls (the store unreachable at
 run) when ``run_faults`` is set.
+
+Each configuration carries its lock store (``Settings.stores``: Redis, and in the long run
+PostgreSQL, MySQL/MariaDB and SQLite). The store is an app setting, so the configurations of
+one store form a group with apps of their own (every producer role), a queue of their own and
+one worker; the faults above meet every group at once, except that SQLite (a file on this
+host) has no link to cut, stall or stop. A SQL server's group uses a table of the run's own
+(``st_test_inter_*``, created by the store on first use, dropped after the run).
 """
 
 from __future__ import annotations
@@ -20,12 +27,13 @@ import json
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,16 +41,19 @@ from typing import Any
 import redis
 from celery import Celery
 
-from singletask.backends.redis import RedisBackend
+from singletask.backends import backend_from_url
+from singletask.backends.base import LockBackend
+from singletask.backends.sql.sqlite_windows import CLOSED
 from singletask.exceptions import TaskLocked
 from singletask.result import Skipped
+from singletask.runtime import app_state
 
-from ..faultproxy import FaultProxy
-from ..servers import free_port
+from ..faultproxy import FaultProxy, address_of
+from ..servers import SQL_URLS, drop_sql_table, free_port
 from . import app as interactions_app
 from .checker import Body, Fault, History, Outcome, Report, Residue, Send, check
 from .sends import ENDING_WEIGHTS, FAULT_SHARE, SendPlan, perform, plan_round
-from .space import Config, draw, find
+from .space import STORES, Config, draw, find
 
 __all__ = ["SCENARIOS", "Settings", "run", "run_seed"]
 
@@ -108,6 +119,7 @@ class Settings:
     scenario: str | None = None
     concurrency: int = 3
     configs_per_round: int = 2
+    stores: tuple[str, ...] = ("redis",)  # of space.STORES; the first carries the most
 
 
 @dataclass
@@ -122,10 +134,64 @@ class Servers:
         return f"{self.redis_base_url}/{db}"
 
 
-def _port(url: str) -> tuple[str, int]:
-    rest = url.split("://", 1)[1].split("/", 1)[0]
-    host, _, port = rest.rpartition(":")
-    return host or "127.0.0.1", int(port)
+#: The stores that are a file on this host: no link for a fault proxy to cut, stall or stop.
+UNLINKED: frozenset[str] = frozenset({"sqlite"})
+#: Seconds a SQL store allows to connect, to run a statement and to wait for a pooled
+#: connection: longer than the longest stall the schedule draws.
+SQL_TIMEOUT = 2.0
+
+
+def _store_url(servers: Servers, store: str, workdir: Path) -> tuple[str, str | None]:
+    """The URL of ``store`` for one run, and the SQL table of the run's own (None: none)."""
+    if store not in STORES:
+        raise ValueError(f"not a store of the campaign: {store!r}")
+    if store == "redis":
+        return servers.url(servers.locks_db), None
+    if store == "sqlite":
+        return f"sqlite:///{workdir / f'interactions-{uuid.uuid4().hex[:8]}.db'}", None
+    table = f"st_test_inter_{uuid.uuid4().hex[:10]}"
+    base = SQL_URLS[store]
+    return f"{base}{'&' if '?' in base else '?'}table={table}&timeout={SQL_TIMEOUT}", table
+
+
+@dataclass
+class Group:
+    """The configurations of one lock store: their producers' apps, queue, worker and links
+    (the worker's, ``run_link``, and the store-link producer's, ``send_link``; None for a
+    store with no link)."""
+
+    store: str
+    configs: list[Config]
+    url: str
+    queue: str
+    table: str | None = None
+    run_link: FaultProxy | None = None
+    send_link: FaultProxy | None = None
+    apps: dict[str, Celery] = field(default_factory=dict)
+    worker: WorkerProcess | None = None
+
+    @property
+    def worker_url(self) -> str:
+        return self.url if self.run_link is None else self.run_link.url_for(self.url)
+
+    def app_kwargs(self, servers: Servers, prefix: str, locks: str | None = None) -> dict[str, Any]:
+        return {
+            "broker": servers.url(servers.broker_db),
+            "results": servers.url(servers.results_db),
+            "locks": locks or self.url,
+            "queue": self.queue,
+            "prefix": prefix,
+            "configs": self.configs,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """What a producer subprocess needs to send this group's tasks (through the worker's
+        link, as the worker reaches the store)."""
+        return {
+            "configs": [c.to_json() for c in self.configs],
+            "locks": self.worker_url,
+            "queue": self.queue,
+        }
 
 
 class WorkerProcess:
@@ -137,6 +203,10 @@ class WorkerProcess:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 60.0) -> None:
+        self.launch()
+        self.wait_ready(timeout)
+
+    def launch(self) -> None:
         command = [
             sys.executable, "-m", "celery", "-A", "tests.interactions.app", "worker",
             "-P", "prefork", "-c", str(self.concurrency), "-n", self.nodename, "-l", "INFO",
@@ -147,6 +217,9 @@ class WorkerProcess:
                 command, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        assert self.process is not None
         hostname = self.nodename.replace("%h", os.uname().nodename)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -193,75 +266,99 @@ def _dead_broker(app_kwargs: dict[str, Any]) -> Celery:
 
 def _configs(rng: random.Random, settings: Settings) -> list[Config]:
     if settings.scenario is None:
-        return draw(rng, settings.configs)
+        return draw(rng, settings.configs, settings.stores)
     options = find(SCENARIOS[settings.scenario]["options"])
-    return [Config(0, options)]
+    return [Config(0, options, settings.stores[0])]
 
 
 @contextlib.contextmanager
 def _cluster(
     servers: Servers, configs: Sequence[Config], workdir: Path, settings: Settings, prefix: str
-) -> Iterator[dict[str, Any]]:
-    locks = servers.url(servers.locks_db)
+) -> Iterator[list[Group]]:
+    """One :class:`Group` per store the configurations name, each with its worker started."""
     queue = f"interactions-{uuid.uuid4().hex[:8]}"
-    run_link = FaultProxy(_port(locks))
-    send_link = FaultProxy(_port(locks))
+    probe = servers.url(servers.probe_db)
+    os.environ[interactions_app.ENV_PROBE] = probe
     stack = contextlib.ExitStack()
     with stack:
-        stack.enter_context(run_link)
-        stack.enter_context(send_link)
-        app_kwargs = {
-            "broker": servers.url(servers.broker_db),
-            "results": servers.url(servers.results_db),
-            "locks": locks,
-            "queue": queue,
-            "prefix": prefix,
-            "configs": configs,
-        }
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            interactions_app.ENV_CONFIGS: json.dumps([c.to_json() for c in configs]),
-            interactions_app.ENV_BROKER: app_kwargs["broker"],
-            interactions_app.ENV_RESULTS: app_kwargs["results"],
-            interactions_app.ENV_LOCKS: run_link.url_for(locks),
-            interactions_app.ENV_QUEUE: queue,
-            interactions_app.ENV_PREFIX: prefix,
-            interactions_app.ENV_PROBE: servers.url(servers.probe_db),
-        }
-        os.environ[interactions_app.ENV_PROBE] = env[interactions_app.ENV_PROBE]
-        apps = {
-            "main": interactions_app.make_app(**app_kwargs),
-            "dead-broker": _dead_broker(app_kwargs),
-            "store-link": interactions_app.make_app(
-                **{**app_kwargs, "locks": send_link.url_for(locks)}
-            ),
-        }
-        for app in apps.values():
-            # An AsyncResult collected after the result store has stopped (at the session's
-            # end, from a failed test's kept frames) unsubscribes from it in its __del__:
-            # without this, Celery's reconnection retries hold the process at exit.
-            app.conf.result_backend_transport_options = {"retry_policy": {"max_retries": 0}}
-            stack.callback(app.close)
-        worker = WorkerProcess(env, workdir / "worker.log", apps["main"], settings.concurrency)
-        stack.callback(worker.stop)
-        worker.start()
-        yield {
-            "apps": apps, "worker": worker, "run_link": run_link, "send_link": send_link,
-            "env": env, "locks": locks,
-        }  # fmt: skip
+        groups: list[Group] = []
+        for store in dict.fromkeys(c.store for c in configs):
+            url, table = _store_url(servers, store, workdir)
+            group = Group(store, [c for c in configs if c.store == store], url,
+                          f"{queue}-{store}", table)  # fmt: skip
+            if table is not None:  # dropped last, once every client of it has ended
+                stack.callback(drop_sql_table, store, table)
+                stack.callback(_close_stores, group)
+            if store not in UNLINKED:
+                group.run_link = stack.enter_context(FaultProxy(address_of(url)))
+                group.send_link = stack.enter_context(FaultProxy(address_of(url)))
+            app_kwargs = group.app_kwargs(servers, prefix)
+            group.apps = {"main": interactions_app.make_app(**app_kwargs),
+                          "dead-broker": _dead_broker(app_kwargs)}  # fmt: skip
+            if group.send_link is not None:
+                linked = group.send_link.url_for(url)
+                group.apps["store-link"] = interactions_app.make_app(
+                    **{**app_kwargs, "locks": linked}
+                )
+            for app in group.apps.values():
+                # An AsyncResult collected after the result store has stopped (at the
+                # session's end, from a failed test's kept frames) unsubscribes from it in its
+                # __del__: without this, Celery's reconnection retries hold the process at exit.
+                app.conf.result_backend_transport_options = {"retry_policy": {"max_retries": 0}}
+                stack.callback(app.close)
+            env = {
+                **os.environ,
+                "PYTHONPATH": str(ROOT),
+                interactions_app.ENV_CONFIGS: json.dumps([c.to_json() for c in group.configs]),
+                interactions_app.ENV_BROKER: app_kwargs["broker"],
+                interactions_app.ENV_RESULTS: app_kwargs["results"],
+                interactions_app.ENV_LOCKS: group.worker_url,
+                interactions_app.ENV_QUEUE: group.queue,
+                interactions_app.ENV_PREFIX: prefix,
+                interactions_app.ENV_PROBE: probe,
+            }
+            log = workdir / f"worker-{store}.log"
+            group.worker = WorkerProcess(env, log, group.apps["main"], settings.concurrency)
+            stack.callback(group.worker.stop)
+            groups.append(group)
+        for group in groups:  # the workers start side by side
+            assert group.worker is not None
+            group.worker.launch()
+        for group in groups:
+            assert group.worker is not None
+            group.worker.wait_ready()
+        yield groups
 
 
-def _producer_of(plan: SendPlan, apps: dict[str, Celery]) -> Celery:
-    if plan.producer == "dead-broker":
-        return apps["dead-broker"]
-    if plan.producer == "store-link":
-        return apps["store-link"]
-    return apps["main"]
+def _close_stores(group: Group) -> None:
+    """Close the test process's clients of ``group``'s store (its SQL table is dropped next)."""
+    for app in group.apps.values():
+        with contextlib.suppress(Exception):
+            app_state(app).backend.close()
+
+
+def _producer_env(groups: Sequence[Group], prefix: str, servers: Servers) -> dict[str, str]:
+    """The environment of a producer subprocess: every group's tasks, store and queue."""
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        interactions_app.ENV_GROUPS: json.dumps([g.to_json() for g in groups]),
+        interactions_app.ENV_BROKER: servers.url(servers.broker_db),
+        interactions_app.ENV_RESULTS: servers.url(servers.results_db),
+        interactions_app.ENV_PREFIX: prefix,
+        interactions_app.ENV_PROBE: servers.url(servers.probe_db),
+    }
+
+
+def _producer_of(plan: SendPlan, apps: Mapping[str, dict[str, Celery]]) -> Celery:
+    """The app that makes ``plan``'s send: its configuration's store's, in the plan's role (a
+    store with no link makes the store-link producer's sends with its main app)."""
+    mine = apps[plan.config]
+    return mine.get(plan.producer, mine["main"])
 
 
 def _run_plans(
-    plans: Sequence[SendPlan], apps: dict[str, Celery], run: str, start: float
+    plans: Sequence[SendPlan], apps: Mapping[str, dict[str, Celery]], run: str, start: float
 ) -> list[Send]:
     """Make every send at its time, one thread per producer; return the ledger."""
     ledger: list[Send] = []
@@ -290,9 +387,13 @@ def _run_plans(
 
 
 def _store_faults(
-    rng: random.Random, link: FaultProxy, until: float, side: str, faults: list[Fault]
-) -> threading.Thread:
-    """Stop, stall or cut ``link`` at random moments until ``until`` (time.time())."""
+    rng: random.Random, links: Sequence[tuple[str, FaultProxy]], until: float, side: str,
+    faults: list[Fault],
+) -> threading.Thread:  # fmt: skip
+    """Stop, stall or cut ``links`` (each store's) at random moments until ``until``
+    (time.time()), every store's at once."""
+    stores = tuple(store for store, _ in links)
+    proxies = [link for _, link in links]
 
     def loop() -> None:
         while time.time() < until:
@@ -300,17 +401,13 @@ def _store_faults(
             kind = rng.choice(("cut", "stall", "stop"))
             lasting = rng.uniform(0.2, 0.8)
             began = time.time()
-            if kind == "cut":
-                link.cut()
-            elif kind == "stall":
-                link.stall()
+            for link in proxies:
+                {"cut": link.cut, "stall": link.stall, "stop": link.stop}[kind]()
+            if kind != "cut":
                 time.sleep(lasting)
-                link.resume()
-            else:
-                link.stop()
-                time.sleep(lasting)
-                link.start()
-            faults.append(Fault(f"store-{kind}-at-{side}", began, time.time(), side))
+                for link in proxies:
+                    (link.resume if kind == "stall" else link.start)()
+            faults.append(Fault(f"store-{kind}-at-{side}", began, time.time(), side, stores))
 
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()
@@ -401,24 +498,121 @@ def _bodies(probe: redis.Redis, run: str) -> list[Body]:
     return bodies
 
 
-def _residues(locks: redis.Redis, prefix: str) -> list[Residue]:
+def _residues(group: Group, prefix: str) -> list[Residue]:
+    """What ``group``'s store still holds of the run's keys: every lock and reservation (the
+    store's own listing), then the records it keeps beside them that still act: open debounce
+    windows, pending follow-up claims, rate records. Kept by design, and so not listed: closed
+    windows, fencing tokens, completion markers (docs/guarantees.rst)."""
     found: list[Residue] = []
-    for key, holder in RedisBackend(client=locks).iter_locks(prefix):
-        kind = "reservation" if holder.token.endswith(":reserved") else "lock"
-        found.append(Residue(key, kind, holder.task_id, f"token {holder.token}, ttl {holder.ttl}"))
-    now_ms = time.time() * 1000
-    for raw in locks.scan_iter(match="{" + prefix + "*", count=1000):
-        name = raw.decode()
-        if name.endswith("}:debounce"):
-            fields = {k.decode(): v.decode() for k, v in locks.hgetall(raw).items()}
-            if "o" in fields:
-                found.append(Residue(name, "open window", fields.get("l"), f"window {fields}"))
-        elif name.endswith("}:fence"):
-            fields = {k.decode(): v.decode() for k, v in locks.hgetall(raw).items()}
-            if "next" in fields and float(fields.get("next_until", "0")) > now_ms:
-                found.append(Residue(name, "follow-up claim", fields["next"], f"claim {fields}"))
-        elif name.endswith("}:rate"):
-            found.append(Residue(name, "rate record", None, f"pttl {locks.pttl(raw)} ms"))
+    backend: LockBackend = backend_from_url(group.url)
+    try:
+        for key, holder in backend.iter_locks(prefix):
+            kind = "reservation" if holder.token.endswith(":reserved") else "lock"
+            detail = f"{group.store}: token {holder.token}, ttl {holder.ttl}"
+            found.append(Residue(key, kind, holder.task_id, detail))
+    finally:
+        backend.close()
+    records = {"redis": _redis_records, "sqlite": _sqlite_records}.get(group.store, _sql_records)
+    return found + records(group, prefix)
+
+
+def _redis_records(group: Group, prefix: str) -> list[Residue]:
+    found: list[Residue] = []
+    locks = redis.Redis.from_url(group.url)
+    try:
+        now_ms = time.time() * 1000
+        for raw in locks.scan_iter(match="{" + prefix + "*", count=1000):
+            name = raw.decode()
+            if name.endswith("}:debounce"):
+                fields = {k.decode(): v.decode() for k, v in locks.hgetall(raw).items()}
+                if "o" in fields:
+                    found.append(Residue(name, "open window", fields.get("l"), f"window {fields}"))
+            elif name.endswith("}:fence"):
+                fields = {k.decode(): v.decode() for k, v in locks.hgetall(raw).items()}
+                if "next" in fields and float(fields.get("next_until", "0")) > now_ms:
+                    found.append(
+                        Residue(name, "follow-up claim", fields["next"], f"claim {fields}")
+                    )
+            elif name.endswith("}:rate"):
+                found.append(Residue(name, "rate record", None, f"pttl {locks.pttl(raw)} ms"))
+    finally:
+        locks.close()
+    return found
+
+
+#: The SQL servers' clock, as their stores read it.
+_SQL_NOW = {"postgresql": "clock_timestamp()", "mysql": "UTC_TIMESTAMP(6)"}
+
+
+def _sql_records(group: Group, prefix: str) -> list[Residue]:
+    """The rows of the run's table whose follow-up claim, debounce window or rate record is
+    still live (singletask/backends/sql/core.py: the table's layout)."""
+    now = _SQL_NOW[group.store]
+    query = (
+        "SELECT coalesce(full_key, key), next_task, next_expires, debounce_latest, "
+        "debounce_until, rate_next, "
+        f"coalesce(next_task IS NOT NULL AND next_expires > {now}, false), "
+        f"coalesce(debounce_opened IS NOT NULL AND debounce_until > {now}, false), "
+        f"coalesce(rate_next > {now}, false) FROM {group.table}"
+    )
+    found: list[Residue] = []
+    for row in _sql_rows(group.store, query):
+        name, claim, claim_until, latest, until, rate_next = (_text(v) for v in row[:6])
+        if not name.lstrip("{").startswith(prefix):
+            continue
+        if row[6]:
+            found.append(Residue(name, "follow-up claim", claim, f"next_expires {claim_until}"))
+        if row[7]:
+            found.append(Residue(name, "open window", latest, f"debounce_until {until}"))
+        if row[8]:
+            found.append(Residue(name, "rate record", None, f"rate_next {rate_next}"))
+    return found
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _sql_rows(kind: str, query: str) -> list[tuple[Any, ...]]:
+    if kind == "postgresql":
+        import psycopg
+
+        with psycopg.connect(SQL_URLS[kind], autocommit=True) as conn:
+            return list(conn.execute(query).fetchall())  # type: ignore[arg-type]
+    import pymysql
+
+    from singletask.backends.sql.mysql import MySQLBackend
+
+    args = MySQLBackend.from_url(SQL_URLS[kind])._connect_args
+    conn = pymysql.connect(**{k: v for k, v in args.items() if k != "client_flag"})
+    try:
+        with conn.cursor() as cursor:
+            cursor.execute(query)
+            return list(cursor.fetchall())
+    finally:
+        conn.close()
+
+
+def _sqlite_records(group: Group, prefix: str) -> list[Residue]:
+    """The live rows of the SQLite store's follow-up claims (``singletask_fences``), debounce
+    windows and rate records (singletask/backends/sql/sqlite_windows.py)."""
+    queries = (
+        ("follow-up claim", "SELECT key, next, next_until FROM singletask_fences "
+         "WHERE next IS NOT NULL AND next_until > ?"),
+        ("open window", "SELECT key, latest, until FROM singletask_debounce "
+         f"WHERE opened != {CLOSED} AND until > ?"),
+        ("rate record", "SELECT key, NULL, allowed FROM singletask_rates WHERE allowed > ?"),
+    )  # fmt: skip
+    found: list[Residue] = []
+    conn = sqlite3.connect(group.url.removeprefix("sqlite:///"), timeout=10)
+    try:
+        now = time.time()
+        for kind, query in queries:
+            for key, task_id, until in conn.execute(query, (now,)).fetchall():
+                if key.lstrip("{").startswith(prefix):
+                    found.append(Residue(key, kind, task_id, f"sqlite: until {until}"))
+    finally:
+        conn.close()
     return found
 
 
@@ -452,9 +646,13 @@ def run(servers: Servers, seed: int, settings: Settings, workdir: Path) -> tuple
     ledger: list[Send] = []
     started = time.time()
     probe = interactions_app.probe_client(servers.url(servers.probe_db))
-    locks = redis.Redis.from_url(servers.url(servers.locks_db))
-    with _cluster(servers, configs, workdir, settings, prefix) as cluster:
-        apps = cluster["apps"]
+    with _cluster(servers, configs, workdir, settings, prefix) as groups:
+        apps = {c.name: g.apps for g in groups for c in g.configs}
+        main = groups[0].apps["main"]  # every group's results are in the one result store
+        links = {  # the stores with a link to cut, stall, stop (SQLite has none)
+            "send": [(g.store, g.send_link) for g in groups if g.send_link is not None],
+            "run": [(g.store, g.run_link) for g in groups if g.run_link is not None],
+        }
         round_no, seq = 0, 0
         while True:
             chosen = rng.sample(configs, min(settings.configs_per_round, len(configs)))
@@ -474,17 +672,16 @@ def run(servers: Servers, seed: int, settings: Settings, workdir: Path) -> tuple
             start = time.time() + (2.0 if settings.killed_producer else 0.3)
             until = start + settings.burst
             fault_threads = []
-            if settings.store_faults_at_send:
-                fault_threads.append(
-                    _store_faults(rng, cluster["send_link"], until, "send", faults)
-                )
-            if settings.run_faults:
-                fault_threads.append(_store_faults(rng, cluster["run_link"], until, "run", faults))
+            if settings.store_faults_at_send and links["send"]:
+                fault_threads.append(_store_faults(rng, links["send"], until, "send", faults))
+            if settings.run_faults and links["run"]:
+                fault_threads.append(_store_faults(rng, links["run"], until, "run", faults))
             killed = None
             if settings.killed_producer:
                 mine = [p for p in plans if p.producer == "killed"]
                 kill_at = start + rng.uniform(0.2, settings.burst)
-                killed = _killed_producer(mine, cluster["env"], workdir, run_id, start, kill_at)
+                env = _producer_env(groups, prefix, servers)
+                killed = _killed_producer(mine, env, workdir, run_id, start, kill_at)
                 faults.append(Fault("producer-killed", kill_at, kill_at, "send"))
             ours = [p for p in plans if p.producer != "killed"]
             ledger += _run_plans(ours, apps, run_id, start)
@@ -499,39 +696,43 @@ def run(servers: Servers, seed: int, settings: Settings, workdir: Path) -> tuple
             )
             if (settings.seconds is None and round_no >= settings.rounds) or out_of_time:
                 break
-        _mark_store_faults(ledger, faults)
-        _wait_quiet(apps["main"], ledger, probe, run_id, settings.quiet_bound)
+        _mark_store_faults(ledger, faults, {c.name: c.store for c in configs})
+        _wait_quiet(main, ledger, probe, run_id, settings.quiet_bound)
         time.sleep(1.0)  # releases after the results, rate records' last interval
         ids = set()
         for send in ledger:
             ids.update(i for i in (send.task_id, send.returned) if i)
-        outcomes = {tid: _outcome(apps["main"], tid) for tid in ids}
+        outcomes = {tid: _outcome(main, tid) for tid in ids}
         for outcome in list(outcomes.values()):
             for holder in (outcome.holder, *outcome.holders):
                 if holder and holder not in outcomes:
-                    outcomes[holder] = _outcome(apps["main"], holder)
+                    outcomes[holder] = _outcome(main, holder)
+        residues = [r for g in groups for r in _residues(g, prefix)]
         history = History(
             seed, {c.name: c for c in configs}, ledger, _bodies(probe, run_id), outcomes,
-            _residues(locks, prefix), faults,
+            residues, faults,
         )  # fmt: skip
         # Collect the run's AsyncResults while the result store still answers: their __del__
         # unsubscribes from it, and against a stopped server Celery's reconnection retries
         # would hold the process at exit.
         gc.collect()
     probe.close()
-    locks.close()
     return check(history), history
 
 
-def _mark_store_faults(ledger: Sequence[Send], faults: Sequence[Fault]) -> None:
+def _mark_store_faults(
+    ledger: Sequence[Send], faults: Sequence[Fault], stores: Mapping[str, str]
+) -> None:
     """A send of the store-link producer made while its link was down met the store
-    unreachable at send (it is published without deduplication or debounce)."""
+    unreachable at send (it is published without deduplication or debounce); a store with no
+    link (``stores``: configuration -> store) met no such fault."""
     for send in ledger:
         if send.producer != "store-link" or send.fault not in (None, "encode"):
             continue
         end = send.t_after or send.t_before
         for fault in faults:
-            if fault.side == "send" and fault.start <= end and send.t_before <= fault.end:
+            hit = fault.side == "send" and fault.hits(stores.get(send.config))
+            if hit and fault.start <= end and send.t_before <= fault.end:
                 send.fault = "store-down-at-send" + ("+encode" if send.fault else "")
                 break
 

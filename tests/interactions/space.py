@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -127,12 +127,13 @@ class Config:
         return cls(int(data["index"]), dict(data["options"]), str(data["store"]))
 
 
-def draw(rng: random.Random, count: int, store: str = "redis") -> list[Config]:
+def draw(rng: random.Random, count: int, stores: Sequence[str] = ("redis",)) -> list[Config]:
     """``count`` configurations drawn from :func:`space`, without repeats while there are
-    combinations left."""
+    combinations left; the ``stores`` (of :data:`STORES`) take turns, the first one first, so
+    each carries some (the draws of the options do not depend on them)."""
     accepted = space()
     picks = rng.sample(range(len(accepted)), min(count, len(accepted)))
-    return [Config(n, accepted[i], store) for n, i in enumerate(picks)]
+    return [Config(n, accepted[i], stores[n % len(stores)]) for n, i in enumerate(picks)]
 
 
 def find(options: Mapping[str, Any]) -> dict[str, Any]:

@@ -10,14 +10,16 @@ rates and what the idle store still holds.
 The generator's space is tested against what ``SingletonTask`` accepts, and the checker's rules
 on ledgers written by hand. A short run (one round, two configurations, on the session's Redis)
 is part of the README's command; the long run is its own step of .ci/run:
-``python -m pytest -m interactions -n 0`` (``SINGLETASK_INTERACTIONS_SECONDS`` of rounds, 240 by
-default). Every run prints its seed and figures; ``SINGLETASK_INTERACTIONS_SEED=<seed>`` replays
-its draws, and ``SINGLETASK_INTERACTIONS_SCENARIO=<name>`` (runner.SCENARIOS) runs one targeted
-combination.
+``python -m pytest -m interactions -n 0`` (``SINGLETASK_INTERACTIONS_SECONDS`` of rounds, 180 by
+default), its configurations taking turns on Redis, PostgreSQL, MySQL/MariaDB and SQLite
+(``SINGLETASK_INTERACTIONS_STORES`` names others). Every run prints its seed, stores and
+figures; ``SINGLETASK_INTERACTIONS_SEED=<seed>`` replays its draws, and
+``SINGLETASK_INTERACTIONS_SCENARIO=<name>`` (runner.SCENARIOS) runs one targeted combination.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 from pathlib import Path
 
@@ -29,10 +31,10 @@ from singletask.exceptions import ConfigurationError
 from singletask.options import ATTRIBUTE_CHECKS
 
 from ..e2e.conftest import CLIENT_GARBAGE
-from ..servers import unavailable
+from ..servers import CI, sql_problem, unavailable
 from .checker import Body, Fault, History, Outcome, Report, Residue, Send, check
 from .runner import SCENARIOS, Servers, Settings, campaign_seed, run
-from .space import FIXED, NOT_DRAWN, OPTIONS, Config, draw, find, product, space, valid
+from .space import FIXED, NOT_DRAWN, OPTIONS, STORES, Config, draw, find, product, space, valid
 
 # -- the option space ------------------------------------------------------------------------
 
@@ -81,6 +83,22 @@ def test_the_generator_draws_only_accepted_combinations_and_replays_by_seed() ->
     assert all(valid(c.options) for c in drawn)
     assert [c.options for c in drawn] == [c.options for c in draw(random.Random(5), 12)]
     assert len({c.describe().split("[")[1] for c in drawn}) == 12
+
+
+def test_the_stores_take_turns_over_the_drawn_configurations_without_changing_them() -> None:
+    import random
+
+    # Given twelve configurations drawn for every store, and the same seed for Redis alone
+    mixed = draw(random.Random(7), 12, STORES)
+    alone = draw(random.Random(7), 12)
+    # Then each store carries three, and the options drawn are the same (a seed replays)
+    assert [c.store for c in mixed[:4]] == list(STORES)
+    assert {store: sum(c.store == store for c in mixed) for store in STORES} == dict.fromkeys(
+        STORES, 3
+    )
+    assert [c.options for c in mixed] == [c.options for c in alone]
+    assert {c.store for c in alone} == {"redis"}
+    assert "store=sqlite]" in mixed[3].describe()
 
 
 def test_every_targeted_scenario_is_a_combination_the_generator_can_draw() -> None:
@@ -240,6 +258,20 @@ def test_refused_as_held_by_an_ended_holder_unless_a_store_fault_lost_its_releas
     assert excused.documented
 
 
+def test_a_store_fault_on_another_stores_link_excuses_no_lost_release() -> None:
+    """A fault names the stores whose link it met: SQLite has none, so a fault of the Redis
+    and SQL links is no excuse for a SQLite configuration."""
+    sends = [send(0, "a"), send(1, "b", 3.0)]
+    outcomes = {"a": done(1.0), "b": skipped(3.1, "held", "a")}
+    elsewhere = Fault("store-stop-at-run", 0.8, 1.1, "run", ("redis", "postgresql"))
+    assert CONFIG.store == "redis"
+    assert judge(sends, [body("a", 0.1, 0.9, 1)], outcomes, faults=[elsewhere]).violations == []
+    on_sqlite = Config(0, CONFIG.options, "sqlite")
+    history = History(42, {on_sqlite.name: on_sqlite}, sends, [body("a", 0.1, 0.9, 1)],
+                      outcomes, [], [elsewhere])  # fmt: skip
+    assert rules(check(history)) == ["holder-alive"]
+
+
 def test_more_bodies_than_the_limit_at_once_is_a_violation() -> None:
     ok = [body("a", 0, 1, 1, LIMITED), body("b", 0.5, 1.5, 2, LIMITED)]
     assert "exclusion" not in rules(judge([], ok, {}))
@@ -291,8 +323,10 @@ def test_a_body_completing_twice_and_an_unexplained_failure_are_violations() -> 
 # -- the runs --------------------------------------------------------------------------------
 
 
-def verdict(report: Report, seconds: float) -> None:
-    line = f"{report.summary()} in {seconds:.0f}s"
+def verdict(report: Report, seconds: float, history: History | None = None) -> None:
+    stores = collections.Counter(c.store for c in (history.configs.values() if history else ()))
+    on = "; stores: " + ", ".join(f"{s} {n}" for s, n in stores.items()) if stores else ""
+    line = f"{report.summary()}{on} in {seconds:.0f}s"
     print(line)
     out = os.environ.get("SINGLETASK_INTERACTIONS_REPORT")
     if out:
@@ -321,8 +355,8 @@ def _run(redis_base_url: str, tmp_path: Path, settings: Settings) -> None:
     if scenario:
         settings.scenario = scenario
     started = time.monotonic()
-    report, _ = run(servers(redis_base_url), campaign_seed(), settings, tmp_path)
-    verdict(report, time.monotonic() - started)
+    report, history = run(servers(redis_base_url), campaign_seed(), settings, tmp_path)
+    verdict(report, time.monotonic() - started, history)
 
 
 @pytest.mark.e2e
@@ -334,18 +368,39 @@ def test_short_interactions(redis_base_url: str, tmp_path: Path) -> None:
 
 
 def long_seconds() -> float:
-    return float(os.environ.get("SINGLETASK_INTERACTIONS_SECONDS", "240"))
+    return float(os.environ.get("SINGLETASK_INTERACTIONS_SECONDS", "180"))
+
+
+def long_stores() -> tuple[str, ...]:
+    """The long run's stores (SINGLETASK_INTERACTIONS_STORES, comma-separated; every store of
+    space.STORES by default). A SQL server that does not answer fails the run in CI; elsewhere
+    its store is left out, and the report line's stores say so."""
+    named = os.environ.get("SINGLETASK_INTERACTIONS_STORES", "").strip()
+    stores = tuple(s.strip() for s in named.split(",") if s.strip()) if named else STORES
+    unknown = set(stores) - set(STORES)
+    assert not unknown, f"SINGLETASK_INTERACTIONS_STORES: not stores of the campaign: {unknown}"
+    kept = []
+    for store in stores:
+        problem = sql_problem(store) if store in ("postgresql", "mysql") else None
+        if problem and CI:
+            unavailable(problem)
+        if problem:
+            print(f"interactions: {store} left out: {problem}")
+        else:
+            kept.append(store)
+    return tuple(kept)
 
 
 @pytest.mark.interactions
 @pytest.mark.timeout(1800)
 @pytest.mark.filterwarnings(*CLIENT_GARBAGE)
 def test_long_interactions(redis_base_url: str, tmp_path: Path) -> None:
-    """Rounds for SINGLETASK_INTERACTIONS_SECONDS over 12 drawn configurations, with a producer
-    killed mid-burst and the worker's store link cut and stalled."""
+    """Rounds for SINGLETASK_INTERACTIONS_SECONDS over 12 drawn configurations taking turns on
+    the stores (Redis, PostgreSQL, MySQL, SQLite; a worker for each), with a producer killed
+    mid-burst and the workers' store links cut and stalled (SQLite has no link)."""
     _run(redis_base_url, tmp_path, Settings(
         configs=12, seconds=long_seconds(), sends_per_key=7, keys=2, configs_per_round=3,
-        killed_producer=True, run_faults=True, quiet_bound=40.0,
+        killed_producer=True, run_faults=True, quiet_bound=40.0, stores=long_stores(),
     ))  # fmt: skip
 
 
