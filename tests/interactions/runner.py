@@ -548,8 +548,9 @@ def _sql_records(group: Group, prefix: str) -> list[Residue]:
     """The rows of the run's table whose follow-up claim, debounce window or rate record is
     still live (singletask/backends/sql/core.py: the table's layout)."""
     now = _SQL_NOW[group.store]
+    key = "`key`" if group.store == "mysql" else "key"
     query = (
-        "SELECT coalesce(full_key, key), next_task, next_expires, debounce_latest, "
+        f"SELECT coalesce(full_key, {key}), next_task, next_expires, debounce_latest, "
         "debounce_until, rate_next, "
         f"coalesce(next_task IS NOT NULL AND next_expires > {now}, false), "
         f"coalesce(debounce_opened IS NOT NULL AND debounce_until > {now}, false), "

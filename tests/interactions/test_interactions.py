@@ -320,6 +320,53 @@ def test_a_body_completing_twice_and_an_unexplained_failure_are_violations() -> 
     assert rules(judge([send(0, "a")], [body("a", 0, 0.1, 1)], {"a": failed})) == ["failures"]
 
 
+# -- what the idle store still holds, store by store -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "store",
+    [pytest.param(s, marks=[pytest.mark.stores] if s in ("postgresql", "mysql") else [])
+     for s in STORES],
+)  # fmt: skip
+def test_the_idle_store_listing_reads_every_store_alike(
+    store: str, redis_base_url: str, tmp_path: Path
+) -> None:
+    """Locks (with their slots), open debounce windows, follow-up claims and rate records are
+    listed, on every store; a closed window (kept until it expires, by design) is not."""
+    import uuid
+
+    from singletask.backends import backend_from_url
+
+    from ..servers import drop_sql_table
+    from .runner import Group, _residues, _store_url
+
+    if store in ("postgresql", "mysql") and (problem := sql_problem(store)):
+        unavailable(problem)
+    url, table = _store_url(servers(redis_base_url), store, tmp_path)
+    prefix = f"test:{uuid.uuid4().hex[:8]}:"
+    key = f"{prefix}interactions.c0:"
+    backend = backend_from_url(url)
+    try:
+        # Given a key held (its rate record written), a window open, one closed, a claim
+        backend.acquire_slot(f"{key}held", 2, "a:0:-:0", 30, interval=20)
+        backend.debounce(f"{key}open", "w", 30)
+        backend.debounce(f"{key}closed", "c", 30)
+        backend.debounce_take(f"{key}closed", "c")
+        backend.claim_next(f"{key}claim", "n", 30)
+        # When the run's keys are listed
+        found = {(r.kind, r.task_id, r.key.strip("{").removeprefix(key).split("}")[0])
+                 for r in _residues(Group(store, [], url, "q", table), prefix)}  # fmt: skip
+    finally:
+        backend.close()
+        if table is not None:
+            drop_sql_table(store, table)
+    # Then each live record is there once, and the closed window is not
+    assert found == {
+        ("lock", None, "held"), ("rate record", None, "held"), ("open window", "w", "open"),
+        ("follow-up claim", "n", "claim"),
+    }  # fmt: skip
+
+
 # -- the runs --------------------------------------------------------------------------------
 
 
