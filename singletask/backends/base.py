@@ -20,6 +20,8 @@ Policy (which key, which token, what to do when a lock is held, when to release)
 * ``lock_debounce``: a key can have one open *debounce window* naming its latest send
   (:meth:`LockBackend.debounce`, :meth:`LockBackend.debounce_take`), and a send whose message
   was never published can be taken back out of it (:meth:`LockBackend.debounce_undo`);
+* ``lock_policy = "replace"``: a newer execution can take a named holder's key or slot over,
+  with a larger fence, in one atomic step (:meth:`LockBackend.preempt`);
 * for operators (``singletask locks / inspect / release``): the held locks can be listed by key
   prefix, in bounded pages, and a lock can be released by its holder's task id or by force.
 
@@ -30,89 +32,20 @@ A new backend subclasses :class:`LockBackend`, implements the abstract methods, 
 from __future__ import annotations
 
 import abc
-import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..exceptions import ConfigurationError, UnsupportedOperation
+from ..exceptions import UnsupportedOperation
+from ..holders import MAX_LEASE as _MAX_LEASE
+from ..holders import AcquireResult, Holder, check_lease
 
+# Holder, AcquireResult, MAX_LEASE, check_lease: from singletask.holders; stores import them here.
 __all__ = ["MAX_LEASE", "AcquireResult", "Holder", "LockBackend", "check_lease"]
 
 #: The longest lease, in seconds, any backend accepts (366 days). It is far above every lease
 #: the task options allow (each at most 30 days; a queue reservation adds the message's
 #: countdown, and is capped here), and far below what the stores can represent.
-MAX_LEASE = 366 * 24 * 3600.0
-
-
-def check_lease(ttl: object, operation: str = "lease") -> float:
-    """Return ``ttl`` as float seconds if it is a finite number in (0, MAX_LEASE].
-
-    Backends call it before they write anything, so no record is ever written without an
-    expiry the store can represent.
-
-    Raises:
-        ConfigurationError: ``ttl`` is not such a number; the message names the operation.
-    """
-    if (
-        isinstance(ttl, bool)
-        or not isinstance(ttl, int | float)
-        or not math.isfinite(ttl)
-        or not 0 < ttl <= MAX_LEASE
-    ):
-        raise ConfigurationError(
-            f"{operation}: a lease must be a finite number of seconds above 0 and at most "
-            f"{MAX_LEASE:.0f} (366 days), got {ttl!r}"
-        )
-    return float(ttl)
-
-
-@dataclass(frozen=True)
-class Holder:
-    """Who holds a lock, as the backend saw it.
-
-    Attributes:
-        token: The holder's owner token.
-        task_id: The holder's task id, when it stored one.
-        ttl: Seconds left on the lease, when known.
-        meta: Every metadata field stored with the lock (``task_id``, ``task``, ``hostname``,
-            ``pid``, ``since``), as strings. Empty when the backend returned only the essentials.
-        fence: The holder's fencing token, when known.
-    """
-
-    token: str
-    task_id: str | None = None
-    ttl: float | None = None
-    meta: Mapping[str, str] = field(default_factory=dict)
-    fence: int | None = None
-
-
-@dataclass(frozen=True)
-class AcquireResult:
-    """The outcome of :meth:`LockBackend.acquire`.
-
-    Attributes:
-        acquired: True when the caller holds the lock now.
-        holder: When not acquired, who holds it (from the same atomic step).
-        fence: When acquired, the fencing token of this acquisition: strictly greater than every
-            token issued earlier for the key (see :meth:`LockBackend.acquire`).
-        completed: When acquired, the marker the key's last normal release recorded (see
-            :meth:`LockBackend.release`), if the store still remembers one.
-        key: When acquired by :meth:`LockBackend.acquire_slot`, the store key of the slot
-            taken (renew and release that one).
-        holders: When :meth:`LockBackend.acquire_slot` found every slot held, every holder,
-            slot 0 first (``holder`` is the first of them).
-        retry_after: When :meth:`LockBackend.acquire_slot` was refused by its ``interval``
-            (a slot was free, the key started too recently): seconds until a start is allowed.
-    """
-
-    acquired: bool
-    holder: Holder | None = None
-    fence: int | None = None
-    completed: str | None = None
-    key: str | None = None
-    holders: tuple[Holder, ...] = ()
-    retry_after: float | None = None
+MAX_LEASE = _MAX_LEASE
 
 
 class LockBackend(abc.ABC):
@@ -135,6 +68,11 @@ class LockBackend(abc.ABC):
 
     #: Whether the store implements :meth:`debounce` (tasks with ``lock_debounce``).
     supports_debounce: ClassVar[bool] = False
+
+    #: Whether the store implements :meth:`preempt` (``lock_policy = "replace"``). Never for a
+    #: store whose fences can go back (memcached): only its older fence makes a preempted
+    #: holder harmless.
+    supports_replace: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
@@ -219,6 +157,34 @@ class LockBackend(abc.ABC):
             BackendError: The store failed.
         """
         raise UnsupportedOperation(f"{self!r} cannot keep more than one holder per lock key")
+
+    def preempt(
+        self,
+        key: str,
+        limit: int,
+        token: str,
+        ttl: float,
+        victim: str,
+        *,
+        meta: Mapping[str, str] | None = None,
+    ) -> AcquireResult:
+        """Take ``key`` (``limit`` 1), or the holder slot the owner token ``victim`` holds (or a
+        slot free now), for ``token`` in one atomic step: :meth:`acquire` or :meth:`acquire_slot`
+        with ``takeover_prefix=victim`` (no token of singletask's is the start of another), so
+        its fence is greater than the victim's and the victim's next :meth:`extend` and
+        :meth:`release` return False. If ``victim`` holds nothing and no slot is free, nothing
+        changes and the result names the holders. ``meta`` names the victim's token
+        (``replaces``): reading :meth:`holder`, the victim learns who replaced it.
+
+        Raises:
+            UnsupportedOperation: The store cannot preempt (:attr:`supports_replace`).
+            BackendError: The store failed.
+        """
+        if not self.supports_replace:
+            raise UnsupportedOperation(f"{self!r} cannot preempt a holder (lock_policy 'replace')")
+        if limit == 1:
+            return self.acquire(key, token, ttl, meta=meta, takeover_prefix=victim)
+        return self.acquire_slot(key, limit, token, ttl, meta=meta, takeover_prefix=victim)
 
     def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float, str | None]:
         """Make ``task_id`` the latest send of the debounce window of ``key``, in one step.

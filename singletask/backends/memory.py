@@ -56,6 +56,7 @@ class MemoryBackend(LockBackend):
     supports_limit = True
     supports_rate = True
     supports_debounce = True
+    supports_replace = True
 
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}

@@ -117,6 +117,7 @@ class RedisBackend(LockBackend):
     supports_limit = True
     supports_rate = True
     supports_debounce = True
+    supports_replace = True
 
     def __init__(
         self,

@@ -234,6 +234,7 @@ class SQLBackend(LockBackend):
     supports_limit = True
     supports_rate = True
     supports_debounce = True
+    supports_replace = True
 
     @classmethod
     def check_url(cls, url: str) -> None:

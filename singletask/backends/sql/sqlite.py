@@ -93,6 +93,7 @@ class SQLiteBackend(LockBackend):
     supports_limit = True
     supports_rate = True
     supports_debounce = True
+    supports_replace = True
 
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 5.0) -> None:
         self.path = Path(path)

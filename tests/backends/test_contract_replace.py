@@ -1,0 +1,152 @@
+"""The contract of preemption (``lock_policy = "replace"``), run against every backend.
+
+:meth:`LockBackend.preempt` takes the key, or the holder slot a named owner token holds, for a
+newer execution in one atomic step, with a fencing token greater than the preempted holder's;
+the preempted holder's renewals and release then fail, which is how it learns. A store that
+cannot (``supports_replace`` False: memcached, the Django caches) refuses at once, and task
+definitions on it are refused when they are bound (tests/test_replace.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from singletask.backends.base import LockBackend
+from singletask.exceptions import UnsupportedOperation
+from singletask.slots import slot_keys
+
+from ..conftest import ONE_HOLDER_BACKENDS
+from .test_contract import (
+    LEASE,
+    every_record_expires,  # noqa: F401 - the contract's autouse check
+)
+
+LIMIT = 3
+
+
+@pytest.fixture
+def key(key_prefix: str) -> str:
+    return f"{key_prefix}lock"
+
+
+@pytest.fixture
+def replaceable(backend: LockBackend) -> LockBackend:
+    """A backend that can preempt: tests that use it are not collected for the stores of
+    ``ONE_HOLDER_BACKENDS`` (tests/conftest.py); the test below checks those refuse it."""
+    return backend
+
+
+def test_only_the_stores_that_keep_one_holder_refuse_to_preempt(
+    backend: LockBackend, request: pytest.FixtureRequest
+) -> None:
+    """memcached and the Django caches refuse at once; every store with slots preempts."""
+    if request.node.callspec.params["backend"] in ONE_HOLDER_BACKENDS:
+        assert not backend.supports_replace
+        with pytest.raises(UnsupportedOperation):
+            backend.preempt("any", 1, "token", LEASE, "victim")
+    else:
+        assert backend.supports_replace and backend.supports_limit
+
+
+def test_a_newer_execution_takes_the_key_with_a_larger_fence(
+    replaceable: LockBackend, key: str
+) -> None:
+    """The preempted holder's fence is older: its renewal and release fail, the newer one
+    holds the key and names whom it replaced."""
+    # Given a running holder
+    old = replaceable.acquire(key, "token-old", LEASE, meta={"task_id": "t-old"})
+    assert old.acquired and old.fence is not None
+
+    # When a newer execution preempts it
+    new = replaceable.preempt(
+        key, 1, "token-new", LEASE, "token-old", meta={"task_id": "t-new", "replaces": "token-old"}
+    )
+
+    # Then the newer one holds the key with a larger fence, naming the one it replaced
+    assert new.acquired and new.key in (key, None)
+    assert new.fence is not None and new.fence > old.fence
+    holder = replaceable.holder(key)
+    assert holder is not None and holder.token == "token-new"
+    assert holder.task_id == "t-new" and holder.meta.get("replaces") == "token-old"
+    # And the old holder can neither renew nor release it
+    assert replaceable.extend(key, "token-old", LEASE) is False
+    assert replaceable.extend_many([(key, "token-old", LEASE)]) == [False]
+    assert replaceable.release(key, "token-old") is False
+    assert replaceable.release(key, "token-new") is True
+
+
+def test_preempting_a_holder_that_has_gone_takes_a_free_key_and_not_a_newer_holder(
+    replaceable: LockBackend, key: str
+) -> None:
+    """The takeover is a compare-and-swap on the victim's token: a key that the victim left
+    is simply taken, and one that another execution holds meanwhile is refused, naming it."""
+    # Given a victim that released before the preemption came
+    replaceable.acquire(key, "token-old", LEASE)
+    replaceable.release(key, "token-old")
+
+    # When the newer execution preempts it, the free key is taken
+    taken = replaceable.preempt(key, 1, "token-new", LEASE, "token-old")
+    assert taken.acquired
+
+    # And a third execution naming the long-gone victim is refused, told the real holder
+    refused = replaceable.preempt(key, 1, "token-third", LEASE, "token-old")
+    assert not refused.acquired
+    assert refused.holder is not None and refused.holder.token == "token-new"
+    holder = replaceable.holder(key)
+    assert holder is not None and holder.token == "token-new"
+    replaceable.release(key, "token-new")
+
+
+def test_with_every_slot_full_the_named_oldest_slot_is_taken(
+    replaceable: LockBackend, key: str
+) -> None:
+    """With lock_limit = 3 full, preempting the oldest holder takes exactly its slot, with a
+    fence above every holder's; the other holders keep theirs."""
+    # Given three holders, token-0 the oldest (smallest fence)
+    fences = []
+    for n in range(LIMIT):
+        taken = replaceable.acquire_slot(key, LIMIT, f"token-{n}", LEASE)
+        assert taken.acquired and taken.fence is not None
+        fences.append(taken.fence)
+    oldest = min(range(LIMIT), key=lambda n: fences[n])
+
+    # When a newer execution preempts the oldest
+    new = replaceable.preempt(key, LIMIT, "token-new", LEASE, f"token-{oldest}")
+
+    # Then it holds the oldest's slot, with a larger fence than every holder's
+    assert new.acquired and new.fence is not None and new.fence > max(fences)
+    assert new.key == slot_keys(key, LIMIT)[oldest]
+    assert replaceable.extend(new.key, f"token-{oldest}", LEASE) is False
+    for n in range(LIMIT):
+        if n != oldest:
+            slot = slot_keys(key, LIMIT)[n]
+            assert replaceable.extend(slot, f"token-{n}", LEASE) is True
+            replaceable.release(slot, f"token-{n}")
+    replaceable.release(new.key, "token-new")
+
+
+def test_concurrent_preemptions_of_one_holder_let_exactly_one_win(
+    replaceable: LockBackend, key: str
+) -> None:
+    """Eight newer executions preempt the same holder at once: the step is atomic, so exactly
+    one takes the key and the others are refused naming it."""
+    # Given a running holder
+    replaceable.acquire(key, "token-old", LEASE)
+    barrier = threading.Barrier(8)
+
+    def preempt(n: int) -> bool:
+        barrier.wait()
+        return replaceable.preempt(key, 1, f"token-{n}", LEASE, "token-old").acquired
+
+    # When they all preempt it at once
+    with ThreadPoolExecutor(8) as pool:
+        won = list(pool.map(preempt, range(8)))
+
+    # Then exactly one holds the key
+    assert won.count(True) == 1
+    holder = replaceable.holder(key)
+    assert holder is not None and holder.token == f"token-{won.index(True)}"
+    replaceable.release(key, holder.token)
