@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKEND_ERROR_POLICIES",
+    "COALESCE",
     "DEFAULTS",
     "MAX_COUNT",
     "MAX_SECONDS",
@@ -38,6 +39,7 @@ __all__ = [
     "Settings",
     "check_backend_error_policy",
     "check_bool",
+    "check_coalesce",
     "check_count",
     "check_limit",
     "check_policy",
@@ -46,8 +48,12 @@ __all__ = [
     "check_seconds",
 ]
 
-#: The three things a locked-out execution can do.
-POLICIES: Final = ("skip", "retry", "raise")
+#: What an execution that finds its key held does: the three things a locked-out execution
+#: can do, and "replace", which preempts the holder (see :mod:`singletask.replace`).
+POLICIES: Final = ("skip", "retry", "raise", "replace")
+
+#: Which arguments a coalescing key's follow-up runs with: the first call's, or the latest's.
+COALESCE: Final = ("first", "latest")
 
 #: Where a task's duplicates are stopped: only when they execute, already when they are sent,
 #: or sent and collapsed into one follow-up run.
@@ -101,6 +107,11 @@ def check_policy(value: object, where: str) -> str:
 def check_scope(value: object, where: str) -> str:
     """Return ``value`` if it is a known lock scope; else raise ConfigurationError."""
     return _check_choice(value, SCOPES, "lock scope", where)
+
+
+def check_coalesce(value: object, where: str) -> str:
+    """Return ``value`` if it is a ``lock_coalesce`` choice; else raise ConfigurationError."""
+    return _check_choice(value, COALESCE, "follow-up choice", where)
 
 
 def check_backend_error_policy(value: object, where: str) -> str:

@@ -26,6 +26,7 @@ __all__ = [
     "ConfigurationError",
     "LockKeyError",
     "LockLost",
+    "LockPreempted",
     "RateLimited",
     "SingletaskError",
     "TaskLocked",
@@ -133,6 +134,25 @@ class LockLost(SingletaskError):
             if self.reason
             else f"lock {self.key!r} was lost"
         )
+
+
+class LockPreempted(LockLost):
+    """A running execution's lock was taken by a newer execution (``lock_policy = "replace"``).
+
+    Raised by :meth:`LockHandle.check() <singletask.LockHandle.check>` once the renewer has
+    seen the preemption. An execution whose body lets it propagate ends as a
+    :class:`~singletask.Skipped` with ``reason == "replaced"`` naming the successor.
+
+    Attributes:
+        key: The lock key (of the holder slot, with ``lock_limit`` above 1).
+        reason: What happened.
+        successor: The task id of the execution that replaced it (None for a direct call).
+    """
+
+    def __init__(self, key: str, reason: str = "", successor: str | None = None) -> None:
+        super().__init__(key, reason)
+        self.args = (key, reason, successor)
+        self.successor = successor
 
 
 class BackendError(SingletaskError):

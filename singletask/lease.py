@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .exceptions import BackendError, LockLost
+from .exceptions import BackendError, LockLost, LockPreempted
 
 if TYPE_CHECKING:
     from .backends.base import LockBackend
@@ -69,6 +69,9 @@ class LockHandle:
             The store starts the lease at some moment after it, so the holder's deadline,
             ``sent_at + ttl - drift_margin(ttl)``, ends no later than the store's lease.
         max_hold: Seconds after which renewal stops (None: no cap).
+        preemptible: ``lock_policy = "replace"``: a newer execution may take the lock over;
+            the renewer then tells the handle who did (one read, only after a failed renewal).
+        successor: Once preempted, the task id of the execution that took the lock over.
     """
 
     def __init__(
@@ -82,8 +85,12 @@ class LockHandle:
         max_hold: float | None = None,
         on_lost: Callable[[LockHandle, str], None] | None = None,
         sent_at: float | None = None,
+        preemptible: bool = False,
     ) -> None:
         self.key = key
+        self.preemptible = preemptible
+        self.successor: str | None = None
+        self.preempted = False
         self.token = token
         self.task_id = task_id
         self.fence = fence
@@ -125,12 +132,21 @@ class LockHandle:
         Call it before work that must not happen twice at once, e.g. before committing.
         """
         reason = self.lost_reason
+        if reason is not None and self.preempted:
+            raise LockPreempted(self.key, reason, self.successor)
         if reason is not None:
             raise LockLost(self.key, reason)
 
     def renewed(self, at: float) -> None:
         """The lease was extended by a request sent at monotonic time ``at``."""
         self._expires = max(self._expires, at + self.ttl - drift_margin(self.ttl))
+
+    def preempt(self, successor: str | None) -> str:
+        """Record that a newer execution, ``successor``, took the lock over; returns the reason
+        to report (the loss itself is reported by :meth:`lose`)."""
+        self.successor, self.preempted = successor, True
+        who = successor or "a direct call"
+        return f"preempted by a newer execution ({who}), lock_policy 'replace'"
 
     def lose(self, reason: str) -> None:
         """Mark the lock lost and tell the owner (once)."""
@@ -354,7 +370,20 @@ class Renewer:
             elif extended:  # renewed too late: someone may have held the lock meanwhile
                 self._drop(handle, handle.lost_reason or "its lease ran out")
             else:
-                self._drop(handle, "a renewal found it gone or held by another owner")
+                self._drop(handle, self._why_gone(handle))
+
+    def _why_gone(self, handle: LockHandle) -> str:
+        """Why a renewal found ``handle``'s lock gone: for a preemptible one, one read of the
+        holder tells a preemption (the holder names the token it replaced) from a loss."""
+        reason = "a renewal found it gone or held by another owner"
+        if handle.preemptible:
+            try:
+                holder = self._backend.holder(handle.key)
+            except Exception:  # the loss is reported all the same, without its successor
+                return reason
+            if holder is not None and holder.meta.get("replaces") == handle.token:
+                return handle.preempt(holder.task_id)
+        return reason
 
     def _drop(self, handle: LockHandle, reason: str) -> None:
         with self._mutex:

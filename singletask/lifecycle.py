@@ -14,7 +14,8 @@ order (``docs/lifecycle.rst`` tells the same story for users):
    (:func:`~singletask.outcomes.superseded`), the store unreachable
    (:func:`~singletask.outcomes.store_unreachable`), or its key refused, held or too soon for
    its rate (:func:`~singletask.outcomes.refused`). None of them releases the lock: they hold
-   nothing (what the store keeps for the message alone, they give back).
+   nothing (what the store keeps for the message alone, they give back). With ``lock_policy``
+   "replace", a newer execution takes a held key over first (:mod:`singletask.replace`).
 3. **Run the body**, the lease renewed by the process's renewer, the
    :class:`~singletask.LockHandle` reachable as ``self.lock``. A lease found lost is logged and
    sent as :data:`~singletask.signals.lock_lost`, once.
@@ -37,6 +38,8 @@ ending              the body                                              the lo
 ``retried-inline``  retried itself in eager mode (Celery runs it again    released  no
                     at once) or in a direct call (nothing runs it again)
 ``stopped``         was unwound by ``SystemExit``, ``KeyboardInterrupt``  released  no
+``replaced``        preempted by a newer execution (``lock_policy``       released  no
+                    "replace"): raised ``LockLost``, or returned
 ==================  ====================================================  ========  =========
 
 *Released* is an owner-checked release; *reserved* turns the lock into a reservation only the
@@ -60,8 +63,9 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.nodenames import gethostname
 
+from . import replace
 from .acquire import gone_holder, take, twin_of, waits_for_rate
-from .exceptions import BackendError, BackendTimeout, BackendUnavailable
+from .exceptions import BackendError, BackendTimeout, BackendUnavailable, LockLost
 from .lease import LockHandle
 from .messages import is_redelivery, seconds_until
 from .outcomes import refused, store_unreachable, superseded, superseded_retry
@@ -101,6 +105,7 @@ ENDINGS: Final[Mapping[str, Ending]] = {
     "retried": Ending(reserve=True, completed=False),
     "retried-inline": Ending(reserve=False, completed=False),
     "stopped": Ending(reserve=False, completed=False),
+    "replaced": Ending(reserve=False, completed=False),
 }
 
 
@@ -233,10 +238,14 @@ def execute(
             task, options, backend, key, result.holder, direct, result.holders, result.retry_after
         )
         try:
-            return refused(conflict)
+            sent_at = time.monotonic()
+            taken = replace.preempt(conflict, token, meta)  # lock_policy "replace" takes it over
+            if taken is None:
+                return refused(conflict)
         except (BackendUnavailable, BackendTimeout) as exc:
-            # A coalescing follow-up could not record its claim: as for the acquire itself.
+            # The preemption, or a coalescing follow-up's claim: as for the acquire itself.
             return store_unreachable(task, options, exc, direct, body, args, kwargs)
+        result = taken
     # With lock_limit above 1 the execution holds one of the key's slots: renew and release it.
     lock_key, key = key, result.key or key
     if options.limit > 1:
@@ -277,6 +286,7 @@ def execute(
         max_hold=options.max_hold,
         on_lost=functools.partial(_lease_lost, task),
         sent_at=sent_at,
+        preemptible=options.policy == "replace",
     )
     if options.renew:
         state.renewer.add(handle)
@@ -285,28 +295,30 @@ def execute(
     reset = _frames.set((*frames, _Frame(task.name, None if direct else task_id, handle)))
     ending = "returned"
     raised: BaseException | None = None
+    value: Any = None
     try:
-        return body(*args, **kwargs)
+        value = body(*args, **kwargs)
     except BaseException as exc:
         ending = ending_of(exc, worker=not direct and not request.is_eager)
         raised = exc
-        raise
+        if not (isinstance(exc, LockLost) and handle.preemptible):
+            raise
+        ending = "replaced"  # if it was: see below, after the release
     finally:
         # 4. End the hold, exactly once.
         _frames.reset(reset)
         handle.lost  # noqa: B018 - reports a lease that ran out unnoticed by the body
         state.renewer.remove(handle)  # before the release: no renewal starts after this
         row = ENDINGS[ending]
-        _end(
-            task,
-            options,
-            backend,
-            key,
-            token,
-            raised if row.reserve else None,
-            completed=attempt if row.completed and task.acks_late else None,
-            meta=meta,
-        )
+        retry = raised if row.reserve else None
+        completed = attempt if row.completed and task.acks_late else None
+        released = _end(task, options, backend, key, token, retry, completed=completed, meta=meta)
+    outcome = replace.replaced(task, handle, backend, released) if handle.preemptible else None
+    if outcome is not None:
+        return outcome  # a newer execution took over: the run ends as replaced
+    if raised is not None:
+        raise raised  # a LockLost that was no preemption
+    return value
 
 
 def _end(
@@ -319,11 +331,12 @@ def _end(
     *,
     completed: str | None = None,
     meta: Mapping[str, str] | None = None,
-) -> None:
+) -> bool:
     """End the execution's hold: release, or turn it into a reservation for the body's retry.
 
     The reservation is the lock under a token only the retried attempt (same task id,
     ``retries + 1``) takes over; it lasts the retry's countdown plus one lease. Never raises.
+    Returns False when a release found the lock no longer held, else True.
     """
     try:
         if retry is not None:
@@ -332,31 +345,28 @@ def _end(
             delay = seconds_until(getattr(retry, "when", None))
             reserve = min(backend.max_lease, delay + options.ttl)
             retries = int(request.retries or 0)
-            reserved = backend.acquire(
-                key,
-                reservation_token(str(request.id), retries + 1),
-                reserve,
-                meta=meta,
-                takeover_prefix=token,
-            )
+            retry_token = reservation_token(str(request.id), retries + 1)
+            reserved = backend.acquire(key, retry_token, reserve, meta=meta, takeover_prefix=token)
             if reserved.acquired:
                 logger.info(
                     "Task %s[%s] retries: lock %r stays reserved for the retry (%.0fs at most)",
                     task.name, request.id, key, reserve,
                 )  # fmt: skip
-            return
+            return True
         if not backend.release(key, token, completed=completed):
             logger.warning(
                 "Task %s[%s]: lock %r was no longer held when the task ended (its lease "
                 "ran out, or the worker released it for this task)",
                 task.name, task.request.id, key,
             )  # fmt: skip
+            return False
     except Exception:
         # Never let release break the task's outcome; the lease ends by itself.
         logger.exception(
             "Task %s[%s]: could not release lock %r; it expires by itself within %.0fs",
             task.name, task.request.id, key, options.ttl,
         )  # fmt: skip
+    return True
 
 
 def _clear_follow_up(task: Task[Any, Any], backend: LockBackend, key: str, task_id: str) -> None:

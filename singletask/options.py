@@ -27,6 +27,7 @@ from .config import (
     Settings,
     check_backend_error_policy,
     check_bool,
+    check_coalesce,
     check_count,
     check_limit,
     check_policy,
@@ -68,6 +69,8 @@ ATTRIBUTE_CHECKS: Final[dict[str, Callable[[object, str], object]]] = {
     "lock_rate": check_rate,
     "lock_debounce": check_seconds,
     "lock_debounce_max": check_seconds,
+    "lock_coalesce": check_coalesce,
+    "lock_replace_terminate": check_bool,
 }
 
 #: The lock scopes a task with ``lock_limit`` above 1 can have. "queue" and "coalesce" keep at
@@ -80,6 +83,8 @@ STORE_FEATURES: Final = {
     "limit": ("supports_limit", "keeps one holder per key, so it cannot run {value} at a time"),
     "rate": ("supports_rate", "keeps no rate records, so it cannot count starts"),
     "debounce": ("supports_debounce", "keeps no debounce windows"),
+    "coalesce": ("supports_debounce", "keeps no record of a key's latest follow-up"),
+    "policy": ("supports_replace", "cannot preempt a holder with a larger fencing token"),
 }
 
 
@@ -115,6 +120,9 @@ class LockOptions:
         rate_interval: Seconds between two starts of a key that ``rate`` allows, or None.
         debounce: Seconds a send waits for a later one (``lock_debounce``), or None.
         debounce_max: The longest a window's first send waits (``lock_debounce_max``), or None.
+        coalesce: ``"first"`` or ``"latest"``: whose arguments a coalescing follow-up runs with.
+        replace_terminate: With ``lock_policy = "replace"``, whether the preempted execution
+            is also revoked with ``terminate=True``.
     """
 
     name: str
@@ -135,6 +143,8 @@ class LockOptions:
     rate_interval: float | None = None
     debounce: float | None = None
     debounce_max: float | None = None
+    coalesce: str = "first"
+    replace_terminate: bool = False
 
     def key(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         """The lock key of a call with these arguments.
@@ -168,6 +178,8 @@ class TaskOptions:
     rate: str | None = None
     debounce: float | None = None
     debounce_max: float | None = None
+    coalesce: str | None = None
+    replace_terminate: bool | None = None
 
     @classmethod
     def from_class(cls, task_cls: type[Any], known: Collection[str] = ()) -> TaskOptions:
@@ -213,6 +225,12 @@ class TaskOptions:
                 f"{where} lock_scope: {self.scope!r} deduplicates sends, and lock_debounce "
                 "collapses them: use one or the other (lock_scope = 'execution')"
             )
+        self._check_replace(where)
+        if self.coalesce is not None and self.scope not in (None, "coalesce"):
+            raise ConfigurationError(
+                f"{where} lock_coalesce: chooses the arguments of a coalescing follow-up, and "
+                f"lock_scope is {self.scope!r}; use lock_scope = 'coalesce'"
+            )
         if self.debounce_max is not None:
             if self.debounce is None:
                 raise ConfigurationError(
@@ -224,6 +242,34 @@ class TaskOptions:
                     f"{where} lock_debounce_max: {_seconds(self.debounce_max)}s is shorter "
                     f"than lock_debounce ({_seconds(self.debounce)}s)"
                 )
+
+    def _check_replace(self, where: str, scope: str | None = None) -> None:
+        """Refuse what cannot go with ``lock_policy = "replace"`` (``scope``: the app's, when
+        the task sets none)."""
+        scope = self.scope if self.scope is not None else scope
+        if self.replace_terminate and self.policy not in (None, "replace"):
+            raise ConfigurationError(
+                f"{where} lock_replace_terminate: applies to lock_policy = 'replace', and the "
+                f"task's lock_policy is {self.policy!r}"
+            )
+        if self.policy != "replace":
+            return
+        if scope in ("queue", "coalesce"):
+            raise ConfigurationError(
+                f"{where} lock_policy: 'replace' preempts the running execution, and lock_scope "
+                f"{scope!r} keeps a newer call from being sent at all; use lock_scope = "
+                "'execution'"
+            )
+        if self.rate is not None:
+            raise ConfigurationError(
+                f"{where} lock_policy: 'replace' preempts a holder, and a start refused by "
+                "lock_rate has none to preempt; use another policy with lock_rate"
+            )
+        if self.renew is False:
+            raise ConfigurationError(
+                f"{where} lock_policy: 'replace' needs lock_renew: the renewer is how a "
+                "preempted execution learns that it was replaced"
+            )
 
     def _warn_about_time_limit(self, time_limit: float | None) -> None:
         if self.renew is False and self.ttl and time_limit and self.ttl <= time_limit:
@@ -257,22 +303,37 @@ class TaskOptions:
                 (or the setting it came from) and the store.
         """
         scope = settings.lock_scope if self.scope is None else self.scope
+        policy = settings.lock_policy if self.policy is None else self.policy
+        if self.policy is None and policy == "replace":
+            resolved = TaskOptions(**{**self.__dict__, "policy": policy})
+            resolved._check_replace(f"task {name!r} (setting singletask_lock_policy)", scope)
+        elif self.policy == "replace":
+            self._check_replace(f"task {name!r} attribute", scope)
+        if self.coalesce is not None and scope != "coalesce":
+            raise ConfigurationError(
+                f"task {name!r} attribute lock_coalesce: cannot go with the app's "
+                f"singletask_lock_scope {scope!r}; set lock_scope = 'coalesce' on the task"
+            )
         used = {
             "limit": self.limit if (self.limit or 1) > 1 else None,
             "rate": self.rate,
             "debounce": self.debounce,
+            "coalesce": "'latest'" if self.coalesce == "latest" else None,
+            "policy": "'replace'" if policy == "replace" else None,
         }
         for option, value in used.items():
             if value is None:
                 continue
             where = f"task {name!r} attribute lock_{option}"
+            if option == "policy" and self.policy is None:
+                where = f"task {name!r}: setting singletask_lock_policy"
             attribute, refusal = STORE_FEATURES[option]
             if attribute not in features:
                 raise ConfigurationError(
                     f"{where}: the {store} lock store {refusal.format(value=value)}; use Redis, "
                     "PostgreSQL, MySQL, SQLite or memory"
                 )
-            if option != "rate" and scope not in LIMIT_SCOPES:
+            if option in ("limit", "debounce") and scope not in LIMIT_SCOPES:
                 raise ConfigurationError(
                     f"{where}: cannot go with the app's singletask_lock_scope {scope!r}; set "
                     "lock_scope = 'execution' on the task"
@@ -316,6 +377,8 @@ class TaskOptions:
             rate_interval=check_rate(self.rate, "lock_rate") if self.rate is not None else None,
             debounce=self.debounce,
             debounce_max=self.debounce_max,
+            coalesce=pick(self.coalesce, "first"),
+            replace_terminate=bool(self.replace_terminate),
         )
 
 

@@ -20,7 +20,9 @@ here:
      checks again shortly, then takes its reservation), or by a newer attempt (this copy is
      stale and dropped);
   3. coalescing: the key's one pending follow-up waits for the run in progress to end;
-  4. the task's ``lock_policy`` (:mod:`singletask.policies`).
+  4. the task's ``lock_policy`` (:mod:`singletask.policies`). With "replace", only an
+     execution that may not preempt the holder (:func:`singletask.replace.preempt`) gets this
+     far: a retried attempt or a redelivered copy, older than the holder, stands aside.
 
 Besides the lock, the store can keep something for one message alone: the reservation
 ``apply_async`` made for it (``lock_scope`` "queue" or "coalesce"), the reservation the previous

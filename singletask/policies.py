@@ -5,14 +5,16 @@ An execution that finds its key held is described by a :class:`Conflict`; once
 delivery or attempt of the same message, a coalescing follow-up, a reservation to keep or give
 back), it hands the conflict to the task's :class:`Policy`:
 
-=========  ==============================================================================
-policy     a locked-out execution
-=========  ==============================================================================
-``skip``   returns a :class:`~singletask.Skipped` value (state SUCCESS)
-``retry``  is sent again after ``lock_retry_countdown`` (plus jitter), at most
-           ``lock_retry_max`` times, then raises; in eager mode or a direct call it raises
-``raise``  fails with :class:`~singletask.TaskLocked`
-=========  ==============================================================================
+===========  ============================================================================
+policy       a locked-out execution
+===========  ============================================================================
+``skip``     returns a :class:`~singletask.Skipped` value (state SUCCESS)
+``retry``    is sent again after ``lock_retry_countdown`` (plus jitter), at most
+             ``lock_retry_max`` times, then raises; in eager mode or a direct call it raises
+``raise``    fails with :class:`~singletask.TaskLocked`
+``replace``  is not locked out: it preempts the holder first (:mod:`singletask.replace`);
+             only a retried or redelivered message, older than the holder, stands aside
+===========  ============================================================================
 
 A new policy is one :class:`Policy` subclass in :data:`POLICIES` (and its name in
 :data:`singletask.config.POLICIES`, which validates it). Every policy sends the
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
     from .backends.base import Holder, LockBackend
     from .options import LockOptions
 
-__all__ = ["POLICIES", "Conflict", "Policy", "Raise", "Retry", "Skip"]
+__all__ = ["POLICIES", "Conflict", "Policy", "Raise", "Replace", "Retry", "Skip"]
 
 logger = logging.getLogger("singletask")
 
@@ -230,5 +232,21 @@ class Retry(Policy):
         republish(conflict.task, countdown, {LOCK_RETRIES_HEADER: spent + 1}, conflict.refusal())
 
 
+class Replace(Policy):
+    """Preempt the holder (:func:`singletask.replace.preempt` does, before this); here only an
+    execution that may not (retried, redelivered: older than the holder) stands aside."""
+
+    name = "replace"
+
+    def apply(self, conflict: Conflict) -> Skipped:
+        conflict.report("replaced")
+        logger.info(
+            "Task %s[%s] skipped: lock %r is held by %s, newer than this retried or redelivered "
+            "message (lock_policy 'replace')",
+            conflict.task.name, conflict.task.request.id, conflict.key, conflict.who,
+        )  # fmt: skip
+        return Skipped(conflict.key, conflict.holder_id, conflict.ttl, reason="replaced")
+
+
 #: The policies by ``lock_policy`` name.
-POLICIES: Final[Mapping[str, Policy]] = {p.name: p for p in (Skip(), Retry(), Raise())}
+POLICIES: Final[Mapping[str, Policy]] = {p.name: p for p in (Skip(), Retry(), Raise(), Replace())}

@@ -35,8 +35,11 @@ class Skipped:
             first); empty for a singleton task.
         reason: Why the body did not run: ``"held"`` (the lock is held: ``holder``, ``ttl``),
             ``"rate"`` (the key started too recently for its ``lock_rate``: ``retry_after``)
-            or ``"debounced"`` (a later send of the key superseded this one: ``holder`` is
-            that send's task id).
+            ``"debounced"`` (a later send of the key superseded this one: ``holder`` is
+            that send's task id), ``"replaced"`` (``lock_policy = "replace"``: a newer
+            execution preempted this one, whose body stopped; ``holder`` is the newer one's
+            task id) or ``"superseded"`` (``lock_coalesce = "latest"``: a later call replaced
+            this pending follow-up; ``holder`` is that call's task id).
         retry_after: With ``reason == "rate"``, seconds until the key may start again.
     """
 
@@ -53,6 +56,10 @@ class Skipped:
             return f"skipped: lock {self.key!r} started too recently for its lock_rate{left}"
         if self.reason == "debounced":
             return f"skipped: a later send ({self.holder}) of lock {self.key!r} superseded it"
+        if self.reason == "replaced":
+            return f"replaced: a newer execution ({self.holder}) of lock {self.key!r} took it over"
+        if self.reason == "superseded":
+            return f"skipped: a later call ({self.holder}) replaced this follow-up of {self.key!r}"
         if self.holders:
             return f"skipped: lock {self.key!r} is held by its {len(self.holders)} holders"
         who = self.holder or "another execution"

@@ -173,7 +173,7 @@ def stop_renewers(renewers: list[Renewer]) -> None:
 
 def features(store: type[LockBackend]) -> frozenset[str]:
     """The ``supports_*`` attributes of a store class that are true."""
-    names = ("supports_limit", "supports_rate", "supports_debounce")
+    names = ("supports_limit", "supports_rate", "supports_debounce", "supports_replace")
     return frozenset(name for name in names if getattr(store, name, False))
 
 

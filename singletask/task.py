@@ -91,6 +91,8 @@ class SingletonTask(_TaskBase):
     lock_rate: ClassVar[str | None] = None
     lock_debounce: ClassVar[float | None] = None
     lock_debounce_max: ClassVar[float | None] = None
+    lock_coalesce: ClassVar[str | None] = None
+    lock_replace_terminate: ClassVar[bool | None] = None
 
     _singletask_options: ClassVar[TaskOptions]
 

@@ -48,7 +48,8 @@ def test_only_the_stores_that_keep_one_holder_refuse_to_preempt(
         with pytest.raises(UnsupportedOperation):
             backend.preempt("any", 1, "token", LEASE, "victim")
     else:
-        assert backend.supports_replace and backend.supports_limit
+        assert backend.supports_replace
+        assert backend.supports_limit
 
 
 def test_a_newer_execution_takes_the_key_with_a_larger_fence(
@@ -58,7 +59,8 @@ def test_a_newer_execution_takes_the_key_with_a_larger_fence(
     holds the key and names whom it replaced."""
     # Given a running holder
     old = replaceable.acquire(key, "token-old", LEASE, meta={"task_id": "t-old"})
-    assert old.acquired and old.fence is not None
+    assert old.acquired
+    assert old.fence is not None
 
     # When a newer execution preempts it
     new = replaceable.preempt(
@@ -66,11 +68,15 @@ def test_a_newer_execution_takes_the_key_with_a_larger_fence(
     )
 
     # Then the newer one holds the key with a larger fence, naming the one it replaced
-    assert new.acquired and new.key in (key, None)
-    assert new.fence is not None and new.fence > old.fence
+    assert new.acquired
+    assert new.key in (key, None)
+    assert new.fence is not None
+    assert new.fence > old.fence
     holder = replaceable.holder(key)
-    assert holder is not None and holder.token == "token-new"
-    assert holder.task_id == "t-new" and holder.meta.get("replaces") == "token-old"
+    assert holder is not None
+    assert holder.token == "token-new"
+    assert holder.task_id == "t-new"
+    assert holder.meta.get("replaces") == "token-old"
     # And the old holder can neither renew nor release it
     assert replaceable.extend(key, "token-old", LEASE) is False
     assert replaceable.extend_many([(key, "token-old", LEASE)]) == [False]
@@ -94,9 +100,11 @@ def test_preempting_a_holder_that_has_gone_takes_a_free_key_and_not_a_newer_hold
     # And a third execution naming the long-gone victim is refused, told the real holder
     refused = replaceable.preempt(key, 1, "token-third", LEASE, "token-old")
     assert not refused.acquired
-    assert refused.holder is not None and refused.holder.token == "token-new"
+    assert refused.holder is not None
+    assert refused.holder.token == "token-new"
     holder = replaceable.holder(key)
-    assert holder is not None and holder.token == "token-new"
+    assert holder is not None
+    assert holder.token == "token-new"
     replaceable.release(key, "token-new")
 
 
@@ -109,7 +117,8 @@ def test_with_every_slot_full_the_named_oldest_slot_is_taken(
     fences = []
     for n in range(LIMIT):
         taken = replaceable.acquire_slot(key, LIMIT, f"token-{n}", LEASE)
-        assert taken.acquired and taken.fence is not None
+        assert taken.acquired
+        assert taken.fence is not None
         fences.append(taken.fence)
     oldest = min(range(LIMIT), key=lambda n: fences[n])
 
@@ -117,7 +126,9 @@ def test_with_every_slot_full_the_named_oldest_slot_is_taken(
     new = replaceable.preempt(key, LIMIT, "token-new", LEASE, f"token-{oldest}")
 
     # Then it holds the oldest's slot, with a larger fence than every holder's
-    assert new.acquired and new.fence is not None and new.fence > max(fences)
+    assert new.acquired
+    assert new.fence is not None
+    assert new.fence > max(fences)
     assert new.key == slot_keys(key, LIMIT)[oldest]
     assert replaceable.extend(new.key, f"token-{oldest}", LEASE) is False
     for n in range(LIMIT):
@@ -148,5 +159,6 @@ def test_concurrent_preemptions_of_one_holder_let_exactly_one_win(
     # Then exactly one holds the key
     assert won.count(True) == 1
     holder = replaceable.holder(key)
-    assert holder is not None and holder.token == f"token-{won.index(True)}"
+    assert holder is not None
+    assert holder.token == f"token-{won.index(True)}"
     replaceable.release(key, holder.token)
