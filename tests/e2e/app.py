@@ -26,6 +26,7 @@ TASK_MODULES = [
     "tests.e2e.tasks_pools",
     "tests.e2e.tasks_limits",
     "tests.e2e.tasks_handoffs",
+    "tests.e2e.tasks_replace",
 ]
 
 #: Optional: a JSON object merged into ``broker_transport_options`` (e.g. a short

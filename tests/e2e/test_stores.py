@@ -31,6 +31,9 @@ from .tasks_faults import PREFIX as FAULTS
 from .tasks_limits import PREFIX as LIMITS
 from .tasks_policies import PREFIX as POLICIES
 from .tasks_policies import TTL, gate_key
+from .tasks_replace import PREFIX as REPLACE
+from .tasks_replace import TTL as REPLACE_TTL
+from .tasks_replace import resource_key
 
 pytestmark = [pytest.mark.e2e, pytest.mark.stores]
 
@@ -331,3 +334,47 @@ def test_a_rate_and_a_debounce_are_kept_in_the_store(store: StoreEnv) -> None:
     assert outcomes[-1] == 3
     assert all(isinstance(o, Skipped) and o.reason == "debounced" for o in outcomes[:-1])
     assert [s["version"] for s in env.probe.starts(label)] == [3]
+
+
+def test_a_newer_execution_preempts_the_running_one_in_the_store(store: StoreEnv) -> None:
+    """``lock_policy = "replace"`` on a real prefork worker: the newer execution of a key runs
+    at once with a larger fence, the running one learns it within one renewal interval, its
+    late fenced write is refused and it ends replaced; memcached refuses the policy when bound."""
+    if not store.locks.supports_replace:
+        app = Celery("replace-on-memcached", set_as_current=False)
+        app.conf.update(singletask_backend_url=store.env.app.conf.singletask_backend_url)
+        with pytest.raises(ConfigurationError, match="lock_policy: the memcached:// lock store"):
+            app.task(
+                base=SingletonTask, name=REPLACE + "refused", lock_policy="replace", lazy=False,
+                shared=False,
+            )(_refused)  # fmt: skip
+        app.close()
+        return
+    env = store.env
+    env.start_worker()
+    label = label_of()
+    task = store.task(REPLACE + "rebuild")
+
+    # Given version 1 running
+    older = task.apply_async((label, 1))
+    first = env.probe.wait_for(label, "start")[0]
+
+    # When version 2 of the same key is sent
+    newer = task.apply_async((label, 2))
+
+    # Then it runs at once, with a larger fence
+    second = next(s for s in env.probe.wait_for(label, "start", count=2) if s["version"] == 2)
+    assert second["fence"] > first["fence"]
+    # And the older one learned it within one renewal interval, and its late write was refused
+    preempted = env.probe.wait_for(label, "preempted")[0]
+    assert (preempted["task_id"], preempted["successor"]) == (older.id, newer.id)
+    assert preempted["t"] - second["t"] < REPLACE_TTL / 3 + 1.0
+    assert preempted["late_write"] is False
+    assert env.probe.client.hget(resource_key(label), "value") == "2"
+    # And it ended replaced, naming the newer one, which finishes when let go
+    value = older.get(timeout=BOUND)
+    assert isinstance(value, Skipped)
+    assert (value.reason, value.holder) == ("replaced", newer.id)
+    store.open_gate(label)
+    assert newer.get(timeout=BOUND) == 2
+    store.wait_free(str(task.lock_key_for((label, 0))))

@@ -1,0 +1,102 @@
+"""Tasks of tests/e2e/test_replace.py: ``lock_policy = "replace"`` on a real worker.
+
+Each body writes its version to a *fenced resource* in the probe's Redis (a hash that accepts a
+write only with a fencing token larger than the last one it took, in one script), then works
+until the test opens its gate, calling ``self.lock.check()`` between steps. A preempted body
+records when it learned it and tries one late fenced write, which the resource must refuse.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from celery import Celery
+from celery._state import _get_active_apps, connect_on_app_finalize
+
+from singletask import LockPreempted, SingletonTask
+from singletask.backends import backend_class
+
+from .probe import probe
+from .tasks_policies import gate_key
+
+PREFIX = "e2e.replace."
+
+#: The lease: renewed every 0.5 s, so a preempted body learns it within 0.5 s (plus round trips).
+TTL = 1.5
+
+#: How long a body works at most before it gives up waiting for its gate.
+WORK = 30.0
+
+# KEYS[1] the fenced resource (a hash: value, fence)
+# ARGV[1] the writer's fencing token, ARGV[2] the value
+# Returns 1 when written (the token is larger than the resource's last one), else 0.
+FENCED_WRITE = """
+local last = tonumber(redis.call('HGET', KEYS[1], 'fence') or '0')
+if tonumber(ARGV[1]) <= last then return 0 end
+redis.call('HSET', KEYS[1], 'fence', ARGV[1], 'value', ARGV[2])
+redis.call('EXPIRE', KEYS[1], 3600)
+return 1
+"""
+
+
+def resource_key(label: str) -> str:
+    return f"fenced:{label}"
+
+
+def fenced_write(label: str, fence: int, value: int) -> bool:
+    """Write ``value`` to the label's resource if ``fence`` is newer than its last writer's."""
+    client = probe().client
+    return bool(client.eval(FENCED_WRITE, 1, resource_key(label), fence, value))
+
+
+def rebuild(self: SingletonTask, label: str, version: int, check: bool = True) -> int:
+    """Write ``version``, then work (checking the lock if ``check``) until the gate opens."""
+    lock = self.lock
+    assert lock is not None
+    assert lock.fence is not None
+    with probe().running(label, self.request.id, version=version, fence=lock.fence):
+        fenced_write(label, lock.fence, version)
+        deadline = time.monotonic() + WORK
+        while time.monotonic() < deadline:
+            if check:
+                try:
+                    lock.check()
+                except LockPreempted as exc:
+                    late = fenced_write(label, lock.fence, version)
+                    probe().mark(
+                        label, "preempted", self.request.id, successor=exc.successor,
+                        late_write=late, version=version,
+                    )  # fmt: skip
+                    raise
+            if probe().client.lpop(gate_key(label)) is not None:
+                return version
+            time.sleep(0.02)
+    return version
+
+
+TASKS: list[tuple[str, dict[str, Any]]] = [
+    ("rebuild", {}),
+    ("rebuild_slots", {"lock_limit": 2}),
+    ("rebuild_terminate", {"lock_replace_terminate": True}),
+]
+
+
+@connect_on_app_finalize
+def _register(app: Celery) -> None:
+    """Only on apps whose lock store can preempt (memcached cannot: binding would stop the
+    worker)."""
+    url = app.conf.get("singletask_backend_url")
+    store = backend_class(url) if url else None
+    if store is None or not store.supports_replace:
+        return
+    for name, options in TASKS:
+        app.task(
+            base=SingletonTask, bind=True, shared=False, lock_ttl=TTL, lock_policy="replace",
+            lock_args=("label",), name=PREFIX + name, **options,
+        )(rebuild)  # fmt: skip
+
+
+for _app in _get_active_apps():  # apps finalized before this module was imported (a worker's)
+    if _app.finalized:
+        _register(_app)

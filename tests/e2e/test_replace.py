@@ -1,0 +1,150 @@
+"""``lock_policy = "replace"`` on real workers: prefork (the session cluster) and threads.
+
+A running body is preempted by a newer execution of its key: the newer one runs at once with a
+larger fence, the older one learns it within one renewal interval (``lock_ttl / 3``, 0.5 s here),
+its late fenced write is refused, and it ends as ``Skipped("replaced")`` naming the newer one.
+The tasks are in tasks_replace.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from singletask import Skipped
+from singletask.backends.redis import RedisBackend
+from singletask.slots import slot_keys
+
+from .conftest import Cluster, start_cluster
+from .tasks_policies import gate_key
+from .tasks_replace import PREFIX, TTL, resource_key
+
+pytestmark = pytest.mark.e2e
+
+#: Seconds; far above what each step needs, so a slow machine does not fail the tests.
+BOUND = 20.0
+#: What the preempted body may take beyond one renewal interval to learn it: the renewal's and
+#: the read's round trips, the body's polling step, a loaded machine's scheduling.
+SLACK = 1.0
+
+
+@pytest.fixture
+def label(cluster: Cluster) -> Iterator[str]:
+    """A probe label of this test only; its gate is opened at teardown, whatever happened."""
+    name = cluster.label()
+    yield name
+    cluster.probe.client.rpush(gate_key(name), *["open"] * 10)
+
+
+def preempt_and_check(cluster: Cluster, label: str, task: str = "rebuild") -> dict[str, Any]:
+    """Given version 1 running, when version 2 of the same key is sent, then version 1 is
+    preempted within the bound, its late fenced write refused, and it ends replaced."""
+    rebuild = cluster.task(PREFIX + task)
+    older = rebuild.delay(label, 1)
+    first = cluster.probe.wait_for(label, "start", timeout=BOUND)[0]
+
+    # When a newer execution of the key is sent
+    newer = rebuild.delay(label, 2)
+
+    # Then it runs at once, with a larger fence, while the older one is still running
+    starts = cluster.probe.wait_for(label, "start", count=2, timeout=BOUND)
+    second = next(s for s in starts if s["version"] == 2)
+    assert second["task_id"] == newer.id
+    assert second["fence"] > first["fence"]
+    # And the older one learns it within one renewal interval, naming the newer one
+    preempted = cluster.probe.wait_for(label, "preempted", timeout=BOUND)[0]
+    assert preempted["task_id"] == older.id
+    assert preempted["successor"] == newer.id
+    assert preempted["t"] - second["t"] < TTL / 3 + SLACK
+    # And its late write is refused by its older fencing token: the resource keeps version 2
+    assert preempted["late_write"] is False
+    assert cluster.probe.client.hget(resource_key(label), "value") == "2"
+    # And it ends as replaced, naming the newer execution
+    value = older.get(timeout=BOUND)
+    assert isinstance(value, Skipped)
+    assert (value.reason, value.holder) == ("replaced", newer.id)
+    # And the newer one finishes normally when let go
+    cluster.probe.client.rpush(gate_key(label), "open")
+    assert newer.get(timeout=BOUND) == 2
+    return {"older": older, "newer": newer, "first": first, "second": second}
+
+
+def test_a_newer_execution_preempts_the_running_one_on_prefork(
+    cluster: Cluster, label: str
+) -> None:
+    """Two pool processes: the running body is preempted by the newer one (see above), and
+    the key is free once the newer one has ended."""
+    preempt_and_check(cluster, label)
+    cluster.wait_free(f"singletask:{PREFIX}rebuild:{label}")
+
+
+def test_with_every_slot_full_the_oldest_holder_is_preempted(cluster: Cluster, label: str) -> None:
+    """lock_limit = 2: the test process holds one slot first (the oldest, as another host
+    would), a worker execution the other; a newer execution takes the oldest's slot, and the
+    worker's execution keeps running."""
+    key = str(cluster.task(PREFIX + "rebuild_slots").lock_key_for((label, 0)))
+    locks = RedisBackend(client=cluster.locks)
+    elsewhere = locks.acquire_slot(key, 2, "elsewhere-token", 30.0, meta={"task_id": "elsewhere"})
+    assert elsewhere.acquired
+    rebuild = cluster.task(PREFIX + "rebuild_slots")
+    running = rebuild.delay(label, 1)
+    cluster.probe.wait_for(label, "start", timeout=BOUND)
+
+    # When a newer execution of the key is sent
+    newer = rebuild.delay(label, 2)
+
+    # Then it takes the oldest holder's slot (the one held elsewhere), and the running one stays
+    starts = cluster.probe.wait_for(label, "start", count=2, timeout=BOUND)
+    assert {s["task_id"] for s in starts} == {running.id, newer.id}
+    assert locks.extend(key, "elsewhere-token", 30.0) is False
+    holders = {locks.holder(slot).task_id for slot in slot_keys(key, 2)}  # type: ignore[union-attr]
+    assert holders == {running.id, newer.id}
+    time.sleep(TTL)  # more than a renewal interval: nobody preempted the running one
+    assert cluster.probe.events(label, "preempted") == []
+    cluster.probe.client.rpush(gate_key(label), "open", "open")
+    assert {running.get(timeout=BOUND), newer.get(timeout=BOUND)} == {1, 2}
+
+
+def test_terminate_stops_a_body_that_never_checks_on_prefork(cluster: Cluster, label: str) -> None:
+    """lock_replace_terminate: the preempted body does not call check(); the newer execution
+    revokes it with terminate=True, prefork's SIGTERM ends it at once, its state is REVOKED."""
+    rebuild = cluster.task(PREFIX + "rebuild_terminate")
+    older = rebuild.delay(label, 1, check=False)
+    cluster.probe.wait_for(label, "start", timeout=BOUND)
+
+    newer = rebuild.delay(label, 2, check=False)
+
+    ends = cluster.probe.wait_for(label, "end", timeout=BOUND)
+    assert ends[0]["task_id"] == older.id
+    deadline = time.monotonic() + BOUND
+    while older.state != "REVOKED" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert older.state == "REVOKED"
+    assert cluster.probe.client.hget(resource_key(label), "value") == "2"
+    cluster.probe.client.rpush(gate_key(label), "open")
+    assert newer.get(timeout=BOUND) == 2
+
+
+@pytest.fixture(scope="module")
+def threads(
+    redis_base_url: str, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Cluster]:
+    """A ``celery worker -P threads -c 4`` on the Redis broker, locks in Redis."""
+    with start_cluster(
+        "redis", redis_base_url, tmp_path_factory, request, pool="threads", concurrency=4
+    ) as cluster:
+        yield cluster
+
+
+@pytest.mark.pools
+def test_a_newer_execution_preempts_the_running_one_on_threads(threads: Cluster) -> None:
+    """Both executions are threads of one process, renewed by one renewer: the preempted one
+    learns it all the same, and ends replaced."""
+    label = threads.label()
+    try:
+        preempt_and_check(threads, label)
+    finally:
+        threads.probe.client.rpush(gate_key(label), *["open"] * 10)
