@@ -22,10 +22,10 @@ from celery.utils.time import maybe_iso8601
 
 from .backends.base import MAX_LEASE
 from .exceptions import BackendError, LockKeyError, TaskLocked
-from .messages import seconds_until
+from .messages import LATEST_HEADER, seconds_until
 from .policies import POLICIES
 from .runtime import app_state
-from .sends import claim_follow_up, publish_or_undo, reserve
+from .sends import Written, claim_follow_up, enter_window, publish_or_undo, reserve, together
 from .signals import lock_conflict
 from .tokens import reservation_token
 
@@ -43,6 +43,7 @@ __all__ = [
     "queue_lease",
     "send",
     "send_delay",
+    "send_latest",
     "send_once",
 ]
 
@@ -155,7 +156,7 @@ def send_once(
     task: Task[Any, Any],
     options: LockOptions,
     backend: LockBackend,
-    publish: Callable[[str], AsyncResult[Any]],
+    publish: Callable[..., AsyncResult[Any]],
     task_id: str,
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
@@ -177,6 +178,9 @@ def send_once(
         "since": f"{time.time():.3f}",
     }
     reserved, reservation = reserve(backend, key, token, ttl, meta)
+    latest = options.scope == "coalesce" and options.coalesce == "latest"
+    if reserved.acquired and latest:  # it supersedes a follow-up still on its way
+        return send_latest(task, backend, publish, key, task_id, ttl, send_options, reservation)
     if reserved.acquired:  # the message never left if publish raises: nothing will run it
         return publish_or_undo(task, task_id, partial(publish, task_id), reservation)
     holder = reserved.holder
@@ -185,6 +189,8 @@ def send_once(
     holder_id = holder.task_id
     queued = holder.token == reservation_token(holder_id, 0)
     follow_up = holder_id
+    if latest and not queued:  # the key's latest follow-up now: it supersedes the pending one
+        return send_latest(task, backend, publish, key, task_id, ttl, send_options, None, holder_id)
     if options.scope == "coalesce" and not queued:
         follow_up, claim = claim_follow_up(backend, key, task_id, holder_id, ttl)
         action = "follow" if follow_up == task_id else "join"
@@ -218,6 +224,41 @@ def send_once(
         task.name, holder_id, state, key,
     )  # fmt: skip
     return task.AsyncResult(holder_id)
+
+
+def send_latest(
+    task: Task[Any, Any],
+    backend: LockBackend,
+    publish: Callable[..., AsyncResult[Any]],
+    key: str,
+    task_id: str,
+    ttl: float,
+    send_options: Mapping[str, Any],
+    reservation: Written | None,
+    running: str | None = None,
+) -> AsyncResult[Any]:
+    """``lock_coalesce = "latest"``: make ``task_id`` the latest send of the key's window
+    (:func:`~singletask.sends.enter_window`, the window ``lock_debounce`` uses) and publish it
+    with :data:`~singletask.messages.LATEST_HEADER`. The follow-up it supersedes, if any, ends
+    as a :class:`~singletask.Skipped` naming it when a worker starts it
+    (:func:`singletask.lifecycle.execute`). ``reservation``: the key's reservation this send
+    made (the key was free), ``running``: the task id of the run in progress (this send is its
+    follow-up). A failed publish takes both the window's entry and the reservation back."""
+    previous, _, window = enter_window(backend, key, task_id, ttl)
+    action = "follow" if running is not None and previous is None else "supersede"
+    if running is not None or previous is not None:
+        lock_conflict.send(
+            sender=task, key=key, holder=previous or running, ttl=None, task_id=task_id,
+            action=action,
+        )  # fmt: skip
+        logger.info(
+            "Task %s[%s] sent as the latest follow-up of %r%s",
+            task.name, task_id, key, f" (it supersedes {previous})" if previous else "",
+        )  # fmt: skip
+    written = window if reservation is None else together(reservation, window)
+    headers = {**(send_options.get("headers") or {}), LATEST_HEADER: 1}
+    message = partial(publish, task_id, {**send_options, "headers": headers})
+    return publish_or_undo(task, task_id, message, written)
 
 
 def queue_lease(queue_ttl: float, options: Mapping[str, Any]) -> float:

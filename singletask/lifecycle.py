@@ -67,7 +67,7 @@ from . import replace
 from .acquire import gone_holder, take, twin_of, waits_for_rate
 from .exceptions import BackendError, BackendTimeout, BackendUnavailable, LockLost
 from .lease import LockHandle
-from .messages import is_redelivery, seconds_until
+from .messages import LATEST_HEADER, header_count, is_redelivery, seconds_until
 from .outcomes import refused, store_unreachable, superseded, superseded_retry
 from .policies import Conflict
 from .runtime import app_state
@@ -192,14 +192,17 @@ def execute(
     # The store starts the lease at some moment after the request leaves: the holder's deadline
     # counts from the send (LockHandle's sent_at), not from the reply or what follows it.
     sent_at = time.monotonic()
-    latest: str | None = None  # with lock_debounce: the latest send of the window
+    latest: str | None = None  # the latest send of the window (lock_debounce, coalesce "latest")
     try:
-        if options.debounce is not None and attempt is not None:
-            # Only the latest send of a debounce window runs; its run closes the window.
+        windowed = options.debounce is not None or header_count(request, LATEST_HEADER)
+        if windowed and attempt is not None:
+            # Only the latest send of a window runs (lock_debounce; the follow-ups of
+            # lock_coalesce "latest", whose sends carry the header); its run closes it.
             latest = backend.debounce_take(key, str(task_id))
             if latest is not None and latest != task_id:
-                # A body retry, superseded, gives its reservation back: it must not stay.
-                reservation = str(takeover) if retries > 0 else None
+                # It gives back a reservation it holds (a body retry's; coalescing, its send's).
+                reserved = retries > 0 or options.scope == "coalesce"
+                reservation = str(takeover) if reserved else None
                 return superseded(task, options, backend, key, latest, reservation)
             sent_at = time.monotonic()
         result = take(backend, options, key, token, meta, takeover)
@@ -212,7 +215,7 @@ def execute(
             if result.acquired:
                 logger.info(
                     "Task %s[%s] took over lock %r reserved for the retry of %s, which it "
-                    "supersedes (lock_debounce)",
+                    "supersedes (the latest send of its window)",
                     task.name, task_id, key, retried.task_id,
                 )  # fmt: skip
         holder = gone_holder(result) if attempt is not None else None

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKEND_RETRIES_HEADER",
+    "LATEST_HEADER",
     "LOCK_RETRIES_HEADER",
     "PREVIOUS_WAITS_HEADER",
     "REDELIVERED_HEADER",
@@ -35,6 +36,10 @@ LOCK_RETRIES_HEADER = "singletask_lock_retries"
 
 #: Message header counting the retries made because the lock store could not be reached.
 BACKEND_RETRIES_HEADER = "singletask_backend_retries"
+
+#: Message header marking a send of a task with ``lock_coalesce = "latest"`` that its key's
+#: window names when it was sent: it runs only while it is still that window's latest send.
+LATEST_HEADER = "singletask_latest"
 
 #: Message header marking a copy deferred because another delivery of it held the lock.
 REDELIVERED_HEADER = "singletask_redelivered"

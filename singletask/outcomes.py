@@ -4,8 +4,9 @@
 an execution that does not get to run its body leaves it at one of three points, each a function
 here:
 
-* **superseded** (:func:`superseded`): a later send of its debounce window replaced it; it ends
-  as a :class:`~singletask.Skipped` naming that send;
+* **superseded** (:func:`superseded`): a later send of its window (``lock_debounce``, or a
+  coalescing follow-up's with ``lock_coalesce = "latest"``) replaced it; it ends as a
+  :class:`~singletask.Skipped` naming that send;
 * **the store could not be reached** (:func:`store_unreachable`): ``lock_on_backend_error``
   says whether it runs unlocked, is sent again with backoff, or fails;
 * **refused** (:func:`refused`): its key is held, or its start is too soon for its
@@ -45,6 +46,7 @@ from celery.exceptions import Retry as CeleryRetry
 from .exceptions import BackendError, BackendTimeout, BackendUnavailable
 from .messages import (
     BACKEND_RETRIES_HEADER,
+    LATEST_HEADER,
     LOCK_RETRIES_HEADER,
     PREVIOUS_WAITS_HEADER,
     REDELIVERED_HEADER,
@@ -108,21 +110,27 @@ def superseded(
     latest: str,
     reservation: str | None,
 ) -> Skipped:
-    """A debounced send that a later send of its key superseded: it ends without its body.
+    """A send that a later send of its key's window superseded: it ends without its body, as a
+    ``Skipped`` with reason "debounced" (``lock_debounce``) or "superseded" (a coalescing
+    follow-up of ``lock_coalesce = "latest"``).
 
-    ``reservation``: a body retry's, given back first (the retry will not run).
+    ``reservation``: one this message may hold (a body retry's; coalescing, its send's), given
+    back first (owner-checked: it will not run).
     """
     if reservation is not None:
         give_back(task, options, backend, key, reservation)
+    debounced = options.debounce is not None
+    reason = "debounced" if debounced else "superseded"
+    option = "lock_debounce" if debounced else "lock_coalesce 'latest'"
     logger.info(
-        "Task %s[%s] skipped: a later send (%s) of lock %r superseded it (lock_debounce)",
-        task.name, task.request.id, latest, key,
+        "Task %s[%s] skipped: a later send (%s) of lock %r superseded it (%s)",
+        task.name, task.request.id, latest, key, option,
     )  # fmt: skip
     lock_conflict.send(
         sender=task, key=key, holder=latest, ttl=None, task_id=task.request.id,
         action="superseded",
     )  # fmt: skip
-    return Skipped(key, latest, reason="debounced")
+    return Skipped(key, latest, reason=reason)
 
 
 def store_unreachable(
@@ -252,11 +260,13 @@ def _wait_as_follow_up(conflict: Conflict) -> None:
     """
     task, request = conflict.task, conflict.task.request
     queue_ttl = conflict.options.queue_ttl
-    follow_up, claim = claim_follow_up(
-        conflict.backend, conflict.key, str(request.id), conflict.holder_id, queue_ttl
-    )
-    if follow_up != request.id:
-        return
+    claim = None  # lock_coalesce "latest": its window (LATEST_HEADER) says it is the follow-up
+    if not header_count(request, LATEST_HEADER):
+        follow_up, claim = claim_follow_up(
+            conflict.backend, conflict.key, str(request.id), conflict.holder_id, queue_ttl
+        )
+        if follow_up != request.id:
+            return
     countdown = conflict.countdown()
     logger.info(
         "Task %s[%s] is the follow-up of lock %r (held by %s): starting when it is free, "
@@ -267,7 +277,8 @@ def _wait_as_follow_up(conflict: Conflict) -> None:
     try:
         republish(task, countdown, {}, None, quietly=True)
     except Reject:  # not sent again: nothing runs it
-        take_back(task, str(request.id), claim)
+        if claim is not None:
+            take_back(task, str(request.id), claim)
         raise
 
 

@@ -12,7 +12,8 @@ is and how to take it back.
 * the **debounce window**'s latest send (:func:`enter_window`, ``debounce``), taken back by
   ``debounce_undo``, only while the window still names this send: the send it superseded is
   the latest again, or the window it opened is removed, or closed again naming the send that
-  closed the window it replaced.
+  closed the window it replaced (``lock_debounce``, and every send of ``lock_coalesce =
+  "latest"``, which may also have reserved the key: :func:`together` takes both back).
 
 :func:`publish_or_undo` publishes, and if the publish raises (the broker is down, the serializer
 refuses an argument), takes the record back in one atomic step before the error reaches the
@@ -36,7 +37,15 @@ if TYPE_CHECKING:
 
     from .backends.base import AcquireResult, LockBackend
 
-__all__ = ["Written", "claim_follow_up", "enter_window", "publish_or_undo", "reserve", "take_back"]
+__all__ = [
+    "Written",
+    "claim_follow_up",
+    "enter_window",
+    "publish_or_undo",
+    "reserve",
+    "take_back",
+    "together",
+]
 
 logger = logging.getLogger("singletask")
 
@@ -49,7 +58,7 @@ class Written:
 
     Attributes:
         what: What it is, for a log line: ``"reservation"``, ``"follow-up claim"`` or
-            ``"debounce window"``.
+            ``"debounce window"`` (or several, :func:`together`).
         undo: One atomic store call that takes it back, acting only while the record still
             names the send's message.
     """
@@ -90,6 +99,17 @@ def enter_window(
     previous, age, closed = backend.debounce(key, task_id, ttl)
     undo = partial(backend.debounce_undo, key, task_id, previous, closed=closed)
     return previous, age, Written("debounce window", undo)
+
+
+def together(*written: Written) -> Written:
+    """The records one send wrote, in the order it wrote them, as one: taken back last first
+    (``lock_coalesce = "latest"``: a reservation, then the window's latest send)."""
+
+    def undo() -> None:
+        for record in reversed(written):
+            record.undo()
+
+    return Written(" and ".join(record.what for record in written), undo)
 
 
 def publish_or_undo(

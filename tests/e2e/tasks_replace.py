@@ -1,4 +1,5 @@
-"""Tasks of tests/e2e/test_replace.py: ``lock_policy = "replace"`` on a real worker.
+"""Tasks of tests/e2e/test_replace.py: ``lock_policy = "replace"`` and ``lock_coalesce =
+"latest"`` on a real worker.
 
 Each body writes its version to a *fenced resource* in the probe's Redis (a hash that accepts a
 write only with a fencing token larger than the last one it took, in one script), then works
@@ -18,7 +19,7 @@ from singletask import LockPreempted, SingletonTask
 from singletask.backends import backend_class
 
 from .probe import probe
-from .tasks_policies import gate_key
+from .tasks_policies import gate_key, wait_gate
 
 PREFIX = "e2e.replace."
 
@@ -75,11 +76,23 @@ def rebuild(self: SingletonTask, label: str, version: int, check: bool = True) -
     return version
 
 
-TASKS: list[tuple[str, dict[str, Any]]] = [
-    ("rebuild", {}),
-    ("rebuild_slots", {"lock_limit": 2}),
-    ("rebuild_terminate", {"lock_replace_terminate": True}),
-]
+def coalesced(self: SingletonTask, label: str, tag: str = "", hold: bool = False) -> str:
+    """One run plus one follow-up per label, the follow-up with the latest call's ``tag``."""
+    with probe().running(label, self.request.id, tag=tag):
+        if hold:
+            wait_gate(label)
+    return tag
+
+
+TASKS: list[tuple[str, Any, dict[str, Any]]] = [
+    ("rebuild", rebuild, {"lock_policy": "replace"}),
+    ("rebuild_slots", rebuild, {"lock_policy": "replace", "lock_limit": 2}),
+    ("rebuild_terminate", rebuild, {"lock_policy": "replace", "lock_replace_terminate": True}),
+    (
+        "coalesced_latest", coalesced,
+        {"lock_scope": "coalesce", "lock_coalesce": "latest", "lock_retry_countdown": 0.2},
+    ),
+]  # fmt: skip
 
 
 @connect_on_app_finalize
@@ -90,11 +103,11 @@ def _register(app: Celery) -> None:
     store = backend_class(url) if url else None
     if store is None or not store.supports_replace:
         return
-    for name, options in TASKS:
+    for name, body, options in TASKS:
         app.task(
-            base=SingletonTask, bind=True, shared=False, lock_ttl=TTL, lock_policy="replace",
-            lock_args=("label",), name=PREFIX + name, **options,
-        )(rebuild)  # fmt: skip
+            base=SingletonTask, bind=True, shared=False, lock_ttl=TTL, lock_args=("label",),
+            name=PREFIX + name, **options,
+        )(body)  # fmt: skip
 
 
 for _app in _get_active_apps():  # apps finalized before this module was imported (a worker's)

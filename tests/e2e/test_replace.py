@@ -148,3 +148,49 @@ def test_a_newer_execution_preempts_the_running_one_on_threads(threads: Cluster)
         preempt_and_check(threads, label)
     finally:
         threads.probe.client.rpush(gate_key(label), *["open"] * 10)
+
+
+def coalesce_latest(cluster: Cluster, label: str) -> None:
+    """Given a coalescing run in progress, when a burst of calls arrives, then every call is
+    sent, only the latest one runs after the run (with its arguments), and every earlier one
+    resolves as a Skipped "superseded" naming a later call."""
+    task = cluster.task(PREFIX + "coalesced_latest")
+    first = task.delay(label, "first", hold=True)
+    cluster.probe.wait_for(label, "start", timeout=BOUND)
+
+    # When a burst of calls, each with its own tag, arrives during the run
+    burst = [task.delay(label, f"burst-{index}") for index in range(8)]
+
+    # Then each is a message of its own
+    ids = [result.id for result in burst]
+    assert len(set(ids)) == len(ids)
+    assert first.id not in ids
+
+    # When the run ends
+    cluster.probe.client.rpush(gate_key(label), "open")
+
+    # Then the latest call runs after it, with its own arguments, and never alongside it
+    assert first.get(timeout=BOUND) == "first"
+    assert burst[-1].get(timeout=BOUND) == "burst-7"
+    assert [s["tag"] for s in cluster.probe.starts(label)] == ["first", "burst-7"]
+    assert cluster.probe.max_overlap(label) == 1
+    # And every earlier call resolves, naming a later call that replaced its arguments
+    for index, result in enumerate(burst[:-1]):
+        value = result.get(timeout=BOUND)
+        assert isinstance(value, Skipped), value
+        assert value.reason == "superseded"
+        assert value.holder in ids[index + 1 :]
+    cluster.wait_free(f"singletask:{PREFIX}coalesced_latest:{label}")
+
+
+def test_coalesce_latest_runs_the_latest_arguments_on_prefork(cluster: Cluster, label: str) -> None:
+    coalesce_latest(cluster, label)
+
+
+@pytest.mark.pools
+def test_coalesce_latest_runs_the_latest_arguments_on_threads(threads: Cluster) -> None:
+    label = threads.label()
+    try:
+        coalesce_latest(threads, label)
+    finally:
+        threads.probe.client.rpush(gate_key(label), *["open"] * 10)
