@@ -30,9 +30,10 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = [sys.executable, "-m", "singletask", "demo", "--quick"]
-SCENARIOS = ["burst", "customers", "retry", "raise", "periodic", "limit", "rate"]
-#: The lock_limit of each scenario's task (1: a singleton).
-LIMITS = {"limit": 2, "rate": 3}
+SCENARIOS = ["burst", "customers", "retry", "raise", "periodic", "replace", "limit", "rate"]
+#: The lock_limit of each scenario's task (1: a singleton); for "replace", one more while a
+#: replaced run stops.
+LIMITS = {"limit": 2, "rate": 3, "replace": 2}
 REDIS_DB = 12  # a database no other test module uses
 
 #: A row of the summary table: scenario, task, then submitted, ran, skipped, retried, raised,
@@ -127,6 +128,11 @@ def assert_as_documented(run: DemoRun, scenarios: list[str] = SCENARIOS) -> None
     assert (limit.submitted, limit.ran, limit.overlap_per_key) == (6, 6, 2), f"{limit}\n{run}"
     assert limit.retried >= 1
     assert limit.parallel >= 3  # customer 2 alongside
+    if "replace" in rows:
+        # Replace: each newer rebuild took over; the two it replaced were skipped as replaced
+        replace = rows["replace"]
+        assert (replace.submitted, replace.ran, replace.skipped) == (3, 1, 2), f"{replace}\n{run}"
+        assert "2 runs were replaced by a newer one" in run.stdout, str(run)
     if "rate" in rows:
         # The rate: every call ran, the ones over the rate after being sent again
         rate = rows["rate"]

@@ -305,6 +305,32 @@ def test_a_run_still_going_counts_as_overlapping_everything_after_it() -> None:
     assert problems("burst", still_running, Limits()) != []
 
 
+def test_a_replaced_run_may_overlap_the_newer_one_only_until_it_stops() -> None:
+    """``lock_policy = "replace"`` (a third of a 0.9 s lease: 0.3 s): a replaced run that ends
+    0.2 s after the newer one started passes; one that ends 1 s after is reported, and so are
+    three runs of the key at once."""
+    within = Limits(replace_within=0.3)
+    # Given a run replaced at 1.0, ending at 1.2, then one ending 1 s after its successor began
+    quick = [Run("a", 1, KEY, 0.0, 1.2), Run("b", 2, KEY, 1.0, 3.0)]
+    slow = [Run("a", 1, KEY, 0.0, 2.0), Run("b", 2, KEY, 1.0, 3.0)]
+    three = [Run("a", 1, KEY, 0.0, 2.0), Run("b", 2, KEY, 0.5, 3.0), Run("c", 3, KEY, 0.6, 3.0)]
+
+    # Then the quick stop passes, the slow one and three at once are reported
+    assert problems("replace", quick, within) == []
+    assert problems("replace", quick, Limits()) != []  # without replace: an overlap
+    found = problems("replace", slow, within)
+    assert len(found) == 1
+    assert "kept running 1.00s after a newer run took its lock over" in found[0]
+    assert any("3 runs of lock key" in p for p in problems("replace", three, within))
+
+
+def test_the_replace_scenario_sends_three_versions_of_one_index_a_third_of_a_run_apart() -> None:
+    by_name = {s.name: s for s in scenarios(0.6)}
+    replace = by_name["replace"]
+    assert [c.args[:2] for c in replace.calls] == [("products", n) for n in (1, 2, 3)]
+    assert [c.at for c in replace.calls] == pytest.approx([0.0, 0.2, 0.4])
+
+
 def test_starts_closer_than_the_rate_interval_fail_beyond_the_slack() -> None:
     """A rate of 4/s: starts 0.25 s apart pass, a little less passes within the slack (20 ms),
     more than the slack less is reported."""

@@ -15,8 +15,8 @@ from ..slots import base_key
 from .timeline import Run, max_overlap
 
 __all__ = [
-    "Limits", "closest_starts", "most_at_once", "most_in_all", "problems", "slack",
-    "spacing_line",
+    "REPLACE_SLACK", "Limits", "closest_starts", "late_replaced", "most_at_once", "most_in_all",
+    "problems", "slack", "spacing_line",
 ]  # fmt: skip
 
 
@@ -27,10 +27,19 @@ class Limits:
     Attributes:
         limit: Runs of one key at once (``lock_limit``).
         interval: Seconds between two starts of one key (``lock_rate``), or None.
+        replace_within: With ``lock_policy = "replace"``, the seconds within which a run that
+            a newer one replaced stops (a third of its ``lock_ttl``), or None.
     """
 
     limit: int = 1
     interval: float | None = None
+    replace_within: float | None = None
+
+    @property
+    def at_once(self) -> int:
+        """Runs of one key the timeline may show at once: the limit, and with "replace" one
+        more, for the moment a replaced run takes to stop."""
+        return self.limit + (self.replace_within is not None)
 
 
 def slack(interval: float) -> float:
@@ -71,18 +80,42 @@ def closest_starts(runs: Iterable[Run]) -> float | None:
     return min(gaps, default=None)
 
 
+#: How much later than ``Limits.replace_within`` a replaced run may be seen ending: its renewal
+#: and the read that names its successor, its next check, and the end event it writes.
+REPLACE_SLACK = 0.3
+
+
+def late_replaced(name: str, key: str, group: Sequence[Run], within: float) -> list[str]:
+    """A run of ``key`` that kept running longer than ``within`` (plus :data:`REPLACE_SLACK`)
+    after a newer run of the key started."""
+    found = []
+    ordered = sorted(group, key=lambda r: r.start)
+    for index, older in enumerate(ordered):
+        end = older.end if older.end is not None else float("inf")
+        for newer in ordered[index + 1 :]:
+            if newer.start < end and end - newer.start > within + REPLACE_SLACK:
+                found.append(
+                    f"{name}: a run of lock key {key!r} kept running {end - newer.start:.2f}s "
+                    f"after a newer run took its lock over (it should stop within {within:.2f}s)"
+                )
+                break
+    return found
+
+
 def problems(name: str, runs: Sequence[Run], limits: Limits) -> list[str]:
     """Where the runs of a scenario broke its task's limits: more runs of one key at once than
-    ``limits.limit``, or two starts of one key closer than ``limits.interval`` (less
-    :func:`slack`)."""
+    ``limits.at_once``, a replaced run that did not stop within ``limits.replace_within``, or
+    two starts of one key closer than ``limits.interval`` (less :func:`slack`)."""
     found = []
     for key, group in _by_key(runs).items():
         most = max_overlap(_intervals(group))
-        if most > limits.limit:
+        if most > limits.at_once:
             found.append(
-                f"{name}: {most} runs of lock key {key!r} overlapped (at most {limits.limit} "
+                f"{name}: {most} runs of lock key {key!r} overlapped (at most {limits.at_once} "
                 "allowed)"
             )
+        if limits.replace_within is not None:
+            found += late_replaced(name, key, group, limits.replace_within)
         if limits.interval is None:
             continue
         starts = sorted(r.start for r in group)

@@ -130,6 +130,7 @@ def _conflict(kind: str) -> str:
         "skip": "skipped: lock",
         "retry": "will retry: lock",
         "raise": "raised TaskLocked: lock",
+        "replaced": "was replaced: lock now",
     }[kind]
 
 

@@ -47,6 +47,11 @@ class Played:
         return sum(1 for s in self.sent if s.outcome == outcome)
 
     @property
+    def replaced(self) -> int:
+        """Calls whose run a newer one replaced (``lock_policy = "replace"``)."""
+        return sum(1 for s in self.sent if s.outcome == "skipped" and s.value.reason == "replaced")
+
+    @property
     def retried(self) -> int:
         return sum(1 for m in self.board.marks if m.kind == "retry")
 
@@ -75,7 +80,7 @@ class Played:
 def report_lines(played: Played) -> list[str]:
     """What happened, in words, under a scenario's timeline."""
     per_key, parallel, limits = played.overlap_per_key, played.parallel, played.limits
-    ok = "ok" if per_key <= limits.limit else "OVER THE LIMIT"
+    ok = "ok" if per_key <= limits.at_once else "OVER THE LIMIT"
     limit = f" (lock_limit {limits.limit})" if limits.limit > 1 else ""
     lines = [
         f"    {played.count('ran')} ran, {played.count('skipped')} skipped, "
@@ -86,6 +91,12 @@ def report_lines(played: Played) -> list[str]:
     if spacing:
         lines.append(f"    {spacing}")
     skipped = [s.value for s in played.sent if s.outcome == "skipped"]
+    if played.replaced:
+        lines.append(
+            f"    {played.replaced} runs were replaced by a newer one: each stopped at its next "
+            f"check, within {limits.replace_within:.1f}s, and returned a Skipped naming it"
+        )
+        skipped = [v for v in skipped if v.reason != "replaced"]
     if skipped:
         holders = sorted({short(v.holder) for v in skipped})
         who = (
@@ -119,7 +130,8 @@ def summary(played: Sequence[Played], display: PlainDisplay) -> int:
         display.text(line)
     display.para(
         "max overlap per key: the most runs holding one lock key at the same moment (at most "
-        "the task's lock_limit: 2 for the limit scenario, 3 for the rate one, else 1); "
+        "the task's lock_limit: 2 for the limit scenario, 3 for the rate one, else 1; one more "
+        "for the replace one, while a replaced run stops); "
         "parallel: the most runs of the task at the same moment, all keys together.",
         2,
     )
@@ -135,9 +147,11 @@ def summary(played: Sequence[Played], display: PlainDisplay) -> int:
             display.para(f"- {problem}", 2, 2)
         return 1
     verdict = textwrap.wrap(
-        "OK: no lock key ever had more runs at once than its lock_limit, no two starts of a "
-        "rated key came closer than its lock_rate allows, and every duplicate was skipped, "
-        "retried or refused as its lock policy says.",
+        "OK: no lock key ever had more runs at once than its lock_limit (but for the moment a "
+        "replaced run takes to stop), no two starts of a "
+        "rated key came closer than its lock_rate allows, every replaced run stopped within a "
+        "third of its lock_ttl, and every duplicate was skipped, retried, refused or let "
+        "replace the run as its lock policy says.",
         display.width - 1,
     )
     verdict[0] = style.paint("OK", "1;32") + verdict[0][2:]

@@ -205,7 +205,8 @@ def _play(
     )
     labels = {call.label: call.text for call in scenario.calls}
     options = lock_options(app.tasks[scenario.task])
-    played = Played(scenario, board, [], Limits(options.limit, options.rate_interval))
+    within = options.ttl / 3 if options.policy == "replace" else None
+    played = Played(scenario, board, [], Limits(options.limit, options.rate_interval, within))
     display.begin(number, scenario)
     pending = sorted(zip(scenario.calls, keys, strict=True), key=lambda pair: pair[0].at)
     finished: set[str] = set()
@@ -276,8 +277,9 @@ def _collect(played: Played) -> None:
             )
     played.problems += problems(played.scenario.name, played.board.runs, played.limits)
     ended = sum(1 for run in played.board.runs if run.end is not None)
-    if ended != played.count("ran"):
+    # A run that a newer one replaced ran too, and returned a Skipped naming the newer one.
+    ran = played.count("ran") + played.replaced
+    if ended != ran:
         played.problems.append(
-            f"{played.scenario.name}: {ended} runs in the event log, {played.count('ran')} "
-            "results from runs"
+            f"{played.scenario.name}: {ended} runs in the event log, {ran} results from runs"
         )

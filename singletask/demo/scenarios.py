@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PARTNER_RATE", "PARTNER_WORK", "Call", "Scenario", "scenarios"]
+__all__ = ["PARTNER_RATE", "PARTNER_WORK", "REPLACE_TTL", "Call", "Scenario", "scenarios"]
 
 #: The rate scenario's lock_rate: 4 starts a second, one every 0.25 s. It is fixed, not scaled
 #: with ``work``: the worker defines the task before it could know whether the demo is quick.
@@ -17,6 +17,10 @@ PARTNER_RATE = "4/s"
 #: Seconds a call of the rate scenario works: longer than the rate's interval, so that calls
 #: overlap (up to its lock_limit of 3) while their starts stay spaced.
 PARTNER_WORK = 0.4
+
+#: The replace scenario's lock_ttl: renewed every 0.3 s, so a replaced rebuild stops within
+#: about 0.3 s of the newer one's start. Fixed, like the rate, for the same reason.
+REPLACE_TTL = 0.9
 
 NEWS = "https://example.org/news.rss"
 BLOG = "https://example.org/blog.rss"
@@ -57,7 +61,7 @@ class Scenario:
 
 
 def scenarios(work: float) -> list[Scenario]:
-    """The seven scenarios, for runs that work ``work`` seconds each."""
+    """The eight scenarios, for runs that work ``work`` seconds each."""
     period = round(work * 2 / 3, 2)
     tick = round(period * 2.5, 2)
     return [
@@ -133,6 +137,29 @@ def scenarios(work: float) -> list[Scenario]:
                 for n in range(6)
             ),
             span=period * 5 + tick,
+        ),
+        Scenario(
+            name="replace",
+            title="The latest rebuild wins",
+            setup=f"rebuild_index('products') v1, then v2 {work / 3:.1f} s later and v3 "
+            f"{work / 3:.1f} s after that; lock_args=('index',), lock_policy replace, lock_ttl "
+            f"{REPLACE_TTL} s; the body calls self.lock.check() as it works",
+            expect="each newer rebuild takes the lock over at once; the one it replaces stops "
+            f"at its next check, within {REPLACE_TTL / 3:.1f} s (a third of its lock_ttl), and "
+            "returns a Skipped naming the newer one; only v3 runs to its end",
+            policy="replace",
+            task="demo.rebuild_index",
+            calls=tuple(
+                Call(
+                    n * work / 3,
+                    "demo.rebuild_index",
+                    ("products", n + 1, work),
+                    "I",
+                    f"rebuild_index(v{n + 1})",
+                )
+                for n in range(3)
+            ),
+            span=work * 5 / 3 + 0.5,
         ),
         Scenario(
             name="limit",

@@ -18,16 +18,19 @@ from ..task import SingletonTask
 from .app import app
 from .events import EventLog
 from .local import FOLDER_SETTING
-from .scenarios import PARTNER_RATE
+from .scenarios import PARTNER_RATE, REPLACE_TTL
 
 __all__ = [
-    "call_partner", "export_report", "import_feed", "nightly_report", "refresh_dashboard",
-    "send_invoices", "sync_customer",
+    "call_partner", "export_report", "import_feed", "nightly_report", "rebuild_index",
+    "refresh_dashboard", "send_invoices", "sync_customer",
 ]  # fmt: skip
 
 
-def work(task: SingletonTask, duration: float) -> dict[str, Any]:
-    """Hold the lock for ``duration`` seconds; return who ran, when, and on which attempt."""
+def work(task: SingletonTask, duration: float, checked: bool = False) -> dict[str, Any]:
+    """Hold the lock for ``duration`` seconds; return who ran, when, and on which attempt.
+
+    ``checked``: work in steps of 20 ms and check the lock before each, so that a run a newer
+    one replaced (``lock_policy = "replace"``) stops at once, raising ``LockPreempted``."""
     lock = task.lock
     folder = task.app.conf.get(FOLDER_SETTING)
     log = EventLog(Path(folder) / "events.jsonl") if folder else None
@@ -36,7 +39,13 @@ def work(task: SingletonTask, duration: float) -> dict[str, Any]:
     if log is not None:
         log.record("start", **fields)
     try:
-        time.sleep(duration)
+        if checked and lock is not None:
+            deadline = time.monotonic() + duration
+            while time.monotonic() < deadline:
+                lock.check()
+                time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
+        else:
+            time.sleep(duration)
     finally:
         if log is not None:
             log.record("end", **fields)
@@ -137,3 +146,21 @@ if store_keeps("supports_rate"):
     )
     def call_partner(self: SingletonTask, partner: str, duration: float) -> dict[str, Any]:
         return work(self, duration)
+
+
+# A search index whose newer rebuild makes the running one worthless: the newer rebuild takes the
+# lock over at once, and the one it replaces stops at its next check of the lock.
+if store_keeps("supports_replace"):
+
+    @app.task(
+        base=SingletonTask,
+        bind=True,
+        name="demo.rebuild_index",
+        lock_args=("index",),
+        lock_policy="replace",
+        lock_ttl=REPLACE_TTL,
+    )
+    def rebuild_index(
+        self: SingletonTask, index: str, version: int, duration: float
+    ) -> dict[str, Any]:
+        return work(self, duration, checked=True)

@@ -17,12 +17,15 @@ from .events import Event
 __all__ = ["Board", "Mark", "Run", "Style", "max_overlap", "render", "summary_table"]
 
 #: Mark characters of the actions a locked-out execution takes, in order of precedence.
-MARKS = {"raise": "x", "retry": "r", "skip": "s"}
+MARKS = {"raise": "x", "retry": "r", "skip": "s", "replaced": "p"}
 WHAT = {
     "skip": "skipped",
     "retry": "sent again to retry",
     "raise": "failed with TaskLocked",
+    "replaced": "preempted: a newer run took its lock over",
 }
+#: The mark of each lock policy's legend (the replace policy's marks the replaced runs).
+POLICY_MARKS = {"skip": "skip", "retry": "retry", "raise": "raise", "replace": "replaced"}
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class Style:
 
 #: ANSI colours of the lock keys of a scenario (by first appearance), and of the marks.
 KEY_COLORS = ("32", "36", "35", "34")
-MARK_COLORS = {"skip": "33", "retry": "1;33", "raise": "1;31"}
+MARK_COLORS = {"skip": "33", "retry": "1;33", "raise": "1;31", "replaced": "35"}
 
 
 @dataclass
@@ -197,7 +200,8 @@ def legend(style: Style, labels: Iterable[tuple[str, str]], policy: str) -> str:
         f"{style.paint(style.fill * 2, KEY_COLORS[n % len(KEY_COLORS)])} {text}"
         for n, (label, text) in enumerate(labels)
     ]
-    parts.append(f"{style.paint(MARKS[policy], MARK_COLORS[policy])} {WHAT[policy]}")
+    kind = POLICY_MARKS[policy]
+    parts.append(f"{style.paint(MARKS[kind], MARK_COLORS[kind])} {WHAT[kind]}")
     return "    " + "   ".join(parts)
 
 
