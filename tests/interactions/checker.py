@@ -16,17 +16,35 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
 * ``joined-ended``: a send deduplicated onto another joined one that had not yet ended.
 * ``once``: no attempt of a message (task id, retries) completes its body twice.
 * ``retry-runs``: a body that called ``self.retry()`` has its retried attempt run, unless a
-  later send of its debounce window superseded the retry (``docs/lifecycle.rst``: the latest
-  arguments run instead; ``superseded`` checks that they do).
-* ``superseded``: a ``Skipped(reason="debounced")`` names a later send that was published and
-  whose body ran (or that met a visible refusal of its own); an execution that ended while the
-  send it names was failing to publish, before that send's undo, is documented
-  (docs/limits.rst), not a violation.
-* ``last-runs``: of a debounced burst, the last send actually published runs its body (or meets
-  a visible refusal: held, rate, ``TaskLocked``), never superseded by nothing.
+  later send of its window superseded the retry (``docs/lifecycle.rst``: the latest arguments
+  run instead; ``superseded`` checks that they do), or, with ``lock_policy = "replace"``, the
+  retried attempt found a newer execution holding the key and stood aside as
+  ``Skipped(reason="replaced")`` (a retried attempt never preempts; ``replaced`` checks the
+  holder it names), or ``lock_replace_terminate`` revoked its task id (REVOKED: Celery
+  discards every later message of a revoked id).
+* ``superseded``: a ``Skipped(reason="debounced")`` (``lock_debounce``) or
+  ``Skipped(reason="superseded")`` (a coalescing follow-up of ``lock_coalesce = "latest"``)
+  names a later send that was published and whose body ran (or that met a visible refusal of
+  its own); an execution that ended while the send it names was failing to publish, before that
+  send's undo, is documented (docs/limits.rst), not a violation.
+* ``last-runs``: of a debounced burst, or of a burst of ``lock_coalesce = "latest"``, the last
+  send actually published runs its body (or meets a visible refusal: held, rate,
+  ``TaskLocked``), never superseded by nothing.
+* ``replaced`` (``lock_policy = "replace"``): a ``Skipped(reason="replaced")`` names a newer
+  execution whose body ran, with a larger fence than this execution's body if it ran; and a
+  preempted body (singleton key) that returned while the execution that preempted it still
+  held the key ends as ``Skipped(reason="replaced")`` naming that execution
+  (docs/guarantees.rst, "Latest wins").
 * ``holder-alive``: a refusal as "held" names holders that had not ended (a lease whose release
   a store fault lost is excused for one lease).
-* ``exclusion``: never more than ``lock_limit`` bodies of a key at once.
+* ``exclusion``: never more than ``lock_limit`` bodies of a key at once. With ``lock_policy =
+  "replace"``, exclusion is by fence: a body that starts while every slot is held by a running
+  body preempted the one with the smallest fence (the oldest), which must be smaller than its
+  own; that preempted body holds nothing from then on and may run on beside its successor until
+  it learns it (within one renewal interval, ``lock_ttl / 3``; the campaign's bodies never call
+  ``self.lock.check()``, so until their end, which is the documented "for as long as it does
+  not check"). A body over the limit that cannot have preempted (no smaller fence) is a
+  violation.
 * ``fences``: a body's fence is larger than that of every holder of its key that started
   before it.
 * ``rate``: no two starts of a rated key closer than its interval.
@@ -76,6 +94,11 @@ EXPECTED_FAILURES: dict[str, frozenset[str]] = {
     "reject": frozenset({"Reject"}),
     "*": frozenset({"TaskLocked", "RateLimited", "BackendUnavailable", "BackendTimeout"}),
 }
+#: What a FAILURE may carry besides, with ``lock_replace_terminate`` (a revoke with terminate
+#: ends the preempted execution's pool process).
+TERMINATED = frozenset({"WorkerLostError", "Terminated", "TaskRevokedError"})
+#: ``Skipped.reason`` of a send that a later send of its window superseded.
+SUPERSEDED = frozenset({"debounced", "superseded"})
 
 
 @dataclass
@@ -147,6 +170,14 @@ def _passed_on(dead: Body, later: Body) -> bool:
         and dead.fence is not None
         and later.fence is not None
         and later.fence > dead.fence
+    )
+
+
+def _windowed(config: Config) -> bool:
+    """Whether only the latest send of a burst runs: ``lock_debounce``, or ``lock_coalesce =
+    "latest"``."""
+    return config.options["lock_debounce"] is not None or (
+        config.options.get("lock_coalesce") == "latest"
     )
 
 
@@ -394,8 +425,12 @@ class _Judge:
             if later:
                 continue
             outcome = self.outcome(body.task_id)
-            if outcome.kind == "skipped" and outcome.reason == "debounced":
+            if outcome.kind == "skipped" and outcome.reason in SUPERSEDED:
                 continue  # superseded by a later send of its window: the `superseded` rule
+            if outcome.kind == "skipped" and outcome.reason == "replaced":
+                continue  # stood aside for a newer execution: the `replaced` rule
+            if outcome.state == "REVOKED" and self._terminates(body.config):
+                continue  # revoked by the execution that replaced it
             send = self.by_seq.get(body.seq)
             self.violation(
                 "retry-runs", self.where(send, body.key, body.config), [send] if send else [],
@@ -413,14 +448,14 @@ class _Judge:
 
     def superseded(self) -> None:
         for task_id, outcome in self.h.outcomes.items():
-            if outcome.kind != "skipped" or outcome.reason != "debounced":
+            if outcome.kind != "skipped" or outcome.reason not in SUPERSEDED:
                 continue
             chain = [task_id]
             holder = outcome.holder
             while holder is not None and holder not in chain:
                 chain.append(holder)
                 next_ = self.outcome(holder)
-                if next_.kind == "skipped" and next_.reason == "debounced" and not self.ran(holder):
+                if next_.kind == "skipped" and next_.reason in SUPERSEDED and not self.ran(holder):
                     holder = next_.holder
                     continue
                 break
@@ -445,7 +480,7 @@ class _Judge:
                 self.violation("superseded", here, involved, f"{task_id} superseded by nothing")
             elif not self.ran(last) and self.outcome(last).kind in (None, "skipped"):
                 final = self.outcome(last)
-                if final.kind == "skipped" and final.reason != "debounced":
+                if final.kind == "skipped" and final.reason not in SUPERSEDED:
                     continue  # a visible refusal of the latest send
                 self.violation(
                     "superseded", here, involved,
@@ -456,7 +491,7 @@ class _Judge:
         bursts: dict[tuple[str, str], list[Send]] = collections.defaultdict(list)
         for send in self.h.sends:
             config = self.h.configs.get(send.config)
-            if config is None or config.options["lock_debounce"] is None:
+            if config is None or not _windowed(config):
                 continue
             if send.method in ("delay", "apply_async") and send.own and send.fault is None:
                 bursts[(send.config, send.key)].append(send)
@@ -486,7 +521,7 @@ class _Judge:
         outcome = self.outcome(task_id)
         if outcome.state not in FINAL:
             return False
-        return not (outcome.kind == "skipped" and outcome.reason == "debounced")
+        return not (outcome.kind == "skipped" and outcome.reason in SUPERSEDED)
 
     def holder_alive(self) -> None:
         for task_id, outcome in self.h.outcomes.items():
@@ -525,7 +560,10 @@ class _Judge:
                 continue
             here = self.where(None, key, config_name)
             bodies.sort(key=lambda b: b.start)
-            self._exclusion(here, config.options["lock_limit"], bodies)
+            replace = config.options.get("lock_policy") == "replace"
+            preempted = self._exclusion(here, config.options["lock_limit"], bodies, replace)
+            if replace and config.options["lock_limit"] == 1:
+                self._ended_replaced(here, bodies, preempted)
             self._fences(here, bodies)
             if config.rate_interval is not None:
                 self._rate(here, config.rate_interval, bodies)
@@ -533,18 +571,74 @@ class _Judge:
     def _sends(self, bodies: Sequence[Body]) -> list[Send]:
         return [self.by_seq[b.seq] for b in bodies if b.seq in self.by_seq][:4]
 
-    def _exclusion(self, here: str, limit: int, bodies: Sequence[Body]) -> None:
+    def _exclusion(
+        self, here: str, limit: int, bodies: Sequence[Body], replace: bool = False
+    ) -> dict[int, Body]:
+        """The rule; returns, with ``replace``, each preempted body (by ``id``) -> the body that
+        preempted it."""
+        preempted: dict[int, Body] = {}
         for body in bodies:
             along = [
                 b for b in bodies
                 if b.start <= body.start < b.until() and b is not body and not _passed_on(b, body)
+                and id(b) not in preempted
             ]  # fmt: skip
+            while replace and along and len(along) + 1 > limit:
+                victim = min(along, key=lambda b: -1 if b.fence is None else b.fence)
+                if victim.fence is not None and (body.fence is None or victim.fence >= body.fence):
+                    break  # it cannot have preempted that body: an overlap
+                preempted[id(victim)] = body
+                along.remove(victim)
             if len(along) + 1 > limit:
                 self.violation(
                     "exclusion", here, self._sends([*along, body]),
                     f"{len(along) + 1} bodies at once, over the limit of {limit}: "
                     + ", ".join(b.describe() for b in [*along, body]),
                 )  # fmt: skip
+        return preempted
+
+    def _ended_replaced(
+        self, here: str, bodies: Sequence[Body], preempted: dict[int, Body]
+    ) -> None:
+        """A preempted body that returned while its successor still held the key (no body
+        started after the successor's before that return) ends as replaced, naming it."""
+        for body in bodies:
+            successor = preempted.get(id(body))
+            if successor is None or body.how != "return" or body.end is None:
+                continue
+            if successor.until() <= body.end + TIE or successor.end is None:
+                continue  # it had ended (or died): the key no longer says who replaced it
+            if any(successor.start < b.start <= body.end + TIE for b in bodies):
+                continue  # preempted in turn: the key names a later successor
+            outcome = self.outcome(body.task_id)
+            if outcome.kind == "skipped" and outcome.reason == "replaced":
+                continue
+            self.violation(
+                "replaced", here, self._sends([body, successor]),
+                f"{body.describe()} was preempted by {successor.describe()}, which still held "
+                f"the key when it returned, yet it ended {outcome.describe()}",
+            )  # fmt: skip
+
+    def replaced(self) -> None:
+        for task_id, outcome in self.h.outcomes.items():
+            if outcome.kind != "skipped" or outcome.reason != "replaced":
+                continue
+            send = next(iter(self.sends_of(task_id)), None)
+            here = self.where(send) if send else f"seed={self.h.seed} task {task_id}"
+            newer = self.bodies.get(outcome.holder or "", [])
+            own = self.bodies.get(task_id, [])
+            fences = [b.fence for b in own if b.fence is not None]
+            if newer and (not fences or any((b.fence or 0) > max(fences) for b in newer)):
+                continue
+            self.violation(
+                "replaced", here, [*([send] if send else []), *self.sends_of(outcome.holder)][:4],
+                f"{task_id} ended replaced by {outcome.holder}, "
+                + ("whose body never ran" if not newer else "whose fence is not larger"),
+            )  # fmt: skip
+
+    def _terminates(self, config_name: str) -> bool:
+        config = self.h.configs.get(config_name)
+        return bool(config and config.options.get("lock_replace_terminate"))
 
     def _fences(self, here: str, bodies: Sequence[Body]) -> None:
         for i, body in enumerate(bodies):
@@ -598,6 +692,8 @@ class _Judge:
             send = next(iter(self.sends_of(task_id)), None)
             ending = send.ending if send else "*"
             allowed = EXPECTED_FAILURES["*"] | EXPECTED_FAILURES.get(ending, frozenset())
+            if send is not None and self._terminates(send.config):
+                allowed |= TERMINATED
             if outcome.exception in allowed:
                 continue
             here = self.where(send) if send else f"seed={self.h.seed} task {task_id}"
@@ -621,7 +717,8 @@ class _Judge:
             elif send.own is None:
                 kinds["joined"] += 1
             elif self.ran(send.own):
-                kinds["ran"] += 1
+                o = self.outcome(send.own)
+                kinds["ran, then replaced" if o.reason == "replaced" else "ran"] += 1
             else:
                 o = self.outcome(send.own)
                 kinds[f"skipped {o.reason}" if o.kind == "skipped" else o.exception or o.state] += 1
@@ -638,6 +735,7 @@ def check(history: History) -> Report:
     judge.once()
     judge.retry_runs()
     judge.superseded()
+    judge.replaced()
     judge.last_runs()
     judge.holder_alive()
     judge.exclusion_fences_rate()

@@ -94,6 +94,27 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "endings": {"retry": 3, "return": 1},
         "fault_share": 0.0,
     },
+    # Issue 30: "replace", bodies long enough to be preempted, retried and killed ones among them.
+    "replace-preempts": {
+        "options": {"lock_policy": "replace"},
+        "endings": {"return": 4, "retry": 1, "raise": 1, "kill": 1},
+        "fault_share": 0.1,
+        "sleep": (0.3, 0.6),
+    },
+    # Issue 30: "replace" with two slots and lock_replace_terminate.
+    "replace-terminate": {
+        "options": {"lock_policy": "replace", "lock_limit": 2, "lock_replace_terminate": True},
+        "endings": {"return": 3, "retry": 1},
+        "fault_share": 0.0,
+        "sleep": (0.3, 0.6),
+    },
+    # Issue 30: lock_coalesce "latest", failing publishes among the calls made during a run.
+    "coalesce-latest": {
+        "options": {"lock_scope": "coalesce", "lock_coalesce": "latest"},
+        "endings": {"return": 3, "retry": 1},
+        "fault_share": 0.3,
+        "sleep": (0.3, 0.6),
+    },
 }
 
 

@@ -27,11 +27,13 @@ __all__ = ["FIXED", "NOT_DRAWN", "OPTIONS", "STORES", "Config", "draw", "space",
 #: delivered again: the redelivery the lifecycle promises to handle).
 OPTIONS: Final[dict[str, tuple[Any, ...]]] = {
     "lock_scope": ("execution", "queue", "coalesce"),
-    "lock_policy": ("skip", "retry", "raise"),
+    "lock_policy": ("skip", "retry", "raise", "replace"),
     "lock_limit": (1, 2, 3),
     "lock_rate": (None, "5/s", "2/s"),
     "lock_debounce": (None, 0.5, 1.0, 1.5),
     "lock_debounce_max": (None, 1.5, 3.0),
+    "lock_replace_terminate": (False, True),
+    "lock_coalesce": ("first", "latest"),
     "acks_late": (False, True),
 }
 
@@ -59,9 +61,20 @@ def valid(options: Mapping[str, Any]) -> bool:
     """Whether a task accepts these options (docs/limits.rst): the "queue" and "coalesce"
     scopes keep one queued message per key, so they go with neither a ``lock_limit`` above 1
     nor ``lock_debounce``; ``lock_debounce_max`` bounds a ``lock_debounce``, and is at least
-    it."""
+    it. ``lock_policy = "replace"`` (docs/policies.rst) preempts the running execution: it goes
+    with the "execution" scope only, and without ``lock_rate``; ``lock_replace_terminate`` goes
+    with it alone. ``lock_coalesce = "latest"`` goes with the "coalesce" scope only ("first",
+    the default, is the only choice of every other scope: :meth:`Config.task_options` sets the
+    option only for "coalesce")."""
     queueing = options["lock_scope"] != "execution"
     if queueing and (options["lock_limit"] > 1 or options["lock_debounce"] is not None):
+        return False
+    replace = options["lock_policy"] == "replace"
+    if replace and (queueing or options["lock_rate"] is not None):
+        return False
+    if options["lock_replace_terminate"] and not replace:
+        return False
+    if options["lock_coalesce"] == "latest" and options["lock_scope"] != "coalesce":
         return False
     bound = options["lock_debounce_max"]
     if bound is not None:
@@ -96,7 +109,9 @@ class Config:
 
     def describe(self) -> str:
         o = self.options
-        parts = [o["lock_scope"], o["lock_policy"], f"limit={o['lock_limit']}"]
+        policy = o["lock_policy"] + ("+terminate" if o["lock_replace_terminate"] else "")
+        scope = o["lock_scope"] + ("/latest" if o["lock_coalesce"] == "latest" else "")
+        parts = [scope, policy, f"limit={o['lock_limit']}"]
         if o["lock_rate"]:
             parts.append(f"rate={o['lock_rate']}")
         if o["lock_debounce"] is not None:
@@ -109,6 +124,8 @@ class Config:
         """The keyword arguments of ``app.task`` for this configuration."""
         options = {k: v for k, v in {**FIXED, **NOT_DRAWN, **self.options}.items() if v is not None}
         options["reject_on_worker_lost"] = bool(self.options["acks_late"])
+        if self.options["lock_scope"] != "coalesce" and options["lock_coalesce"] == "first":
+            del options["lock_coalesce"]  # the default: only "coalesce" takes the option
         return options
 
     @property

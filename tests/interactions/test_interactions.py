@@ -112,6 +112,9 @@ CONFIG = Config(0, find({}))
 DEBOUNCED = Config(1, find({"lock_debounce": 1.0}))
 QUEUED = Config(2, find({"lock_scope": "queue"}))
 LIMITED = Config(3, find({"lock_limit": 2, "lock_rate": "2/s"}))
+REPLACING = Config(4, find({"lock_policy": "replace"}))
+REPLACING_2 = Config(5, find({"lock_policy": "replace", "lock_limit": 2}))
+LATEST = Config(6, find({"lock_scope": "coalesce", "lock_coalesce": "latest"}))
 
 
 def send(seq: int, tid: str | None, t: float = 0.0, config: Config = CONFIG, **kw: object) -> Send:
@@ -132,7 +135,8 @@ def judge(
     residues: list[Residue] | None = None,
     faults: list[Fault] | None = None,
 ) -> Report:
-    configs = {c.name: c for c in (CONFIG, DEBOUNCED, QUEUED, LIMITED)}
+    configs = {c.name: c for c in (CONFIG, DEBOUNCED, QUEUED, LIMITED, REPLACING, REPLACING_2,
+                                   LATEST)}  # fmt: skip
     return check(History(42, configs, sends, bodies, outcomes, residues or [], faults or []))
 
 
@@ -289,6 +293,62 @@ def test_a_body_that_killed_its_process_no_longer_holds_once_its_lock_passed_on(
     dead.ending = "kill"
     assert "exclusion" not in rules(judge([], [dead, body("b", 0.005, 0.2, 2)], {}))
     assert "exclusion" in rules(judge([], [dead, body("b", 0.005, 0.2, 1)], {}))
+
+
+def test_replace_a_preempted_body_may_run_on_beside_its_successor_with_a_smaller_fence() -> None:
+    """docs/guarantees.rst, "Latest wins": exclusion is by fence. The preempted body runs on
+    until it learns (here: its end, as it never checks) and ends replaced, naming the newer."""
+    sends = [send(0, "a", config=REPLACING), send(1, "b", 0.1, config=REPLACING)]
+    bodies = [body("a", 0, 0.3, 1, REPLACING), body("b", 0.1, 0.5, 2, REPLACING, seq=1)]
+    outcomes = {"a": skipped(0.31, "replaced", "b"), "b": done(0.5)}
+    assert judge(sends, bodies, outcomes).violations == []
+    # A later body without a larger fence cannot have preempted it: an overlap
+    smaller = [body("a", 0, 0.3, 2, REPLACING), body("b", 0.1, 0.5, 1, REPLACING, seq=1)]
+    assert "exclusion" in rules(judge(sends, smaller, outcomes))
+
+
+def test_replace_with_a_limit_preempts_the_oldest_and_still_counts_the_others() -> None:
+    bodies = [body("a", 0, 1, 1, REPLACING_2), body("b", 0.1, 1, 2, REPLACING_2),
+              body("c", 0.2, 1, 3, REPLACING_2)]  # fmt: skip
+    outcomes = {"a": skipped(1.0, "replaced", "c"), "b": done(1), "c": done(1)}
+    assert "exclusion" not in rules(judge([], bodies, outcomes))
+    # Two preemptions need two newer bodies, each with a fence larger than its victim's
+    over = [*bodies, body("d", 0.3, 1, 0, REPLACING_2)]
+    assert "exclusion" in rules(judge([], over, outcomes))
+
+
+def test_replace_a_preempted_body_that_returned_while_its_successor_held_ends_replaced() -> None:
+    sends = [send(0, "a", config=REPLACING), send(1, "b", 0.1, config=REPLACING)]
+    bodies = [body("a", 0, 0.3, 1, REPLACING), body("b", 0.1, 0.5, 2, REPLACING, seq=1)]
+    assert rules(judge(sends, bodies, {"a": done(0.3), "b": done(0.5)})) == ["replaced"]
+    # Its successor had ended before it returned: the key no longer names it (documented)
+    early = [body("a", 0, 0.3, 1, REPLACING), body("b", 0.1, 0.2, 2, REPLACING, seq=1)]
+    assert judge(sends, early, {"a": done(0.3), "b": done(0.2)}).violations == []
+
+
+def test_replace_a_skip_naming_a_newer_execution_that_never_ran_is_a_violation() -> None:
+    sends = [send(0, "a", config=REPLACING)]
+    report = judge(sends, [body("a", 0, 0.3, 1, REPLACING)], {"a": skipped(0.3, "replaced", "z")})
+    assert rules(report) == ["replaced"]
+
+
+def test_replace_a_retried_attempt_that_stood_aside_for_a_newer_execution_is_no_violation() -> None:
+    sends = [send(0, "a", config=REPLACING), send(1, "b", 0.1, config=REPLACING)]
+    bodies = [body("a", 0, 0.05, 1, REPLACING, how="retry"),
+              body("b", 0.1, 0.6, 2, REPLACING, seq=1)]  # fmt: skip
+    outcomes = {"a": skipped(0.5, "replaced", "b"), "b": done(0.6)}
+    assert judge(sends, bodies, outcomes).violations == []
+
+
+def test_latest_a_follow_up_superseded_by_a_later_call_that_ran_is_no_violation() -> None:
+    sends = [send(0, "a", config=LATEST), send(1, "b", 0.1, config=LATEST),
+             send(2, "c", 0.2, config=LATEST)]  # fmt: skip
+    bodies = [body("a", 0, 0.5, 1, LATEST), body("c", 0.9, 1.0, 2, LATEST, seq=2)]
+    outcomes = {"a": done(0.5), "b": skipped(0.6, "superseded", "c"), "c": done(1.0)}
+    assert judge(sends, bodies, outcomes).violations == []
+    # Superseded by a send whose body never ran, and the burst's last send never ran
+    lost = {"a": done(0.5), "b": skipped(0.6, "superseded", "c"), "c": Outcome("PENDING")}
+    assert {"superseded", "last-runs"} <= set(rules(judge(sends, bodies[:1], lost)))
 
 
 def test_a_fence_that_does_not_grow_is_a_violation() -> None:
