@@ -47,7 +47,9 @@ FIXED: Final[dict[str, Any]] = {
     "lock_retry_countdown": 0.3,
     "lock_retry_max": 60,
     "lock_on_backend_error": "retry",
-    "lock_backend_retry_max": 8,
+    # Backend retries back off 1, 2, 4, 8 s (plus jitter): four fit in the long run's quiet bound
+    # (40 s), so a message still waiting for its next one is never taken for a lost send.
+    "lock_backend_retry_max": 4,
 }
 
 #: The options of the key: every campaign task has one key argument, ``key``.
