@@ -12,7 +12,10 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
   Celery leaves PENDING), whether it was its own message or one it joined; a send whose publish
   failed ran nothing, is named by no store record, and no other send joined it or was
   superseded by it. Only a send in flight when its producer was killed has no outcome
-  (documented: a producer killed between its store write and its publish).
+  (documented: a producer killed between its store write and its publish), and a message that
+  waits for a key such a send's reservation still held when the outcomes were read (a
+  follow-up, a retry) has none yet: the record holds the key until it expires,
+  ``lock_queue_ttl`` after the send, longer than the quiet bound.
 * ``joined-ended``: a send deduplicated onto another joined one that had not yet ended.
 * ``once``: no attempt of a message (task id, retries) completes its body twice.
 * ``retry-runs``: a body that called ``self.retry()`` has its retried attempt run, unless a
@@ -26,7 +29,9 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
   ``Skipped(reason="superseded")`` (a coalescing follow-up of ``lock_coalesce = "latest"``)
   names a later send that was published and whose body ran (or that met a visible refusal of
   its own); an execution that ended while the send it names was failing to publish, before that
-  send's undo, is documented (docs/limits.rst), not a violation.
+  send's undo, is documented (docs/limits.rst), not a violation, and so is one superseded by a
+  published send that itself ended so (the chain is judged at its last link: the undo put the
+  window back naming that published send, which had ended already).
 * ``last-runs``: of a debounced burst, or of a burst of ``lock_coalesce = "latest"``, the last
   send actually published runs its body (or meets a visible refusal: held, rate,
   ``TaskLocked``), never superseded by nothing.
@@ -50,7 +55,8 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
 * ``rate``: no two starts of a rated key closer than its interval.
 * ``idle``: once the fleet is idle the store holds no live lock, reservation, open debounce
   window, pending follow-up claim or rate record of a key (records naming a send whose producer
-  was killed in flight excepted, until they expire).
+  was killed in flight excepted, until they expire, and the claim of a follow-up still waiting
+  behind such a record).
 * ``failures``: a FAILURE carries an exception its send's ending or configuration explains.
 
 Every violation names the seed, the configuration, the key, the sends involved and the rule.
@@ -64,7 +70,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .space import Config
+from .space import FIXED, Config
 
 #: Seconds after a failed publish's reply within which its undo has reached the store (one
 #: round trip, and the result of a superseded execution being stored).
@@ -232,6 +238,7 @@ class History:
     outcomes: dict[str, Outcome]
     residues: list[Residue]
     faults: list[Fault] = field(default_factory=list)
+    observed: float | None = None  # time.time() when the outcomes were read (None: not known)
 
 
 @dataclass
@@ -324,6 +331,24 @@ class _Judge:
             return last.end
         return None
 
+    def behind_killed(self, send: Send) -> str | None:
+        """A send of the same configuration and key, killed in flight, whose reservation may
+        still hold the key when the outcomes were read (``lock_queue_ttl`` after it, plus its
+        countdown), or None: a message that waits for that key (a follow-up, a policy retry)
+        waits until the record expires, which may be past the quiet bound (docs/guarantees.rst
+        bounds such a record by ``lock_queue_ttl``)."""
+        config = self.h.configs.get(send.config)
+        if config is None:
+            return None
+        lease = float(config.options.get("lock_queue_ttl", FIXED["lock_queue_ttl"]))
+        for tid, killed in self.killed.items():
+            if killed.config != send.config or killed.key != send.key:
+                continue
+            expires = killed.t_before + lease + (killed.countdown or 0.0)
+            if self.h.observed is None or expires > self.h.observed - SLACK:
+                return tid
+        return None
+
     def visible(self, task_id: str) -> bool:
         return self.ended_at(task_id) is not None
 
@@ -369,7 +394,12 @@ class _Judge:
             if target in self.killed:
                 self.report.documented.append(f"{here}: {send.describe()} joined a killed send")
                 continue
-            if not self.visible(target):
+            if not self.visible(target) and (blocker := self.behind_killed(send)) is not None:
+                self.report.documented.append(
+                    f"{here}: {target} still waits behind the record of {blocker}, killed in "
+                    "flight, which holds its key until it expires"
+                )
+            elif not self.visible(target):
                 outcome = self.outcome(target)
                 ran = ", ".join(b.describe() for b in self.bodies.get(target, ())) or "no body"
                 self.violation(
@@ -465,7 +495,9 @@ class _Judge:
             involved = [s for tid in chain for s in self.sends_of(tid)][:5]
             if last in self.killed:
                 self.report.documented.append(f"{here}: superseded by {last}, killed in flight")
-            elif last in self.failed and self._during_failed_publish(outcome, self.failed[last]):
+            elif last in self.failed and self._during_failed_publish(
+                self.outcome(chain[-2]) if len(chain) > 1 else outcome, self.failed[last]
+            ):
                 self.report.documented.append(
                     f"{here}: superseded by {last} while that send's publish was failing, "
                     "before its undo"
@@ -671,6 +703,16 @@ class _Judge:
                 continue
             if residue.task_id in self.failed:
                 continue  # reported by the accounted rule, naming the failed send
+            waiting = [
+                s for s in self.sends_of(residue.task_id)
+                if residue.task_id and not self.visible(residue.task_id) and self.behind_killed(s)
+            ]  # fmt: skip
+            if waiting:
+                self.report.documented.append(
+                    f"{residue.key}: {residue.kind} of {residue.task_id}, which waits behind "
+                    "a killed send's record"
+                )
+                continue
             config = next((c for c in self.h.configs.values() if f"{c.name}:" in residue.key), None)
             sends = [s for s in self.sends_of(residue.task_id)][:3]
             where = (

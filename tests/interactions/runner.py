@@ -721,6 +721,7 @@ def run(servers: Servers, seed: int, settings: Settings, workdir: Path) -> tuple
         _mark_store_faults(ledger, faults, {c.name: c.store for c in configs})
         _wait_quiet(main, ledger, probe, run_id, settings.quiet_bound)
         time.sleep(1.0)  # releases after the results, rate records' last interval
+        observed = time.time()
         ids = set()
         for send in ledger:
             ids.update(i for i in (send.task_id, send.returned) if i)
@@ -732,7 +733,7 @@ def run(servers: Servers, seed: int, settings: Settings, workdir: Path) -> tuple
         residues = [r for g in groups for r in _residues(g, prefix)]
         history = History(
             seed, {c.name: c for c in configs}, ledger, _bodies(probe, run_id), outcomes,
-            residues, faults,
+            residues, faults, observed,
         )  # fmt: skip
         # Collect the run's AsyncResults while the result store still answers: their __del__
         # unsubscribes from it, and against a stopped server Celery's reconnection retries

@@ -213,6 +213,37 @@ def test_a_message_that_ended_while_a_send_was_failing_to_publish_is_documented(
     assert "superseded" in rules(after)
 
 
+def test_a_chain_is_judged_where_the_failing_send_superseded_it() -> None:
+    """Seed 2112489755: A was superseded by B (published, later), and B, started while F's
+    publish was failing, by F. A ended before F's window write: the link to judge is B's."""
+    a, b = send(0, "a", config=DEBOUNCED), send(1, "b", 0.3, config=DEBOUNCED)
+    failed = send(2, "f", 1.0, config=DEBOUNCED, error="OperationalError", returned=None)
+    chain = {"a": skipped(0.8, "debounced", "b"), "b": skipped(1.005, "debounced", "f")}
+    report = judge([a, b, failed], [], chain)
+    assert "superseded" not in rules(report)
+    assert len([d for d in report.documented if "while that send's publish" in d]) == 2
+    late = judge([a, b, failed], [], {**chain, "b": skipped(2.0, "debounced", "f")})
+    assert rules(late).count("superseded") == 2
+
+
+def test_a_follow_up_waiting_behind_a_killed_sends_reservation_is_documented() -> None:
+    """Seed 2112489755: a send_task message became the follow-up of a key a killed producer's
+    send had reserved (lock_queue_ttl 60 s, past the quiet bound); it still waits, its claim
+    kept, when the outcomes are read."""
+    killed = send(0, "k", config=LATEST, t_after=None, returned=None)
+    waiting = send(1, "b", 2.0, config=LATEST)  # a send_task() one: no reservation at send
+    claim = Residue("test:x:interactions.c6:k", "follow-up claim", "b", "claim")
+    outcomes = {"b": Outcome("RETRY", kind="exception", exception="BackendUnavailable")}
+    history = History(42, {LATEST.name: LATEST}, [killed, waiting], [], outcomes, [claim],
+                      observed=45.0)  # fmt: skip
+    report = check(history)
+    assert report.violations == []
+    assert any("waits behind the record of k" in d for d in report.documented)
+    expired = History(42, {LATEST.name: LATEST}, [killed, waiting], [], outcomes, [claim],
+                      observed=90.0)  # fmt: skip
+    assert sorted(rules(check(expired))) == ["accounted", "idle"]
+
+
 def test_the_last_published_send_of_a_burst_runs() -> None:
     sends = [send(0, "a", config=DEBOUNCED), send(1, "b", 0.3, config=DEBOUNCED)]
     good = judge(sends, [body("b", 1.4, 1.5, 3, DEBOUNCED, seq=1)],
