@@ -40,7 +40,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import Ignore
 from celery.exceptions import Retry as CeleryRetry
 
 from .exceptions import BackendError, BackendTimeout, BackendUnavailable
@@ -255,30 +255,34 @@ def _wait_as_follow_up(conflict: Conflict) -> None:
     """Coalescing: the key's one pending follow-up waits for the run in progress to end.
 
     Returns (so the lock policy applies) when another execution is already the follow-up. A
-    follow-up whose message cannot be sent again gives its claim back: later calls must not
-    join it.
+    follow-up that ends any other way than by being sent again (its message cannot be sent, or
+    an exception such as a soft time limit reaches it first) gives its claim back: later calls
+    must not join it.
     """
     task, request = conflict.task, conflict.task.request
+    task_id = str(request.id)
     queue_ttl = conflict.options.queue_ttl
     claim = None  # lock_coalesce "latest": its window (LATEST_HEADER) says it is the follow-up
-    if not header_count(request, LATEST_HEADER):
-        follow_up, claim = claim_follow_up(
-            conflict.backend, conflict.key, str(request.id), conflict.holder_id, queue_ttl
-        )
-        if follow_up != request.id:
-            return
-    countdown = conflict.countdown()
-    logger.info(
-        "Task %s[%s] is the follow-up of lock %r (held by %s): starting when it is free, "
-        "checking again in %.1fs",
-        task.name, request.id, conflict.key, conflict.holder_id, countdown,
-    )  # fmt: skip
-    conflict.report("follow")
     try:
+        if not header_count(request, LATEST_HEADER):
+            follow_up, claim = claim_follow_up(
+                conflict.backend, conflict.key, task_id, conflict.holder_id, queue_ttl
+            )
+            if follow_up != request.id:
+                return
+        countdown = conflict.countdown()
+        logger.info(
+            "Task %s[%s] is the follow-up of lock %r (held by %s): starting when it is free, "
+            "checking again in %.1fs",
+            task.name, request.id, conflict.key, conflict.holder_id, countdown,
+        )  # fmt: skip
+        conflict.report("follow")
         republish(task, countdown, {}, None, quietly=True)
-    except Reject:  # not sent again: nothing runs it
-        if claim is not None:
-            take_back(task, str(request.id), claim)
+    except Ignore:
+        raise  # sent again: it comes back as the follow-up
+    except BaseException:
+        if claim is not None:  # not sent again: nothing runs it
+            take_back(task, task_id, claim)
         raise
 
 

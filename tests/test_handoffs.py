@@ -1,4 +1,5 @@
-"""A coalescing call made while a follow-up starts (issue 29, finding 10), in one process.
+"""Hand-offs of a coalescing follow-up, in one process: a call made while a follow-up starts
+(issue 29, finding 10), and a follow-up interrupted before it is sent again.
 
 A follow-up takes the lock, then clears its follow-up claim: two requests to the lock store. A
 call made between them finds the key held, and the claim still naming that follow-up. Here the
@@ -16,6 +17,10 @@ import pytest
 
 from singletask import SingletonTask
 from singletask.backends.memory import MemoryBackend
+from singletask.outcomes import refused
+from singletask.policies import Conflict
+from singletask.runtime import lock_options
+from singletask.signals import lock_conflict
 from singletask.task import override_lock_backend
 
 
@@ -79,3 +84,45 @@ def test_a_call_between_a_follow_ups_take_and_its_claims_clearing_is_the_next_fo
     assert later.id != "follow-up"
     assert store.claim_next(key, "probe", 60) == later.id
     assert ran == ["follow-up"]
+
+
+class Interrupted(BaseException):
+    """Stands for what can reach an execution at any point (a soft time limit, a signal)."""
+
+
+def test_a_follow_up_interrupted_before_it_is_sent_again_gives_its_claim_back(
+    app: celery.Celery, store: CallsWhileClearing
+) -> None:
+    """A coalescing execution that finds a run in progress claims the follow-up slot, then sends
+    itself again to wait. If anything ends it between the two (the interaction campaign saw a
+    soft time limit there), nothing will run it: its claim must not stay for lock_queue_ttl,
+    where every later call would join it."""
+
+    @app.task(
+        base=SingletonTask, shared=False, lazy=False, lock_scope="coalesce", lock_args=("key",)
+    )
+    def sync(key: str) -> str:
+        return key
+
+    key = sync.lock_key_for(("k",))
+    # Given a run in progress on the key
+    assert store.acquire(key, "holder-token", 60, meta={"task_id": "holder"}).acquired
+
+    def interrupt(action: str | None = None, **_: Any) -> None:
+        if action == "follow":
+            raise Interrupted
+
+    # When an execution of a worker's message becomes its follow-up and is interrupted before
+    # its message is sent again
+    lock_conflict.connect(interrupt, weak=False)
+    sync.push_request(id="follow-up", is_eager=False, called_directly=False, retries=0)
+    try:
+        conflict = Conflict(sync, lock_options(sync), store, key, store.holder(key), False)
+        with pytest.raises(Interrupted):
+            refused(conflict)
+    finally:
+        sync.pop_request()
+        lock_conflict.disconnect(interrupt)
+
+    # Then its claim is given back: the next call becomes the follow-up
+    assert store.claim_next(key, "later", 60) == "later"
