@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from celery import states
+
 from .exceptions import SingletaskError
 
 if TYPE_CHECKING:
@@ -61,10 +63,13 @@ class Written:
             ``"debounce window"`` (or several, :func:`together`).
         undo: One atomic store call that takes it back, acting only while the record still
             names the send's message.
+        joinable: Whether other calls may have joined the message through it (a reservation
+            or a follow-up claim: they hold its ``AsyncResult``).
     """
 
     what: str
     undo: Callable[[], object]
+    joinable: bool = False
 
 
 def reserve(
@@ -72,7 +77,7 @@ def reserve(
 ) -> tuple[AcquireResult, Written]:
     """Reserve ``key`` under the message's reservation ``token`` for ``ttl`` seconds."""
     result = backend.acquire(key, token, ttl, meta=meta)
-    return result, Written("reservation", partial(backend.release, key, token))
+    return result, Written("reservation", partial(backend.release, key, token), joinable=True)
 
 
 def claim_follow_up(
@@ -88,7 +93,8 @@ def claim_follow_up(
     if follow_up != task_id and follow_up == holder_id:
         backend.clear_next(key, follow_up)
         follow_up = backend.claim_next(key, task_id, ttl)
-    return follow_up, Written("follow-up claim", partial(backend.clear_next, key, task_id))
+    undo = partial(backend.clear_next, key, task_id)
+    return follow_up, Written("follow-up claim", undo, joinable=True)
 
 
 def enter_window(
@@ -109,7 +115,8 @@ def together(*written: Written) -> Written:
         for record in reversed(written):
             record.undo()
 
-    return Written(" and ".join(record.what for record in written), undo)
+    what = " and ".join(record.what for record in written)
+    return Written(what, undo, joinable=any(record.joinable for record in written))
 
 
 def publish_or_undo(
@@ -118,13 +125,30 @@ def publish_or_undo(
     """Return ``publish()``; if it raises, take ``written`` back first, then raise its error.
 
     If the undo fails too (the store is unreachable), a WARNING says what stays in the store
-    until it expires, and the caller still gets the publish's error.
+    until it expires, and the caller still gets the publish's error. Calls that joined the
+    message while its publish was failing (deduplicated onto its reservation, or joined to its
+    follow-up claim) hold its ``AsyncResult``: the publish's error is stored as its result, so
+    that it ends FAILURE instead of staying PENDING.
     """
     try:
         return publish()
-    except BaseException:
+    except BaseException as exc:
         take_back(task, task_id, written)
+        if written.joinable and isinstance(exc, Exception):
+            _store_failure(task, task_id, exc)
         raise
+
+
+def _store_failure(task: Task[Any, Any], task_id: str, exc: Exception) -> None:
+    """Store ``exc`` as the result of the unsent message ``task_id``. Never raises."""
+    try:
+        task.backend.store_result(task_id, exc, states.FAILURE)
+    except Exception as error:  # the result store may be down with the broker
+        logger.warning(
+            "Task %s[%s] was not published, and its failure could not be stored for the calls "
+            "that joined it (%s): their AsyncResult stays PENDING",
+            task.name, task_id, error,
+        )  # fmt: skip
 
 
 def take_back(task: Task[Any, Any], task_id: str, written: Written) -> None:

@@ -136,3 +136,37 @@ def test_a_coalescing_follow_up_that_cannot_be_published_gives_its_claim_back(
     later = sync.delay("k", "later")
     assert later.id not in ("never-sent", "run-1")
     assert backend.claim_next(key, "probe", 60) == later.id
+
+
+@pytest.mark.parametrize("scope", ["queue", "coalesce"])
+def test_a_call_that_joined_a_send_whose_publish_then_fails_gets_its_failure(
+    app: celery.Celery, scope: str
+) -> None:
+    """A call made while a send's publish is failing finds the key reserved for that send and
+    joins it; the send's message never leaves, so its AsyncResult would stay PENDING for ever.
+    The publish's error is stored as the unsent message's result: the joined call sees it."""
+    app.conf.result_backend = "cache+memory://"  # a result store in this process
+
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_scope=scope, lock_args=("key",))
+    def sync(key: str, payload: object) -> None:
+        raise AssertionError("no worker runs this")
+
+    joined: list[celery.result.AsyncResult[None]] = []
+
+    def join_meanwhile(headers: dict[str, object] | None = None, **_: object) -> None:
+        if headers and headers.get("id") == "never-sent" and not joined:
+            joined.append(sync.delay("k", 1))  # between the reservation and the failing publish
+
+    # Given a call that joins a send while that send is being published
+    celery.signals.before_task_publish.connect(join_meanwhile, weak=False)
+    try:
+        # When the send's publish fails
+        with pytest.raises(EncodeError):
+            sync.apply_async(("k", Unserializable()), task_id="never-sent")
+    finally:
+        celery.signals.before_task_publish.disconnect(join_meanwhile)
+
+    # Then the joined call got the unsent message's AsyncResult, which ends with its error
+    assert [result.id for result in joined] == ["never-sent"]
+    assert joined[0].state == "FAILURE"
+    assert isinstance(joined[0].result, EncodeError)

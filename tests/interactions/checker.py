@@ -386,9 +386,13 @@ class _Judge:
             target = send.returned
             assert target is not None
             if target in self.failed:
+                failed, joined = self.failed[target], self.outcome(target)
+                if joined.state == "FAILURE" and joined.exception == failed.error:
+                    continue  # joined while the publish failed: its error is the joined result
                 self.violation(
-                    "accounted", here, [send, self.failed[target]],
-                    f"joined {target}, a send whose publish failed: it never runs",
+                    "accounted", here, [send, failed],
+                    f"joined {target}, a send whose publish failed, and its result is "
+                    f"{joined.describe()}, not that publish's error",
                 )  # fmt: skip
                 continue
             if target in self.killed:

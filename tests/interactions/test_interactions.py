@@ -190,6 +190,17 @@ def test_a_failed_publish_that_ran_or_left_a_record_is_a_violation() -> None:
     assert rules(report) == ["accounted", "accounted"]
 
 
+def test_a_call_that_joined_a_send_whose_publish_failed_must_get_that_error() -> None:
+    """Finding 2's kin: a call joined a queued send while its publish was failing. Its
+    AsyncResult must end with that publish's error, never stay PENDING."""
+    failed = send(0, "f", config=QUEUED, error="OperationalError", returned=None)
+    joiner = send(1, "j", 0.1, config=QUEUED, returned="f")
+    lost = judge([failed, joiner], [], {})
+    assert "accounted" in rules(lost)
+    told = Outcome("FAILURE", kind="exception", exception="OperationalError", date_done=0.2)
+    assert "accounted" not in rules(judge([failed, joiner], [], {"f": told}))
+
+
 def test_a_burst_superseded_by_a_send_whose_publish_failed_is_a_violation() -> None:
     """Finding 1: the window named the unpublished send; no body of the burst ran."""
     first = send(0, "a", config=DEBOUNCED)
