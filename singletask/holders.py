@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .exceptions import ConfigurationError
 
-__all__ = ["MAX_LEASE", "AcquireResult", "Holder", "check_lease"]
+__all__ = ["MAX_LEASE", "STATE_KINDS", "AcquireResult", "Holder", "StoreState", "check_lease"]
 
 #: The longest lease, in seconds, any backend accepts (366 days). It is far above every lease
 #: the task options allow (each at most 30 days; a queue reservation adds the message's
@@ -91,3 +92,32 @@ class AcquireResult:
     key: str | None = None
     holders: tuple[Holder, ...] = ()
     retry_after: float | None = None
+
+
+#: The kinds of bookkeeping record :meth:`LockBackend.iter_state
+#: <singletask.backends.base.LockBackend.iter_state>` yields: a pending follow-up claim
+#: (``claim_next``), a debounce window (``debounce``), a rate record (``lock_rate``).
+STATE_KINDS = ("follow_up", "window", "rate")
+
+
+@dataclass(frozen=True)
+class StoreState:
+    """One bookkeeping record of a lock key, as the store holds it (see ``STATE_KINDS``).
+
+    Attributes:
+        kind: ``"follow_up"``, ``"window"`` or ``"rate"``.
+        key: The lock key the record belongs to (not the store key it is kept under).
+        task_id: follow_up: the waiting task id; window: its latest send; rate: None.
+        ttl: Seconds left before the record runs out (follow_up: the claim; window: its
+            record, which outlives the window's last countdown; rate: until the key's next
+            start is allowed), when the store says.
+        detail: Kind-specific JSON values: window: ``open`` (bool: False once its latest
+            send's run closed it) and ``age`` (seconds since it opened, by the store's clock;
+            None when closed); rate: ``next_start_in`` (seconds until a start is allowed).
+    """
+
+    kind: str
+    key: str
+    task_id: str | None = None
+    ttl: float | None = None
+    detail: Mapping[str, Any] = field(default_factory=dict)

@@ -8,7 +8,8 @@ A :class:`LockRecord` is one holder of a lock key: a running execution or a rese
 has one holder, or up to ``lock_limit`` of them, each in its own holder slot (see
 :mod:`singletask.slots`): the record names the lock key and the slot. Its JSON form
 (:meth:`LockRecord.as_json`) is a contract: the fields of :data:`FIELDS` keep their names and
-types.
+types. The store's bookkeeping beside the locks (pending follow-ups, debounce windows, rate
+records) is listed by :func:`find_state` (``singletask.state``, re-exported here).
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ from .backends.base import Holder, LockBackend
 from .exceptions import UnsupportedOperation
 from .signals import lock_released_by_operator
 from .slots import slot_key, split_slot
+from .state import STATE_FIELDS, StateRecord, find_state
 from .tokens import parse_token, reservation_token
 
-__all__ = ["FIELDS", "LockRecord", "find_locks", "holders_of", "inspect_lock", "release_lock"]
+__all__ = [
+    "FIELDS", "STATE_FIELDS", "LockRecord", "StateRecord", "find_locks", "find_state",
+    "holders_of", "inspect_lock", "release_lock",
+]  # fmt: skip
 
 logger = logging.getLogger("singletask")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import re
 import string
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -27,7 +28,10 @@ from kombu.utils import json as kombu_json
 
 from .exceptions import ConfigurationError, LockKeyError
 
-__all__ = ["KeySpec", "canonical_json", "digest", "escape_name", "escape_suffix", "run_signature"]
+__all__ = [
+    "KeySpec", "canonical_json", "digest", "escape_name", "escape_suffix", "run_signature",
+    "unescape_name",
+]  # fmt: skip
 
 #: The value of ``lock_args`` that selects every parameter.
 ALL_ARGS = "*"
@@ -35,6 +39,8 @@ ALL_ARGS = "*"
 
 #: What the task name and the suffix of a key escape (see the module's docstring).
 _NAME_ESCAPES = str.maketrans({"%": "%25", ":": "%3A", "{": "%7B", "}": "%7D"})
+_UNESCAPED = {"%25": "%", "%3A": ":", "%7B": "{", "%7D": "}"}
+_UNESCAPE = re.compile("%25|%3A|%7B|%7D")
 _SUFFIX_ESCAPES = str.maketrans({"%": "%25", "{": "%7B", "}": "%7D"})
 
 #: The conversions ``str.format`` knows (``{value!r}``).
@@ -44,6 +50,11 @@ _CONVERSIONS = (None, "r", "s", "a")
 def escape_name(task_name: str) -> str:
     """The task name as it appears in a key: ``%``, ``:``, ``{`` and ``}`` percent-escaped."""
     return task_name.translate(_NAME_ESCAPES)
+
+
+def unescape_name(text: str) -> str:
+    """The task name :func:`escape_name` wrote as ``text`` (every other ``%`` sequence kept)."""
+    return _UNESCAPE.sub(lambda found: _UNESCAPED[found.group()], text)
 
 
 def escape_suffix(suffix: str) -> str:

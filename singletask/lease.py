@@ -374,15 +374,16 @@ class Renewer:
 
     def _why_gone(self, handle: LockHandle) -> str:
         """Why a renewal found ``handle``'s lock gone: for a preemptible one, one read of the
-        holder tells a preemption (the holder names the token it replaced) from a loss."""
+        store's preemption record tells a preemption (even by an execution that has ended
+        since) from a loss."""
         reason = "a renewal found it gone or held by another owner"
         if handle.preemptible:
             try:
-                holder = self._backend.holder(handle.key)
+                successor = self._backend.replaced_by(handle.key, handle.token)
             except Exception:  # the loss is reported all the same, without its successor
                 return reason
-            if holder is not None and holder.meta.get("replaces") == handle.token:
-                return handle.preempt(holder.task_id)
+            if successor is not None:
+                return handle.preempt(successor or None)
         return reason
 
     def _drop(self, handle: LockHandle, reason: str) -> None:

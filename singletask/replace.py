@@ -8,12 +8,13 @@ the preempted holder's. So a preempted body that keeps running a little longer c
 where its writes are fenced: they carry the older token.
 
 The preempted execution learns it from its renewer, at its next renewal (within a third of
-``lock_ttl``): the renewal fails, one read of the key shows that the new holder names it
-(metadata ``replaces``), and the handle reports the loss as a preemption (``self.lock.lost``,
-``self.lock.check()`` raising :class:`~singletask.LockPreempted`, the ``lock_lost`` signal).
-:func:`replaced` turns the end of such an execution into a :class:`~singletask.Skipped` with
-``reason == "replaced"`` naming its successor. With ``lock_replace_terminate``, the preemptor
-also revokes it with ``terminate=True``.
+``lock_ttl``): the renewal fails, one read of the store's preemption record
+(:meth:`~singletask.backends.base.LockBackend.replaced_by`, kept a lease long, so even a newer
+execution that has ended by then is named), and the handle reports the loss as a preemption
+(``self.lock.lost``, ``self.lock.check()`` raising :class:`~singletask.LockPreempted`, the
+``lock_lost`` signal). :func:`replaced` turns the end of such an execution into a
+:class:`~singletask.Skipped` with ``reason == "replaced"`` naming its successor. With
+``lock_replace_terminate``, the preemptor also revokes it with ``terminate=True``.
 
 Who never preempts: another delivery or attempt of the holder's own message, and an execution
 that is itself a retried attempt or a redelivered copy (its message is older than the holder,
@@ -122,15 +123,16 @@ def replaced(
     ``Skipped`` naming its successor if it was preempted, else None.
 
     The renewer may have told the handle already; otherwise a release that found the lock gone
-    (``released`` False) reads the holder once to tell a preemption from a lost lease.
+    (``released`` False) reads the preemption record once to tell a preemption from a lost
+    lease.
     """
     if not handle.preempted and not released:
         try:
-            holder = backend.holder(handle.key)
+            successor = backend.replaced_by(handle.key, handle.token)
         except Exception:
-            holder = None
-        if holder is not None and holder.meta.get(REPLACES) == handle.token:
-            handle.preempt(holder.task_id)
+            successor = None
+        if successor is not None:
+            handle.preempt(successor or None)
     if not handle.preempted:
         return None
     logger.warning(

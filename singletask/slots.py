@@ -28,7 +28,7 @@ from .exceptions import ConfigurationError
 __all__ = [
     "MAX_LIMIT", "SLOT_MARK", "base_key", "check_limit", "choose_slot", "companion_key",
     "slot_index",
-    "slot_key", "slot_keys", "split_slot",
+    "slot_key", "slot_keys", "split_companion", "split_slot",
 ]  # fmt: skip
 
 #: What a slot key has between its key (and the closing brace) and its index.
@@ -56,6 +56,17 @@ def companion_key(key: str, name: str) -> str:
     ``<key>}:<name>`` for a key with a ``}`` (it hashes to the key's Redis Cluster slot when the
     key has a hash tag or no ``}`` at all)."""
     return f"{key}}}:{name}" if "}" in key else f"{{{key}}}:{name}"
+
+
+def split_companion(stored: str) -> tuple[str, str] | None:
+    """``(key, name)`` of a companion store key: the inverse of :func:`companion_key` for a
+    ``name`` without ``}:``; None for a store key that is no companion's."""
+    head, mark, name = stored.rpartition("}:")
+    if not mark or not name:
+        return None
+    if "}" in head:
+        return head, name
+    return (head[1:], name) if head.startswith("{") else None
 
 
 def slot_key(key: str, index: int) -> str:

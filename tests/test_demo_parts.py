@@ -382,7 +382,7 @@ def test_the_sqlite_cleanup_deletes_the_runs_rows_of_every_table_and_only_those(
     # Given a SQLite store with a row of the run's and a row of someone else's in every table
     url = f"sqlite:///{tmp_path / 'locks.db'}"
     backend = SQLiteBackend.from_url(url)
-    backend.holder("mine:x")  # creates the tables
+    backend.release("mine:x", "token")  # a write: it creates the tables (a read creates nothing)
     backend.close()
     import sqlite3
 

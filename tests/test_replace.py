@@ -173,11 +173,15 @@ def test_the_preempted_body_learns_it_within_one_renewal_interval(app: celery.Ce
     backend.release(key, "newer-token")
 
 
+@pytest.mark.parametrize(
+    "successor_ended", [False, True], ids=["successor-holds", "successor-ended"]
+)
 def test_a_body_that_ends_before_its_renewer_noticed_still_ends_as_replaced(
-    app: celery.Celery,
+    app: celery.Celery, successor_ended: bool
 ) -> None:
     """A body preempted and returning before any renewal: its release finds the lock gone,
-    one read names the successor, and it ends as replaced rather than with its value."""
+    one read of the takeover's record names the successor, whether it still holds the key or
+    has released it already, and it ends as replaced rather than with its value."""
 
     @app.task(base=SingletonTask, shared=False, lazy=False, bind=True, lock_policy="replace")
     def rebuild(self: Any) -> str:
@@ -187,6 +191,8 @@ def test_a_body_that_ends_before_its_renewer_noticed_still_ends_as_replaced(
             meta={"task_id": "newer-id", "replaces": self.lock.token},
         )  # fmt: skip
         assert taken.acquired
+        if successor_ended:
+            assert backend.release(self.lock.key, "newer-token")
         return "late value"
 
     value = rebuild.delay().get()

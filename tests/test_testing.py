@@ -16,6 +16,8 @@ import celery
 import pytest
 
 from singletask import LockKeyError, SingletonTask, Skipped, TaskLocked
+from singletask.backends.memory import MemoryBackend
+from singletask.inventory import find_state
 from singletask.testing import (
     DEFAULT_HOLDER_ID,
     DEFAULT_LEASE,
@@ -24,6 +26,7 @@ from singletask.testing import (
     lock_key_for,
     locks_disabled,
 )
+from singletask.testing.stores import _AlwaysFree, routed
 
 if TYPE_CHECKING:  # a test module must not import a class named Test*: pytest collects it
     from celery.contrib.testing.worker import TestWorkController
@@ -354,3 +357,19 @@ def test_on_the_worker_skip_raise_and_retry_are_recorded(
     with pytest.raises(AssertionError, match=r"in 10s to 12\.5s .* but it was sent for 3\d\.\d\ds"):
         singletask_locks.assert_retried(held, countdown=10)
     assert ran == []
+
+
+def test_the_stores_a_test_installs_list_their_bookkeeping_under_the_apps_keys() -> None:
+    """find_state over a routed store (namespaced, as on a shared server) names the app's keys,
+    not the namespaced ones; with locks switched off there is nothing to list."""
+    app = celery.Celery("state-routed", set_as_current=False)
+    store = MemoryBackend()
+    with routed(app, store, namespace="ns:") as router:
+        assert router.claim_next("singletask:proj.sync", "next-id", 30) == "next-id"
+        found = list(find_state(router, "singletask:"))
+    assert [(r.kind, r.key, r.task, r.task_id) for r in found] == [
+        ("follow_up", "singletask:proj.sync", "proj.sync", "next-id")
+    ]
+    assert [r.key for r in find_state(store, "ns:")] == ["ns:singletask:proj.sync"]
+    with routed(app, _AlwaysFree()) as free:
+        assert list(find_state(free, "singletask:")) == []

@@ -21,9 +21,11 @@ Policy (which key, which token, what to do when a lock is held, when to release)
   (:meth:`LockBackend.debounce`, :meth:`LockBackend.debounce_take`), and a send whose message
   was never published can be taken back out of it (:meth:`LockBackend.debounce_undo`);
 * ``lock_policy = "replace"``: a newer execution can take a named holder's key or slot over,
-  with a larger fence, in one atomic step (:meth:`LockBackend.preempt`);
+  with a larger fence, in one atomic step (:meth:`LockBackend.preempt`), leaving a *preemption
+  record* from which the preempted holder learns who did (:meth:`LockBackend.replaced_by`);
 * for operators (``singletask locks / inspect / release``): the held locks can be listed by key
-  prefix, in bounded pages, and a lock can be released by its holder's task id or by force.
+  prefix, in bounded pages, and a lock can be released by its holder's task id or by force; the
+  store's bookkeeping (follow-ups, debounce windows, rate records) can be listed the same way.
 
 A new backend subclasses :class:`LockBackend`, implements the abstract methods, passes
 ``tests/backends/test_contract.py``, and registers a URL scheme (see :mod:`singletask.backends`).
@@ -32,20 +34,33 @@ A new backend subclasses :class:`LockBackend`, implements the abstract methods, 
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
-from ..exceptions import UnsupportedOperation
+from ..exceptions import BackendError, UnsupportedOperation
 from ..holders import MAX_LEASE as _MAX_LEASE
-from ..holders import AcquireResult, Holder, check_lease
+from ..holders import STATE_KINDS, AcquireResult, Holder, StoreState, check_lease
 
-# Holder, AcquireResult, MAX_LEASE, check_lease: from singletask.holders; stores import them here.
-__all__ = ["MAX_LEASE", "AcquireResult", "Holder", "LockBackend", "check_lease"]
+# Holder, AcquireResult, StoreState, MAX_LEASE, check_lease: from singletask.holders; stores
+# import them here.
+__all__ = [
+    "MAX_LEASE", "STATE_KINDS", "AcquireResult", "Holder", "LockBackend", "StoreState",
+    "check_lease",
+]  # fmt: skip
+
+logger = logging.getLogger("singletask")
 
 #: The longest lease, in seconds, any backend accepts (366 days). It is far above every lease
 #: the task options allow (each at most 30 days; a queue reservation adds the message's
 #: countdown, and is capped here), and far below what the stores can represent.
 MAX_LEASE = _MAX_LEASE
+
+
+def _unsupported(message: str) -> Iterator[StoreState]:
+    """An iteration that raises UnsupportedOperation(``message``) at its first step."""
+    raise UnsupportedOperation(message)
+    yield  # pragma: no cover - makes this a generator
 
 
 class LockBackend(abc.ABC):
@@ -174,7 +189,9 @@ class LockBackend(abc.ABC):
         its fence is greater than the victim's and the victim's next :meth:`extend` and
         :meth:`release` return False. If ``victim`` holds nothing and no slot is free, nothing
         changes and the result names the holders. ``meta`` names the victim's token
-        (``replaces``): reading :meth:`holder`, the victim learns who replaced it.
+        (``replaces``). A takeover then leaves a preemption record (``_leave_replaced``, a
+        second step) that :meth:`replaced_by` reads for ``ttl`` seconds, whenever the new holder
+        ends.
 
         Raises:
             UnsupportedOperation: The store cannot preempt (:attr:`supports_replace`).
@@ -183,8 +200,35 @@ class LockBackend(abc.ABC):
         if not self.supports_replace:
             raise UnsupportedOperation(f"{self!r} cannot preempt a holder (lock_policy 'replace')")
         if limit == 1:
-            return self.acquire(key, token, ttl, meta=meta, takeover_prefix=victim)
-        return self.acquire_slot(key, limit, token, ttl, meta=meta, takeover_prefix=victim)
+            taken = self.acquire(key, token, ttl, meta=meta, takeover_prefix=victim)
+        else:
+            taken = self.acquire_slot(key, limit, token, ttl, meta=meta, takeover_prefix=victim)
+        if taken.acquired:
+            successor = (meta or {}).get("task_id") or ""
+            try:
+                self._leave_replaced(taken.key or key, victim, successor, ttl)
+            except BackendError as exc:  # the key is taken: the victim reads the holder then
+                logger.warning("%r: no preemption record for %r: %s", self, key, exc)
+        return taken
+
+    def _leave_replaced(self, key: str, victim: str, successor: str, ttl: float) -> None:  # noqa: B027
+        """Record for ``ttl`` seconds that ``successor`` (``meta``'s ``task_id``, ``""`` without
+        one) took the store key ``key`` over from ``victim``. A failure is logged, not raised
+        (the victim reads the holder then). The default records nothing."""
+
+    def replaced_by(self, key: str, token: str) -> str | None:
+        """The task id of the execution that took ``key`` (a key or slot) over from the owner
+        token ``token`` (``""`` for one without a task id), or None when the store has no record
+        of it (another loss, or the record ran out). The default reads :meth:`holder`: it names
+        only a preemptor that still holds the key; the built-in stores read their record first.
+
+        Raises:
+            BackendError: The store failed.
+        """
+        holder = self.holder(key)
+        if holder is None or holder.meta.get("replaces") != token:
+            return None
+        return holder.task_id or ""
 
     def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float, str | None]:
         """Make ``task_id`` the latest send of the debounce window of ``key``, in one step.
@@ -326,6 +370,21 @@ class LockBackend(abc.ABC):
             UnsupportedOperation: the store cannot list its keys (memcached).
             BackendError: the store failed.
         """
+
+    def iter_state(self, prefix: str, *, page_size: int = 500) -> Iterator[StoreState]:
+        """Yield the live bookkeeping records of the lock keys that start with ``prefix``: a
+        pending follow-up claim (:meth:`claim_next`), a debounce window, open or closed
+        (:meth:`debounce`), a rate record (``acquire_slot`` with ``interval``); see
+        :class:`~singletask.holders.StoreState`. Paged and bounded as :meth:`iter_locks`, whose
+        prefix rules it shares; read-only: it creates, renews and deletes nothing (a store
+        whose table or file is missing yields nothing). Never on the execution path. A record
+        that runs out or changes during the iteration may or may not appear.
+
+        Raises:
+            UnsupportedOperation: the store cannot list its keys (memcached, the Django cache).
+            BackendError: the store failed.
+        """
+        yield from _unsupported(f"{self!r} cannot list its bookkeeping records")
 
     @abc.abstractmethod
     def release_held_by(self, key: str, task_id: str) -> Holder | None:

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 from ..exceptions import ConfigurationError
 from ..slots import base_key, choose_slot, slot_keys
 from ..urls import mask_url
-from .base import AcquireResult, Holder, LockBackend, check_lease
+from .base import AcquireResult, Holder, LockBackend, StoreState, check_lease
 
 __all__ = ["MemoryBackend"]
 
@@ -64,6 +64,8 @@ class MemoryBackend(LockBackend):
         self._rates: dict[str, float] = {}  # key -> monotonic time its next start is allowed
         # key -> latest send, when the window opened (None once closed), when the record ends
         self._windows: dict[str, tuple[str, float | None, float]] = {}
+        # (key, preempted token) -> the preemptor's task id, when the record ends
+        self._replaced: dict[tuple[str, str], tuple[str, float]] = {}
         self._writes = 0
         self._mutex = threading.Lock()
 
@@ -177,6 +179,7 @@ class MemoryBackend(LockBackend):
         if self._writes % 1024 == 0:
             self._rates = {k: at for k, at in self._rates.items() if at > now}
             self._windows = {k: w for k, w in self._windows.items() if w[2] > now}
+            self._replaced = {k: r for k, r in self._replaced.items() if r[1] > now}
 
     def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float, str | None]:
         ttl = check_lease(ttl, "debounce")
@@ -261,6 +264,20 @@ class MemoryBackend(LockBackend):
             record.next = None
             return record.next_until > now
 
+    def _leave_replaced(self, key: str, victim: str, successor: str, ttl: float) -> None:
+        now = time.monotonic()
+        with self._mutex:
+            self._replaced[key, victim] = (successor, now + ttl)
+            self._prune(now)
+
+    def replaced_by(self, key: str, token: str) -> str | None:
+        now = time.monotonic()
+        with self._mutex:
+            record = self._replaced.get((key, token))
+        if record is not None and record[1] > now:
+            return record[0]
+        return super().replaced_by(key, token)  # a preemption whose record is not written yet
+
     def holder(self, key: str) -> Holder | None:
         now = time.monotonic()
         with self._mutex:
@@ -297,6 +314,44 @@ class MemoryBackend(LockBackend):
             if len(keys) < page_size:
                 return
             after = keys[-1]
+
+    def iter_state(self, prefix: str, *, page_size: int = 500) -> Iterator[StoreState]:
+        """Pages of ``page_size`` keys in key order, as :meth:`iter_locks`."""
+        page_size = max(1, page_size)
+        after: str | None = None
+        while True:
+            now = time.monotonic()
+            with self._mutex:
+                names = {*self._fences, *self._windows, *self._rates}
+                keys = heapq.nsmallest(
+                    page_size,
+                    (k for k in names if k.startswith(prefix) and (after is None or k > after)),
+                )
+                page = [self._state(key, now) for key in keys]
+            for records in page:
+                yield from records
+            if len(keys) < page_size:
+                return
+            after = keys[-1]
+
+    def _state(self, key: str, now: float) -> list[StoreState]:
+        """The live bookkeeping records of ``key``; the mutex is held."""
+        found = []
+        record = self._fences.get(key)
+        if record is not None and record.next is not None and record.next_until > now:
+            found.append(StoreState("follow_up", key, record.next, record.next_until - now))
+        window = self._windows.get(key)
+        if window is not None and window[2] > now:
+            latest, opened, until = window
+            age = None if opened is None else now - opened
+            detail = {"open": opened is not None, "age": age}
+            found.append(StoreState("window", key, latest, until - now, detail))
+        allowed = self._rates.get(key)
+        if allowed is not None and allowed > now:
+            found.append(
+                StoreState("rate", key, None, allowed - now, {"next_start_in": allowed - now})
+            )
+        return found
 
     def _operator_release(self, key: str, task_id: str | None) -> Holder | None:
         now = time.monotonic()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..backends.base import AcquireResult, Holder, LockBackend
+from ..backends.base import AcquireResult, Holder, LockBackend, StoreState
 from ..exceptions import BackendUnavailable
 from ..task import override_lock_backend
 
@@ -77,6 +78,11 @@ class _Router(LockBackend):
         for key, holder in self._store().iter_locks(self.namespace + prefix, page_size=page_size):
             yield key[start:], holder
 
+    def iter_state(self, prefix: str, *, page_size: int = 500) -> Iterator[StoreState]:
+        start = len(self.namespace)
+        for state in self._store().iter_state(self.namespace + prefix, page_size=page_size):
+            yield dataclasses.replace(state, key=state.key[start:])
+
     def release_held_by(self, key: str, task_id: str) -> Holder | None:
         return self._store().release_held_by(self.namespace + key, task_id)
 
@@ -121,6 +127,9 @@ class _AlwaysFree(LockBackend):
         return None
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
+        return iter(())
+
+    def iter_state(self, prefix: str, *, page_size: int = 500) -> Iterator[StoreState]:
         return iter(())
 
     def release_held_by(self, key: str, task_id: str) -> Holder | None:

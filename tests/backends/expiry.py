@@ -105,6 +105,7 @@ def _sqlite(
         for kind, table, column in (
             ("rate", "singletask_rates", "allowed"),
             ("debounce", "singletask_debounce", "until"),
+            ("replaced", "singletask_replaced", "until"),  # preemption records
         ):
             if table in tables:
                 for key, deadline in conn.execute(

@@ -70,6 +70,7 @@ OPERATIONS = (
     "clear_next",
     "release_held_by",
     "force_release",
+    "preempt",
 )
 
 

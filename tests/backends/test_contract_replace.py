@@ -10,6 +10,7 @@ definitions on it are refused when they are bound (tests/test_replace.py).
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -20,11 +21,15 @@ from singletask.slots import slot_keys
 
 from ..conftest import ONE_HOLDER_BACKENDS
 from .test_contract import (
+    EXPIRY_WAIT,
     LEASE,
     every_record_expires,  # noqa: F401 - the contract's autouse check
 )
 
 LIMIT = 3
+#: The preemptor's lease in the record's expiry test: short, yet long enough to read the record
+#: once before it runs out on a loaded machine.
+BRIEF = 1.0
 
 
 @pytest.fixture
@@ -162,3 +167,76 @@ def test_concurrent_preemptions_of_one_holder_let_exactly_one_win(
     assert holder is not None
     assert holder.token == f"token-{won.index(True)}"
     replaceable.release(key, holder.token)
+
+
+def test_the_preempted_holder_learns_its_successor_after_the_successor_ended(
+    replaceable: LockBackend, key: str
+) -> None:
+    """The takeover leaves a preemption record: the preempted holder, whose renewal finds the
+    key free because its successor has already released it (and another execution has taken
+    it since), still learns that it was preempted, and by whom."""
+    # Given a holder preempted by a newer execution that has already ended
+    replaceable.acquire(key, "token-old", LEASE, meta={"task_id": "t-old"})
+    new = replaceable.preempt(
+        key, 1, "token-new", LEASE, "token-old", meta={"task_id": "t-new", "replaces": "token-old"}
+    )
+    assert new.acquired
+    assert replaceable.release(key, "token-new") is True
+    # And a third execution took the free key normally
+    assert replaceable.acquire(key, "token-third", LEASE, meta={"task_id": "t-third"}).acquired
+
+    # When the preempted holder's renewal fails
+    assert replaceable.extend(key, "token-old", LEASE) is False
+
+    # Then the store names its successor
+    assert replaceable.replaced_by(key, "token-old") == "t-new"
+    # And no other token counts as preempted
+    assert replaceable.replaced_by(key, "token-new") is None
+    assert replaceable.replaced_by(key, "token-third") is None
+    assert replaceable.replaced_by(f"{key}-other", "token-old") is None
+    replaceable.release(key, "token-third")
+
+
+def test_a_preemption_record_names_a_direct_call_and_the_slot_taken(
+    replaceable: LockBackend, key: str
+) -> None:
+    """With every slot full, the record is the slot's: the preempted holder of that slot reads
+    it under its slot key; a preemptor without a task id (a direct call) is named ``""``."""
+    # Given three holders, token-0 the oldest
+    for n in range(LIMIT):
+        assert replaceable.acquire_slot(key, LIMIT, f"token-{n}", LEASE).acquired
+    slot = slot_keys(key, LIMIT)[0]
+
+    # When a direct call preempts token-0 and ends
+    new = replaceable.preempt(
+        key, LIMIT, "token-new", LEASE, "token-0", meta={"replaces": "token-0"}
+    )
+    assert new.acquired
+    assert new.key == slot
+    assert replaceable.release(slot, "token-new") is True
+
+    # Then token-0 learns it under its own slot, the successor without a task id
+    assert replaceable.replaced_by(slot, "token-0") == ""
+    assert replaceable.replaced_by(slot_keys(key, LIMIT)[1], "token-1") is None
+    for n in range(1, LIMIT):
+        replaceable.release(slot_keys(key, LIMIT)[n], f"token-{n}")
+
+
+def test_the_preemption_record_lasts_the_preemptor_s_lease(
+    replaceable: LockBackend, key: str
+) -> None:
+    """The record is kept one lease of the preemptor (here a short one), then runs out: a
+    token preempted long ago is told nothing."""
+    # Given a holder preempted with a short lease
+    replaceable.acquire(key, "token-old", LEASE)
+    taken = replaceable.preempt(key, 1, "token-new", BRIEF, "token-old", meta={"task_id": "t-new"})
+    assert taken.acquired
+    assert replaceable.replaced_by(key, "token-old") == "t-new"
+
+    # When the lease and the record have run out
+    deadline = time.monotonic() + EXPIRY_WAIT
+    while replaceable.replaced_by(key, "token-old") is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    # Then nothing is left to name the preemptor
+    assert replaceable.replaced_by(key, "token-old") is None

@@ -53,7 +53,7 @@ def test_a_lock_is_a_redis_hash_with_an_expiry(
     redis_backend: RedisBackend, redis_client: redis.Redis, key: str
 ) -> None:
     """A lock is a Redis hash at the lock key (token, fence, metadata), whose PTTL is the lease;
-    nothing else is written (docs/keys.rst; the fields: test_redis_records.py)."""
+    nothing else is written (docs/architecture.rst; the fields: test_redis_records.py)."""
     # Given / When a lock acquired with metadata and a 30 s lease
     meta = {"task_id": "task-1", "task": "proj.sync", "hostname": "h", "pid": "7", "since": "1.0"}
     assert redis_backend.acquire(key, "token-1", LEASE, meta=meta).acquired
@@ -928,6 +928,39 @@ def test_iter_locks_scans_and_leaves_out_keys_that_are_not_locks(
     assert found[lock].task_id == "id-a"
     assert commands_run(redis_client, "keys") == keys_before
     assert commands_run(redis_client, "scan") > scans_before
+
+
+def test_iter_state_scans_reads_and_writes_nothing_and_leaves_out_foreign_keys(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """iter_state lists the companion records that hold something live: not a lock, not a
+    0.1.0 fence hash without a follow-up, nor a foreign key whose name looks like a companion
+    (another type, or no expiry). SCAN, never KEYS; it writes nothing and renews nothing."""
+    # Given a lock with a follow-up claim, a fence hash without one, and look-alikes
+    lock = f"{key_prefix}sync"
+    assert redis_backend.acquire(lock, "token-a", LEASE).acquired
+    assert redis_backend.claim_next(lock, "id-next", LEASE) == "id-next"
+    redis_client.hset(fence_key(f"{key_prefix}old"), "fence", "7")
+    redis_client.expire(fence_key(f"{key_prefix}old"), 60)
+    redis_client.set("{" + key_prefix + "string}:fence", "x", ex=60)  # not a hash
+    redis_client.hset("{" + key_prefix + "forever}:debounce", "l", "id-x")  # no expiry
+    redis_client.set("{" + key_prefix + "text}:rate", "soon", ex=60)  # not a number
+    writing = ("hset", "hdel", "set", "pexpire", "expire", "del", "evalsha", "eval")
+    keys_before = commands_run(redis_client, "keys")
+    writes_before = [commands_run(redis_client, name) for name in writing]
+    ttl_before = redis_client.pttl(fence_key(lock))
+
+    # When the prefix's bookkeeping is listed in pages of one key
+    found = list(redis_backend.iter_state(key_prefix, page_size=1))
+
+    # Then only the follow-up is there, found with SCAN, and nothing was renewed
+    assert [(state.kind, state.key, state.task_id) for state in found] == [
+        ("follow_up", lock, "id-next")
+    ]
+    assert commands_run(redis_client, "keys") == keys_before
+    assert [commands_run(redis_client, name) for name in writing] == writes_before
+    assert redis_client.pttl(fence_key(lock)) <= ttl_before
+    redis_client.delete("{" + key_prefix + "forever}:debounce")  # the suite's own check
 
 
 def test_operator_releases_touch_only_held_locks(

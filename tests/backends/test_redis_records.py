@@ -1,6 +1,6 @@
 """The Redis lock record: one compact hash per held lock, little or nothing per released key, and
-a store shared with singletask 0.1.0 workers during a rolling upgrade (docs/keys.rst, "The Redis
-lock record"; docs/performance.rst, "Memory per lock")."""
+a store shared with singletask 0.1.0 workers during a rolling upgrade (docs/architecture.rst,
+"How the stores encode a lock"; docs/performance.rst, "This version")."""
 
 from __future__ import annotations
 

@@ -227,7 +227,7 @@ def test_at_100000_held_locks_every_lookup_uses_an_index(
 def test_expired_rows_are_reclaimed_by_the_workers_themselves(
     sql_store: SqlStore, kind: str, store: Any
 ) -> None:
-    """A row whose retention ran out is deleted by a worker process on its next operation (no
+    """A row whose retention ran out is deleted by a worker process on its next write (no
     separate job); live locks and retained rows stay, and fencing still increases."""
     url, table = sql_store
     # Given a released lock whose row's retention has run out, and a live lock
@@ -243,9 +243,12 @@ def test_expired_rows_are_reclaimed_by_the_workers_themselves(
         f"WHERE {key} = 'old'",
     )
 
-    # When another worker process (a new backend: its first sweep is due) does any operation
+    # When another worker process (a new backend: its first sweep is due) writes anything (a
+    # read, holder() or a listing, deletes nothing: it is read-only)
     other = backend_from_url(url, table=table)
     assert other.holder("live") is not None
+    assert len(run_sql(kind, f"SELECT {key} FROM {table}")) == 2
+    assert other.extend("live", "t2", 30)
 
     # Then the expired row is gone, the live one stays
     keys = sorted(row[0] for row in run_sql(kind, f"SELECT {key} FROM {table}"))

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
+import signal
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -12,7 +16,7 @@ import pytest
 from singletask import ConfigurationError
 from singletask.backends import backend_from_url
 from singletask.backends.sql.sqlite import SQLiteBackend
-from singletask.exceptions import LockKeyError
+from singletask.exceptions import BackendTimeout, LockKeyError
 from singletask.slots import slot_index, slot_keys
 
 
@@ -228,7 +232,8 @@ def test_records_that_ran_out_are_deleted_when_a_process_opens_the_file(tmp_path
     backend.close()
     time.sleep(0.1)
 
-    SQLiteBackend(path).holder("any")  # opens the file: prunes
+    # A write opens the file: it prunes (a read, holder() or a listing, changes nothing).
+    assert SQLiteBackend(path).release("any", "token") is False
     with sqlite3.connect(path) as conn:
         rates = [k for (k,) in conn.execute("SELECT key FROM singletask_rates")]
         windows = [k for (k,) in conn.execute("SELECT key FROM singletask_debounce")]
@@ -262,3 +267,60 @@ def test_processes_sharing_the_file_start_a_rated_key_once_per_interval(tmp_path
 
     assert all(process.exitcode == 0 for process in workers)
     assert sum(outcomes) == 1
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_process_forked_while_another_thread_writes_can_still_take_locks(tmp_path: Path) -> None:
+    """A prefork worker's main process forks a new pool process when one ends, at the moment its
+    watcher thread releases the ended one's lock in the same store. SQLite copies into the child
+    what the parent's connections hold, not the locks: forked inside a transaction, the child's
+    every write, in a connection of its own, failed after the busy timeout ("database is
+    locked"; the interaction campaign's long run), or hung. No fork happens inside a
+    transaction."""
+    # Given a store in which a thread of this process writes without a pause
+    path = tmp_path / "locks.db"
+    backend = SQLiteBackend(path, timeout=1.0)
+    stop = threading.Event()
+
+    def write() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(BackendTimeout):  # a hung child may hold the file
+                backend.acquire("busy", "parent", 5)
+                backend.release("busy", "parent")
+            time.sleep(0.001)  # a moment out of the file between transactions: no starved child
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    codes = []
+    try:
+        # When the process forks, several times, while that thread writes
+        for n in range(8):
+            pid = os.fork()
+            if pid == 0:  # the child takes a lock with a store of its own, as a pool process does
+                code = 1
+                try:
+                    # A child forked inside a transaction fails every write, whatever the wait
+                    # (a generous busy timeout only keeps a loaded machine from failing it)
+                    taken = SQLiteBackend(path, timeout=5.0).acquire(f"child-{n}", "c", 5).acquired
+                    code = 0 if taken else 2
+                finally:
+                    os._exit(code)
+            codes.append(_exit_code(pid, within=10.0))
+    finally:
+        stop.set()
+        writer.join()
+    # Then every child took its lock
+    assert codes == [0] * 8
+
+
+def _exit_code(pid: int, within: float) -> int | str:
+    """The exit code of child ``pid``, or "hung" (and it is killed) if it runs longer."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return "hung"

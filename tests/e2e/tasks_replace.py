@@ -26,6 +26,10 @@ PREFIX = "e2e.replace."
 #: The lease: renewed every 0.5 s, so a preempted body learns it within 0.5 s (plus round trips).
 TTL = 1.5
 
+#: The longer lease of ``rebuild_long``: renewed every 2 s, so a newer execution sent just after
+#: one of its renewals has time to run and end before the next one.
+LONG_TTL = 6.0
+
 #: How long a body works at most before it gives up waiting for its gate.
 WORK = 30.0
 
@@ -51,13 +55,18 @@ def fenced_write(label: str, fence: int, value: int) -> bool:
     return bool(client.eval(FENCED_WRITE, 1, resource_key(label), fence, value))
 
 
-def rebuild(self: SingletonTask, label: str, version: int, check: bool = True) -> int:
-    """Write ``version``, then work (checking the lock if ``check``) until the gate opens."""
+def rebuild(
+    self: SingletonTask, label: str, version: int, check: bool = True, hold: bool = True
+) -> int:
+    """Write ``version``, then work (checking the lock if ``check``) until the gate opens; with
+    ``hold`` False, end right after the write."""
     lock = self.lock
     assert lock is not None
     assert lock.fence is not None
     with probe().running(label, self.request.id, version=version, fence=lock.fence):
         fenced_write(label, lock.fence, version)
+        if not hold:
+            return version
         deadline = time.monotonic() + WORK
         while time.monotonic() < deadline:
             if check:
@@ -86,6 +95,7 @@ def coalesced(self: SingletonTask, label: str, tag: str = "", hold: bool = False
 
 TASKS: list[tuple[str, Any, dict[str, Any]]] = [
     ("rebuild", rebuild, {"lock_policy": "replace"}),
+    ("rebuild_long", rebuild, {"lock_policy": "replace", "lock_ttl": LONG_TTL}),
     ("rebuild_slots", rebuild, {"lock_policy": "replace", "lock_limit": 2}),
     ("rebuild_terminate", rebuild, {"lock_policy": "replace", "lock_replace_terminate": True}),
     (
@@ -105,8 +115,8 @@ def _register(app: Celery) -> None:
         return
     for name, body, options in TASKS:
         app.task(
-            base=SingletonTask, bind=True, shared=False, lock_ttl=TTL, lock_args=("label",),
-            name=PREFIX + name, **options,
+            base=SingletonTask, bind=True, shared=False, lock_args=("label",), name=PREFIX + name,
+            **{"lock_ttl": TTL, **options},
         )(body)  # fmt: skip
 
 

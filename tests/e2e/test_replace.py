@@ -19,8 +19,9 @@ from singletask.backends.redis import RedisBackend
 from singletask.slots import slot_keys
 
 from .conftest import Cluster, start_cluster
+from .probe import Probe
 from .tasks_policies import gate_key
-from .tasks_replace import PREFIX, TTL, resource_key
+from .tasks_replace import LONG_TTL, PREFIX, TTL, resource_key
 
 pytestmark = pytest.mark.e2e
 
@@ -79,6 +80,40 @@ def test_a_newer_execution_preempts_the_running_one_on_prefork(
     the key is free once the newer one has ended."""
     preempt_and_check(cluster, label)
     cluster.wait_free(f"singletask:{PREFIX}rebuild:{label}")
+
+
+def successor_ends_first(rebuild: Any, probe: Probe, label: str) -> None:
+    """Given version 1 of ``rebuild`` (``rebuild_long``) running, when version 2 preempts it and
+    ends (releasing the key) before version 1's next renewal, then version 1 finds the key free,
+    yet learns that it was preempted, and by whom, and ends as replaced, not as a lost lock."""
+    older = rebuild.delay(label, 1)
+    first = probe.wait_for(label, "start", timeout=BOUND)[0]
+    # Sent just after the older one's first renewal (a third of its lease after it acquired,
+    # which is just before it started), so the newer one has most of an interval to run
+    time.sleep(max(0.0, first["t"] + LONG_TTL / 3 + 0.3 - time.time()))
+
+    # When a newer execution preempts it and ends at once
+    newer = rebuild.delay(label, 2, hold=False)
+    assert newer.get(timeout=BOUND) == 2
+    ended = next(e for e in probe.events(label, "end") if e["task_id"] == newer.id)
+
+    # Then the older one ends as replaced, naming the newer one
+    value = older.get(timeout=BOUND, propagate=False)
+    assert isinstance(value, Skipped), value
+    assert (value.reason, value.holder) == ("replaced", newer.id)
+    # And its body learned it (LockPreempted naming the newer one) after the newer one ended
+    preempted = probe.wait_for(label, "preempted", timeout=BOUND)[0]
+    assert preempted["successor"] == newer.id
+    assert preempted["t"] > ended["t"], "the newer one had not ended: the case is not exercised"
+    assert preempted["late_write"] is False
+
+
+def test_a_run_whose_successor_has_already_ended_still_ends_replaced(
+    cluster: Cluster, label: str
+) -> None:
+    """The newer execution ends before the older one's next renewal (see above)."""
+    successor_ends_first(cluster.task(PREFIX + "rebuild_long"), cluster.probe, label)
+    cluster.wait_free(f"singletask:{PREFIX}rebuild_long:{label}")
 
 
 def test_with_every_slot_full_the_oldest_holder_is_preempted(cluster: Cluster, label: str) -> None:

@@ -34,6 +34,7 @@ from .tasks_policies import TTL, gate_key
 from .tasks_replace import PREFIX as REPLACE
 from .tasks_replace import TTL as REPLACE_TTL
 from .tasks_replace import resource_key
+from .test_replace import successor_ends_first
 
 pytestmark = [pytest.mark.e2e, pytest.mark.stores]
 
@@ -378,3 +379,10 @@ def test_a_newer_execution_preempts_the_running_one_in_the_store(store: StoreEnv
     store.open_gate(label)
     assert newer.get(timeout=BOUND) == 2
     store.wait_free(str(task.lock_key_for((label, 0))))
+
+    # And a run whose newer execution has ended before its next renewal still ends replaced
+    label = label_of()
+    try:
+        successor_ends_first(store.task(REPLACE + "rebuild_long"), env.probe, label)
+    finally:
+        store.open_gate(label)

@@ -39,7 +39,7 @@ from redis.sentinel import Sentinel
 
 from ...exceptions import ConfigurationError, LockKeyError
 from ...slots import base_key
-from ..base import Holder
+from ..base import Holder, StoreState
 from .deploy_base import _Deployed, _raised
 from .options import (
     TLS_OPTIONS,
@@ -52,6 +52,7 @@ from .options import (
     url_query,
 )
 from .slots import listed, scan_patterns
+from .state import scan_state
 from .store import _DRIVER_ERRORS
 from .wire import _holder, _Script
 
@@ -265,6 +266,15 @@ class RedisClusterBackend(_Deployed):
         not for the MULTI the single-server backend reads with)."""
         fields, pttl = self._call("inspect", _HOLDER, (key,), ())
         return _holder(key, dict(zip(fields[::2], fields[1::2], strict=True)), int(pttl))
+
+    def iter_state(self, prefix: str, *, page_size: int = 500) -> Iterator[StoreState]:
+        """Every master in turn, as :meth:`iter_locks`; each page read from its own node."""
+        cluster = self.cluster
+        with self._translate("list state", prefix):
+            nodes = [cluster.get_redis_connection(node) for node in cluster.get_primaries()]
+        for node in nodes:
+            with self._translate("list state", prefix):
+                yield from scan_state(node, prefix, max(1, page_size), transaction=False)
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """Yield ``(key, holder)`` for every live lock whose key starts with ``prefix``.

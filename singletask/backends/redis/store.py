@@ -1,4 +1,5 @@
-"""The Redis lock store: one hash per lock, every operation one round trip.
+"""The Redis lock store: one hash per lock, every operation one round trip (a takeover of
+``lock_policy = "replace"`` two: then it leaves its record, :mod:`.replaced`).
 
 A lock is one Redis hash at the lock key: owner token, fencing token and compact holder
 metadata (:mod:`~singletask.backends.redis.wire`); its lease is the key's expiry. A release
@@ -34,7 +35,7 @@ from redis.retry import Retry
 from ...exceptions import BackendError, ConfigurationError
 from ...slots import base_key
 from ...urls import mask_url, parse_redis_url
-from ..base import AcquireResult, Holder, LockBackend
+from ..base import AcquireResult, Holder, LockBackend, StoreState
 from .connections import send
 from .options import connection_options, retentions
 from .rates import (
@@ -48,7 +49,9 @@ from .rates import (
     slot_request,
     window_key,
 )
+from .replaced import _LEAVE_REPLACED, _REPLACED_BY, record_key
 from .slots import scan_locks, slot_result
+from .state import scan_state
 from .wire import (
     _ACQUIRE,
     _CLAIM_NEXT,
@@ -353,6 +356,14 @@ class RedisBackend(LockBackend):
     def clear_next(self, key: str, task_id: str) -> bool:
         return bool(self._call("clear_next", _CLEAR_NEXT, (fence_key(key),), (task_id,)))
 
+    def _leave_replaced(self, key: str, victim: str, successor: str, ttl: float) -> None:
+        args = (successor, _ms(ttl, "preempt"))
+        self._call("preempt", _LEAVE_REPLACED, (record_key(key, victim),), args)
+
+    def replaced_by(self, key: str, token: str) -> str | None:
+        found = self._call("inspect", _REPLACED_BY, (record_key(key, token),), ())
+        return _text(found) if found is not None else super().replaced_by(key, token)
+
     def holder(self, key: str) -> Holder | None:
         client = self.client
         with self._translate("inspect", key), client.pipeline(transaction=True) as pipe:
@@ -367,6 +378,12 @@ class RedisBackend(LockBackend):
         client = self.client
         with self._translate("list", prefix):
             yield from scan_locks(client, prefix, max(1, page_size))
+
+    def iter_state(self, prefix: str, *, page_size: int = 500) -> Iterator[StoreState]:
+        """SCAN MATCH as :meth:`iter_locks` (``state.scan_state``)."""
+        client = self.client
+        with self._translate("list state", prefix):
+            yield from scan_state(client, prefix, max(1, page_size))
 
     def release_held_by(self, key: str, task_id: str) -> Holder | None:
         args = (task_id, *self._keep)

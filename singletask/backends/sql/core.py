@@ -45,18 +45,20 @@ due (at most once per RECLAIM_INTERVAL per process), through the index on ``expi
 from __future__ import annotations
 
 import abc
+import functools
 import hashlib
 import json
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TypeVar
+from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from ...exceptions import ConfigurationError, LockKeyError
 from ...slots import base_key, slot_index, slot_keys
 from ...urls import check_port
-from ..base import AcquireResult, Holder, LockBackend, check_lease
+from ..base import AcquireResult, Holder, LockBackend, StoreState, check_lease
+from . import replaced, state
 
 __all__ = [
     "DEFAULT_TABLE",
@@ -264,6 +266,41 @@ class SQLBackend(LockBackend):
 
     def force_release(self, key: str) -> Holder | None:
         return self._release_holder("force_release", key, None)
+
+    #: Keys longer than this many bytes are stored in a fixed-size form (:func:`stored_key`).
+    _key_bytes: ClassVar[int]
+
+    def _record_args(self, key: str, token: str) -> dict[str, Any]:
+        """The ``key`` and ``full_key`` arguments of the row of ``token``'s preemption record."""
+        stored, full = stored_key(replaced.record_key(key, token), self._key_bytes)
+        return {"key": stored, "full_key": full}
+
+    def replaced_by(self, key: str, token: str) -> str | None:
+        rows = self._select("inspect", key, "replaced_by", self._record_args(key, token))
+        if rows:
+            return self._decode(rows[0][0]) or ""
+        return super().replaced_by(key, token)  # a preemption whose record is not written yet
+
+    def iter_state(self, prefix: str, *, page_size: int = 500) -> Iterator[StoreState]:
+        """Pages of ``page_size`` rows in key order, read as :meth:`iter_locks` reads (a key's
+        records are columns of its own row: :mod:`.state`)."""
+        fetch = functools.partial(self._select, "list state", prefix, "state")
+        decode = self._decode
+        for row in pages(fetch, prefix, max(1, page_size), lambda r: decode(r[0]) or "",
+                         self._key_bytes):  # fmt: skip
+            if (decode(row[1]) or "").startswith(prefix):
+                yield from state.records(row, decode)
+
+    def _decode(self, value: Any) -> str | None:
+        """A text column's value as the driver returns it, as text."""
+        return None if value is None else str(value)
+
+    @abc.abstractmethod
+    def _select(
+        self, operation: str, key: str, query: str, args: Mapping[str, object]
+    ) -> Sequence[Sequence[Any]]:
+        """The rows of the read-only query ``query`` (its name): creates no table, deletes no
+        row, and returns no rows when the table does not exist."""
 
     @abc.abstractmethod
     def _acquire(

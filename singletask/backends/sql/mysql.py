@@ -21,13 +21,17 @@ How it holds its guarantees (the table layout is in :mod:`singletask.backends.sq
   padded by a collation.
 * A new fencing token is ``GREATEST(last + 1, database time in microseconds)``; the row keeps
   the last one after release, so tokens of a key strictly increase (the Redis store's rule).
+* The table is created (or gains the columns a later version added) on a process's first
+  write; reads (``holder``, the listings) create nothing: a missing table holds no lock.
 * InnoDB may abort a transaction as a deadlock victim when workers race for a key that does
   not exist yet; nothing of it was committed, so the script is sent again (up to 3 times).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -41,7 +45,11 @@ from ...urls import mask_url
 from ..base import AcquireResult, Holder, check_lease
 from . import core, pool, slots
 from . import mysql_queries as Q
+from . import replaced as R
+from . import state as S
 from .mysql_queries import KEY_BYTES
+from .mysql_queries import as_text as _text
+from .mysql_queries import run_script as _script
 
 __all__ = ["MySQLBackend"]
 
@@ -49,8 +57,9 @@ T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
-#: Server error codes: deadlock victim (retried), waits that timed out, a column that exists.
-_DUPLICATE_COLUMN = 1060
+#: Server error codes: deadlock victim (retried), waits that timed out, no such table (a read
+#: before the first write: no lock).
+_NO_SUCH_TABLE = 1146
 _DEADLOCK = 1213
 _TIMEOUTS = {1205, 1969, 3024}  # lock wait timeout, MariaDB / MySQL statement time limits
 _RETRIES = 3
@@ -73,21 +82,8 @@ def _keys(key: str) -> dict[str, str | None]:
     return {"key": stored, "full_key": full}
 
 
-def _text(value: bytes | str | None) -> str | None:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _us(seconds: float) -> int:
     return max(1, int(seconds * 1_000_000))
-
-
-def _script(cursor: pymysql.cursors.Cursor, text: str, args: Mapping[str, Any]) -> list[Any]:
-    """Send the statements of ``text`` as one request; return the rows each one returned."""
-    cursor.execute(text, args)
-    results = [cursor.fetchall()]
-    while cursor.nextset():
-        results.append(cursor.fetchall())
-    return results
 
 
 def _holder(row: Sequence[Any]) -> Holder:
@@ -102,7 +98,7 @@ class MySQLBackend(core.SQLBackend):
 
     Args:
         connect_args: Keyword arguments of :func:`pymysql.connect` (host, port, user, ...).
-        table: The lock table, ``name`` or ``database.name``; created when missing.
+        table: The lock table, ``name`` or ``database.name``; created by the first write.
         pool_size: Most connections one process opens.
         timeout: Seconds allowed to connect, to read or write a reply, to wait for a row lock,
             and to wait for a free pooled connection.
@@ -139,9 +135,10 @@ class MySQLBackend(core.SQLBackend):
                 "release": Q.RELEASE, "extend": Q.EXTEND,
                 "claim_next": Q.CLAIM_NEXT, "clear_next": Q.CLEAR_NEXT, "holder": Q.HOLDER,
                 "iter": Q.ITER, "release_holder": Q.RELEASE_HOLDER, "reclaim": Q.RECLAIM,
+                "leave_replaced": R.MYSQL_LEAVE, "replaced_by": R.MYSQL_READ,
                 "acquire_slot": Q.ACQUIRE_SLOT, "release_slot": Q.RELEASE_SLOT,
                 "debounce": Q.DEBOUNCE, "debounce_take": Q.DEBOUNCE_TAKE,
-                "debounce_undo": Q.DEBOUNCE_UNDO,
+                "debounce_undo": Q.DEBOUNCE_UNDO, "state": S.MYSQL_STATE,
             }.items()
         }  # fmt: skip
         self._pool: pool.Pool[pymysql.connections.Connection[Any]] = pool.Pool(
@@ -149,6 +146,7 @@ class MySQLBackend(core.SQLBackend):
             timeout=options.timeout, describe=repr(self),
         )  # fmt: skip
         self._reclaimer = core.Reclaimer()
+        self._ready: tuple[int, int] | None = None  # (pid, pool generation) the table was checked
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MySQLBackend:
@@ -192,40 +190,31 @@ class MySQLBackend(core.SQLBackend):
         try:
             with conn.cursor() as cursor:
                 _script(cursor, Q.SESSION, {"wait": max(1, round(self.timeout))})
-                # Created on a connection's first use, if missing (looked up first: CREATE
-                # TABLE IF NOT EXISTS needs the CREATE privilege even when the table exists).
-                # MySQL's metadata lock makes racing CREATE TABLE IF NOT EXISTS safe.
-                schema, _, name = self.table.rpartition(".")
-                cursor.execute(Q.FIND_COLUMNS, (schema or None, name))
-                found = {_text(row[0]) for row in cursor.fetchall()}
-                if not found:
-                    _script(cursor, self._q["schema"], {})
-                for column, kind in Q.ADDED_COLUMNS.items():
-                    if found and column not in found:
-                        add = Q.ADD_COLUMN.format(table=self._table, column=column, kind=kind)
-                        try:
-                            cursor.execute(add)
-                        except pymysql.MySQLError as exc:
-                            if exc.args[:1] != (_DUPLICATE_COLUMN,):  # another worker added it
-                                raise
         except BaseException:
             conn.close()
             raise
         return conn
 
-    def _run(self, operation: str, key: str, work: Callable[[pymysql.cursors.Cursor], T]) -> T:
-        """Run ``work`` on a pooled connection: the boundary where driver errors become
-        singletask's. A script InnoDB aborted as a deadlock victim committed nothing and is sent
-        again; a pooled connection that turns out to be dead (the server closed it while it was
-        idle, ``wait_timeout``, or restarted) is replaced and ``work`` runs once more: every
-        operation is safe to repeat (see the docs)."""
+    def _run(
+        self, operation: str, key: str, work: Callable[[pymysql.cursors.Cursor], T],
+        *, writes: bool = True,
+    ) -> T:  # fmt: skip
+        """Run ``work`` on a pooled connection (``writes``: creating the table first if
+        missing, then deleting expired rows now and then): the boundary where driver errors
+        become singletask's. A script InnoDB aborted as a deadlock victim committed nothing and
+        is sent again; a pooled connection that turns out to be dead (the server closed it
+        while it was idle, ``wait_timeout``, or restarted) is replaced and ``work`` runs once
+        more: every operation is safe to repeat (see the docs)."""
         deadlocks, stale_retried = 0, False
         while True:
             reused = False
             try:
                 with self._pool.checkout() as (conn, reused), conn.cursor() as cursor:
+                    if writes and self._ready != (os.getpid(), self._pool.generation):
+                        Q.create_table(cursor, self.table, self._table, self._q["schema"])
+                        self._ready = (os.getpid(), self._pool.generation)
                     result = work(cursor)
-                    if self._reclaimer.due():
+                    if writes and self._reclaimer.due():
                         self._reclaim(cursor)
                     return result
             except pymysql.MySQLError as exc:
@@ -351,34 +340,44 @@ class MySQLBackend(core.SQLBackend):
         rows = self._run("claim_next", key, lambda c: _script(c, self._q["claim_next"], args)[4])
         return _text(rows[0][0]) or task_id
 
+    def _leave_replaced(self, key: str, victim: str, successor: str, ttl: float) -> None:
+        args = {**self._record_args(key, victim), "task_id": successor, "ttl_us": _us(ttl)}
+        self._run("preempt", key, lambda c: c.execute(self._q["leave_replaced"], args))
+
     def clear_next(self, key: str, task_id: str) -> bool:
         args = {**_keys(key), "task_id": task_id}
         return self._run("clear_next", key, lambda c: c.execute(self._q["clear_next"], args) > 0)
 
-    def holder(self, key: str) -> Holder | None:
-        def work(cursor: pymysql.cursors.Cursor) -> Holder | None:
-            cursor.execute(self._q["holder"], _keys(key))
-            row = cursor.fetchone()
-            return None if row is None else _holder(row)
+    _key_bytes = KEY_BYTES
 
-        return self._run("inspect", key, work)
+    def _decode(self, value: Any) -> str | None:
+        return _text(value)
+
+    def _select(
+        self, operation: str, key: str, query: str, args: Mapping[str, object]
+    ) -> Sequence[Sequence[Any]]:
+        def work(cursor: pymysql.cursors.Cursor) -> Sequence[Sequence[Any]]:
+            cursor.execute(self._q[query], args)
+            return cursor.fetchall()
+
+        try:
+            return self._run(operation, key, work, writes=False)
+        except BackendError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, pymysql.MySQLError) and cause.args[:1] == (_NO_SUCH_TABLE,):
+                return []  # no table yet: no lock
+            raise
+
+    def holder(self, key: str) -> Holder | None:
+        rows = self._select("inspect", key, "holder", _keys(key))
+        return _holder(rows[0]) if rows else None
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """Yield every live lock under ``prefix``, reading pages of ``page_size`` keys in key
         order (each page one primary-key range scan)."""
-
-        def fetch(args: dict[str, object]) -> Any:
-            def work(cursor: pymysql.cursors.Cursor) -> Any:
-                cursor.execute(self._q["iter"], args)
-                return cursor.fetchall()
-
-            return self._run("list", prefix, work)
-
-        def key_of(row: Any) -> str:
-            return _text(row[0]) or ""
-
+        fetch = functools.partial(self._select, "list", prefix, "iter")
         for scan in core.listed_prefixes(prefix):  # the keys, then slots named {<key>}:slot:<i>
-            for row in core.pages(fetch, scan, page_size, key_of, KEY_BYTES):
+            for row in core.pages(fetch, scan, page_size, lambda r: _text(r[0]) or "", KEY_BYTES):
                 key = _text(row[1]) or ""
                 if core.is_listed(key, prefix):
                     yield key, _holder(row[2:])

@@ -5,6 +5,14 @@ The table layout is described in :mod:`singletask.backends.sql.core`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+import pymysql
+
+#: Server error code of an ADD COLUMN whose column exists (another worker added it).
+_DUPLICATE_COLUMN = 1060
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS {table} (
     `key` VARBINARY(1024) NOT NULL PRIMARY KEY,
@@ -262,3 +270,36 @@ WHERE `key` = %(key)s AND debounce_latest = %(task_id)s AND debounce_opened IS N
 
 RECLAIM = """
 DELETE FROM {table} WHERE expires_at < UTC_TIMESTAMP(6) ORDER BY expires_at LIMIT %(limit)s"""
+
+
+def as_text(value: bytes | str | None) -> str | None:
+    """A VARBINARY value as text."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def run_script(cursor: pymysql.cursors.Cursor, text: str, args: Mapping[str, Any]) -> list[Any]:
+    """Send the statements of ``text`` as one request; return the rows each one returned."""
+    cursor.execute(text, args)
+    results = [cursor.fetchall()]
+    while cursor.nextset():
+        results.append(cursor.fetchall())
+    return results
+
+
+def create_table(cursor: pymysql.cursors.Cursor, table: str, quoted: str, create: str) -> None:
+    """Create ``table`` (``quoted``: as SQL names it) with the statement ``create`` if missing
+    (looked up first: CREATE TABLE IF NOT EXISTS needs the CREATE privilege even when the
+    table exists), or add the columns it lacks. MySQL's metadata lock makes racing CREATE
+    TABLE IF NOT EXISTS safe."""
+    schema, _, name = table.rpartition(".")
+    cursor.execute(FIND_COLUMNS, (schema or None, name))
+    found = {as_text(row[0]) for row in cursor.fetchall()}
+    if not found:
+        run_script(cursor, create, {})
+    for column, kind in ADDED_COLUMNS.items():
+        if found and column not in found:
+            try:
+                cursor.execute(ADD_COLUMN.format(table=quoted, column=column, kind=kind))
+            except pymysql.MySQLError as exc:
+                if exc.args[:1] != (_DUPLICATE_COLUMN,):  # another worker added it
+                    raise

@@ -30,8 +30,9 @@ in :mod:`singletask.backends.sql.postgres_queries`, that of debounce windows in
   stored in a fixed-size form (``core.stored_key``).
 * A new fencing token is ``greatest(last + 1, database time in microseconds)``; the row keeps
   the last one after release, so tokens of a key strictly increase (the Redis store's rule).
-* The table and its index on ``expires_at`` are created on a process's first use, serialised by
-  a transaction-level advisory lock, so many workers starting at once do not trip over each other.
+* The table and its index on ``expires_at`` are created on a process's first write, serialised
+  by a transaction-level advisory lock, so many workers starting at once do not trip over each
+  other. Reads (``holder``, the listings) create nothing: a missing table holds no lock.
 """
 
 from __future__ import annotations
@@ -46,13 +47,21 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from ...exceptions import BackendTimeout, BackendUnavailable, ConfigurationError, LockKeyError
+from ...exceptions import (
+    BackendError,
+    BackendTimeout,
+    BackendUnavailable,
+    ConfigurationError,
+    LockKeyError,
+)  # fmt: skip
 from ...slots import base_key, slot_index
 from ...urls import mask_url
 from ..base import AcquireResult, Holder, check_lease
 from . import core, pool, slots
 from . import postgres_queries as Q
 from . import postgres_windows as W
+from . import replaced as R
+from . import state as S
 from .postgres_queries import KEY_BYTES
 from .watchdog import WATCHDOG
 
@@ -68,7 +77,7 @@ class PostgresBackend(core.SQLBackend):
 
     Args:
         conninfo: A libpq connection string or ``postgresql://`` URL.
-        table: The lock table, ``name`` or ``schema.name``; created when missing.
+        table: The lock table, ``name`` or ``schema.name``; created by the first write.
         pool_size: Most connections one process opens.
         timeout: Seconds allowed to connect, per statement (``statement_timeout``,
             ``lock_timeout``), and to wait for a free pooled connection; the client drops a
@@ -138,7 +147,8 @@ class PostgresBackend(core.SQLBackend):
                 "clear_next": Q.CLEAR_NEXT, "debounce_take": W.DEBOUNCE_TAKE,
                 "debounce_undo": W.DEBOUNCE_UNDO,
                 "holder": Q.HOLDER, "iter": Q.ITER, "release_holder": Q.RELEASE_HOLDER,
-                "reclaim": Q.RECLAIM,
+                "reclaim": Q.RECLAIM, "state": S.POSTGRES_STATE,
+                "leave_replaced": R.POSTGRES_LEAVE, "replaced_by": R.POSTGRES_READ,
             }.items()
         )  # fmt: skip
         self._pool: pool.Pool[psycopg.Connection[Any]] = pool.Pool(
@@ -195,10 +205,11 @@ class PostgresBackend(core.SQLBackend):
 
     def _run(
         self, operation: str, key: str, name: str, args: Mapping[str, Any],
-        read: Callable[[psycopg.Cursor[Any]], T],
+        read: Callable[[psycopg.Cursor[Any]], T], *, writes: bool = True,
     ) -> T:  # fmt: skip
-        """Run the script ``name`` on a pooled connection and ``read`` the statement's result:
-        the boundary where driver errors become singletask's. A serialization failure or
+        """Run the script ``name`` on a pooled connection and ``read`` its result (``writes``:
+        creating the table first if missing, then deleting expired rows now and then): the
+        boundary where driver errors become singletask's. A serialization failure or
         deadlock committed nothing and is sent again; a pooled connection that turns out to be
         dead (the server closed it while it was idle, or restarted) is replaced and the
         script runs once more: every operation is safe to repeat (see the docs)."""
@@ -208,13 +219,15 @@ class PostgresBackend(core.SQLBackend):
             try:
                 with self._pool.checkout() as (conn, reused):
                     try:
-                        if self._ready != (os.getpid(), self._pool.generation):
-                            self._call(conn, what, lambda: self._create_table(conn))
+                        if writes and self._ready != (os.getpid(), self._pool.generation):
+                            self._call(
+                                conn, what, lambda: Q.create_table(conn, self.table, self._q)
+                            )
                             self._ready = (os.getpid(), self._pool.generation)
                         result = self._call(
                             conn, what, lambda: read(self._script(conn, name, args))
                         )
-                        if self._reclaimer.due():
+                        if writes and self._reclaimer.due():
                             self._call(conn, "reclaim", lambda: self._reclaim(conn))
                         return result
                     except psycopg.Error as exc:
@@ -244,21 +257,6 @@ class PostgresBackend(core.SQLBackend):
         for _ in range(self._preamble if skip is None else skip):
             cursor.nextset()
         return cursor
-
-    def _create_table(self, conn: psycopg.Connection[Any]) -> None:
-        # Looked up first: CREATE ... IF NOT EXISTS needs the CREATE privilege even when the
-        # table exists, and a user may have only been given the table.
-        found = conn.execute(Q.FIND_TABLE, {"t": self.table}).fetchone()
-        if found == (True, True):
-            return
-        # CREATE TABLE IF NOT EXISTS alone can fail when two sessions race to create the same
-        # table (a unique violation in the catalog): an advisory lock serialises them.
-        with conn.transaction():
-            lock_name = f"singletask:{self.table}"
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (lock_name,))
-            conn.execute(self._q["schema"])
-            conn.execute(self._q["index"])
-            conn.execute(self._q["add_columns"])
 
     def _reclaim(self, conn: psycopg.Connection[Any]) -> None:
         """Delete a batch of expired rows; a failure (a read-only database) only logs: the
@@ -363,21 +361,34 @@ class PostgresBackend(core.SQLBackend):
         assert row is not None
         return str(row[0])
 
+    def _leave_replaced(self, key: str, victim: str, successor: str, ttl: float) -> None:
+        args = {**self._record_args(key, victim), "task_id": successor, "ttl": ttl}
+        self._run("preempt", key, "leave_replaced", args, lambda c: None)
+
     def clear_next(self, key: str, task_id: str) -> bool:
         args = {**self._keys(key), "task_id": task_id}
         return self._run("clear_next", key, "clear_next", args, lambda c: c.rowcount > 0)
 
+    _key_bytes = KEY_BYTES
+
+    def _select(
+        self, operation: str, key: str, query: str, args: Mapping[str, object]
+    ) -> list[Any]:
+        try:
+            return self._run(operation, key, query, args, lambda c: c.fetchall(), writes=False)
+        except BackendError as exc:
+            if isinstance(exc.__cause__, psycopg.errors.UndefinedTable):
+                return []  # no table yet: no lock
+            raise
+
     def holder(self, key: str) -> Holder | None:
-        row = self._run("inspect", key, "holder", self._keys(key), lambda c: c.fetchone())
-        return None if row is None else core.load_holder(row[0], row[1], row[3], row[2])
+        rows = self._select("inspect", key, "holder", self._keys(key))
+        return core.load_holder(rows[0][0], rows[0][1], rows[0][3], rows[0][2]) if rows else None
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """Yield every live lock under ``prefix``, reading pages of ``page_size`` keys in key
         order (each page one indexed range scan)."""
-
-        def fetch(args: dict[str, object]) -> list[Any]:
-            return self._run("list", prefix, "iter", args, lambda c: c.fetchall())
-
+        fetch = functools.partial(self._select, "list", prefix, "iter")
         for scan in core.listed_prefixes(prefix):  # the keys, then slots named {<key>}:slot:<i>
             for _, key, token, meta, fence, left in core.pages(
                 fetch, scan, page_size, lambda r: r[0], KEY_BYTES

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
@@ -357,3 +358,21 @@ def own_url_options(url: str) -> tuple[str, int | None, bool]:
             f"URL option prepare_threshold={given[-1]!r}: expected a number or 'none'"
         )
     return urlunsplit(parts._replace(query=rest_query)), threshold, FLAGS[flag]
+
+
+def create_table(conn: psycopg.Connection[Any], table: str, q: Mapping[str, Any]) -> None:
+    """Create ``table`` (its index, the columns a later version added) with the statements of
+    ``q``, unless it has them all already."""
+    # Looked up first: CREATE ... IF NOT EXISTS needs the CREATE privilege even when the
+    # table exists, and a user may have only been given the table.
+    found = conn.execute(FIND_TABLE, {"t": table}).fetchone()
+    if found == (True, True):
+        return
+    # CREATE TABLE IF NOT EXISTS alone can fail when two sessions race to create the same
+    # table (a unique violation in the catalog): an advisory lock serialises them.
+    with conn.transaction():
+        lock_name = f"singletask:{table}"
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (lock_name,))
+        conn.execute(q["schema"])
+        conn.execute(q["index"])
+        conn.execute(q["add_columns"])

@@ -21,14 +21,16 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ...exceptions import BackendError, BackendTimeout, ConfigurationError
 from ...slots import base_key, choose_slot, slot_keys
-from ..base import AcquireResult, Holder, LockBackend, check_lease
+from ..base import AcquireResult, Holder, LockBackend, StoreState, check_lease
+from . import replaced
+from . import sqlite_reads as reads
 from . import sqlite_windows as windows
 from .core import load_holder, stored_key
 from .sqlite_files import (
@@ -38,8 +40,11 @@ from .sqlite_files import (
     path_from_url,
     timeout_from_url,
 )
+from .sqlite_fork import guard
 
 __all__ = ["SQLiteBackend"]
+
+T = TypeVar("T")
 
 _SCHEMA = (
     """
@@ -64,6 +69,7 @@ _SCHEMA = (
     )
     """,
     *windows.SCHEMA,
+    *replaced.SQLITE_SCHEMA,
 )
 
 #: How long a key's last fencing token and completion marker outlive its last use.
@@ -113,6 +119,7 @@ class SQLiteBackend(LockBackend):
         self._mutex = threading.Lock()
         self._conn: sqlite3.Connection | None = None
         self._pid: int | None = None
+        guard(self)  # no fork() in the middle of one of its transactions (see sqlite_fork)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> SQLiteBackend:
@@ -317,6 +324,17 @@ class SQLiteBackend(LockBackend):
             )
             return task_id
 
+    def _leave_replaced(self, key: str, victim: str, successor: str, ttl: float) -> None:
+        with self._transaction("preempt", key) as conn:
+            now = time.time()
+            replaced.sqlite_leave(conn, key, victim, successor, now + ttl, now)
+
+    def replaced_by(self, key: str, token: str) -> str | None:
+        found = self._read(
+            "inspect", key, lambda c: replaced.sqlite_read(c, key, token, time.time()), None
+        )
+        return found if found is not None else super().replaced_by(key, token)
+
     def clear_next(self, key: str, task_id: str) -> bool:
         with self._transaction("clear_next", key) as conn:
             cursor = conn.execute(
@@ -326,52 +344,43 @@ class SQLiteBackend(LockBackend):
             )
             return cursor.rowcount > 0
 
+    def _read(
+        self, operation: str, key: str, work: Callable[[sqlite3.Connection], T], absent: T
+    ) -> T:
+        """``work`` on this process's connection if it has one (its tables exist), else on a
+        read-only one (:mod:`.sqlite_reads`): ``absent`` when there is no file or table yet."""
+        with self._mutex:
+            try:
+                if self._conn is not None and self._pid == os.getpid():
+                    return work(self._conn)
+                conn = reads.open_reader(self.path, self.timeout)
+                if conn is None:
+                    return absent
+                try:
+                    return work(conn)
+                finally:
+                    conn.close()
+            except sqlite3.OperationalError as exc:
+                if reads.MISSING in str(exc):
+                    return absent
+                busy = "locked" in str(exc) or "busy" in str(exc)
+                error = BackendTimeout if busy else BackendError
+                raise error(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
+            except sqlite3.Error as exc:
+                raise BackendError(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
+
     def holder(self, key: str) -> Holder | None:
-        with self._transaction("inspect", key) as conn:
-            now = time.time()
-            row = self._row(conn, key, now)
-        if row is None:
-            return None
-        token, expires_at, stored, fence = row
-        return load_holder(token, stored, expires_at - now, fence)
+        stored_key(key, len(key) * 4)  # only checks the text
+        return self._read("inspect", key, lambda c: reads.holder_row(c, key, time.time()), None)
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
-        """Pages of ``page_size`` rows in key order, each read in its own short transaction.
+        """Pages of ``page_size`` rows in key order, each read on its own (``_read``): the
+        keys that start with ``prefix``, then the slots ``{<key>}:slot:<i>`` of the others."""
+        return reads.locks(self._read, prefix, max(1, page_size))
 
-        Two key ranges: the keys that start with ``prefix`` (plain keys, and slots of keys with
-        a ``}``), then those that start with ``{`` + ``prefix`` (the other slots), unless the
-        first range holds them already (a prefix of only ``{``)."""
-        page_size = max(1, page_size)
-        starts = [prefix] if ("{" + prefix).startswith(prefix) else [prefix, "{" + prefix]
-        for start in starts:
-            for key, holder in self._iter_range(start, page_size):
-                if base_key(key).startswith(prefix):
-                    yield key, holder
-
-    def _iter_range(self, start: str, page_size: int) -> Iterator[tuple[str, Holder]]:
-        """The live rows whose key starts with ``start``, in pages."""
-        after: str | None = None
-        while True:
-            with self._mutex:
-                try:
-                    conn = self._connection()
-                    # Keys with the prefix are contiguous in key order (BINARY collation).
-                    rows: list[tuple[str, str, float, str, int]] = conn.execute(
-                        "SELECT key, token, expires_at, meta, fence FROM singletask_locks "
-                        f"WHERE key {'>=' if after is None else '>'} ? ORDER BY key LIMIT ?",
-                        (start if after is None else after, page_size),
-                    ).fetchall()
-                except sqlite3.Error as exc:
-                    raise BackendError(f"{self!r}: list {start!r} failed: {exc}") from exc
-            now = time.time()
-            for key, token, expires_at, stored, fence in rows:
-                if not key.startswith(start):
-                    return
-                if expires_at > now:
-                    yield key, load_holder(token, stored, expires_at - now, fence)
-            if len(rows) < page_size:
-                return
-            after = rows[-1][0]
+    def iter_state(self, prefix: str, *, page_size: int = 500) -> Iterator[StoreState]:
+        """Pages of ``page_size`` keys in key order, each read on its own (``_read``)."""
+        return reads.states(self._read, prefix, max(1, page_size))
 
     def _operator_release(self, key: str, task_id: str | None) -> Holder | None:
         with self._transaction("release", key) as conn:

@@ -1,0 +1,158 @@
+"""What the SQLite lock store reads for operators and for :meth:`holder`, without writing.
+
+Private to :mod:`singletask.backends.sql.sqlite`. A process that has not written to the
+database yet reads through a connection opened read-only (``mode=ro``): it creates neither the
+file nor a table, and changes nothing (no journal mode, no pruning). A missing file or table
+holds no lock. The rows are judged by ``now`` (``time.time()``); rows that ran out are left for
+the writers to delete.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+from ...slots import base_key
+from ..base import Holder, StoreState
+from .core import load_holder
+from .sqlite_windows import CLOSED
+
+__all__ = ["MISSING", "Reader", "holder_row", "locks", "open_reader", "states"]
+
+T = TypeVar("T")
+
+Page = tuple[list[T], str | None]
+
+#: What an OperationalError says when the database has no such table (yet).
+MISSING = "no such table"
+
+
+class Reader(Protocol):
+    """The store's ``_read``: ``work`` on a connection, ``absent`` when there is no table."""
+
+    def __call__(
+        self, operation: str, key: str, work: Callable[[sqlite3.Connection], T], absent: T
+    ) -> T: ...
+
+
+def locks(read: Reader, prefix: str, page_size: int) -> Iterator[tuple[str, Holder]]:
+    """The live locks under ``prefix``: two key ranges, the keys that start with ``prefix``
+    (plain keys, and slots of keys with a ``}``), then those that start with ``{`` + ``prefix``
+    (the other slots), unless the first range holds them already (a prefix of only ``{``)."""
+    starts = [prefix] if ("{" + prefix).startswith(prefix) else [prefix, "{" + prefix]
+    for start in starts:
+        after: str | None = None
+        while True:
+            empty: Page[tuple[str, Holder]] = ([], None)
+            work = partial(_lock_page, start=start, after=after, size=page_size, now=time.time())
+            page, after = read("list", start, work, empty)
+            yield from ((key, held) for key, held in page if base_key(key).startswith(prefix))
+            if after is None:
+                break
+
+
+def states(read: Reader, prefix: str, page_size: int) -> Iterator[StoreState]:
+    """The live bookkeeping records of the keys under ``prefix``, a page of keys at a time."""
+    after: str | None = None
+    while True:
+        empty: Page[StoreState] = ([], None)
+        work = partial(_state_page, prefix=prefix, after=after, size=page_size, now=time.time())
+        page, after = read("list state", prefix, work, empty)
+        yield from page
+        if after is None:
+            return
+
+
+def open_reader(path: Path, timeout: float) -> sqlite3.Connection | None:
+    """A read-only connection to the database at ``path``; None when there is no file."""
+    if not path.exists():
+        return None
+    return sqlite3.connect(
+        f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=timeout, check_same_thread=False
+    )
+
+
+def holder_row(conn: sqlite3.Connection, key: str, now: float) -> Holder | None:
+    """The live holder of ``key``."""
+    row = conn.execute(
+        "SELECT token, expires_at, meta, fence FROM singletask_locks "
+        "WHERE key = ? AND expires_at > ?",
+        (key, now),
+    ).fetchone()
+    return None if row is None else load_holder(row[0], row[2], row[1] - now, row[3])
+
+
+def _lock_page(
+    conn: sqlite3.Connection, start: str, after: str | None, size: int, now: float
+) -> Page[tuple[str, Holder]]:
+    """The live locks among the ``size`` first rows whose key starts with ``start``
+    (after ``after``), in key order, and the key to read the next page after (None: done)."""
+    # Keys with the prefix are contiguous in key order (BINARY collation).
+    rows: list[tuple[str, str, float, str, int]] = conn.execute(
+        "SELECT key, token, expires_at, meta, fence FROM singletask_locks "
+        f"WHERE key {'>=' if after is None else '>'} ? ORDER BY key LIMIT ?",
+        (start if after is None else after, size),
+    ).fetchall()
+    found: list[tuple[str, Holder]] = []
+    for key, token, expires_at, stored, fence in rows:
+        if not key.startswith(start):
+            return found, None
+        if expires_at > now:
+            found.append((key, load_holder(token, stored, expires_at - now, fence)))
+    return found, (rows[-1][0] if len(rows) == size else None)
+
+
+def _state_page(
+    conn: sqlite3.Connection, prefix: str, after: str | None, size: int, now: float
+) -> Page[StoreState]:
+    """The records of the ``size`` first keys under ``prefix`` (after ``after``, in key
+    order) with a live follow-up, window or rate record, and the last of them (None: done)."""
+    bound = f"key {'>=' if after is None else '>'} :from"
+    tables = (
+        ("singletask_fences", "next IS NOT NULL AND next_until > :now"),
+        ("singletask_debounce", "until > :now"),
+        ("singletask_rates", "allowed > :now"),
+    )
+    union = " UNION ".join(
+        f"SELECT key FROM (SELECT key FROM {table} WHERE {bound} AND {live} "
+        "ORDER BY key LIMIT :limit)"
+        for table, live in tables
+    )
+    rows = conn.execute(
+        f"{union} ORDER BY key LIMIT :limit",
+        {"from": prefix if after is None else after, "now": now, "limit": size},
+    ).fetchall()
+    found: list[StoreState] = []
+    for (key,) in rows:
+        if not key.startswith(prefix):
+            return found, None
+        found.extend(_records(conn, key, now))
+    return found, (rows[-1][0] if len(rows) == size else None)
+
+
+def _records(conn: sqlite3.Connection, key: str, now: float) -> Iterator[StoreState]:
+    follow = conn.execute(
+        "SELECT next, next_until FROM singletask_fences WHERE key = ? AND next IS NOT NULL "
+        "AND next_until > ?",
+        (key, now),
+    ).fetchone()
+    if follow is not None:
+        yield StoreState("follow_up", key, follow[0], follow[1] - now)
+    window = conn.execute(
+        "SELECT latest, opened, until FROM singletask_debounce WHERE key = ? AND until > ?",
+        (key, now),
+    ).fetchone()
+    if window is not None:
+        latest, opened, until = window
+        is_open = opened != CLOSED
+        detail = {"open": is_open, "age": max(0.0, now - opened) if is_open else None}
+        yield StoreState("window", key, latest, until - now, detail)
+    rate = conn.execute(
+        "SELECT allowed FROM singletask_rates WHERE key = ? AND allowed > ?", (key, now)
+    ).fetchone()
+    if rate is not None:
+        yield StoreState("rate", key, None, rate[0] - now, {"next_start_in": rate[0] - now})
