@@ -3,7 +3,8 @@
 ``singletask demo`` (also ``python -m singletask demo``, and ``celery singletask demo`` through
 Celery's ``celery.commands`` entry point) shows singletask at work on a real prefork worker.
 ``singletask locks / inspect / release`` (:mod:`singletask.cli_locks`) let an operator see and
-release the locks of a live fleet, as ``celery -A proj singletask ...`` or with ``--url``.
+release the locks of a live fleet, as ``celery -A proj singletask ...`` or with ``--url``;
+``singletask exporter`` (:mod:`singletask.cli_exporter`) serves Prometheus metrics of them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any
 import click
 
 from . import __version__
+from .cli_exporter import exporter
 from .cli_locks import COMMANDS
+from .cli_web import web
 from .urls import mask_url
 
 __all__ = ["main", "singletask"]
@@ -29,11 +32,12 @@ def singletask(**kwargs: Any) -> None:  # Celery <= 5.6 adds its preload options
 
     Run "singletask demo" to see it keep duplicate tasks apart on a real Celery worker, with
     nothing to install or set up. "locks", "inspect" and "release" show and release the locks
-    of a live fleet (run them as "celery -A proj singletask ...", or here with --url URL).
+    of a live fleet (run them as "celery -A proj singletask ...", or here with --url URL);
+    "web" serves a live page of them and "exporter" their Prometheus metrics.
     """
 
 
-for _command in COMMANDS:
+for _command in (*COMMANDS, web, exporter):
     singletask.add_command(_command)
 
 
@@ -152,17 +156,18 @@ def demo(
 ) -> None:
     """Watch singletask keep duplicate Celery tasks apart, on a real prefork worker.
 
-    It starts "celery worker -P prefork" with 4 processes in the background, sends tasks in
-    ways that collide (a burst of duplicates, one lock per customer, the retry and raise
-    policies, a periodic task that outlasts its period), draws each scenario on a timeline with
-    one row per worker process, and ends with a summary table.
+    It starts "celery worker -P prefork" (4 processes, -c) in the background and plays eight
+    scenes whose tasks collide: a burst of duplicates, one lock per customer, the retry and
+    raise policies, a periodic task that outlasts its period, the replace policy, a limit of
+    two runs per key and a rate. It draws each on a timeline with one row per worker process
+    and ends with a summary table.
 
     With no options it needs no server: the broker, the results and the locks live in a
     temporary folder (kombu's filesystem transport, Celery's file result backend, singletask's
     SQLite lock store). It stops the worker and deletes the folder when it ends, also on Ctrl-C.
 
-    Exit status: 0 when singletask behaved as documented, 1 when not (for instance if two runs
-    of one lock key overlapped), 130 when interrupted.
+    Exit status: 0 when singletask behaved as documented, 1 when not (for instance more runs
+    of a key at once than its limit), 130 when interrupted.
     """
     from .demo.runner import DemoOptions, run_demo
 

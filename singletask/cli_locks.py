@@ -24,7 +24,7 @@ import click
 
 from .backends import backend_from_url
 from .backends.base import LockBackend
-from .config import DEFAULTS, Settings
+from .cli_store import store_settings, url_option
 from .exceptions import BackendError, ConfigurationError, UnsupportedOperation
 from .inventory import FIELDS, LockRecord, find_locks, holders_of, release_lock
 from .urls import mask_url
@@ -39,17 +39,6 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _url_option(command: _F) -> _F:
-    return click.option(
-        "--url",
-        metavar="URL",
-        envvar="SINGLETASK_BACKEND_URL",
-        help="The lock store (redis://..., sqlite:///...). Default: the app's "
-        "singletask_backend_url under 'celery -A proj'; required otherwise. "
-        "Environment: SINGLETASK_BACKEND_URL.",
-    )(command)
-
-
 def _json_option(command: _F) -> _F:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON.")(command)
 
@@ -59,23 +48,10 @@ class _Store:
 
     def __init__(self, ctx: click.Context, url: str | None) -> None:
         app = getattr(ctx.obj, "app", None)  # Celery's CLIContext under `celery -A proj`
-        settings: Settings | None = None
-        options: dict[str, Any] = {}
-        try:
-            if app is not None:
-                settings = Settings.from_app(app, backend_url=url)
-                url = settings.backend_url
-                options = settings.backend_options()
-        except ConfigurationError as exc:
-            raise click.UsageError(f"{exc} (or give --url)") from None
-        if url is None:
-            raise click.UsageError(
-                "no lock store: give --url URL (or set SINGLETASK_BACKEND_URL), or run the "
-                "command as 'celery -A proj singletask ...'"
-            )
+        url, self.prefix, options = store_settings(app, url, "...")
+        assert url is not None  # required: store_settings refuses a missing URL
         # The release is reported on stdout: no second copy of the log line on stderr.
         logging.getLogger("singletask").addHandler(logging.NullHandler())
-        self.prefix = settings.key_prefix if settings else DEFAULTS["singletask_key_prefix"]
         self.where = mask_url(url)
         if url.partition("://")[0].lower() == "memory":
             raise click.UsageError(f"{self.where!r} lives inside one process: nothing to see here")
@@ -158,7 +134,7 @@ def _print_json_array(records: Iterable[LockRecord]) -> int:
     help="Key prefix to list (default: the app's singletask_key_prefix, else 'singletask:').",
 )
 @_json_option
-@_url_option
+@url_option()
 @click.pass_context
 def locks(
     ctx: click.Context,
@@ -208,7 +184,7 @@ def locks(
 @click.command(context_settings=CONTEXT)
 @click.argument("key")
 @_json_option
-@_url_option
+@url_option()
 @click.pass_context
 def inspect(ctx: click.Context, /, key: str, as_json: bool, url: str | None, **kwargs: Any) -> None:
     """Show who holds the lock KEY, since when and for how long still: every holder of it.
@@ -242,7 +218,7 @@ def inspect(ctx: click.Context, /, key: str, as_json: bool, url: str | None, **k
 @click.option("--force", is_flag=True, help="Release whoever holds the lock (its only holder).")
 @click.option("--yes", "-y", is_flag=True, help="With --force: do not ask for confirmation.")
 @_json_option
-@_url_option
+@url_option()
 @click.pass_context
 def release(
     ctx: click.Context,

@@ -86,6 +86,7 @@ DEFAULTS: Final[dict[str, Any]] = {
     "singletask_lock_retry_max": 30,
     "singletask_lock_on_backend_error": "retry",
     "singletask_lock_backend_retry_max": 10,
+    "singletask_send_events": None,
 }
 
 
@@ -253,6 +254,8 @@ class Settings:
     broker_setting: object = field(default=None, repr=False)
     #: A lock store URL given to :meth:`from_app` (the store is given by other means).
     given_backend_url: str | None = field(default=None, repr=False)
+    #: ``singletask_send_events``: None follows the worker (``-E``), True/False force it.
+    send_events: bool | None = None
 
     def backend_options(self) -> dict[str, Any]:
         """Keyword options for :func:`~singletask.backends.backend_from_url` from the settings.
@@ -355,6 +358,9 @@ class Settings:
             backend_setting=None if given else _lookup(app, "singletask_backend_url"),
             broker_setting=app.conf.get("broker_url") or app.conf.get("BROKER_URL"),
             given_backend_url=backend_url,
+            send_events=setting(
+                "singletask_send_events", lambda v, w: None if v is None else check_bool(v, w)
+            ),
         )
 
 

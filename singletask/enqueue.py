@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from celery.utils import uuid
 from celery.utils.time import maybe_iso8601
 
+from . import observe
 from .backends.base import MAX_LEASE
 from .exceptions import BackendError, LockKeyError, TaskLocked
 from .messages import LATEST_HEADER, seconds_until
@@ -206,6 +207,8 @@ def send_once(
         )  # fmt: skip
         # Unpublished, its claim would make later calls join a follow-up that never runs.
         return publish_or_undo(task, task_id, partial(publish, task_id), claim)
+    if action in ("join", "dedupe"):  # the caller gets the result of the message it joined
+        observe.emit(task, "joined", key, task_id=follow_up, holder=holder_id, producer=True)
     if action == "join":
         logger.info(
             "Task %s not sent: it joins the pending follow-up %s of %r",

@@ -63,15 +63,16 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.nodenames import gethostname
 
-from . import replace
+from . import observe, replace
 from .acquire import gone_holder, take, twin_of, waits_for_rate
-from .exceptions import BackendError, BackendTimeout, BackendUnavailable, LockLost
+from .exceptions import BackendTimeout, BackendUnavailable, LockLost
 from .lease import LockHandle
 from .messages import LATEST_HEADER, header_count, is_redelivery, seconds_until
 from .outcomes import refused, store_unreachable, superseded, superseded_retry
 from .policies import Conflict
 from .runtime import app_state
-from .signals import lock_acquired, lock_lost
+from .sends import clear_follow_up
+from .signals import lock_acquired
 from .slots import base_key
 from .tokens import direct_token, execution_token, reservation_token
 
@@ -277,9 +278,10 @@ def execute(
         )  # fmt: skip
         raise Ignore()
     if options.scope == "coalesce" and attempt is not None:
-        _clear_follow_up(task, backend, key, str(task_id))
+        clear_follow_up(task, backend, key, str(task_id))
 
     # 3. Run the body, renewed.
+    watch = observe.Watch.of(task, None if direct else task_id)
     handle = LockHandle(
         key,
         token,
@@ -287,7 +289,7 @@ def execute(
         result.fence,
         options.ttl,
         max_hold=options.max_hold,
-        on_lost=functools.partial(_lease_lost, task),
+        on_lost=functools.partial(observe.lease_lost, task, watch),
         sent_at=sent_at,
         preemptible=options.policy == "replace",
     )
@@ -295,6 +297,7 @@ def execute(
         state.renewer.add(handle)
     if lock_acquired.receivers:
         lock_acquired.send(sender=task, key=key, task_id=handle.task_id, fence=result.fence)
+    observe.acquired(task, watch, handle)
     reset = _frames.set((*frames, _Frame(task.name, None if direct else task_id, handle)))
     ending = "returned"
     raised: BaseException | None = None
@@ -316,6 +319,7 @@ def execute(
         retry = raised if row.reserve else None
         completed = attempt if row.completed and task.acks_late else None
         released = _end(task, options, backend, key, token, retry, completed=completed, meta=meta)
+        observe.released(task, watch, handle)
     outcome = replace.replaced(task, handle, backend, released) if handle.preemptible else None
     if outcome is not None:
         return outcome  # a newer execution took over: the run ends as replaced
@@ -370,24 +374,3 @@ def _end(
             task.name, task.request.id, key, options.ttl,
         )  # fmt: skip
     return True
-
-
-def _clear_follow_up(task: Task[Any, Any], backend: LockBackend, key: str, task_id: str) -> None:
-    """The follow-up started: later submissions form the next follow-up."""
-    try:
-        backend.clear_next(key, task_id)
-    except BackendError:
-        logger.warning(
-            "Task %s[%s]: could not clear its follow-up claim on %r; it expires by itself",
-            task.name, task_id, key, exc_info=True,
-        )  # fmt: skip
-
-
-def _lease_lost(task: Task[Any, Any], handle: LockHandle, reason: str) -> None:
-    """Called (from the renewer thread) when a running execution's lock is lost."""
-    logger.error(
-        "Task %s[%s]: lock %r lost while the task runs: %s. Another execution may start; "
-        "self.lock.check() now raises LockLost",
-        task.name, handle.task_id, handle.key, reason,
-    )  # fmt: skip
-    lock_lost.send(sender=task, key=handle.key, task_id=handle.task_id, reason=reason)

@@ -23,8 +23,10 @@ __all__ = [
     "LOCK_RETRIES_HEADER",
     "PREVIOUS_WAITS_HEADER",
     "REDELIVERED_HEADER",
+    "SENT_AT_HEADER",
     "attempt_count",
     "header_count",
+    "header_value",
     "is_redelivery",
     "republish",
     "seconds_until",
@@ -48,6 +50,20 @@ REDELIVERED_HEADER = "singletask_redelivered"
 #: still running: ``"<retries>:<checks>"``, so that the count of one attempt does not carry
 #: over (Celery copies headers into the next retry) to the next.
 PREVIOUS_WAITS_HEADER = "singletask_previous_waits"
+
+
+#: Message header with the time (``time.time()``) a task id was first sent, set by
+#: ``SingletonTask.apply_async`` and carried by every message sent again for it (lock retries,
+#: the body's retries), so that an execution knows how long it waited for its lock.
+SENT_AT_HEADER = "singletask_sent_at"
+
+
+def header_value(request: Any, header: str) -> Any:
+    """A header of the message being executed (None when absent)."""
+    value = getattr(request, header, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(header)
+    return value
 
 
 def header_count(request: Any, header: str) -> int:

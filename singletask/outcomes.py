@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from celery.exceptions import Ignore
 from celery.exceptions import Retry as CeleryRetry
 
+from . import observe
 from .exceptions import BackendError, BackendTimeout, BackendUnavailable
 from .messages import (
     BACKEND_RETRIES_HEADER,
@@ -130,6 +131,7 @@ def superseded(
         sender=task, key=key, holder=latest, ttl=None, task_id=task.request.id,
         action="superseded",
     )  # fmt: skip
+    observe.emit(task, "superseded", key, holder=latest, reason=reason)
     return Skipped(key, latest, reason=reason)
 
 
@@ -144,6 +146,7 @@ def store_unreachable(
 ) -> Any:
     """The lock store could not be reached to acquire: run unlocked, retry later, or fail."""
     request = task.request
+    _store_error(task, options, exc, args, kwargs)
     if options.on_backend_error == "run":
         logger.warning(
             "Task %s[%s] runs WITHOUT its lock: the lock store is unreachable (%s) and "
@@ -171,6 +174,21 @@ def store_unreachable(
         task.name, request.id, countdown, spent + 1, options.backend_retry_max, exc,
     )  # fmt: skip
     republish(task, countdown, {BACKEND_RETRIES_HEADER: spent + 1}, exc)
+
+
+def _store_error(
+    task: Task[Any, Any],
+    options: LockOptions,
+    exc: Exception,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> None:
+    """Tell the ``store_error`` outcome; the key, if it can be built (it was, to acquire)."""
+    try:
+        key = options.key(args, kwargs)
+    except Exception:
+        return
+    observe.emit(task, "store_error", key, reason=f"{type(exc).__name__}: {exc}"[:200])
 
 
 def _rate_refused(conflict: Conflict) -> Any:

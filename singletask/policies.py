@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, NoReturn
 
+from . import observe
 from .exceptions import RateLimited, TaskLocked
 from .messages import (
     LOCK_RETRIES_HEADER,
@@ -103,11 +104,13 @@ class Conflict:
         return f"{self.ttl:.1f}s" if self.ttl is not None else "unknown"
 
     def report(self, action: str) -> None:
-        """Send :data:`~singletask.signals.lock_conflict` for ``action``."""
+        """Send :data:`~singletask.signals.lock_conflict` for ``action`` (and its outcome's
+        event, ``singletask.observe.conflict``)."""
         lock_conflict.send(
             sender=self.task, key=self.key, holder=self.holder_id, ttl=self.ttl,
             task_id=self.task.request.id, action=action,
         )  # fmt: skip
+        observe.conflict(self.task, self.key, self.holder_id, action, rated=self.rated)
 
     @property
     def rated(self) -> bool:

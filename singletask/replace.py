@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Final
 
+from . import observe
 from .messages import is_redelivery
 from .policies import Raise
 from .result import Skipped
@@ -142,5 +143,9 @@ def replaced(
     lock_conflict.send(
         sender=task, key=handle.key, holder=handle.successor, ttl=None,
         task_id=task.request.id, action="replaced",
+    )  # fmt: skip
+    observe.emit(
+        task, "preempted", handle.key, holder=handle.successor, fence=handle.fence,
+        reason="a newer execution took the lock over (lock_policy 'replace')",
     )  # fmt: skip
     return Skipped(handle.key, handle.successor, reason="replaced")

@@ -223,7 +223,8 @@ def app_state(app: Celery) -> AppState:
 
 
 def is_singleton(task: object) -> bool:
-    """Whether ``task`` is a singleton task: its class declared :class:`TaskOptions`."""
+    """Whether ``task`` is a singleton task: its class declared
+    :class:`~singletask.options.TaskOptions`."""
     return isinstance(getattr(task, "_singletask_options", None), TaskOptions)
 
 

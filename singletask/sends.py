@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery import states
 
-from .exceptions import SingletaskError
+from .exceptions import BackendError, SingletaskError
 
 if TYPE_CHECKING:
     from celery import Task
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Written",
     "claim_follow_up",
+    "clear_follow_up",
     "enter_window",
     "publish_or_undo",
     "reserve",
@@ -161,4 +162,15 @@ def take_back(task: Task[Any, Any], task_id: str, written: Written) -> None:
             "Task %s[%s] was not published, and its %s in the lock store could not be "
             "taken back (%s): it stays until it expires",
             task.name, task_id, written.what, exc,
+        )  # fmt: skip
+
+
+def clear_follow_up(task: Task[Any, Any], backend: LockBackend, key: str, task_id: str) -> None:
+    """A coalescing follow-up started: later submissions form the next follow-up. Never raises."""
+    try:
+        backend.clear_next(key, task_id)
+    except BackendError:
+        logger.warning(
+            "Task %s[%s]: could not clear its follow-up claim on %r; it expires by itself",
+            task.name, task_id, key, exc_info=True,
         )  # fmt: skip

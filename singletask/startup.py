@@ -9,6 +9,10 @@ When a worker is ready (Celery's ``worker_ready`` signal) and its app has single
   when the pool runs tasks in more than one process (they would not exclude each other), and
   a WARNING otherwise (another worker with the same setting would not be excluded either).
 
+Two more hooks serve singletask's Celery events (:mod:`singletask.observe`): when a worker is
+made (``worker_init``), its processes learn whether it sends task events (``-E``); when a pool
+process or the worker ends, the events it still has queued are sent first, briefly.
+
 Nothing here raises: a check that fails is logged.
 """
 
@@ -17,8 +21,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery import signals
+from celery import current_app, signals
 
+from . import dispatch, observe
 from .backends import backend_class
 from .backends.memory import MemoryBackend
 from .config import Settings
@@ -28,6 +33,9 @@ from .runtime import is_singleton
 __all__ = ["check_worker", "pool_processes"]
 
 logger = logging.getLogger("singletask")
+
+#: How long a process that ends waits at most for its queued events to be sent.
+FLUSH_TIMEOUT = 2.0
 
 #: Pools that run tasks in child processes (one per unit of concurrency).
 _PROCESS_POOLS = ("prefork", "processes")
@@ -101,3 +109,28 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
         check_worker(app, getattr(worker, "pool_cls", None), getattr(worker, "concurrency", None))
     except Exception:
         logger.exception("singletask: the worker start-up checks failed")
+
+
+@signals.worker_init.connect(weak=False, dispatch_uid="singletask.startup.worker_events")
+def _on_worker_init(sender: Any = None, **kwargs: Any) -> None:
+    """Tell :mod:`singletask.observe` whether this worker (``sender``, the WorkController)
+    sends task events: ``-E`` does not reach ``app.conf``, and the pool processes it forks
+    inherit what is set here. Never raises."""
+    try:
+        app = getattr(sender, "app", None)
+        if app is not None:
+            events = getattr(sender, "task_events", None)
+            observe.worker_started(app, bool(events), getattr(sender, "hostname", None))
+    except Exception:
+        logger.exception("singletask: could not read whether the worker sends task events")
+
+
+@signals.worker_process_shutdown.connect(weak=False, dispatch_uid="singletask.startup.flush")
+@signals.worker_shutdown.connect(weak=False, dispatch_uid="singletask.startup.flush_main")
+def _on_shutdown(sender: Any = None, **kwargs: Any) -> None:
+    """A pool process (or the worker) ends: send the events it still has queued first, for at
+    most :data:`FLUSH_TIMEOUT` seconds. Never raises."""
+    try:
+        dispatch.flush(current_app, FLUSH_TIMEOUT)
+    except Exception:
+        logger.exception("singletask: could not send the events still queued")

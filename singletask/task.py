@@ -22,6 +22,7 @@ module, so the whole lifecycle reads top to bottom here:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -175,6 +176,10 @@ class SingletonTask(_TaskBase):
         time (deduplication, ``lock_debounce``), such arguments raise
         :class:`~singletask.LockKeyError`, a ``TypeError`` too, before anything is reserved.
         """
+
+        headers = options.get("headers") or {}
+        if messages.SENT_AT_HEADER not in headers:  # its first send: the wait counts from it
+            options = {**options, "headers": {**headers, messages.SENT_AT_HEADER: time.time()}}
 
         def publish(task_id: str | None, send: Mapping[str, Any] = options) -> AsyncResult[Any]:
             # As given: Celery checks them (a str is not a tuple), and sends a list as a list.

@@ -8,8 +8,10 @@ slots, lock_limit), and the scale benchmark on a server where KEYS is disabled.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import sqlite3
 import subprocess
 import sys
 import time
@@ -26,11 +28,11 @@ from singletask.backends import BACKEND_ALIASES, backend_from_url
 from singletask.backends.base import LockBackend
 from singletask.backends.memory import MemoryBackend
 from singletask.cli import singletask
-from singletask.inventory import FIELDS
+from singletask.inventory import FIELDS, find_state
 from singletask.signals import lock_released_by_operator
 from singletask.slots import slot_key
 
-from .servers import redis_server_binary, unavailable
+from .servers import SQL_URLS, redis_server_binary, sql_test_table, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -458,3 +460,80 @@ def test_release_by_force_of_a_key_with_one_holder_in_a_slot(
     assert done.exit_code == 0, done.output
     assert f"released lock {key!r} (slot 1) by force" in done.stdout
     assert backend.holder(slot_key(key, 1)) is None
+
+
+def _table_exists(kind: str, table: str) -> bool:
+    """Whether ``table`` exists on the ``kind`` SQL server (read from its catalog)."""
+    if kind == "postgresql":
+        import psycopg
+
+        with psycopg.connect(SQL_URLS[kind], autocommit=True) as conn:
+            row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()
+            return bool(row and row[0])
+    import pymysql
+
+    from singletask.backends.sql.mysql import MySQLBackend
+
+    args = MySQLBackend.from_url(SQL_URLS[kind])._connect_args
+    conn = pymysql.connect(**{k: v for k, v in args.items() if k != "client_flag"})
+    try:
+        with conn.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM information_schema.tables "
+                "WHERE table_schema = DATABASE() AND table_name = %s",
+                (table,),
+            )
+            return bool(cursor.fetchone()[0])
+    finally:
+        conn.close()
+
+
+def _sqlite_tables(path: Path) -> list[str]:
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return [name for (name,) in conn.execute("SELECT name FROM sqlite_master")]
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mysql", "sqlite", "sqlite-empty-file"])
+def test_locks_inspect_and_find_state_create_nothing(kind: str, tmp_path: Path) -> None:
+    """Issue 32: the read-only commands never create or alter the lock store. On a store whose
+    table (or SQLite file) does not exist yet, `locks` lists nothing (exit 0), `inspect` finds
+    the lock free (exit 1), find_state lists nothing, and the table is still missing after;
+    the first write creates it."""
+    with contextlib.ExitStack() as stack:
+        if kind.startswith("sqlite"):
+            path = tmp_path / "locks.db"
+            if kind == "sqlite-empty-file":
+                sqlite3.connect(path).close()  # a file without the store's tables
+            url = f"sqlite:///{path}"
+        else:
+            table = stack.enter_context(sql_test_table(kind))
+            url = f"{SQL_URLS[kind]}?table={table}"
+
+        def missing() -> bool:
+            if kind == "sqlite":
+                return not path.exists()
+            if kind == "sqlite-empty-file":
+                return _sqlite_tables(path) == []
+            return not _table_exists(kind, table)
+
+        assert missing()
+        # When the read-only commands and find_state run on it
+        listed = invoke("locks", "--url", url, "--json")
+        inspected = invoke("inspect", "singletask:proj.sync", "--url", url, "--json")
+        backend = stack.enter_context(backend_from_url(url))
+        state = list(find_state(backend, "singletask:"))
+        held = backend.holder("singletask:proj.sync")
+
+        # Then they answer "nothing", and the table is still missing
+        assert listed.exit_code == 0, listed.output + listed.stderr
+        assert json.loads(listed.stdout) == []
+        assert inspected.exit_code == 1, inspected.output + inspected.stderr
+        assert json.loads(inspected.stdout) is None
+        assert state == []
+        assert held is None
+        assert missing()
+        # And the first write creates it, as before
+        assert backend.acquire("singletask:proj.sync", "token", 30).acquired
+        assert not missing()
+        assert [record.key for record in find_state(backend, "singletask:")] == []
+        assert [key for key, _ in backend.iter_locks("singletask:")] == ["singletask:proj.sync"]
