@@ -8,8 +8,9 @@ the lock store still holds once the fleet is idle (:class:`Residue`), and the fa
 send accounted for") and the exclusion, fence and rate promises, rule by rule:
 
 * ``accounted``: every send has exactly one outcome its caller can see. A send the caller got an
-  ``AsyncResult`` for resolves (a final state, or a body that raised ``Ignore``, whose result
-  Celery leaves PENDING), whether it was its own message or one it joined; a send whose publish
+  ``AsyncResult`` for resolves (a final state, or a body that raised ``Ignore``, or before
+  Celery 5.7 ``Reject(requeue=False)``, whose result Celery leaves PENDING), whether it was its
+  own message or one it joined; a send whose publish
   failed ran nothing, is named by no store record, and no other send joined it or was
   superseded by it. Only a send in flight when its producer was killed has no outcome
   (documented: a producer killed between its store write and its publish), and a message that
@@ -38,8 +39,9 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
 * ``replaced`` (``lock_policy = "replace"``): a ``Skipped(reason="replaced")`` names a newer
   execution whose body ran, with a larger fence than this execution's body if it ran; and a
   preempted body (singleton key) that returned while the execution that preempted it still
-  held the key ends as ``Skipped(reason="replaced")`` naming that execution
-  (docs/guarantees.rst, "Latest wins").
+  held the key ends as ``Skipped(reason="replaced")`` naming that execution, or with
+  ``lock_replace_terminate`` as REVOKED (docs/guarantees.rst, "Latest wins"; docs/policies.rst:
+  the revoke's SIGTERM can reach it just after the body returned).
 * ``holder-alive``: a refusal as "held" names holders that had not ended (a lease whose release
   a store fault lost is excused for one lease).
 * ``exclusion``: never more than ``lock_limit`` bodies of a key at once. With ``lock_policy =
@@ -70,13 +72,30 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from celery import VERSION as CELERY_VERSION
+
 from .space import FIXED, Config
 
 #: Seconds after a failed publish's reply within which its undo has reached the store (one
 #: round trip, and the result of a superseded execution being stored).
 UNDO_SLACK = 0.25
 
-__all__ = ["Body", "Fault", "History", "Outcome", "Report", "Residue", "Send", "check"]
+__all__ = [
+    "Body",
+    "Fault",
+    "History",
+    "Outcome",
+    "Report",
+    "Residue",
+    "Send",
+    "check",
+    "unstored_endings",
+]
+
+#: Seconds by which a body taken over between its acquire and its own start (``"replace"``) may
+#: start after the body of the execution that took it over (a few milliseconds go from an
+#: acquire to its body; the rest is a loaded machine's slack).
+TAKEN_BEFORE_START = 0.05
 
 #: Exceptions a caller gets from a publish that failed.
 PUBLISH_ERRORS = frozenset({"OperationalError", "EncodeError"})
@@ -105,6 +124,16 @@ EXPECTED_FAILURES: dict[str, frozenset[str]] = {
 TERMINATED = frozenset({"WorkerLostError", "Terminated", "TaskRevokedError"})
 #: ``Skipped.reason`` of a send that a later send of its window superseded.
 SUPERSEDED = frozenset({"debounced", "superseded"})
+#: Whether the installed Celery stores a FAILURE for a body that raised ``Reject(requeue=False)``:
+#: from 5.7 (celery/celery#10369) it does; before, it stores nothing, and the result stays
+#: PENDING as an ``Ignore``'s does (docs/quickstart.rst lists the difference).
+REJECT_STORED = (CELERY_VERSION.major, CELERY_VERSION.minor) >= (5, 7)
+
+
+def unstored_endings(rejects_stored: bool = REJECT_STORED) -> frozenset[str]:
+    """The endings of a body (``Body.how``) after which Celery stores no result: ``Ignore``,
+    and ``Reject(requeue=False)`` on a Celery that does not store it (``REJECT_STORED``)."""
+    return frozenset({"ignore"} if rejects_stored else {"ignore", "reject"})
 
 
 @dataclass
@@ -239,6 +268,7 @@ class History:
     residues: list[Residue]
     faults: list[Fault] = field(default_factory=list)
     observed: float | None = None  # time.time() when the outcomes were read (None: not known)
+    rejects_stored: bool = REJECT_STORED  # the workers' Celery stores a Reject's FAILURE
 
 
 @dataclass
@@ -327,9 +357,14 @@ class _Judge:
         if outcome.state in FINAL:
             return max([outcome.date_done or 0.0, *ends])
         last = max(self.bodies.get(task_id, ()), key=lambda b: (b.retries, b.start), default=None)
-        if last is not None and last.how == "ignore":
+        if last is not None and last.how in self.unstored:
             return last.end
         return None
+
+    @property
+    def unstored(self) -> frozenset[str]:
+        """The endings of a body whose result Celery leaves PENDING (it stores nothing)."""
+        return unstored_endings(self.h.rejects_stored)
 
     def behind_killed(self, send: Send) -> str | None:
         """A send of the same configuration and key, killed in flight, whose reservation may
@@ -480,6 +515,51 @@ class _Judge:
         end = (failed.t_after or failed.t_before) + UNDO_SLACK
         return outcome.date_done is not None and failed.t_before <= outcome.date_done <= end
 
+    def _killed_within_lease(self, task_id: str | None) -> bool:
+        """Whether a body of ``task_id`` was killed (it has no end: SIGKILL, a hard time limit)
+        less than one lease before the idle store was read: nothing releases for a killed pool
+        process whose message is delivered again (``reject_on_worker_lost``), and its lock stays
+        until its lease ends unless a later execution takes it over (docs/lifecycle.rst)."""
+        killed = [b for b in self.bodies.get(task_id or "", ()) if b.end is None]
+        if not killed or self.h.observed is None:
+            return False
+        config = self.h.configs.get(killed[0].config)
+        lease = float(config.task_options()["lock_ttl"]) if config else FIXED["lock_ttl"]
+        return any(self.h.observed - b.start < lease + SLACK for b in killed)
+
+    def _superseded_by_failing(self, task_id: str | None) -> str | None:
+        """The send whose publish was failing when ``task_id``, or the send that superseded it
+        and did not run (the chain is judged at its last link, as ``superseded`` judges it),
+        ended superseded by it, so that the window put back names a send that had ended; or
+        None."""
+        seen: set[str] = set()
+        current = task_id
+        while current is not None and current not in seen:
+            seen.add(current)
+            outcome = self.outcome(current)
+            holder = outcome.holder
+            if outcome.kind != "skipped" or outcome.reason not in SUPERSEDED or holder is None:
+                return None
+            failed = self.failed.get(holder)
+            if failed is not None:
+                during = self._during_failed_publish(outcome, failed)
+                return holder if during or self._restored_by_later_undo(failed) else None
+            if self.ran(holder):
+                return None
+            current = holder
+        return None
+
+    def _restored_by_later_undo(self, failed: Send) -> Send | None:
+        """A later send of ``failed``'s key whose publish failed too, made before ``failed``'s
+        undo: taken back after it, it put back the window naming ``failed`` (docs/limits.rst:
+        two sends failed at once and were taken back in the opposite order), or None."""
+        undone = (failed.t_after or failed.t_before) + UNDO_SLACK
+        for other in self.failed.values():
+            same = other.config == failed.config and other.key == failed.key
+            if same and other is not failed and failed.t_before < other.t_before <= undone:
+                return other
+        return None
+
     def superseded(self) -> None:
         for task_id, outcome in self.h.outcomes.items():
             if outcome.kind != "skipped" or outcome.reason not in SUPERSEDED:
@@ -505,6 +585,11 @@ class _Judge:
                 self.report.documented.append(
                     f"{here}: superseded by {last} while that send's publish was failing, "
                     "before its undo"
+                )
+            elif last in self.failed and self._restored_by_later_undo(self.failed[last]):
+                self.report.documented.append(
+                    f"{here}: superseded by {last}, put back in the window by the undo of a later "
+                    "send whose publish failed too"
                 )
             elif last in self.failed:
                 self.violation(
@@ -540,6 +625,13 @@ class _Judge:
             if any(h in self.by_id and self._ran_or_refused(h) for h in holders if h):
                 continue  # a later send (made during a store fault, say) wrote the window
             if any(s.own in self.killed for s in last):
+                continue
+            failing = [self._superseded_by_failing(s.own) for s in last if s.own]
+            if failing and all(failing):
+                self.report.documented.append(
+                    f"{self.where(last[0])}: the burst's last published send ended superseded "
+                    f"by {', '.join(map(str, failing))} while its publish was failing"
+                )
                 continue
             later_kill = [s for s in self.killed.values() if s.key == _key and s.config == _config]
             if later_kill:
@@ -619,13 +711,23 @@ class _Judge:
                 if b.start <= body.start < b.until() and b is not body and not _passed_on(b, body)
                 and id(b) not in preempted
             ]  # fmt: skip
-            while replace and along and len(along) + 1 > limit:
+            counted = 1  # this body, unless it was itself taken over before it started
+            while replace and along and len(along) + counted > limit:
                 victim = min(along, key=lambda b: -1 if b.fence is None else b.fence)
                 if victim.fence is not None and (body.fence is None or victim.fence >= body.fence):
-                    break  # it cannot have preempted that body: an overlap
+                    if (
+                        body.fence is not None and victim.fence > body.fence
+                        and body.start - victim.start <= TAKEN_BEFORE_START
+                    ):  # fmt: skip
+                        # This body is older than every body running along: it was taken over
+                        # between its acquire and its start, and starts anyway, to learn it at
+                        # its renewer's next renewal (docs/guarantees.rst, "Latest wins").
+                        preempted[id(body)] = victim
+                        counted = 0
+                    break  # else it cannot have preempted that body: an overlap
                 preempted[id(victim)] = body
                 along.remove(victim)
-            if len(along) + 1 > limit:
+            if len(along) + counted > limit:
                 self.violation(
                     "exclusion", here, self._sends([*along, body]),
                     f"{len(along) + 1} bodies at once, over the limit of {limit}: "
@@ -649,6 +751,17 @@ class _Judge:
             outcome = self.outcome(body.task_id)
             if outcome.kind == "skipped" and outcome.reason == "replaced":
                 continue
+            if outcome.state == "REVOKED" and self._terminates(body.config):
+                continue  # lock_replace_terminate: revoked, its SIGTERM just after the return
+            between = next(
+                iter(self._revoked_unseen(body.config, body.key, body.start, body.end)), None
+            )
+            if between is not None:
+                self.report.documented.append(
+                    f"{here}: {body.describe()} was preempted by {between}, itself preempted "
+                    "and revoked before its body started: the key names a later holder"
+                )
+                continue
             self.violation(
                 "replaced", here, self._sends([body, successor]),
                 f"{body.describe()} was preempted by {successor.describe()}, which still held "
@@ -666,6 +779,13 @@ class _Judge:
             fences = [b.fence for b in own if b.fence is not None]
             if newer and (not fences or any((b.fence or 0) > max(fences) for b in newer)):
                 continue
+            holder = outcome.holder or ""
+            if not newer and send and holder in self._revoked_unseen(send.config, send.key):
+                self.report.documented.append(
+                    f"{here}: {task_id} ended replaced by {holder}, itself preempted and "
+                    "revoked before its body started"
+                )
+                continue
             self.violation(
                 "replaced", here, [*([send] if send else []), *self.sends_of(outcome.holder)][:4],
                 f"{task_id} ended replaced by {outcome.holder}, "
@@ -675,6 +795,26 @@ class _Judge:
     def _terminates(self, config_name: str) -> bool:
         config = self.h.configs.get(config_name)
         return bool(config and config.options.get("lock_replace_terminate"))
+
+    def _revoked_unseen(
+        self, config: str, key: str, start: float | None = None, end: float | None = None
+    ) -> list[str]:
+        """With ``lock_replace_terminate``: the sends of ``key`` that ended REVOKED without a
+        body (between ``start`` and ``end`` when given). Such an execution took the key over
+        and was itself preempted, and terminated, before its body started (docs/policies.rst):
+        the probe never saw it hold the key, and the key named a later holder once it ended."""
+        found: list[str] = []
+        for send in self.h.sends if self._terminates(config) else ():
+            tid = send.own
+            if send.config != config or send.key != key or not tid or self.bodies.get(tid):
+                continue
+            outcome = self.outcome(tid)
+            done = outcome.date_done
+            if outcome.state != "REVOKED" or done is None:
+                continue
+            if start is None or end is None or start - SLACK <= done <= end + SLACK:
+                found.append(tid)
+        return found
 
     def _fences(self, here: str, bodies: Sequence[Body]) -> None:
         for i, body in enumerate(bodies):
@@ -707,6 +847,19 @@ class _Judge:
                 continue
             if residue.task_id in self.failed:
                 continue  # reported by the accounted rule, naming the failed send
+            if residue.kind == "lock" and self._killed_within_lease(residue.task_id):
+                self.report.documented.append(
+                    f"{residue.key}: lock of {residue.task_id}, whose pool process was killed "
+                    "less than one lease before the idle store was read"
+                )
+                continue
+            failing = self._superseded_by_failing(residue.task_id)
+            if residue.kind == "open window" and failing is not None:
+                self.report.documented.append(
+                    f"{residue.key}: open window of {residue.task_id}, put back by the undo of "
+                    f"{failing} after it ended superseded by that send"
+                )
+                continue
             waiting = [
                 s for s in self.sends_of(residue.task_id)
                 if residue.task_id and not self.visible(residue.task_id) and self.behind_killed(s)
@@ -736,6 +889,12 @@ class _Judge:
             if outcome.state != "FAILURE":
                 continue
             send = next(iter(self.sends_of(task_id)), None)
+            if (
+                send is not None
+                and send.error in PUBLISH_ERRORS
+                and send.error == outcome.exception
+            ):
+                continue  # its publish's error, stored for the calls that joined it (scopes)
             ending = send.ending if send else "*"
             allowed = EXPECTED_FAILURES["*"] | EXPECTED_FAILURES.get(ending, frozenset())
             if send is not None and self._terminates(send.config):

@@ -23,6 +23,7 @@ import collections
 import os
 from pathlib import Path
 
+import celery
 import pytest
 from celery import Celery
 
@@ -32,7 +33,7 @@ from singletask.options import ATTRIBUTE_CHECKS
 
 from ..e2e.conftest import CLIENT_GARBAGE
 from ..servers import CI, sql_problem, unavailable
-from .checker import Body, Fault, History, Outcome, Report, Residue, Send, check
+from .checker import REJECT_STORED, Body, Fault, History, Outcome, Report, Residue, Send, check
 from .runner import SCENARIOS, Servers, Settings, campaign_seed, run
 from .space import FIXED, NOT_DRAWN, OPTIONS, STORES, Config, draw, find, product, space, valid
 
@@ -115,6 +116,7 @@ LIMITED = Config(3, find({"lock_limit": 2, "lock_rate": "2/s"}))
 REPLACING = Config(4, find({"lock_policy": "replace"}))
 REPLACING_2 = Config(5, find({"lock_policy": "replace", "lock_limit": 2}))
 LATEST = Config(6, find({"lock_scope": "coalesce", "lock_coalesce": "latest"}))
+TERMINATING = Config(7, find({"lock_policy": "replace", "lock_replace_terminate": True}))
 
 
 def send(seq: int, tid: str | None, t: float = 0.0, config: Config = CONFIG, **kw: object) -> Send:
@@ -134,10 +136,15 @@ def judge(
     outcomes: dict[str, Outcome],
     residues: list[Residue] | None = None,
     faults: list[Fault] | None = None,
+    *,
+    rejects_stored: bool = True,
 ) -> Report:
     configs = {c.name: c for c in (CONFIG, DEBOUNCED, QUEUED, LIMITED, REPLACING, REPLACING_2,
-                                   LATEST)}  # fmt: skip
-    return check(History(42, configs, sends, bodies, outcomes, residues or [], faults or []))
+                                   LATEST, TERMINATING)}  # fmt: skip
+    return check(History(
+        42, configs, sends, bodies, outcomes, residues or [], faults or [],
+        rejects_stored=rejects_stored,
+    ))  # fmt: skip
 
 
 def done(at: float, **kw: object) -> Outcome:
@@ -174,6 +181,22 @@ def test_a_result_pending_past_the_bound_is_a_violation_naming_seed_config_key_s
     assert "still PENDING past the bound (no body)" in violation
 
 
+def test_a_rejected_body_is_accounted_for_as_the_workers_celery_stores_it() -> None:
+    """Celery 5.7 stores FAILURE for a body that raised Reject(requeue=False); Celery 5.3 to
+    5.6 store nothing, so its result stays PENDING as an Ignore's does (docs/quickstart.rst).
+    The campaign asks for what the workers' Celery does, and for nothing from singletask."""
+    rejecting = send(0, "a")
+    rejecting.ending = "reject"
+    rejected = [body("a", 0.1, 0.3, 10, how="reject")]
+    assert rules(judge([rejecting], rejected, {}, rejects_stored=True)) == ["accounted"]
+    assert judge([rejecting], rejected, {}, rejects_stored=False).violations == []
+    failed = Outcome("FAILURE", kind="exception", exception="Reject", date_done=0.4)
+    assert judge([rejecting], rejected, {"a": failed}).violations == []
+    # An Ignore stores nothing on any version.
+    assert judge([send(0, "a")], [body("a", 0.1, 0.3, 10, how="ignore")], {}).violations == []
+    assert (celery.VERSION[:2] >= (5, 7)) == REJECT_STORED
+
+
 def test_joining_a_send_whose_publish_failed_is_a_violation() -> None:
     """Finding 2: a later call joined an unpublished follow-up, PENDING for ever."""
     failed = send(0, "f", error="OperationalError", returned=None)
@@ -198,7 +221,62 @@ def test_a_call_that_joined_a_send_whose_publish_failed_must_get_that_error() ->
     lost = judge([failed, joiner], [], {})
     assert "accounted" in rules(lost)
     told = Outcome("FAILURE", kind="exception", exception="OperationalError", date_done=0.2)
-    assert "accounted" not in rules(judge([failed, joiner], [], {"f": told}))
+    # (and that error, stored for the unsent message, is the failure its send explains)
+    assert judge([failed, joiner], [], {"f": told}).violations == []
+    assert judge([failed], [], {"f": told}).violations == []
+
+
+def test_the_last_published_send_ended_while_a_later_publish_failed_is_documented() -> None:
+    """docs/limits.rst: a message started while a later send's publish was failing ends
+    superseded by that send (the undo cannot reach an execution that has ended), and the undo
+    puts the window back naming it, open until a later send or its expiry (seed 260319362 on
+    MySQL: the last published send of the burst, a broker-down send after it)."""
+    last = send(0, "a", config=DEBOUNCED)
+    failed = send(1, "f", 0.2, config=DEBOUNCED, error="OperationalError", returned=None)
+    failed.t_after = 1.0  # Celery's publish to a broker that is down took 0.8 s to fail
+    window = Residue("k", "open window", "a", "debounce_until +60s")
+    during = judge([last, failed], [], {"a": skipped(0.7, "debounced", "f")}, [window])
+    assert during.violations == []
+    assert len(during.documented) >= 2
+    # Ended after the undo, it would have found the window naming it again: a violation
+    after = judge([last, failed], [], {"a": skipped(1.5, "debounced", "f")}, [window])
+    assert {"last-runs", "idle"} <= set(rules(after))
+    # A send that started later (its store write failed, so it wrote no window) finds the window
+    # put back naming the ended one: the chain is judged where the failing send superseded it
+    late = send(2, "b", 0.3, config=DEBOUNCED)
+    chained = {"a": skipped(0.7, "debounced", "f"), "b": skipped(2.0, "debounced", "a")}
+    assert judge([last, failed, late], [], chained, [window]).violations == []
+
+
+def test_a_killed_process_lock_is_left_to_its_lease_at_idle() -> None:
+    """docs/lifecycle.rst: with acks_late and reject_on_worker_lost nothing releases for a killed
+    pool process; its redelivered copy refused by lock_rate takes nothing over (seed 260319362
+    on PostgreSQL, the last round): the lock stays until its lease runs out."""
+    killed = body("a", 0.0, None, 5)
+    lock = Residue("k", "lock", "a", "ttl 0.9")
+    limited = Outcome("FAILURE", kind="exception", exception="RateLimited", date_done=0.6)
+    history = History(42, {CONFIG.name: CONFIG}, [send(0, "a")], [killed], {"a": limited}, [lock])
+    history.observed = 4.0  # within one lease (lock_ttl 5) of the kill
+    assert check(history).violations == []
+    history.observed = 7.0  # past it: the lock should have expired
+    assert rules(check(history)) == ["idle"]
+
+
+def test_two_failed_sends_taken_back_in_the_opposite_order_are_documented() -> None:
+    """docs/limits.rst: two sends failed at once and were taken back in the opposite order of
+    their sends: the second's undo puts back the first, which is no longer there to restore;
+    the burst then ends superseded by it (seed 260319362 on PostgreSQL, a broker-down send)."""
+    last = send(0, "a", config=DEBOUNCED)
+    first = send(1, "f", 0.2, config=DEBOUNCED, error="OperationalError", returned=None)
+    first.t_after = 0.6
+    second = send(2, "g", 0.4, config=DEBOUNCED, error="EncodeError", returned=None)
+    second.t_after = 0.7
+    outcomes = {"a": skipped(1.5, "debounced", "f")}
+    report = judge([last, first, second], [], outcomes)
+    assert report.violations == []
+    assert any("undo of a later send" in d for d in report.documented)
+    # One failed send alone, undone before the skip: the window should not have named it
+    assert "superseded" in rules(judge([last, first], [], outcomes))
 
 
 def test_a_burst_superseded_by_a_send_whose_publish_failed_is_a_violation() -> None:
@@ -349,6 +427,20 @@ def test_replace_a_preempted_body_may_run_on_beside_its_successor_with_a_smaller
     assert "exclusion" in rules(judge(sends, smaller, outcomes))
 
 
+def test_replace_a_body_taken_over_before_it_started_may_start_after_its_successor() -> None:
+    """docs/guarantees.rst, "Latest wins": an execution preempted between its acquire and its
+    body's start still starts its body (it learns at its renewer's next renewal), a few
+    milliseconds after the newer execution's body; its smaller fence tells it apart."""
+    sends = [send(0, "a", config=REPLACING), send(1, "b", config=REPLACING)]
+    bodies = [
+        body("b", 0, 0.5, 2, REPLACING, seq=1),
+        body("a", 0.003, 0.04, 1, REPLACING, how="unwound"),
+    ]
+    assert (
+        judge(sends, bodies, {"a": skipped(0.05, "replaced", "b"), "b": done(0.5)}).violations == []
+    )
+
+
 def test_replace_with_a_limit_preempts_the_oldest_and_still_counts_the_others() -> None:
     bodies = [body("a", 0, 1, 1, REPLACING_2), body("b", 0.1, 1, 2, REPLACING_2),
               body("c", 0.2, 1, 3, REPLACING_2)]  # fmt: skip
@@ -366,6 +458,42 @@ def test_replace_a_preempted_body_that_returned_while_its_successor_held_ends_re
     # Its successor had ended before it returned: the key no longer names it (documented)
     early = [body("a", 0, 0.3, 1, REPLACING), body("b", 0.1, 0.2, 2, REPLACING, seq=1)]
     assert judge(sends, early, {"a": done(0.3), "b": done(0.2)}).violations == []
+
+
+def test_replace_terminate_a_preempted_body_revoked_as_it_returned_ends_revoked() -> None:
+    """docs/policies.rst: with lock_replace_terminate, the newer execution revokes the preempted
+    one with terminate=True, and the state stored is REVOKED, not the Skipped. The SIGTERM can
+    reach its pool process just after the body returned, before the execution ended (seed
+    353802103 on MySQL: the body returned at .981, "Terminating" at .981, REVOKED)."""
+    sends = [send(0, "a", config=TERMINATING), send(1, "b", 0.1, config=TERMINATING)]
+    bodies = [body("a", 0, 0.3, 1, TERMINATING), body("b", 0.1, 0.5, 2, TERMINATING, seq=1)]
+    revoked = Outcome("REVOKED", kind="exception", exception="TaskRevokedError", date_done=0.3)
+    assert judge(sends, bodies, {"a": revoked, "b": done(0.5)}).violations == []
+    # Without lock_replace_terminate nothing revokes it: it ends replaced
+    plain = [body("a", 0, 0.3, 1, REPLACING), body("b", 0.1, 0.5, 2, REPLACING, seq=1)]
+    plain_sends = [send(0, "a", config=REPLACING), send(1, "b", 0.1, config=REPLACING)]
+    assert rules(judge(plain_sends, plain, {"a": revoked, "b": done(0.5)})) == ["replaced"]
+
+
+def test_replace_terminate_a_preemptor_revoked_before_its_body_started_is_documented() -> None:
+    """With lock_replace_terminate, an execution that took the key over can itself be preempted
+    and terminated before its body starts (seed 353802103 on MySQL): the probe never sees it
+    hold the key. The execution it replaced names it (and it ended REVOKED), or, ending before
+    its renewer noticed, finds a later holder at its release and ends as its body did."""
+    revoked = Outcome("REVOKED", kind="exception", exception="TaskRevokedError", date_done=0.19)
+    sends = [send(0, "a", config=TERMINATING), send(1, "m", 0.1, config=TERMINATING),
+             send(2, "b", 0.15, config=TERMINATING)]  # fmt: skip
+    bodies = [body("a", 0, 0.3, 1, TERMINATING), body("b", 0.2, 0.5, 3, TERMINATING, seq=2)]
+    named = {"a": skipped(0.3, "replaced", "m"), "m": revoked, "b": done(0.5)}
+    assert judge(sends, bodies, named).violations == []
+    returned = {"a": done(0.3), "m": revoked, "b": done(0.5)}
+    report = judge(sends, bodies, returned)
+    assert report.violations == []
+    assert any("revoked before its body started" in d for d in report.documented)
+    # Without a revoked execution between them, the return is a violation, as it is when the
+    # named execution did not end REVOKED
+    assert rules(judge(sends, bodies, {**returned, "m": done(0.4)})) == ["replaced"]
+    assert "replaced" in rules(judge(sends, bodies, {**named, "m": Outcome("PENDING")}))
 
 
 def test_replace_a_skip_naming_a_newer_execution_that_never_ran_is_a_violation() -> None:
