@@ -29,7 +29,7 @@ from .lease import LockHandle
 from .result import Skipped
 from .task import SingletonTask
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "BackendError",

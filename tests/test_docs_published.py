@@ -83,10 +83,15 @@ def test_a_link_to_the_published_docs_names_a_page_the_docs_build(source, url):
     assert_the_docs_build(built_page(url))
 
 
-def test_read_the_docs_builds_these_docs_as_html_with_their_extra():
+def test_read_the_docs_builds_these_docs_as_html_with_their_dependency_group():
     config = (ROOT / ".readthedocs.yaml").read_text()
     assert re.search(r"^version: 2$", config, re.M)
     assert re.search(r"^sphinx:\n(?:  .*\n)*  configuration: docs/conf\.py$", config, re.M)
     assert re.search(r"^  builder: html$", config, re.M)
-    assert re.search(r"^      extra_requirements:\n        - docs$", config, re.M)
-    assert "docs" in PYPROJECT["project"]["optional-dependencies"]
+    assert re.search(r"^      - python -m pip install --group docs$", config, re.M)
+    assert "docs" in PYPROJECT["dependency-groups"]
+
+
+def test_the_tools_of_contributors_are_no_extras_of_the_package():
+    extras = set(PYPROJECT["project"]["optional-dependencies"])
+    assert extras.isdisjoint(PYPROJECT["dependency-groups"]), extras

@@ -10,6 +10,11 @@ explains it. The code's side is :data:`singletask.config.DEFAULTS` for the setti
 So a setting or option added, renamed or removed in the code, or a changed default, fails here
 until the reference says the same. Other pages may mention a default in passing ("``lock_ttl``,
 30 seconds by default"); such a mention must give the reference's value.
+
+Beyond the settings, every default or limit the other facts pages give (a store's timeouts and
+leases, retentions, the backoff, the drift margin...) is written below as the sentence its one
+home page says, built from the code's constant, and some facts are checked to be stated on
+their home page only.
 """
 
 from __future__ import annotations
@@ -204,3 +209,268 @@ def test_other_pages_mention_only_the_documented_defaults():
         if number != numeric_default(name)
     ]
     assert not wrong, "\n".join(wrong)
+
+
+# -- every number the facts pages give for a default or a limit -----------------------------
+#
+# Each fact lives on one page (its home). Below, each is written once as the sentence its home
+# page says, built from the code's value; the sentence must be on that page, word for word (in
+# whitespace-collapsed text). So a changed constant fails here until its page says the new
+# value, and a page that drops or rewords a fact fails until this list follows. A few values
+# are literals inside a function rather than named constants: for those, the function's
+# source must contain the expression the page describes.
+
+
+def _fact_sentences() -> list[tuple[str, str]]:
+    """(page, sentence) for every default or limit the facts pages give."""
+    import inspect
+
+    from singletask import outcomes, policies
+    from singletask.acquire import RATE_WAIT
+    from singletask.backends import memory
+    from singletask.backends.django import DjangoCacheBackend
+    from singletask.backends.memcached import items
+    from singletask.backends.memcached.store import MemcachedBackend
+    from singletask.backends.redis import store as redis_store
+    from singletask.backends.redis.options import MAX_RETENTION, ReplicaWait
+    from singletask.backends.sql import core, mysql_queries, postgres_queries, sqlite
+    from singletask.backends.sql.mysql import MySQLBackend
+    from singletask.backends.sql.postgres import PostgresBackend
+    from singletask.config import MIN_RATE_INTERVAL
+    from singletask.holders import MAX_LEASE
+    from singletask.lease import DRIFT_FACTOR, DRIFT_MIN, IDLE_EXIT, RETRY_INTERVAL, drift_margin
+    from singletask.slots import MAX_LIMIT
+
+    def days(seconds: float) -> str:
+        return f"{seconds / 86400:g} days"
+
+    def default(function: object, name: str) -> object:
+        return inspect.signature(function).parameters[name].default  # type: ignore[arg-type]
+
+    # The store-error backoff: 2**n seconds times a jitter factor, capped. The page gives the
+    # retries below the cap (jittered) and the capped ones (not jittered), and the total.
+    cap, retries = outcomes.BACKEND_RETRY_CAP, DEFAULTS["singletask_lock_backend_retry_max"]
+    low, high = 1.0, 1.25
+    steps = [2.0**n for n in range(retries)]
+    assert all(s * high <= cap or s >= cap for s in steps), "a retry is capped only sometimes"
+    jittered = [s for s in steps if s * high <= cap]
+    total = (sum(min(cap, s * low) for s in steps), sum(min(cap, s * high) for s in steps))
+    words = {10: "ten"}
+    ttl = DEFAULTS["singletask_lock_ttl"]
+    assert DjangoCacheBackend.max_lease == MemcachedBackend.max_lease
+    # The longest part of a SQL table name, from the pattern that checks it.
+    table_part = int(re.search(r"\{0,(\d+)\}", core._TABLE_NAME.pattern).group(1)) + 1  # type: ignore[union-attr]
+
+    return [
+        # configuration.rst: bounds of every duration and count, the stores' leases, backoff
+        (
+            "configuration.rst",
+            f"a lease above its ``max_lease`` ({days(MAX_LEASE)}; "
+            f"{MemcachedBackend.max_lease:,.0f} seconds on ``memcached://`` and ``django://``, "
+            "whose items cannot be kept longer than 30 days)",
+        ),
+        (
+            "configuration.rst",
+            f"(at most {MemcachedBackend.max_lease:.0f}s); use a shorter lease",
+        ),
+        (
+            "configuration.rst",
+            "countdown of "
+            + ", ".join(f"{s:g}" for s in jittered[:-1])
+            + f" and {jittered[-1]:g} seconds, each multiplied by a random factor between "
+            f"{low:g} and {high:g}, then {cap:g} seconds (``BACKEND_RETRY_CAP``, no jitter) "
+            "for every further retry",
+        ),
+        (
+            "configuration.rst",
+            f"With the defaults, {words[retries]} retries wait {total[0]:g} to {total[1]:g} "
+            "seconds in all",
+        ),
+        (
+            "configuration.rst",
+            'Delay before a lock retry of the ``"retry"`` policy, plus up to 25 % jitter',
+        ),
+        ("configuration.rst", f"a count of holders from 1 to {MAX_LIMIT}"),
+        (
+            "configuration.rst",
+            f"spacing starts by {MIN_RATE_INTERVAL * 1000:g} ms to {days(MAX_SECONDS)}",
+        ),
+        (
+            "limits.rst",
+            f"must be from {MIN_RATE_INTERVAL * 1000:g} millisecond to {days(MAX_SECONDS)}",
+        ),
+        (
+            "limits.rst",
+            f"an execution that finds the start allowed within {RATE_WAIT:g} s waits for it",
+        ),
+        (
+            "configuration.rst",
+            f"lower-case letters, digits and ``_``, at most {table_part} per part",
+        ),
+        # deployments.rst: the replica wait
+        (
+            "deployments.rst",
+            f"seconds to wait for them (default {ReplicaWait.DEFAULT_TIMEOUT:g})",
+        ),
+        # guarantees.rst: the holder's drift margin and how long tokens are kept
+        (
+            "guarantees.rst",
+            f"a drift margin is taken off: ``lock_ttl * {DRIFT_FACTOR:.0%} + "
+            f"{DRIFT_MIN * 1000:g} ms``",
+        ),
+        (
+            "guarantees.rst",
+            f"{drift_margin(ttl):g} s of the default {ttl:g} s lease",
+        ),
+        (
+            "guarantees.rst",
+            f"token is kept {days(memory.FENCE_RETENTION)} after the key's last acquisition",
+        ),
+        (
+            "guarantees.rst",
+            f"the row keeps the last token for {days(core.FENCE_RETENTION)} after its last lease",
+        ),
+        # lifecycle.rst: the renewer
+        (
+            "lifecycle.rst",
+            f"once it has had nothing to renew for {IDLE_EXIT:g} seconds (a third of the "
+            "shortest lease, if less)",
+        ),
+        (
+            "lifecycle.rst",
+            "tried again every second (or every third of the lease, if that is shorter)"
+            if RETRY_INTERVAL == 1.0
+            else f"tried again every {RETRY_INTERVAL:g} seconds",
+        ),
+        (
+            "lifecycle.rst",
+            f"every third of the shortest lease it holds ({ttl / 3:g} s by default)",
+        ),
+        # store-redis.rst: the client's defaults and what a released key keeps
+        (
+            "store-redis.rst",
+            f"``socket_timeout={redis_store.CLIENT_DEFAULTS['socket_timeout']:g}`` and "
+            f"``socket_connect_timeout={redis_store.CLIENT_DEFAULTS['socket_connect_timeout']:g}``",
+        ),
+        (
+            "store-redis.rst",
+            f"``health_check_interval={redis_store.CLIENT_DEFAULTS['health_check_interval']}``",
+        ),
+        ("store-redis.rst", "two retries with exponential backoff (from 50 ms, at most 1 s)"),
+        (
+            "store-redis.rst",
+            f"0 (nothing is kept) or from 1 to {MAX_RETENTION:,.0f} ({days(MAX_RETENTION)})",
+        ),
+        (
+            "store-redis.rst",
+            f"``fence_retention`` {redis_store.FENCE_RETENTION:g}: nothing",
+        ),
+        (
+            "store-redis.rst",
+            f"``marker_retention`` {redis_store.MARKER_RETENTION:,.0f}: one day",
+        ),
+        # store-sql.rst: options, retention, reclaiming, long keys, SQLite
+        ("store-sql.rst", f"``pool_size`` (default {default(PostgresBackend, 'pool_size')})"),
+        ("store-sql.rst", f"``timeout`` (default {default(PostgresBackend, 'timeout'):g} seconds)"),
+        (
+            "store-sql.rst",
+            "``prepare_threshold`` (PostgreSQL only, default "
+            f"{default(PostgresBackend, 'prepare_threshold')})",
+        ),
+        (
+            "store-sql.rst",
+            f"at least {days(core.FENCE_RETENTION)} after its last lease (``FENCE_RETENTION``)",
+        ),
+        (
+            "store-sql.rst",
+            f"at most once a minute, deletes up to {core.RECLAIM_BATCH:,} rows",
+        ),
+        (
+            "store-sql.rst",
+            f"A key longer than {postgres_queries.KEY_BYTES:,} UTF-8 bytes (PostgreSQL) or "
+            f"{mysql_queries.KEY_BYTES} bytes (MySQL)",
+        ),
+        (
+            "store-sql.rst",
+            f"a process waits up to {default(sqlite.SQLiteBackend, 'timeout'):g} seconds for "
+            "another process's transaction",
+        ),
+        (
+            "store-sql.rst",
+            f"rows untouched for {days(sqlite.FENCE_RETENTION)} when it opens its connection",
+        ),
+        # store-memcached.rst: timeouts, expiries and the 30-day limit
+        (
+            "store-memcached.rst",
+            f"``timeout`` and ``connect_timeout`` (seconds, "
+            f"{items.CLIENT_DEFAULTS['timeout']:g} by default)",
+        ),
+        (
+            "store-memcached.rst",
+            "at least the time asked for and less than 2 seconds longer",
+        ),
+        (
+            "store-memcached.rst",
+            f"{days(items.RECORD_RETENTION)} for a free record, "
+            f"{days(items.FENCE_EXPIRY)} for a fence counter",
+        ),
+        (
+            "store-memcached.rst",
+            f"an expiry above {days(items.MAX_RELATIVE_EXPIRY)} ({items.MAX_RELATIVE_EXPIRY:,} s)",
+        ),
+        (
+            "store-memcached.rst",
+            f"{MemcachedBackend.max_lease:,.0f} s (30 days less the second",
+        ),
+        # store-custom.rst: the memory store
+        (
+            "store-custom.rst",
+            f"{days(memory.FENCE_RETENTION)} after a key's last acquisition",
+        ),
+        # literals inside functions, which the pages above describe
+        ("source:" + inspect.getsource(outcomes.store_unreachable), "random.uniform(1.0, 1.25)"),
+        (
+            "source:" + inspect.getsource(policies.Conflict.countdown),
+            "base + random.uniform(0, base / 4)",
+        ),
+        (
+            "source:" + inspect.getsource(redis_store.RedisBackend.client.fget),
+            "ExponentialBackoff(cap=1.0, base=0.05)",
+        ),
+        ("source:" + inspect.getsource(items.expiry), "math.ceil(check_lease(seconds"),
+        ("source:" + inspect.getsource(MySQLBackend.__init__), "timeout: float = 5.0"),
+    ]
+
+
+FACTS = _fact_sentences()
+
+
+@pytest.mark.parametrize(("page", "sentence"), FACTS, ids=[f"{p[:40]}: {s[:50]}" for p, s in FACTS])
+def test_each_default_or_limit_is_given_on_its_home_page_with_the_codes_value(page, sentence):
+    if page.startswith("source:"):
+        assert sentence in page, f"the code no longer has {sentence!r}: update the page"
+        return
+    text = " ".join((ROOT / "docs" / page).read_text().split())
+    assert sentence in text, f"docs/{page} does not say {sentence!r} (the code's value)"
+
+
+#: A fact with one home: a pattern that states it, and the one page allowed to state it.
+#: Other pages link to the home instead.
+ONE_HOME = {
+    r"\d+ bytes of Redis memory|bytes (of Redis memory )?per (held )?lock": "performance.rst",
+    r"ten retries wait": "configuration.rst",
+    r"``socket_timeout=\d": "store-redis.rst",
+    r"(less than|up to about) \d seconds? (more|longer)": "store-memcached.rst",
+    r"deletes up to [\d,]+ rows": "store-sql.rst",
+}
+
+
+@pytest.mark.parametrize("pattern", sorted(ONE_HOME))
+def test_a_fact_with_a_home_is_stated_on_that_page_only(pattern):
+    home = ONE_HOME[pattern]
+    found = [
+        page.name
+        for page in sorted((ROOT / "docs").glob("*.rst"))
+        if re.search(pattern, " ".join(page.read_text().split()))
+    ]
+    assert found == [home], f"{pattern!r} is stated on {found}; only {home} should, others link"
