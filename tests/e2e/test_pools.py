@@ -26,6 +26,7 @@ import pytest
 from billiard.exceptions import TimeLimitExceeded
 from celery import group
 from celery.exceptions import TaskRevokedError
+from celery.exceptions import TimeoutError as CeleryTimeout
 
 from singletask import Skipped, TaskLocked
 
@@ -117,6 +118,19 @@ def wait_until(condition: Callable[[], Any], what: str, timeout: float = BOUND) 
         time.sleep(0.05)
 
 
+def gather(batch: Any, cluster: Cluster, timeout: float) -> list[Any]:
+    """The values of a group's results; on a timeout, fail naming the results still missing,
+    their states and the worker's log (rather than leaving pytest-timeout to stop the test)."""
+    try:
+        return list(batch.get(timeout=timeout))
+    except CeleryTimeout:
+        missing = [(r.id, r.state) for r in batch.results if not r.ready()]
+        raise AssertionError(
+            f"{len(missing)} of {len(batch.results)} results missing after {timeout}s: "
+            f"{missing[:10]}\nworker log:\n{cluster.worker.tail(200)}"
+        ) from None
+
+
 def lock_of(label: str, task: str = "end") -> str:
     """The lock key of a task with ``lock_key="{label}"``."""
     return f"singletask:{PREFIX}{task}:{label}"
@@ -144,7 +158,7 @@ def test_sixty_duplicates_with_skip_never_overlap(pool: Pool, pooled: Cluster) -
     task = pooled.task(PREFIX + "race_skip")
 
     # When 60 duplicates are published at once
-    values = group(task.s(label, 0.2) for _ in range(DUPLICATES)).apply_async().get(timeout=60)
+    values = gather(group(task.s(label, 0.2) for _ in range(DUPLICATES)).apply_async(), pooled, 60)
 
     # Then no two bodies ever ran at once
     assert pooled.probe.max_overlap(label) == 1
@@ -166,7 +180,7 @@ def test_sixty_duplicates_with_retry_all_run_one_at_a_time(pool: Pool, pooled: C
 
     # When 60 duplicates are published at once
     batch = group(task.s(label, index, 0.02) for index in range(DUPLICATES)).apply_async()
-    values = batch.get(timeout=120)
+    values = gather(batch, pooled, 100)
 
     # Then every one of them ran, once, and never two at the same time
     assert sorted(values) == list(range(DUPLICATES))
