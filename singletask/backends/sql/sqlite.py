@@ -32,10 +32,11 @@ from ..base import AcquireResult, Holder, LockBackend, StoreState, check_lease
 from . import replaced
 from . import sqlite_reads as reads
 from . import sqlite_windows as windows
-from .core import load_holder, stored_key
+from .core import FENCE_RETENTION, load_holder, stored_key
 from .sqlite_files import (
     LIMITS,
     NETWORK_FILESYSTEMS,
+    SCHEMA,
     filesystem_type,
     path_from_url,
     timeout_from_url,
@@ -45,35 +46,6 @@ from .sqlite_fork import guard
 __all__ = ["SQLiteBackend"]
 
 T = TypeVar("T")
-
-_SCHEMA = (
-    """
-    CREATE TABLE IF NOT EXISTS singletask_locks (
-        key TEXT PRIMARY KEY,
-        token TEXT NOT NULL,
-        expires_at REAL NOT NULL,
-        meta TEXT NOT NULL,
-        fence INTEGER NOT NULL
-    )
-    """,
-    # Per key: the last fencing token, the completion marker and the pending follow-up, kept
-    # FENCE_RETENTION seconds after the last use.
-    """
-    CREATE TABLE IF NOT EXISTS singletask_fences (
-        key TEXT PRIMARY KEY,
-        fence INTEGER NOT NULL,
-        done TEXT,
-        next TEXT,
-        next_until REAL,
-        touched REAL NOT NULL
-    )
-    """,
-    *windows.SCHEMA,
-    *replaced.SQLITE_SCHEMA,
-)
-
-#: How long a key's last fencing token and completion marker outlive its last use.
-FENCE_RETENTION = 7 * 24 * 3600.0
 
 _Row = tuple[str, float, str, int]  # token, expires_at, meta (JSON), fence
 
@@ -141,7 +113,7 @@ class SQLiteBackend(LockBackend):
             )
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
-            for statement in _SCHEMA:
+            for statement in SCHEMA:
                 conn.execute(statement)
             conn.execute(
                 "DELETE FROM singletask_fences WHERE touched < ? AND coalesce(next_until, 0) < ?",

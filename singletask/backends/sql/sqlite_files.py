@@ -1,4 +1,4 @@
-"""Where the SQLite lock store keeps its file: its URL, and the filesystems it refuses.
+"""The SQLite lock store's file: its URL, the filesystems it refuses, and the tables in it.
 
 Private to :mod:`singletask.backends.sql.sqlite`.
 """
@@ -9,14 +9,44 @@ from pathlib import Path
 
 from ...exceptions import ConfigurationError
 from ...urls import mask_url, query_options
+from . import replaced
+from . import sqlite_windows as windows
 
 __all__ = [
-    "LIMITS", "NETWORK_FILESYSTEMS", "filesystem_type", "path_from_url", "timeout_from_url",
+    "LIMITS", "NETWORK_FILESYSTEMS", "SCHEMA", "filesystem_type", "path_from_url",
+    "timeout_from_url",
 ]  # fmt: skip
 
 #: Filesystem types on which SQLite's file locking cannot be trusted.
 NETWORK_FILESYSTEMS = frozenset(
     {"nfs", "nfs4", "cifs", "smbfs", "smb3", "fuse.sshfs", "9p", "afs", "ceph", "glusterfs"}
+)
+
+#: The tables, created by the first write to a file (a read creates nothing).
+SCHEMA = (
+    """
+    CREATE TABLE IF NOT EXISTS singletask_locks (
+        key TEXT PRIMARY KEY,
+        token TEXT NOT NULL,
+        expires_at REAL NOT NULL,
+        meta TEXT NOT NULL,
+        fence INTEGER NOT NULL
+    )
+    """,
+    # Per key: the last fencing token, the completion marker and the pending follow-up, kept
+    # core.FENCE_RETENTION seconds after the last use.
+    """
+    CREATE TABLE IF NOT EXISTS singletask_fences (
+        key TEXT PRIMARY KEY,
+        fence INTEGER NOT NULL,
+        done TEXT,
+        next TEXT,
+        next_until REAL,
+        touched REAL NOT NULL
+    )
+    """,
+    *windows.SCHEMA,
+    *replaced.SQLITE_SCHEMA,
 )
 
 LIMITS = (
