@@ -146,7 +146,9 @@ class Worker:
                 raise RuntimeError(f"worker exited with {self.process.returncode}:\n{self.tail()}")
             try:
                 replies = self.app.control.ping(destination=[hostname], timeout=0.5)
-            except OSError as exc:  # e.g. the broker resets a connection while under load
+            except (OSError, redis.ConnectionError) as exc:
+                # The broker reset a connection under load, or closed one an earlier test's
+                # restart of it left in the pool: the next ping takes a new one.
                 last_error = exc
                 time.sleep(0.5)
                 continue
