@@ -2,9 +2,9 @@
 
 Starts a private ``redis-server`` on a free loopback port with ``KEYS`` renamed away (so any
 use of it would fail), fills database 0 with ``--unrelated`` keys of another application
-(strings and hashes) and ``--locks`` singletask locks (each with its fence hash, as a real
-acquisition leaves them: two keys per lock), then runs ``singletask locks --url ... --json``
-as a subprocess, ``--rounds`` times, and reports its wall time, its peak memory (maximum
+(strings and hashes) and ``--locks`` singletask locks (taken through the Redis store, so each
+is laid out as a worker's), then runs ``singletask locks --url ... --json`` as a subprocess,
+``--rounds`` times, and reports its wall time, its peak memory (maximum
 resident set size of the child) and the number of locks it listed. A second fill with five times
 as many locks shows whether the memory grows with the number of locks (it must not: the command
 streams pages).
@@ -30,6 +30,8 @@ from typing import Any
 
 import redis
 
+from singletask.backends.redis import RedisBackend
+from singletask.tokens import execution_token
 from tests.servers import RedisServer, redis_server_binary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,8 +39,8 @@ TASK = "bench.sync"
 
 
 def fill(client: redis.Redis, unrelated: int, locks: int, start: int = 0) -> None:
-    """Write ``unrelated`` foreign keys and ``locks`` singletask locks (numbered from ``start``)."""
-    now = time.time()
+    """Write ``unrelated`` foreign keys, then take ``locks`` singletask locks (numbered from
+    ``start``) through the Redis store itself, so they are laid out as a worker's are."""
     with client.pipeline(transaction=False) as pipe:
         for i in range(unrelated):
             if i % 2:
@@ -47,28 +49,20 @@ def fill(client: redis.Redis, unrelated: int, locks: int, start: int = 0) -> Non
                 pipe.hset(f"session:{start + i}", mapping={"user": str(i), "data": "y" * 30})
             if i % 5000 == 4999:
                 pipe.execute()
-        for i in range(locks):
-            key = f"singletask:{TASK}:{start + i:064x}"
-            task_id = str(uuid.uuid4())
-            pipe.hset(
-                key,
-                mapping={
-                    "token": f"{task_id}:0:0123456789ab:{1000 + i % 50}:deadbeef",
-                    "fence": str(int(now * 1_000_000) + i),
-                    "task": TASK if i % 2 else f"{TASK}.other",
-                    "scope": "execution",
-                    "hostname": f"celery@worker-{i % 8}",
-                    "pid": str(1000 + i % 50),
-                    "since": f"{now:.3f}",
-                    "task_id": task_id,
-                },
-            )
-            pipe.expire(key, 3600)
-            pipe.hset(f"{{{key}}}:fence", "fence", str(int(now * 1_000_000) + i))
-            pipe.expire(f"{{{key}}}:fence", 3600)
-            if i % 2000 == 1999:
-                pipe.execute()
         pipe.execute()
+    backend = RedisBackend(client=client)
+    now = time.time()
+    for i in range(locks):
+        task_id = str(uuid.uuid4())
+        meta = {
+            "task": TASK if i % 2 else f"{TASK}.other", "scope": "execution",
+            "hostname": f"celery@worker-{i % 8}", "pid": str(1000 + i % 50),
+            "since": f"{now:.3f}", "task_id": task_id,
+        }  # fmt: skip
+        key = f"singletask:{TASK}:{start + i:064x}"
+        taken = backend.acquire(key, execution_token(task_id, 0), 3600, meta=meta)
+        if not taken.acquired:
+            raise RuntimeError(f"could not take {key}: {taken}")
 
 
 def run_locks(url: str, *extra: str) -> dict[str, Any]:

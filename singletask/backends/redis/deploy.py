@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from itertools import product
 from typing import Any, cast
 from urllib.parse import SplitResult, urlsplit
 
@@ -51,7 +50,7 @@ from .options import (
     url_db,
     url_query,
 )
-from .slots import listed, scan_patterns
+from .slots import listed, scan_pattern
 from .state import scan_state
 from .store import _DRIVER_ERRORS
 from .wire import _holder, _Script
@@ -285,7 +284,8 @@ class RedisClusterBackend(_Deployed):
         cluster = self.cluster
         with self._translate("list", prefix):
             primaries = cluster.get_primaries()
-        for node, (index, pattern) in product(primaries, enumerate(scan_patterns(prefix))):
+        pattern = scan_pattern(prefix)
+        for node in primaries:
             with self._translate("list", prefix):
                 scan = cluster.get_redis_connection(node).scan_iter(match=pattern, count=page_size)
             while True:
@@ -294,7 +294,7 @@ class RedisClusterBackend(_Deployed):
                 if raw is None:
                     break
                 key = raw.decode() if isinstance(raw, bytes) else raw
-                if not listed(key, prefix, index):
+                if not listed(key, prefix):
                     continue
                 holder = self.holder(key)
                 if holder is not None and holder.token:  # a released record has no token

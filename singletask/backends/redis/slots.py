@@ -29,7 +29,7 @@ __all__ = [
     "COMPANION_ENDS",
     "listed",
     "scan_locks",
-    "scan_patterns",
+    "scan_pattern",
     "slot_result",
 ]
 
@@ -145,37 +145,38 @@ def slot_result(keys: Sequence[str], reply: Sequence[Any]) -> AcquireResult:
 COMPANION_ENDS = ("}:fence", "}:rate", "}:debounce")
 
 
-def scan_patterns(prefix: str) -> tuple[str, str]:
-    """The SCAN MATCH patterns of the locks under ``prefix``: the keys that start with it (a
-    key with ``}`` has its slots among them), and the slots ``{<key>}:slot:<i>`` of the others.
+def scan_pattern(prefix: str) -> str:
+    """The SCAN MATCH pattern of the locks under ``prefix``: every name that holds ``prefix``,
+    so that one pass over the keyspace finds the keys that start with it (a key with ``}`` has
+    its slots among them) and the slots ``{<key>}:slot:<i>`` of the others alike; :func:`listed`
+    keeps the right ones (a foreign name that holds ``prefix`` elsewhere costs its name only).
     """
     escaped = _glob_escape(prefix)
-    return escaped + "*", "{" + escaped + "*"
+    return f"*{escaped}*" if escaped else "*"
 
 
-def listed(name: str, prefix: str, pattern: int) -> bool:
-    """Whether ``name``, found by ``scan_patterns(prefix)[pattern]``, is to be listed: a key
-    under ``prefix`` or a slot of one, found by the first pattern that matches it, and no
-    companion record (a name ending in one of :data:`COMPANION_ENDS`)."""
+def listed(name: str, prefix: str) -> bool:
+    """Whether ``name``, found by :func:`scan_pattern`, is to be listed: a key under ``prefix``
+    or a slot of one, and no companion record (a name ending in one of
+    :data:`COMPANION_ENDS`)."""
     if name.endswith(COMPANION_ENDS) or not base_key(name).startswith(prefix):
         return False
-    return pattern == 0 or (slot_index(name) > 0 and not name.startswith(prefix))
+    return name.startswith(prefix) or slot_index(name) > 0
 
 
 def scan_locks(client: redis.Redis, prefix: str, page_size: int) -> Iterator[tuple[str, Holder]]:
-    """The locks under ``prefix`` on ``client`` (one server): SCAN MATCH each of
-    :func:`scan_patterns` COUNT ``page_size``, each page of listed keys read in one pipeline.
+    """The locks under ``prefix`` on ``client`` (one server): one SCAN MATCH
+    :func:`scan_pattern` COUNT ``page_size``, each page of listed keys read in one pipeline.
     Raises redis-py's errors."""
-    for index, pattern in enumerate(scan_patterns(prefix)):
-        page: list[bytes | str] = []
-        for raw in client.scan_iter(match=pattern, count=page_size):
-            if listed(_text(raw), prefix, index):
-                page.append(raw)
-            if len(page) >= page_size:
-                yield from _read_page(client, page)
-                page = []
-        if page:
+    page: list[bytes | str] = []
+    for raw in client.scan_iter(match=scan_pattern(prefix), count=page_size):
+        if listed(_text(raw), prefix):
+            page.append(raw)
+        if len(page) >= page_size:
             yield from _read_page(client, page)
+            page = []
+    if page:
+        yield from _read_page(client, page)
 
 
 def _read_page(client: redis.Redis, keys: list[bytes | str]) -> Iterator[tuple[str, Holder]]:

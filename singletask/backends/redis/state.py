@@ -3,8 +3,8 @@
 
 They are the companion records of :mod:`~singletask.backends.redis.rates` that hold something
 live: a fence hash with a pending follow-up claim (fields ``next``, ``next_until``), a rate
-record, a debounce window. Found with SCAN MATCH (never KEYS) under the same two patterns as the
-locks (:func:`~singletask.backends.redis.slots.scan_patterns`), each page of names read in one
+record, a debounce window. Found with one SCAN MATCH (never KEYS) under the same pattern as the
+locks (:func:`~singletask.backends.redis.slots.scan_pattern`), each page of names read in one
 pipeline together with the server's clock; nothing is written.
 """
 
@@ -17,7 +17,7 @@ import redis
 
 from ...slots import split_companion
 from ..base import StoreState
-from .slots import scan_patterns
+from .slots import scan_pattern
 from .wire import _text
 
 __all__ = ["scan_state"]
@@ -32,21 +32,18 @@ def scan_state(
     """The live bookkeeping records of the keys under ``prefix`` on ``client`` (one server, or
     one node of a cluster: ``transaction`` False), ``page_size`` names a page. Raises redis-py's
     errors."""
-    for index, pattern in enumerate(scan_patterns(prefix)):
-        page: list[tuple[str, str, str]] = []
-        for raw in client.scan_iter(match=pattern, count=page_size):
-            name = _text(raw)
-            found = split_companion(name)
-            if found is None or found[1] not in _KINDS or not found[0].startswith(prefix):
-                continue
-            if index == 1 and name.startswith(prefix):
-                continue  # the first pattern found it already
-            page.append((name, found[0], _KINDS[found[1]]))
-            if len(page) >= page_size:
-                yield from _read_page(client, page, transaction)
-                page = []
-        if page:
+    page: list[tuple[str, str, str]] = []
+    for raw in client.scan_iter(match=scan_pattern(prefix), count=page_size):
+        name = _text(raw)
+        found = split_companion(name)
+        if found is None or found[1] not in _KINDS or not found[0].startswith(prefix):
+            continue
+        page.append((name, found[0], _KINDS[found[1]]))
+        if len(page) >= page_size:
             yield from _read_page(client, page, transaction)
+            page = []
+    if page:
+        yield from _read_page(client, page, transaction)
 
 
 def _read_page(
