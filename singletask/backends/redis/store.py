@@ -373,9 +373,8 @@ class RedisBackend(LockBackend):
         return _holder(key, fields, int(pttl))
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
-        """One SCAN MATCH ``*prefix*`` (the keys and the holder slots ``{key}:slot:i`` alike),
-        COUNT ``page_size``; each page of keys read in one pipeline (see
-        :func:`~.slots.scan_locks`)."""
+        """One SCAN MATCH ``*prefix*`` (keys and holder slots alike), COUNT ``page_size``; each
+        page of keys read in one pipeline (see :func:`~.slots.scan_locks`)."""
         client = self.client
         with self._translate("list", prefix):
             yield from scan_locks(client, prefix, max(1, page_size))
