@@ -58,7 +58,13 @@ def make_app(
         worker_prefetch_multiplier=1,
         result_expires=600,
         broker_connection_retry_on_startup=True,
-        broker_transport_options={"visibility_timeout": 60, **(transport_options or {})},
+        # Room for the green pools' 20 greenlets publishing at once (kombu's Redis transport
+        # allows 10 connections by default; docs/pools.rst, "Broker connections").
+        broker_transport_options={
+            "visibility_timeout": 60,
+            "max_connections": 64,
+            **(transport_options or {}),
+        },
         worker_hijack_root_logger=True,
         worker_redirect_stdouts=False,
     )
