@@ -6,8 +6,8 @@ the same information costs, so that a layout is chosen with numbers:
 
 * every candidate stores what a real execution of ``bench.singletask.noop`` (locked per
   argument) writes: its key (``<prefix><task name>:<64 hex digits>``), an owner token made by
-  :func:`singletask.tokens.execution_token`, the holder metadata the lifecycle writes (task id,
-  task name, scope, host name, pid, start time) and a fencing token of today's size;
+  :func:`singletask.protocol.tokens.execution_token`, the holder metadata the lifecycle writes (task
+  id, task name, scope, host name, pid, start time) and a fencing token of today's size;
 * memory per key is the growth of ``used_memory`` over ``--keys`` keys divided by their number
   (so it includes the key name, the main and expiry dictionaries and their tables, as a Redis
   operator sees it), and ``MEMORY USAGE`` and ``OBJECT ENCODING`` of one of them are shown too.
@@ -42,7 +42,7 @@ import redis  # noqa: E402
 
 from bench.common import RedisServer, log  # noqa: E402
 from singletask.backends.redis.store import RedisBackend, fence_key  # noqa: E402
-from singletask.tokens import execution_token  # noqa: E402
+from singletask.protocol.tokens import execution_token  # noqa: E402
 
 TASK = "bench.singletask.noop"
 PREFIX = "singletask:"
@@ -65,7 +65,8 @@ def lock_key(i: int) -> str:
 
 
 def record(i: int) -> tuple[str, dict[str, str]]:
-    """The owner token and metadata an execution writes (see singletask.lifecycle.execute)."""
+    """The owner token and metadata an execution writes (see
+    singletask.execution.lifecycle.execute)."""
     task_id = str(uuid.UUID(int=i + 1, version=4))
     meta = {
         "task": TASK,

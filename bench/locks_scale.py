@@ -31,7 +31,7 @@ from typing import Any
 import redis
 
 from singletask.backends.redis import RedisBackend
-from singletask.tokens import execution_token
+from singletask.protocol.tokens import execution_token
 from tests.servers import RedisServer, redis_server_binary
 
 ROOT = Path(__file__).resolve().parents[1]

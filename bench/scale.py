@@ -59,7 +59,7 @@ def primitive(app: Celery, variant: str, lock_url: str) -> Primitive | None:
     tokens: dict[int, Any] = {}
     if variant in ("singletask", "singletask-acks-late"):
         from singletask.backends.redis import RedisBackend
-        from singletask.tokens import execution_token
+        from singletask.protocol.tokens import execution_token
 
         backend = RedisBackend.from_url(lock_url)
         pid = str(os.getpid())

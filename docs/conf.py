@@ -47,8 +47,8 @@ nitpick_ignore = (
     [
         ("py:class", name)
         for name in (
-            "singletask.config.Settings",
-            "singletask.keys.KeySpec",
+            "singletask.conf.settings.Settings",
+            "singletask.protocol.keys.KeySpec",
             "singletask.backends.sql.core.SQLBackend",
             "singletask.backends.redis.deploy_base._Deployed",
             "TaskOptions",
@@ -58,10 +58,10 @@ nitpick_ignore = (
         ("py:mod", name)
         for name in (
             "singletask.task",
-            "singletask.config",
-            "singletask.slots",
-            "singletask.replace",
-            "singletask.recovery",
+            "singletask.conf.settings",
+            "singletask.protocol.slots",
+            "singletask.execution.replace",
+            "singletask.execution.recovery",
             "singletask.backends.redis.rates",
             "singletask.backends.redis.slots",
             "singletask.demo.events",
@@ -78,7 +78,7 @@ nitpick_ignore = (
         ("py:meth", "LockBackend.holder"),
         ("py:data", "singletask.backends.redis.store.FENCE_RETENTION"),
         ("py:data", "singletask.backends.redis.store.MARKER_RETENTION"),
-        ("py:data", "singletask.config.POLICIES"),
+        ("py:data", "singletask.conf.settings.POLICIES"),
         ("py:data", "POLICIES"),
         ("py:data", "LEASE_OPTIONS"),
         ("py:data", "IDLE_EXIT"),
@@ -86,7 +86,7 @@ nitpick_ignore = (
         ("py:class", "Setup"),
         ("py:func", "configure"),
         ("py:func", "published_as_is"),
-        ("py:func", "singletask.replace.preempt"),
+        ("py:func", "singletask.execution.replace.preempt"),
         ("py:func", "together"),
         ("py:func", "claim_follow_up"),
         ("py:func", "enter_window"),

@@ -158,7 +158,7 @@ def wait_until_held(task: SingletonTask) -> str:
 
 
 def main() -> None:
-    from singletask.inventory import release_lock
+    from singletask.ops.inventory import release_lock
 
     # For each task, one run holds the lock while duplicates arrive on the other pool
     # processes: two reports are skipped, an export raises, a reindex retries until it can run.

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from . import startup  # noqa: F401 - connects the worker start-up checks
+from ._moved import install as _install_moved
 from .exceptions import (
     BackendError,
     BackendTimeout,
@@ -25,11 +25,14 @@ from .exceptions import (
     UnknownBackendError,
     UnsupportedOperation,
 )
+from .execution import startup  # noqa: F401 - connects the worker start-up checks
 from .lease import LockHandle
 from .result import Skipped
 from .task import SingletonTask
 
 __version__ = "0.3.0"
+
+_install_moved()  # the module paths before 0.4.0 keep importing, with a warning
 
 __all__ = [
     "BackendError",

@@ -1,7 +1,7 @@
 """The lock policies: what an execution locked out by a rival holder, or by the rate, does.
 
 An execution that finds its key held is described by a :class:`Conflict`; once
-:func:`singletask.outcomes.refused` has sorted out what comes before the policy (another
+:func:`singletask.execution.outcomes.refused` has sorted out what comes before the policy (another
 delivery or attempt of the same message, a coalescing follow-up, a reservation to keep or give
 back), it hands the conflict to the task's :class:`Policy`:
 
@@ -12,12 +12,12 @@ policy       a locked-out execution
 ``retry``    is sent again after ``lock_retry_countdown`` (plus jitter), at most
              ``lock_retry_max`` times, then raises; in eager mode or a direct call it raises
 ``raise``    fails with :class:`~singletask.TaskLocked`
-``replace``  is not locked out: it preempts the holder first (:mod:`singletask.replace`);
+``replace``  is not locked out: it preempts the holder first (:mod:`singletask.execution.replace`);
              only a retried or redelivered message, older than the holder, stands aside
 ===========  ============================================================================
 
 A new policy is one :class:`Policy` subclass in :data:`POLICIES` (and its name in
-:data:`singletask.config.POLICIES`, which validates it). Every policy sends the
+:data:`singletask.conf.settings.POLICIES`, which validates it). Every policy sends the
 :data:`~singletask.signals.lock_conflict` signal and logs what it did.
 """
 
@@ -30,13 +30,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Final, NoReturn
 
-from . import observe
 from .exceptions import RateLimited, TaskLocked
-from .messages import (
-    LOCK_RETRIES_HEADER,
-    header_count,
-    republish,
-)
+from .observe import report
+from .protocol.headers import LOCK_RETRIES_HEADER, header_count, republish
 from .result import Skipped
 from .signals import lock_conflict
 
@@ -44,7 +40,7 @@ if TYPE_CHECKING:
     from celery import Task
 
     from .backends.base import Holder, LockBackend
-    from .options import LockOptions
+    from .conf.options import LockOptions
 
 __all__ = ["POLICIES", "Conflict", "Policy", "Raise", "Replace", "Retry", "Skip"]
 
@@ -105,12 +101,12 @@ class Conflict:
 
     def report(self, action: str) -> None:
         """Send :data:`~singletask.signals.lock_conflict` for ``action`` (and its outcome's
-        event, ``singletask.observe.conflict``)."""
+        event, ``singletask.observe.report.conflict``)."""
         lock_conflict.send(
             sender=self.task, key=self.key, holder=self.holder_id, ttl=self.ttl,
             task_id=self.task.request.id, action=action,
         )  # fmt: skip
-        observe.conflict(self.task, self.key, self.holder_id, action, rated=self.rated)
+        report.conflict(self.task, self.key, self.holder_id, action, rated=self.rated)
 
     @property
     def rated(self) -> bool:
@@ -236,8 +232,8 @@ class Retry(Policy):
 
 
 class Replace(Policy):
-    """Preempt the holder (:func:`singletask.replace.preempt` does, before this); here only an
-    execution that may not (retried, redelivered: older than the holder) stands aside."""
+    """Preempt the holder (:func:`singletask.execution.replace.preempt` does, before this); here
+    only an execution that may not (retried, redelivered: older than the holder) stands aside."""
 
     name = "replace"
 

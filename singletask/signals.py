@@ -23,7 +23,7 @@
     thread.
 
 ``lock_released_by_operator``
-    Sent in the process that released a lock through :func:`singletask.inventory.release_lock`
+    Sent in the process that released a lock through :func:`singletask.ops.inventory.release_lock`
     (the ``singletask release`` command). Arguments: ``sender`` (None), ``key``, ``task`` (the
     holder's task name or None), ``holder`` (its task id or None), ``forced`` (True for
     ``--force``, False for ``--holder``). The holder's own worker reports the loss separately,

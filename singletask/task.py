@@ -10,14 +10,15 @@ worker process). See ``docs/lifecycle.rst`` for the table of which hook releases
 This class is the face of the library: each Celery hook it overrides hands the work to one
 module, so the whole lifecycle reads top to bottom here:
 
-* definition time: :class:`~singletask.options.TaskOptions` validates the ``lock_*`` attributes;
-* ``apply_async``: :mod:`singletask.enqueue` (send-time deduplication) and
-  :mod:`singletask.debounce` (``lock_debounce``);
-* ``__call__``: :mod:`singletask.lifecycle` (acquire, renew, release; every execution that
-  does not run its body ends in :mod:`singletask.outcomes`, which applies the
+* definition time: :class:`~singletask.conf.options.TaskOptions` validates the ``lock_*``
+attributes;
+* ``apply_async``: :mod:`singletask.send.dedup` (send-time deduplication) and
+  :mod:`singletask.send.debounce` (``lock_debounce``);
+* ``__call__``: :mod:`singletask.execution.lifecycle` (acquire, renew, release; every execution that
+  does not run its body ends in :mod:`singletask.execution.outcomes`, which applies the
   :mod:`singletask.policies`);
 * ``on_success`` / ``on_failure`` / ``after_return`` called by the worker's main process, and
-  Celery's signals there: :mod:`singletask.recovery`.
+  Celery's signals there: :mod:`singletask.execution.recovery`.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ import celery
 from celery import Task
 from celery.app.task import Context
 
-from . import debounce, enqueue, lifecycle, messages, outcomes, recovery
+from .conf.options import TaskOptions
+from .conf.runtime import app_state, check_lease_options, lock_options
 from .exceptions import ConfigurationError, TaskLocked
-from .options import TaskOptions
-from .runtime import app_state, check_lease_options, lock_options
-from .worker import CheckLockStore
+from .execution import lifecycle, outcomes, recovery
+from .execution.bootstep import CheckLockStore
+from .protocol import headers
+from .send import debounce, dedup
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -47,10 +50,10 @@ __all__ = ["SingletonTask", "override_lock_backend"]
 
 #: Message header counting the lock retries of a task id (the task's own ``retries`` stays
 #: untouched, so lock retries never spend ``max_retries``).
-LOCK_RETRIES_HEADER = messages.LOCK_RETRIES_HEADER
+LOCK_RETRIES_HEADER = headers.LOCK_RETRIES_HEADER
 
 #: Message header counting the retries made because the lock store could not be reached.
-BACKEND_RETRIES_HEADER = messages.BACKEND_RETRIES_HEADER
+BACKEND_RETRIES_HEADER = headers.BACKEND_RETRIES_HEADER
 
 #: Longest wait between those retries, in seconds (they back off 1, 2, 4, ... up to this).
 BACKEND_RETRY_CAP = outcomes.BACKEND_RETRY_CAP
@@ -108,8 +111,9 @@ class SingletonTask(_TaskBase):
 
     @classmethod
     def on_bound(cls, app: Celery) -> None:
-        """Make the app's workers check the lock store at start (see :mod:`singletask.worker`),
-        and refuse lease options longer than the configured store accepts."""
+        """Make the app's workers check the lock store at start (see
+        :mod:`singletask.execution.bootstep`), and refuse lease options longer than the configured
+        store accepts."""
         super().on_bound(app)
         app.steps["worker"].add(CheckLockStore)
         # Definition time: binding has read the app's configuration, so a lease option longer
@@ -177,9 +181,9 @@ class SingletonTask(_TaskBase):
         :class:`~singletask.LockKeyError`, a ``TypeError`` too, before anything is reserved.
         """
 
-        headers = options.get("headers") or {}
-        if messages.SENT_AT_HEADER not in headers:  # its first send: the wait counts from it
-            options = {**options, "headers": {**headers, messages.SENT_AT_HEADER: time.time()}}
+        given = options.get("headers") or {}
+        if headers.SENT_AT_HEADER not in given:  # its first send: the wait counts from it
+            options = {**options, "headers": {**given, headers.SENT_AT_HEADER: time.time()}}
 
         def publish(task_id: str | None, send: Mapping[str, Any] = options) -> AsyncResult[Any]:
             # As given: Celery checks them (a str is not a tuple), and sends a list as a list.
@@ -201,7 +205,7 @@ class SingletonTask(_TaskBase):
                 self, lock, publish, task_id, args, kwargs,
                 linked=bool(link or link_error), send_options=options,
             )  # fmt: skip
-        return enqueue.send(
+        return dedup.send(
             self, lock, publish, task_id, args, kwargs,
             linked=bool(link or link_error), send_options=options,
         )  # fmt: skip

@@ -23,14 +23,13 @@ import click
 import pytest
 from click.testing import CliRunner, Result
 
-from singletask import cli_locks
 from singletask.backends import BACKEND_ALIASES, backend_from_url
 from singletask.backends.base import LockBackend
 from singletask.backends.memory import MemoryBackend
-from singletask.cli import singletask
-from singletask.inventory import FIELDS, find_state
+from singletask.cli import locks, singletask
+from singletask.ops.inventory import FIELDS, find_state
+from singletask.protocol.slots import slot_key
 from singletask.signals import lock_released_by_operator
-from singletask.slots import slot_key
 
 from .servers import SQL_URLS, redis_server_binary, sql_test_table, unavailable
 
@@ -77,12 +76,12 @@ def invoke(*args: str, interactive: bool = False, answer: str = "") -> Result:
         runner = CliRunner(mix_stderr=False)  # type: ignore[call-arg]  # click < 8.2
     except TypeError:
         runner = CliRunner()  # click >= 8.2 keeps stderr apart by itself
-    cli_locks_interactive = cli_locks._interactive
-    cli_locks._interactive = lambda: interactive  # type: ignore[assignment]
+    cli_locks_interactive = locks._interactive
+    locks._interactive = lambda: interactive  # type: ignore[assignment]
     try:
         return runner.invoke(singletask, list(args), input=answer, prog_name="singletask")
     finally:
-        cli_locks._interactive = cli_locks_interactive  # type: ignore[assignment]
+        locks._interactive = cli_locks_interactive  # type: ignore[assignment]
 
 
 def hold(backend: LockBackend, key: str, task_id: str, **meta: str) -> int:
@@ -258,7 +257,7 @@ def test_an_unreachable_store_is_one_line_with_exit_status_3(args: list[str]) ->
         [sys.executable, "-m", "singletask", *args, "--url", url],
         capture_output=True, text=True, timeout=60, cwd=ROOT, stdin=subprocess.DEVNULL,
     )  # fmt: skip
-    assert done.returncode == cli_locks.STORE_FAILED == 3, done.stderr
+    assert done.returncode == locks.STORE_FAILED == 3, done.stderr
     assert "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "s3cret" not in done.stderr

@@ -20,9 +20,9 @@ from celery.result import AsyncResult
 
 from singletask import ConfigurationError, SingletonTask, Skipped
 from singletask.backends.base import LockBackend
-from singletask.enqueue import send_once
-from singletask.messages import LATEST_HEADER
-from singletask.runtime import lock_options
+from singletask.conf.runtime import lock_options
+from singletask.protocol.headers import LATEST_HEADER
+from singletask.send.dedup import send_once
 from singletask.signals import lock_conflict
 
 LEASE = 30.0

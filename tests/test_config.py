@@ -20,7 +20,7 @@ import pytest
 
 from singletask import ConfigurationError, LockHandle, SingletonTask, Skipped, TaskLocked
 from singletask.backends import backend_from_url
-from singletask.config import DEFAULTS, Settings
+from singletask.conf.settings import DEFAULTS, Settings
 
 
 @pytest.fixture
@@ -639,7 +639,7 @@ def test_a_message_delayed_beyond_the_longest_lease_is_sent_with_a_capped_reserv
     longer than the stores' MAX_LEASE (366 days) caps the reservation there instead of being
     refused by the store (or, before leases were checked, failing inside it)."""
     from singletask.backends.base import MAX_LEASE
-    from singletask.enqueue import queue_lease
+    from singletask.send.dedup import queue_lease
 
     # Given a queue-scope task on an in-process broker and lock store
     app = celery.Celery("t", set_as_current=False, broker="memory://")

@@ -14,8 +14,8 @@ import celery
 import pytest
 
 from singletask import ConfigurationError, SingletonTask, Skipped
-from singletask.debounce import wait
-from singletask.runtime import lock_options
+from singletask.conf.runtime import lock_options
+from singletask.send.debounce import wait
 
 
 @pytest.fixture
@@ -154,7 +154,7 @@ def test_a_send_waits_its_debounce_on_top_of_its_countdown_and_its_expires_moves
     """What apply_async publishes for a debounced task (captured where Celery would publish):
     the countdown adds the wait, and an ``expires`` (beat's recipe sets one period) moves by
     the same wait, so that the message does not expire before it may run."""
-    from singletask import debounce
+    from singletask.send import debounce
 
     app = celery.Celery("debounce-send", set_as_current=False)
     app.conf.update(singletask_backend_url="memory://")
@@ -192,7 +192,7 @@ def test_an_earlier_send_with_a_longer_countdown_of_its_own_never_runs_its_older
     was longer) still finds the window, and ends superseded instead of running."""
     import time
 
-    from singletask import debounce
+    from singletask.send import debounce
 
     if store == "memory":
         url = "memory://"

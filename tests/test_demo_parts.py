@@ -30,7 +30,7 @@ from singletask.demo.timeline import (
     summary_table,
 )
 from singletask.demo.worker import SQLITE_TABLES, delete_lock_keys
-from singletask.slots import slot_key
+from singletask.protocol.slots import slot_key
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 

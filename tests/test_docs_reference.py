@@ -4,7 +4,7 @@ with the code that validates them.
 The reference has two tables: "App settings" (setting, default, meaning) and "Task options"
 (option, default, values, app setting used when ``None``). In a default cell, the first inline
 literal is the default (a Python literal, compared with the code's value); what follows it
-explains it. The code's side is :data:`singletask.config.DEFAULTS` for the settings and the
+explains it. The code's side is :data:`singletask.conf.settings.DEFAULTS` for the settings and the
 ``lock_*`` class attributes of :class:`~singletask.SingletonTask` for the task options.
 
 So a setting or option added, renamed or removed in the code, or a changed default, fails here
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from singletask import SingletonTask
-from singletask.config import DEFAULTS, MAX_COUNT, MAX_SECONDS
+from singletask.conf.settings import DEFAULTS, MAX_COUNT, MAX_SECONDS
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "configuration.rst"
@@ -225,10 +225,10 @@ def _fact_sentences() -> list[tuple[str, str]]:
     """(page, sentence) for every default or limit the facts pages give."""
     import inspect
 
-    from singletask import outcomes, policies
-    from singletask.acquire import RATE_WAIT
+    from singletask import policies
     from singletask.backends import memory
     from singletask.backends.django import DjangoCacheBackend
+    from singletask.backends.holders import MAX_LEASE
     from singletask.backends.memcached import items
     from singletask.backends.memcached.store import MemcachedBackend
     from singletask.backends.redis import store as redis_store
@@ -236,10 +236,11 @@ def _fact_sentences() -> list[tuple[str, str]]:
     from singletask.backends.sql import core, mysql_queries, postgres_queries, sqlite
     from singletask.backends.sql.mysql import MySQLBackend
     from singletask.backends.sql.postgres import PostgresBackend
-    from singletask.config import MIN_RATE_INTERVAL
-    from singletask.holders import MAX_LEASE
+    from singletask.conf.settings import MIN_RATE_INTERVAL
+    from singletask.execution import outcomes
+    from singletask.execution.acquire import RATE_WAIT
     from singletask.lease import DRIFT_FACTOR, DRIFT_MIN, IDLE_EXIT, RETRY_INTERVAL, drift_margin
-    from singletask.slots import MAX_LIMIT
+    from singletask.protocol.slots import MAX_LIMIT
 
     def days(seconds: float) -> str:
         return f"{seconds / 86400:g} days"

@@ -22,7 +22,7 @@ from singletask.backends import backend_from_url
 from singletask.backends.base import LockBackend
 from singletask.backends.sql.sqlite import SQLiteBackend
 from singletask.cli import singletask
-from singletask.exporter import (
+from singletask.ops.exporter import (
     OUTCOMES,
     EventFollower,
     EventMetrics,
@@ -30,8 +30,8 @@ from singletask.exporter import (
     StoreCollector,
     task_of_key,
 )
-from singletask.keys import escape_name
-from singletask.tokens import execution_token, reservation_token
+from singletask.protocol.keys import escape_name
+from singletask.protocol.tokens import execution_token, reservation_token
 
 from .faultproxy import FaultProxy
 from .prometheus_text import exposed_names, names_in_examples, samples_of, scrape_text, value

@@ -17,9 +17,9 @@ import pytest
 
 from singletask import SingletonTask
 from singletask.backends.memory import MemoryBackend
-from singletask.outcomes import refused
+from singletask.conf.runtime import lock_options
+from singletask.execution.outcomes import refused
 from singletask.policies import Conflict
-from singletask.runtime import lock_options
 from singletask.signals import lock_conflict
 from singletask.task import override_lock_backend
 

@@ -20,7 +20,7 @@ import pytest
 from kombu.utils import json as kombu_json
 
 from singletask import ConfigurationError, LockKeyError, SingletonTask
-from singletask.keys import canonical_json
+from singletask.protocol.keys import canonical_json
 
 SECRET = "hunter2-card-4111111111111111"
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from celery.exceptions import Ignore, Reject, Retry
 
-from singletask.config import POLICIES as POLICY_NAMES
-from singletask.lifecycle import ENDINGS, ending_of
+from singletask.conf.settings import POLICIES as POLICY_NAMES
+from singletask.execution.lifecycle import ENDINGS, ending_of
 from singletask.policies import POLICIES, Policy
 
 
@@ -74,7 +74,7 @@ def test_a_retried_attempt_waits_longer_at_each_check_while_its_previous_attempt
     """The checks of a retried attempt that finds the attempt before it still running: 0.5 to
     0.75 s first, then doubling (up to 25 % more), never above the holder's lease left (at
     least 1 s, at most ``lock_ttl``)."""
-    from singletask.outcomes import previous_attempt_wait
+    from singletask.execution.outcomes import previous_attempt_wait
 
     for _ in range(50):
         assert 0.5 <= previous_attempt_wait(0, 30.0, 29.0) <= 0.75
@@ -90,7 +90,7 @@ def test_the_count_of_checks_belongs_to_one_attempt() -> None:
     count for attempt 2, which starts again from 0."""
     from types import SimpleNamespace
 
-    from singletask.messages import PREVIOUS_WAITS_HEADER, attempt_count
+    from singletask.protocol.headers import PREVIOUS_WAITS_HEADER, attempt_count
 
     def request(retries: int, value: object) -> object:
         return SimpleNamespace(retries=retries, headers={PREVIOUS_WAITS_HEADER: value})

@@ -15,7 +15,7 @@ import pytest
 
 from singletask import ConfigurationError, SingletonTask, Skipped, TaskLocked
 from singletask.backends.base import LockBackend
-from singletask.slots import slot_key, slot_keys
+from singletask.protocol.slots import slot_key, slot_keys
 
 LEASE = 30.0
 
@@ -173,7 +173,7 @@ def test_a_redelivered_copy_of_a_running_message_waits_for_it_instead_of_taking_
 ) -> None:
     """A singleton sees a copy of a running message as a conflict on its one key; with free
     slots the copy must still not run beside the original: it defers until the original ends."""
-    from singletask.messages import REDELIVERED_HEADER
+    from singletask.protocol.headers import REDELIVERED_HEADER
     from singletask.signals import lock_conflict
 
     ran: list[str] = []

@@ -11,17 +11,10 @@ from collections.abc import Iterator
 import pytest
 from celery import Celery
 
-from singletask import (
-    ConfigurationError,
-    RateLimited,
-    SingletonTask,
-    Skipped,
-    TaskLocked,
-    dispatch,
-    observe,
-)
-from singletask.config import Settings
-from singletask.flower import describe, format_task, shown_state
+from singletask import ConfigurationError, RateLimited, SingletonTask, Skipped, TaskLocked
+from singletask.conf.settings import Settings
+from singletask.observe import events, report
+from singletask.observe.flower import describe, format_task, shown_state
 from tests.servers import free_port
 
 
@@ -35,20 +28,20 @@ def app() -> Iterator[Celery]:
 
 def test_events_follow_the_worker_unless_the_setting_forces_them(app: Celery) -> None:
     # Given no worker and no setting, no events
-    assert not observe.sends_events(app)
+    assert not report.sends_events(app)
     # When the worker was started with -E, its processes send them
-    observe.worker_started(app, True, "w@host")
-    assert observe.sends_events(app)
+    report.worker_started(app, True, "w@host")
+    assert report.sends_events(app)
     # And the setting wins over the worker either way
     app.conf.singletask_send_events = False
     app.__dict__.pop("_singletask_state", None)  # settings are read once per app
-    assert not observe.sends_events(app)
+    assert not report.sends_events(app)
 
 
 def test_a_producer_sends_them_with_task_sent_events(app: Celery) -> None:
-    assert not observe.sends_events(app, producer=True)
+    assert not report.sends_events(app, producer=True)
     app.conf.task_send_sent_event = True
-    assert observe.sends_events(app, producer=True)
+    assert report.sends_events(app, producer=True)
 
 
 def test_the_setting_is_none_or_a_bool(app: Celery) -> None:
@@ -58,8 +51,8 @@ def test_the_setting_is_none_or_a_bool(app: Celery) -> None:
 
 
 def test_every_conflict_action_maps_onto_an_outcome_of_the_contract() -> None:
-    assert set(observe.CONFLICT_OUTCOMES.values()) <= observe.OUTCOMES
-    assert len(observe.OUTCOMES) == 11
+    assert set(report.CONFLICT_OUTCOMES.values()) <= report.OUTCOMES
+    assert len(report.OUTCOMES) == 11
 
 
 def test_an_unreachable_broker_does_not_hold_the_execution_up(
@@ -68,14 +61,14 @@ def test_an_unreachable_broker_does_not_hold_the_execution_up(
     # Given events forced on, and a broker nothing listens on
     app.conf.singletask_send_events = True
 
-    @app.task(base=SingletonTask, bind=True, name="observe.t")
+    @app.task(base=SingletonTask, bind=True, name="report.t")
     def t(self: SingletonTask) -> None: ...
 
     t.push_request(id="an-id", hostname="w@host")
     try:
         # When an outcome is told
         start = time.monotonic()
-        observe.emit(t, "skipped", "k", holder="other")
+        report.emit(t, "skipped", "k", holder="other")
         took = time.monotonic() - start
     finally:
         t.pop_request()
@@ -91,10 +84,10 @@ def test_an_unreachable_broker_does_not_hold_the_execution_up(
 def test_events_queue_up_to_a_bound(
     app: Celery, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(dispatch, "QUEUE_LIMIT", 2)
+    monkeypatch.setattr(events, "QUEUE_LIMIT", 2)
     with caplog.at_level(logging.WARNING, logger="singletask"):
         for _ in range(20):
-            dispatch.send(app, "task-singletask-skipped", None, {"uuid": "x"})
+            events.send(app, "task-singletask-skipped", None, {"uuid": "x"})
     # (once per run of drops: the thread may take one event between two of them)
     assert 1 <= caplog.text.count("2 events wait for the broker; dropping new ones") <= 3
 

@@ -19,7 +19,7 @@ import pytest
 from kombu.exceptions import EncodeError
 
 from singletask import SingletonTask, Skipped
-from singletask.tokens import execution_token
+from singletask.protocol.tokens import execution_token
 
 
 class Unserializable:

@@ -18,8 +18,8 @@ import pytest
 
 from singletask import ConfigurationError, LockPreempted, SingletonTask, Skipped
 from singletask.backends.base import LockBackend
+from singletask.protocol.slots import slot_keys
 from singletask.signals import lock_conflict, lock_lost
-from singletask.slots import slot_keys
 
 LEASE = 30.0
 

@@ -26,7 +26,7 @@ import pytest
 
 from singletask import SingletaskError, SingletonTask
 from singletask.backends import backend_from_url, known_schemes
-from singletask.config import Settings
+from singletask.conf.settings import Settings
 
 from .servers import free_port
 

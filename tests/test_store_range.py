@@ -23,8 +23,8 @@ import pytest
 from singletask import ConfigurationError, SingletonTask
 from singletask.backends import BACKEND_ALIASES, backend_class
 from singletask.backends.memory import MemoryBackend
-from singletask.config import MAX_SECONDS
-from singletask.worker import CheckLockStore
+from singletask.conf.settings import MAX_SECONDS
+from singletask.execution.bootstep import CheckLockStore
 
 MEMCACHED = "memcached://127.0.0.1:1"  # nothing connects to it: the class decides
 

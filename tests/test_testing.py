@@ -17,7 +17,7 @@ import pytest
 
 from singletask import LockKeyError, SingletonTask, Skipped, TaskLocked
 from singletask.backends.memory import MemoryBackend
-from singletask.inventory import find_state
+from singletask.ops.inventory import find_state
 from singletask.testing import (
     DEFAULT_HOLDER_ID,
     DEFAULT_LEASE,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 
-from singletask.tokens import execution_token, host_id, parse_token, process_state
+from singletask.protocol.tokens import execution_token, host_id, parse_token, process_state
 
 
 def test_an_execution_token_with_a_uuid_task_id_fits_in_64_bytes() -> None:

@@ -24,7 +24,7 @@ import pytest
 from celery.concurrency import get_implementation
 
 from singletask import SingletonTask
-from singletask.startup import check_worker
+from singletask.execution.startup import check_worker
 
 APP_MODULE = """
 import os

@@ -35,9 +35,8 @@ from urllib.parse import urlsplit
 from kombu.utils.imports import symbol_by_name
 
 from ..exceptions import ConfigurationError, UnknownBackendError
-from ..urls import mask_url
-from ._moved import install as _install_moved_modules
 from .base import AcquireResult, Holder, LockBackend
+from .urls import mask_url
 
 __all__ = [
     "BACKEND_ALIASES",
@@ -77,8 +76,6 @@ EXTRAS: dict[str, str] = {
 }
 
 ENTRY_POINT_GROUP = "singletask.backends"
-
-_install_moved_modules()
 
 
 def _plugins() -> dict[str, str]:

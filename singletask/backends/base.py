@@ -13,7 +13,7 @@ Policy (which key, which token, what to do when a lock is held, when to release)
 * a release can leave a completion marker that later acquisitions of the key see;
 * a key can have one pending follow-up task id, claimed and cleared atomically;
 * ``lock_limit``: a key can have up to N holders, one per *holder slot*; a slot is a store key
-  of its own (:mod:`singletask.slots`) that shares the key's fence record, and
+  of its own (:mod:`singletask.protocol.slots`) that shares the key's fence record, and
   :meth:`LockBackend.acquire_slot` takes a free one in one atomic step;
 * ``lock_rate``: :meth:`LockBackend.acquire_slot` can also space the starts of a key by an
   interval, checked and recorded in the same atomic step (a *rate record* per key);
@@ -39,11 +39,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from ..exceptions import BackendError, UnsupportedOperation
-from ..holders import MAX_LEASE as _MAX_LEASE
-from ..holders import STATE_KINDS, AcquireResult, Holder, StoreState, check_lease
+from .holders import MAX_LEASE as _MAX_LEASE
+from .holders import STATE_KINDS, AcquireResult, Holder, StoreState, check_lease
 
-# Holder, AcquireResult, StoreState, MAX_LEASE, check_lease: from singletask.holders; stores
-# import them here.
+# Holder, AcquireResult, StoreState, MAX_LEASE, check_lease: from singletask.backends.holders;
+# stores import them here.
 __all__ = [
     "MAX_LEASE", "STATE_KINDS", "AcquireResult", "Holder", "LockBackend", "StoreState",
     "check_lease",
@@ -362,8 +362,8 @@ class LockBackend(abc.ABC):
         streamed: never load the whole keyspace; Redis uses SCAN MATCH COUNT, never KEYS). Only live
         (unexpired) locks are yielded, each with the same Holder ``holder(key)`` returns (token,
         task_id, ttl, meta, fence). The holder slots of a key under ``prefix`` are yielded too,
-        each under its own store key (``{<key>}:slot:<i>``, see :mod:`singletask.slots`). A lock
-        acquired or released during the iteration may or may not
+        each under its own store key (``{<key>}:slot:<i>``, see :mod:`singletask.protocol.slots`). A
+        lock acquired or released during the iteration may or may not
         appear. Bookkeeping keys of the store (fence records, follow-up slots) are never yielded.
 
         Raises:
@@ -375,8 +375,8 @@ class LockBackend(abc.ABC):
         """Yield the live bookkeeping records of the lock keys that start with ``prefix``: a
         pending follow-up claim (:meth:`claim_next`), a debounce window, open or closed
         (:meth:`debounce`), a rate record (``acquire_slot`` with ``interval``); see
-        :class:`~singletask.holders.StoreState`. Paged and bounded as :meth:`iter_locks`, whose
-        prefix rules it shares; read-only: it creates, renews and deletes nothing (a store
+        :class:`~singletask.backends.holders.StoreState`. Paged and bounded as :meth:`iter_locks`,
+        whose prefix rules it shares; read-only: it creates, renews and deletes nothing (a store
         whose table or file is missing yields nothing). Never on the execution path. A record
         that runs out or changes during the iteration may or may not appear.
 

@@ -37,9 +37,9 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 from ..exceptions import ConfigurationError, UnsupportedOperation
-from ..urls import mask_url, parse_redis_url
 from .base import AcquireResult, Holder, LockBackend
 from .memcached.store import MAX_RELATIVE_EXPIRY
+from .urls import mask_url, parse_redis_url
 
 __all__ = ["REFUSED", "DjangoCacheBackend"]
 

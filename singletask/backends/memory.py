@@ -20,9 +20,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..exceptions import ConfigurationError
-from ..slots import base_key, choose_slot, slot_keys
-from ..urls import mask_url
+from ..protocol.slots import base_key, choose_slot, slot_keys
 from .base import AcquireResult, Holder, LockBackend, StoreState, check_lease
+from .urls import mask_url
 
 __all__ = ["MemoryBackend"]
 

@@ -1,8 +1,9 @@
 """What the demo checks on a scenario's timeline: runs at once per lock key, spacing of starts.
 
 A run's key is the store key it held: with ``lock_limit`` above 1 that is one of the key's
-holder slots (:mod:`singletask.slots`), so runs are grouped by the lock key their slot belongs
-to. Each check returns its problems in words; an empty list means the timeline kept the limits.
+holder slots (:mod:`singletask.protocol.slots`), so runs are grouped by the lock key their slot
+belongs to. Each check returns its problems in words; an empty list means the timeline kept the
+limits.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from ..slots import base_key
+from ..protocol.slots import base_key
 from .timeline import Run, max_overlap
 
 __all__ = [

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from celery import signals as celery_signals
 
-from ..urls import mask_url
+from ..backends.urls import mask_url
 from .local import DemoError, Setup, configure
 from .worker import WorkerProcess, interrupt_on_sigterm, tidy_up_servers
 

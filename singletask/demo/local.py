@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from celery import signals as celery_signals
 from kombu import Exchange, Queue
 
+from ..backends.urls import mask_url
 from ..signals import lock_conflict
-from ..urls import mask_url
 from .events import EventLog
 
 if TYPE_CHECKING:

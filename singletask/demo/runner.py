@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .. import __version__
+from ..conf.runtime import lock_options
 from ..exceptions import SingletaskError, TaskLocked
+from ..protocol.slots import base_key
 from ..result import Skipped
-from ..runtime import lock_options
-from ..slots import base_key
 from .checks import Limits, problems
 from .display import LiveDisplay, PlainDisplay, clock, short
 from .events import EventLog

@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ..slots import base_key
+from ..protocol.slots import base_key
 from .events import Event
 
 __all__ = ["Board", "Mark", "Run", "Style", "max_overlap", "render", "summary_table"]

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, Final
 from celery.canvas import Signature
 
 from ..exceptions import TaskLocked
+from ..protocol.tokens import execution_token
 from ..task import SingletonTask
-from ..tokens import execution_token
 
 if TYPE_CHECKING:
     from ..backends.base import LockBackend

@@ -21,7 +21,7 @@ import pytest
 
 from singletask.backends.base import AcquireResult, LockBackend
 from singletask.exceptions import UnsupportedOperation
-from singletask.slots import slot_key
+from singletask.protocol.slots import slot_key
 
 from ..conftest import ONE_HOLDER_BACKENDS
 from .test_contract import (

@@ -17,7 +17,7 @@ import pytest
 
 from singletask.backends.base import LockBackend
 from singletask.exceptions import UnsupportedOperation
-from singletask.slots import slot_keys
+from singletask.protocol.slots import slot_keys
 
 from ..conftest import ONE_HOLDER_BACKENDS
 from .test_contract import (

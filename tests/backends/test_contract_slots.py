@@ -1,8 +1,8 @@
 """The contract of holder slots (``lock_limit``), run against every backend.
 
 :meth:`LockBackend.acquire_slot` takes one of a key's N holder slots in one atomic step; each
-slot is a store key of its own (:mod:`singletask.slots`) that renews, releases and lists like
-any lock, and shares the key's fence record. A store without slots (``supports_limit`` False)
+slot is a store key of its own (:mod:`singletask.protocol.slots`) that renews, releases and lists
+like any lock, and shares the key's fence record. A store without slots (``supports_limit`` False)
 refuses at once with UnsupportedOperation, and task definitions on it are refused at worker
 start (tests/test_limit.py).
 """
@@ -16,7 +16,7 @@ import pytest
 
 from singletask.backends.base import AcquireResult, LockBackend
 from singletask.exceptions import UnsupportedOperation
-from singletask.slots import base_key, slot_key, slot_keys
+from singletask.protocol.slots import base_key, slot_key, slot_keys
 
 from ..conftest import ONE_HOLDER_BACKENDS
 from .test_contract import (

@@ -17,7 +17,7 @@ import pytest
 
 from singletask.backends.base import LockBackend, StoreState
 from singletask.exceptions import UnsupportedOperation
-from singletask.inventory import StateRecord, find_state
+from singletask.ops.inventory import StateRecord, find_state
 
 from ..conftest import ONE_HOLDER_BACKENDS
 from .test_contract import (

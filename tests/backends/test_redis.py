@@ -25,8 +25,8 @@ from singletask.backends import backend_class, backend_from_url, known_schemes
 from singletask.backends.memory import MemoryBackend
 from singletask.backends.redis.store import RedisBackend, fence_key
 from singletask.exceptions import UnknownBackendError
-from singletask.slots import slot_key
-from singletask.tokens import execution_token
+from singletask.protocol.slots import slot_key
+from singletask.protocol.tokens import execution_token
 
 from ..faultproxy import FaultProxy, address_of
 from ..servers import free_port
@@ -748,7 +748,7 @@ REACHING = ["x:fence", "x}:fence", "{x}:fence", "x%7D:fence", "x:fence}", "x}"]
 def test_no_lock_key_names_another_locks_companion_hash(prefix: str) -> None:
     """Whatever a lock_key's text, its key is never the companion hash of another lock under
     the same prefix (nor of its own)."""
-    from singletask.keys import KeySpec
+    from singletask.protocol.keys import KeySpec
 
     spec = KeySpec("tasks.sync", None, None, lambda text: text)
     lock = spec.key(prefix, "tasks.sync", ("x",), {})
@@ -767,7 +767,7 @@ def test_a_lock_whose_text_ends_in_fence_leaves_another_locks_follow_up_claim_al
     """The lock key "<...>:x:fence" and the companion hash of the lock "<...>:x" (a coalescing
     task's pending follow-up) are two keys, also under a hash-tagged prefix: taking, renewing
     or releasing the one never touches the other."""
-    from singletask.keys import KeySpec
+    from singletask.protocol.keys import KeySpec
 
     spec = KeySpec("tasks.sync", None, None, lambda text: text)
     lock = spec.key(key_prefix + prefix, "tasks.sync", ("x",), {})

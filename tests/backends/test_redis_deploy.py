@@ -29,8 +29,8 @@ from singletask.exceptions import (
     ConfigurationError,
     LockKeyError,
 )
-from singletask.slots import companion_key, slot_key, slot_keys
-from singletask.tokens import reservation_token
+from singletask.protocol.slots import companion_key, slot_key, slot_keys
+from singletask.protocol.tokens import reservation_token
 
 from ..deployments import (
     ClusterDeployment,

@@ -20,8 +20,8 @@ from singletask.backends.redis.store import (
     RedisBackend,
     fence_key,
 )
-from singletask.inventory import find_locks
-from singletask.tokens import execution_token, reservation_token
+from singletask.ops.inventory import find_locks
+from singletask.protocol.tokens import execution_token, reservation_token
 
 from ..servers import RedisServer, redis_server_binary
 from .redis_010 import OldWorker

@@ -17,7 +17,7 @@ from singletask import ConfigurationError
 from singletask.backends import backend_from_url
 from singletask.backends.sql.sqlite import SQLiteBackend
 from singletask.exceptions import BackendTimeout, LockKeyError
-from singletask.slots import slot_index, slot_keys
+from singletask.protocol.slots import slot_index, slot_keys
 
 
 def test_sqlite_urls_follow_the_sqlalchemy_convention(

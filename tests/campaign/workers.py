@@ -2,7 +2,7 @@
 believed (tests/campaign/history.py). It runs as a thread of the test process or as a process of
 its own (:func:`process_main`, started with the ``spawn`` method).
 
-Each hold is built as the task path builds it (singletask/lifecycle.py): a
+Each hold is built as the task path builds it (singletask/execution/lifecycle.py): a
 :class:`~singletask.lease.LockHandle` whose deadline counts from just before the acquire was sent
 (``sent_at``), renewed, when the hold renews, by a :class:`~singletask.lease.Renewer`. The
 worker's critical section is a series of slices, each ended by ``check()``: the believed

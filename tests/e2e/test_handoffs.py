@@ -15,7 +15,7 @@ import time
 import pytest
 
 from singletask import RateLimited, Skipped
-from singletask.slots import slot_keys
+from singletask.protocol.slots import slot_keys
 
 from .conftest import ON_REDIS_BROKER, Cluster
 from .tasks_handoffs import PREFIX

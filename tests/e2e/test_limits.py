@@ -15,7 +15,7 @@ from celery.exceptions import WorkerLostError
 
 from singletask import Skipped
 from singletask.backends.redis import RedisBackend
-from singletask.slots import slot_key
+from singletask.protocol.slots import slot_key
 
 from .conftest import Cluster
 from .tasks_limits import TTL

@@ -16,7 +16,7 @@ import pytest
 
 from singletask import Skipped
 from singletask.backends.redis import RedisBackend
-from singletask.slots import slot_keys
+from singletask.protocol.slots import slot_keys
 
 from .conftest import Cluster, start_cluster
 from .probe import Probe

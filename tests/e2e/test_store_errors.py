@@ -25,8 +25,8 @@ import pytest
 
 from singletask.backends import backend_from_url
 from singletask.backends.redis.wire import _CLAIM_NEXT
-from singletask.messages import REDELIVERED_HEADER
-from singletask.slots import slot_keys
+from singletask.protocol.headers import REDELIVERED_HEADER
+from singletask.protocol.slots import slot_keys
 
 from .faults import BOUND, FaultEnv
 from .proxy import TcpProxy

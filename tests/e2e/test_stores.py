@@ -21,7 +21,7 @@ from celery import Celery, group
 from singletask import ConfigurationError, SingletonTask, Skipped, TaskLocked
 from singletask.backends import backend_from_url
 from singletask.backends.base import LockBackend
-from singletask.slots import slot_keys
+from singletask.protocol.slots import slot_keys
 
 from .conftest import LOCK_STORES
 from .faults import BOUND, FaultEnv

@@ -44,9 +44,9 @@ from celery import Celery
 from singletask.backends import backend_from_url
 from singletask.backends.base import LockBackend
 from singletask.backends.sql.sqlite_windows import CLOSED
+from singletask.conf.runtime import app_state
 from singletask.exceptions import TaskLocked
 from singletask.result import Skipped
-from singletask.runtime import app_state
 
 from ..faultproxy import FaultProxy, address_of
 from ..servers import SQL_URLS, drop_sql_table, free_port

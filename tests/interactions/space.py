@@ -3,7 +3,7 @@
 :data:`OPTIONS` lists every task option the campaign varies and the values it draws;
 :data:`FIXED` the options it sets to one value for every configuration (timings that keep a
 round short); :data:`NOT_DRAWN` the ones a task's key needs. Together they name every option of
-:data:`singletask.options.ATTRIBUTE_CHECKS`, and tests/interactions/test_interactions.py fails
+:data:`singletask.conf.options.ATTRIBUTE_CHECKS`, and tests/interactions/test_interactions.py fails
 when an option joins ``SingletonTask`` without joining this table (the project's rule: every
 option added later joins the campaign's space).
 

@@ -28,8 +28,8 @@ import pytest
 from celery import Celery
 
 from singletask import SingletonTask
+from singletask.conf.options import ATTRIBUTE_CHECKS
 from singletask.exceptions import ConfigurationError
-from singletask.options import ATTRIBUTE_CHECKS
 
 from ..e2e.conftest import CLIENT_GARBAGE
 from ..servers import CI, sql_problem, unavailable

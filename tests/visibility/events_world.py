@@ -40,7 +40,7 @@ from tests.visibility.events_app import (
 ROOT = Path(__file__).resolve().parents[2]
 
 #: Flower's configuration file: singletask's formatter for its task list and task page.
-FLOWER_CONFIG = "from singletask.flower import format_task  # noqa: F401\n"
+FLOWER_CONFIG = "from singletask.observe.flower import format_task  # noqa: F401\n"
 
 
 class Process:

@@ -18,7 +18,8 @@ import pytest
 import redis
 from celery.contrib.testing.worker import start_worker
 
-from singletask import Skipped, spans
+from singletask import Skipped
+from singletask.observe.report import spans
 from tests.visibility.events_app import GATES_ENV, gate_key, make_app
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ import pytest
 
 from singletask.backends import backend_from_url
 from singletask.backends.base import LockBackend
-from singletask.web import LockPage
+from singletask.ops.web import LockPage
 
 from .helpers import TOKEN
 

@@ -12,7 +12,7 @@ from wsgiref.util import setup_testing_defaults
 from wsgiref.validate import validator
 
 from singletask.backends.base import LockBackend
-from singletask.web import TOKEN_HEADER
+from singletask.ops.web import TOKEN_HEADER
 
 TOKEN = "correct-horse-battery-staple"
 

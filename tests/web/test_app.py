@@ -1,4 +1,4 @@
-"""The lock page's HTTP behaviour (singletask.web), against real lock stores, without a browser.
+"""The lock page's HTTP behaviour (singletask.ops.web), against real lock stores, without a browser.
 
 The page itself, in a headless Chromium with a real worker holding the locks, is tested in
 tests/visibility/test_web.py (``-m visibility``); its mounts in other sites in test_mounts.py
@@ -18,7 +18,7 @@ import pytest
 from singletask.backends import backend_from_url
 from singletask.backends.base import LockBackend
 from singletask.exceptions import ConfigurationError
-from singletask.web import LockPage
+from singletask.ops.web import LockPage
 
 from ..servers import free_port
 from .helpers import TOKEN, call, hold, release

@@ -18,7 +18,7 @@ import pytest
 
 from singletask.backends.base import LockBackend
 from singletask.exceptions import ConfigurationError
-from singletask.web import TOKEN_HEADER, LockPage, asgi, mount
+from singletask.ops.web import TOKEN_HEADER, LockPage, asgi, mount
 
 from .helpers import TOKEN, call, hold, run_asgi
 
@@ -125,7 +125,7 @@ django.setup()
 
 from celery import Celery
 from django.core.wsgi import get_wsgi_application
-from singletask.web import LockPage, mount
+from singletask.ops.web import LockPage, mount
 
 celery_app = Celery("proj", set_as_current=False)
 celery_app.conf.singletask_backend_url = sys.argv[1]
@@ -145,7 +145,7 @@ for target in ("/", "/locks", "/locks/api/locks"):
 # proj/asgi.py, as docs/web.rst writes it
 import asyncio
 from django.core.asgi import get_asgi_application
-from singletask.web import asgi
+from singletask.ops.web import asgi
 
 django_app = get_asgi_application()
 lock_page = asgi(LockPage.from_celery(celery_app))

@@ -15,8 +15,8 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ...exceptions import BackendError, ConfigurationError
-from ...urls import mask_url
 from ..base import Holder, check_lease
+from ..urls import mask_url
 
 __all__ = [
     "CLIENT_DEFAULTS",

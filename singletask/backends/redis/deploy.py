@@ -37,7 +37,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.sentinel import Sentinel
 
 from ...exceptions import ConfigurationError, LockKeyError
-from ...slots import base_key
+from ...protocol.slots import base_key
 from ..base import Holder, StoreState
 from .deploy_base import _Deployed, _raised
 from .options import (

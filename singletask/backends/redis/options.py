@@ -16,8 +16,8 @@ from typing import Any, Final
 from urllib.parse import SplitResult, parse_qsl, unquote
 
 from ...exceptions import ConfigurationError
-from ...urls import mask_url
 from ..base import MAX_LEASE
+from ..urls import mask_url
 
 __all__ = [
     "RETENTION_OPTIONS",
@@ -74,7 +74,7 @@ _FALSE: Final = {"0", "false", "no", "off"}
 
 def mask(url: str) -> str:
     """``url`` with every password replaced by ``**``, for messages and reprs: singletask's one
-    masking helper, :func:`singletask.urls.mask_url` (it handles several ``;``-separated
+    masking helper, :func:`singletask.backends.urls.mask_url` (it handles several ``;``-separated
     Sentinel URLs and a cluster URL's comma-separated host list too)."""
     return mask_url(url)
 

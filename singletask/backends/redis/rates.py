@@ -1,8 +1,8 @@
 """Rate records (``lock_rate``) and debounce windows (``lock_debounce``) on the Redis stores,
 and the names of every companion record a lock key has there.
 
-A key's companions are named by :func:`singletask.slots.companion_key`: ``{<key>}:<name>``, or
-``<key>}:<name>`` for a key with a ``}``. They hash to the key's Redis Cluster slot when the key
+A key's companions are named by :func:`singletask.protocol.slots.companion_key`: ``{<key>}:<name>``,
+or ``<key>}:<name>`` for a key with a ``}``. They hash to the key's Redis Cluster slot when the key
 has a hash tag or no ``}`` at all:
 
 * ``}:fence`` — a hash holding a coalescing task's pending follow-up claim (:func:`fence_key`);
@@ -17,8 +17,8 @@ has a hash tag or no ``}`` at all:
   it alone.
 
 A lock key built by singletask never ends in one of :data:`COMPANION_ENDS` (a ``}`` in its text
-is escaped, :mod:`singletask.keys`); a raw key that does is refused (:func:`check_key`), since
-it may be another lock's companion, and the listing of locks leaves such names out.
+is escaped, :mod:`singletask.protocol.keys`); a raw key that does is refused (:func:`check_key`),
+since it may be another lock's companion, and the listing of locks leaves such names out.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...exceptions import LockKeyError
-from ...slots import companion_key, slot_keys
+from ...protocol.slots import companion_key, slot_keys
 from ..base import check_lease
 from .scripts import _ACQUIRE_FUNCTION, _CHECK_MS
 from .slots import _ACQUIRE_SLOT, _ACQUIRE_SLOT_FUNCTION, COMPANION_ENDS
@@ -54,9 +54,9 @@ def fence_key(key: str) -> str:
 
     The name is out of reach of every lock key: it has a ``}`` after the key's prefix, which a
     lock key built by singletask never has there (the task name and the key's suffix are
-    escaped, :mod:`singletask.keys`), so a ``lock_key`` whose text ends in ``:fence`` cannot
-    name another lock's companion. It is in the lock key's Redis Cluster slot whenever the key
-    has a hash tag or no ``}`` at all (``{<key>}`` then is the tag; a tag already in the key
+    escaped, :mod:`singletask.protocol.keys`), so a ``lock_key`` whose text ends in ``:fence``
+    cannot name another lock's companion. It is in the lock key's Redis Cluster slot whenever the
+    key has a hash tag or no ``}`` at all (``{<key>}`` then is the tag; a tag already in the key
     stays the first one). A key with a ``}`` but no hash tag has its companion in another slot,
     which does no harm: no script uses the two keys together.
 

@@ -1,8 +1,8 @@
 """The Redis store's preemption records (``lock_policy = "replace"``).
 
 A preemption leaves a string at ``{<key>}:replaced:<preempted token>`` (the companion naming of
-:func:`singletask.slots.companion_key`, so it shares the cluster slot of the key or holder slot
-taken), holding the preemptor's task id, expiring with the preemptor's first lease. The
+:func:`singletask.protocol.slots.companion_key`, so it shares the cluster slot of the key or holder
+slot taken), holding the preemptor's task id, expiring with the preemptor's first lease. The
 preempted holder reads it once, after its renewal or release failed. It is a string, not a hash:
 the listings of locks and bookkeeping leave it out.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from ...slots import companion_key
+from ...protocol.slots import companion_key
 from .scripts import _CHECK_MS
 from .wire import _Script
 

@@ -220,8 +220,8 @@ return 1
 """
 
 # Lua: mark(key, marker, marker_keep) records a holder slot's completion marker on its key (the
-# slot's base key, singletask.slots), a hash in one of the states above, for marker_keep ms:
-# a held record gets the field d (its release carries it on, its lease is left alone); a
+# slot's base key, singletask.protocol.slots), a hash in one of the states above, for marker_keep
+# ms: a held record gets the field d (its release carries it on, its lease is left alone); a
 # released record gets d and keeps at least marker_keep ms; no key becomes a released record
 # {d}. Anything else (another type, a hash without expiry: not singletask's) is left alone.
 _MARK_BASE = """
@@ -243,7 +243,7 @@ end
 """
 
 # KEYS[1]  lock key
-# KEYS[2]  only when KEYS[1] is a holder slot (singletask.slots): its base key, which the
+# KEYS[2]  only when KEYS[1] is a holder slot (singletask.protocol.slots): its base key, which the
 #          completion marker goes to (same cluster slot)
 # ARGV[1]  owner token
 # ARGV[2]  completion marker to record, or '' for none

@@ -1,4 +1,4 @@
-"""Holder slots (``lock_limit``, :mod:`singletask.slots`) on the Redis stores.
+"""Holder slots (``lock_limit``, :mod:`singletask.protocol.slots`) on the Redis stores.
 
 A slot is a lock key of its own, one hash as :mod:`~singletask.backends.redis.scripts` describes;
 slot 0 is the key itself. :data:`ACQUIRE_SLOT_SCRIPT` reads every slot of a key and takes one,
@@ -18,7 +18,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from ...slots import base_key, slot_index
+from ...protocol.slots import base_key, slot_index
 from ..base import AcquireResult, Holder
 from .scripts import _ACQUIRE_FUNCTION, _CHECK_MS
 from .wire import _conflict_holder, _glob_escape, _holder, _Script, _text
@@ -98,7 +98,7 @@ return reply
 end
 """
 
-# KEYS[1…n]  the holder slots of a lock key (singletask.slots.slot_keys), slot 0 (the key) first
+# KEYS[1…n]  the holder slots of a lock key (protocol.slots.slot_keys), slot 0 (the key) first
 # ARGV       as ACQUIRE_SCRIPT's: owner token, lease ms, takeover prefix or '', since, fields…
 # Returns {1, fence, completion marker or false, index of the slot taken (0-based)} when the
 # caller holds a slot now: the slot ARGV[1] holds already (its fence is kept), else the first

@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from ...slots import split_companion
+from ...protocol.slots import split_companion
 from ..base import StoreState
 from .slots import scan_pattern
 from .wire import _text

@@ -10,7 +10,7 @@ and costs one round trip once the script is cached on the server.
 
 URLs: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` (TLS) and
 ``unix:///path/to/socket?db=0``, with redis-py's query options (``socket_timeout``, ...),
-checked strictly when the backend is built (:func:`singletask.urls.parse_redis_url`). The
+checked strictly when the backend is built (:func:`singletask.backends.urls.parse_redis_url`). The
 scripts, and how they keep every key with an expiry, are in
 :mod:`singletask.backends.redis.scripts`.
 
@@ -33,9 +33,9 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from ...exceptions import BackendError, ConfigurationError
-from ...slots import base_key
-from ...urls import mask_url, parse_redis_url
+from ...protocol.slots import base_key
 from ..base import AcquireResult, Holder, LockBackend, StoreState
+from ..urls import mask_url, parse_redis_url
 from .connections import send
 from .options import connection_options, retentions
 from .rates import (

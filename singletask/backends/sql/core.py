@@ -21,7 +21,8 @@ One row per lock key, in one table (``singletask_locks`` unless a setting names 
     expires_at     when the whole row may be deleted: never earlier than FENCE_RETENTION after
                    its last lease, nor than its follow-up claim
     slot_fence     on a key's own row: the last fencing token issued for any of the key's holder
-                   slots (:mod:`singletask.slots`); a key's next token exceeds it and ``fence``
+                   slots (:mod:`singletask.protocol.slots`); a key's next token exceeds it and
+                   ``fence``
     rate_next      on a key's own row: the time of its next allowed start (``lock_rate``), set
                    by each start, when the acquisition gave an interval
     debounce_*     on a key's own row: its debounce window (``lock_debounce``): the latest send
@@ -34,9 +35,10 @@ A row's ``expires_at`` is never earlier than its ``rate_next`` nor its ``debounc
 with only those (no ``token``) holds no lock, and is never listed.
 
 The row outlives its lock on purpose: it keeps the fence, so a later acquisition gets a greater
-token. A holder slot is a row of its own (its store key, :func:`singletask.slots.slot_key`), but
-its fences and completion marker are its key's: every acquisition of a slot first locks the
-key's row (inserted free if missing), so the key's fence counter is kept in one place.
+token. A holder slot is a row of its own (its store key,
+:func:`singletask.protocol.slots.slot_key`), but its fences and completion marker are its
+key's: every acquisition of a slot first locks the key's row (inserted free if missing), so
+the key's fence counter is kept in one place.
 
 Rows past ``expires_at`` are deleted in batches by whichever worker process notices they are
 due (at most once per RECLAIM_INTERVAL per process), through the index on ``expires_at``.
@@ -55,9 +57,9 @@ from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from ...exceptions import ConfigurationError, LockKeyError
-from ...slots import base_key, slot_index, slot_keys
-from ...urls import check_port
+from ...protocol.slots import base_key, slot_index, slot_keys
 from ..base import AcquireResult, Holder, LockBackend, StoreState, check_lease
+from ..urls import check_port
 from . import replaced, state
 
 __all__ = [
@@ -218,7 +220,7 @@ def like_prefix(prefix: str) -> str:
 def listed_prefixes(prefix: str) -> list[str]:
     """The stored-key prefixes :meth:`iter_locks` scans for the locks under ``prefix``: the
     prefix itself, and ``{`` + prefix, where the holder slots of a key without ``}`` are (see
-    :mod:`singletask.slots`); the second is left out where the first scan covers it already
+    :mod:`singletask.protocol.slots`); the second is left out where the first scan covers it already
     (a prefix of ``{`` only, or empty). Every key found is then checked with :func:`is_listed`."""
     return [prefix] if ("{" + prefix).startswith(prefix) else [prefix, "{" + prefix]
 

@@ -40,9 +40,9 @@ import pymysql
 from pymysql.constants import CLIENT
 
 from ...exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
-from ...slots import base_key, slot_index
-from ...urls import mask_url
+from ...protocol.slots import base_key, slot_index
 from ..base import AcquireResult, Holder, check_lease
+from ..urls import mask_url
 from . import core, pool, slots
 from . import mysql_queries as Q
 from . import replaced as R

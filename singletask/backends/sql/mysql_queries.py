@@ -141,8 +141,8 @@ WHERE `key` = %(key)s AND token IS NOT NULL AND lease_expires > @st_now
     AND (%(task_id)s IS NULL OR task_id = %(task_id)s);
 COMMIT"""
 
-# Holder slots (singletask.slots). ``{slots}`` is a derived table of the candidate slots, one
-# ``SELECT`` of ``k`` (stored key), ``f`` (full key) and ``ord`` (1 for the first) per slot
+# Holder slots (singletask.protocol.slots). ``{slots}`` is a derived table of the candidate slots,
+# one ``SELECT`` of ``k`` (stored key), ``f`` (full key) and ``ord`` (1 for the first) per slot
 # (SLOT, joined with UNION ALL).
 SLOT = "SELECT CAST(%(k{n})s AS BINARY) AS k, %(f{n})s AS f, {n} AS ord"
 

@@ -54,9 +54,9 @@ from ...exceptions import (
     ConfigurationError,
     LockKeyError,
 )  # fmt: skip
-from ...slots import base_key, slot_index
-from ...urls import mask_url
+from ...protocol.slots import base_key, slot_index
 from ..base import AcquireResult, Holder, check_lease
+from ..urls import mask_url
 from . import core, pool, slots
 from . import postgres_queries as Q
 from . import postgres_windows as W

@@ -185,9 +185,10 @@ UPDATE {{table}} AS l SET token = NULL, task_id = NULL, meta = NULL,
 FROM old WHERE l.key = old.key
 RETURNING old.token, old.meta, old.fence, old.ttl"""
 
-# Holder slots (singletask.slots): the statements of one script (SLOT_SCRIPT), one transaction.
-# First the key's own row is locked (inserted free if missing): it serialises every acquisition
-# of the key's slots and keeps the key's fence counter (greatest of fence and slot_fence).
+# Holder slots (singletask.protocol.slots): the statements of one script (SLOT_SCRIPT), one
+# transaction. First the key's own row is locked (inserted free if missing): it serialises every
+# acquisition of the key's slots and keeps the key's fence counter (greatest of fence and
+# slot_fence).
 SLOT_LOCK_KEY = """
 INSERT INTO {table} AS l (key, full_key, lease_expires, fence, expires_at)
 VALUES (%(base)s, %(base_full)s, clock_timestamp(), 0, clock_timestamp())

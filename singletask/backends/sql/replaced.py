@@ -5,8 +5,8 @@ kept for the preemptor's first lease; the preempted holder reads it once, after 
 release failed (:meth:`~singletask.backends.base.LockBackend.replaced_by`).
 
 PostgreSQL and MySQL keep it as a row of the lock table under the store key
-:func:`record_key` (the companion naming of :mod:`singletask.slots`): no ``token`` (so it is no
-lock and is never listed), ``task_id`` the preemptor's, ``expires_at`` the end of the record,
+:func:`record_key` (the companion naming of :mod:`singletask.protocol.slots`): no ``token`` (so it
+is no lock and is never listed), ``task_id`` the preemptor's, ``expires_at`` the end of the record,
 after which the sweep of expired rows deletes it. SQLite keeps it in a table of its own,
 ``singletask_replaced``, whose expired rows go with the next record written.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Final
 
-from ...slots import companion_key
+from ...protocol.slots import companion_key
 
 __all__ = [
     "MYSQL_LEAVE", "MYSQL_READ", "POSTGRES_LEAVE", "POSTGRES_READ", "SQLITE_SCHEMA",

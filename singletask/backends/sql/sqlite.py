@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ...exceptions import BackendError, BackendTimeout, ConfigurationError
-from ...slots import base_key, choose_slot, slot_keys
+from ...protocol.slots import base_key, choose_slot, slot_keys
 from ..base import AcquireResult, Holder, LockBackend, StoreState, check_lease
 from . import replaced
 from . import sqlite_reads as reads

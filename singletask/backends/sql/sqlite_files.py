@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...exceptions import ConfigurationError
-from ...urls import mask_url, query_options
+from ..urls import mask_url, query_options
 from . import replaced
 from . import sqlite_windows as windows
 

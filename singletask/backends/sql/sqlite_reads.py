@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from ...slots import base_key
+from ...protocol.slots import base_key
 from ..base import Holder, StoreState
 from .core import load_holder
 from .sqlite_windows import CLOSED

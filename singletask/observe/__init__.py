@@ -1,0 +1,2 @@
+"""What is told outside the process: Celery events, OpenTelemetry span attributes, Flower's task
+page."""

@@ -1,0 +1,1 @@
+"""What operators use: the inventory of a lock store, the lock page and the Prometheus exporter."""
