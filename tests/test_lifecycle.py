@@ -10,7 +10,7 @@ import pytest
 from celery.exceptions import Ignore, Reject, Retry
 
 from singletask.conf.settings import POLICIES as POLICY_NAMES
-from singletask.execution.lifecycle import ENDINGS, ending_of
+from singletask.execution.endings import ENDINGS, ending_of
 from singletask.policies import POLICIES, Policy
 
 

@@ -1,54 +1,27 @@
 """The lock lifecycle of one execution: acquire before the body, renew while it runs, release once.
 
-:func:`execute` is what :meth:`SingletonTask.__call__ <singletask.SingletonTask>` does, in this
-order (``docs/lifecycle.rst`` tells the same story for users):
+:func:`execute` is what :meth:`SingletonTask.__call__ <singletask.SingletonTask>` does, a ladder
+of four steps, each a function below it in this order (``docs/lifecycle.rst`` tells the same
+story for users):
 
-1. **Who is running.** A worker or eager execution has a task id and ``retries``: its owner
-   token names that *attempt* and its process, and it may take over the reservation made for
-   that attempt (by ``apply_async`` with ``lock_scope`` "queue"/"coalesce", or by the previous
-   attempt's body retry). A direct call ``task(...)`` has neither. A direct call from inside the
-   execution that holds the same key is re-entrant: it runs the body and takes nothing.
-2. **Acquire**, in one atomic step of the store. If the holder's process is gone (same host),
-   take the lock over at once. Every execution that does not get to run its body ends in
-   :mod:`singletask.execution.outcomes`: superseded by a later send of its debounce window
-   (:func:`~singletask.execution.outcomes.superseded`), the store unreachable
-   (:func:`~singletask.execution.outcomes.store_unreachable`), or its key refused, held or too soon
-   for its rate (:func:`~singletask.execution.outcomes.refused`). None of them releases the lock:
-   they hold nothing (what the store keeps for the message alone, they give back). With
-   ``lock_policy`` "replace", a newer execution takes a held key over first
-   (:mod:`singletask.execution.replace`).
-3. **Run the body**, the lease renewed by the process's renewer, the
-   :class:`~singletask.LockHandle` reachable as ``self.lock``. A lease found lost is logged and
-   sent as :data:`~singletask.signals.lock_lost`, once.
-4. **End the hold exactly once**, in the ``finally`` around the body, whatever the ending: stop
-   renewing, then act as :data:`ENDINGS` says for the way the body ended.
-
-The endings the ``finally`` tells apart (rows of the table "Which hook releases on which ending"
-in ``docs/lifecycle.rst``; the endings where this process never gets there are the worker main
-process's, in :mod:`singletask.execution.recovery`):
-
-==================  ====================================================  ========  =========
-ending              the body                                              the lock  completed
-==================  ====================================================  ========  =========
-``returned``        returned                                              released  yes
-``raised``          raised an exception (none of the ones below)          released  yes
-``rejected``        raised ``Reject(requeue=False)``                      released  yes
-``requeued``        raised ``Reject(requeue=True)``                       released  no
-``ignored``         raised ``Ignore`` (so did ``self.replace()``)         released  no
-``retried``         retried itself on a worker: ``self.retry()``          reserved  no
-``retried-inline``  retried itself in eager mode (Celery runs it again    released  no
-                    at once) or in a direct call (nothing runs it again)
-``stopped``         was unwound by ``SystemExit``, ``KeyboardInterrupt``  released  no
-``replaced``        preempted by a newer execution (``lock_policy``       released  no
-                    "replace"): raised ``LockLost``, or returned
-==================  ====================================================  ========  =========
-
-*Released* is an owner-checked release; *reserved* turns the lock into a reservation only the
-retried attempt takes over (for the retry's countdown plus one lease). *Completed* releases
-record the attempt as the key's completion marker, so a redelivered copy of a message that ran
-to completion is dropped instead of running again; only for tasks with ``acks_late``: any other
-message is acknowledged before its body starts, so no copy of it comes back once it has run,
-and its key keeps nothing after the release.
+1. **Who is running** (:meth:`_Run.of`). A worker or eager execution has a task id and
+   ``retries``: its owner token names that *attempt* and its process, and it may take over the
+   reservation made for that attempt (by ``apply_async`` with ``lock_scope`` "queue"/"coalesce",
+   or by the previous attempt's body retry). A direct call ``task(...)`` has neither. A direct
+   call from inside the execution that holds the same key is re-entrant: it runs the body and
+   takes nothing.
+2. **Acquire** (:func:`_acquire`), in one atomic step of the store: the debounce window
+   (:func:`_window`), the take and its takeovers (:func:`_take_over`: a superseded retry's
+   reservation, a holder whose process is gone), the short rate wait, the preemption or refusal
+   of a held key (:func:`_preempt_or_refuse`), the last checks of a taken slot or redelivered
+   copy (:func:`_admit`). Every execution that does not get to run its body ends in
+   :mod:`singletask.execution.outcomes` and holds nothing when it does.
+3. **Hold** (:func:`_hold`): the :class:`~singletask.LockHandle` (``self.lock``) whose lease the
+   process's renewer renews; a lease found lost is logged and sent as
+   :data:`~singletask.signals.lock_lost`, once.
+4. **Run the body and end the hold exactly once** (:func:`_run_body`), in the ``finally``
+   around the body, whatever the ending: stop renewing, then release or reserve as
+   :data:`singletask.execution.endings.ENDINGS` says for the way the body ended.
 """
 
 from __future__ import annotations
@@ -59,9 +32,10 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from celery.exceptions import Ignore, Reject, Retry
+from celery.exceptions import Ignore
 from celery.utils.nodenames import gethostname
 
 from ..conf.runtime import app_state
@@ -69,61 +43,26 @@ from ..exceptions import BackendTimeout, BackendUnavailable, LockLost
 from ..lease import LockHandle
 from ..observe import report
 from ..policies import Conflict
-from ..protocol.headers import LATEST_HEADER, header_count, is_redelivery, seconds_until
+from ..protocol.headers import LATEST_HEADER, header_count, is_redelivery
 from ..protocol.slots import base_key
 from ..protocol.tokens import direct_token, execution_token, reservation_token
 from ..send.records import clear_follow_up
 from ..signals import lock_acquired
 from . import replace
 from .acquire import gone_holder, take, twin_of, waits_for_rate
+from .endings import ENDINGS, ending_of, release_or_reserve
 from .outcomes import refused, store_unreachable, superseded, superseded_retry
 
 if TYPE_CHECKING:
     from celery import Task
 
-    from ..backends.base import LockBackend
+    from ..backends.base import AcquireResult, LockBackend
     from ..conf.options import LockOptions
+    from ..conf.runtime import AppState
 
-__all__ = ["ENDINGS", "Ending", "current_lock", "ending_of", "execute"]
+__all__ = ["Ended", "current_lock", "execute"]
 
 logger = logging.getLogger("singletask")
-
-
-class Ending(NamedTuple):
-    """What the end of a hold does, for one way a body can end."""
-
-    #: Keep the lock as a reservation for the retried attempt instead of releasing it.
-    reserve: bool
-    #: Record the attempt as the key's completion marker (the message is done with).
-    completed: bool
-
-
-#: The way a body ended -> what its hold's end does (see the table above).
-ENDINGS: Final[Mapping[str, Ending]] = {
-    "returned": Ending(reserve=False, completed=True),
-    "raised": Ending(reserve=False, completed=True),
-    "rejected": Ending(reserve=False, completed=True),
-    "requeued": Ending(reserve=False, completed=False),
-    "ignored": Ending(reserve=False, completed=False),
-    "retried": Ending(reserve=True, completed=False),
-    "retried-inline": Ending(reserve=False, completed=False),
-    "stopped": Ending(reserve=False, completed=False),
-    "replaced": Ending(reserve=False, completed=False),
-}
-
-
-def ending_of(exc: BaseException, *, worker: bool) -> str:
-    """The :data:`ENDINGS` row of a body that raised ``exc``; ``worker``: neither a direct call
-    nor eager mode (only a worker execution's retry is published for later)."""
-    if isinstance(exc, Retry):
-        return "retried" if worker and getattr(exc, "sig", None) is not None else "retried-inline"
-    if isinstance(exc, Reject):
-        return "requeued" if getattr(exc, "requeue", False) else "rejected"
-    if isinstance(exc, Ignore):
-        return "ignored"
-    if isinstance(exc, Exception):
-        return "raised"
-    return "stopped"
 
 
 class _Frame(NamedTuple):
@@ -155,174 +94,285 @@ def execute(
     kwargs: Mapping[str, Any],
 ) -> Any:
     """Run ``body(*args, **kwargs)`` as an execution of ``task`` holding its lock (see above)."""
-    # 1. Who is running.
-    request = task.request
-    frames = _frames.get()
-    task_id: str | None = request.id
-    # A call from inside a running execution of this same task inherits its request.
-    nested = any(f.task == task.name and f.request_id == task_id for f in frames)
-    direct = bool(request.called_directly) or task_id is None or nested
-    key = options.key(args, kwargs)
-    if direct and any(base_key(f.handle.key) == key for f in frames):
+    run = _Run.of(task, options, body, args, kwargs)  # 1. who is running
+    if run is None:
         # Re-entrant: the body of the execution holding this key calls the task directly.
         return body(*args, **kwargs)
-    state = app_state(task.app)
-    backend = state.backend
-    # ``attempt`` names one execution attempt of one message: a redelivered copy of the
-    # message has the same one, the body's own retry the next one.
-    attempt: str | None = None
-    retries = int(request.retries or 0)
-    if direct:
-        token, takeover = direct_token(), None
-    else:
-        attempt = f"{task_id}:{retries}"
-        token = execution_token(str(task_id), retries)
-        # Take over the reservation made for this attempt: by apply_async when the message
-        # was sent (lock_scope "queue" / "coalesce"), or by the previous attempt when it
-        # ended with a retry (see _end); never a running attempt itself.
-        takeover = reservation_token(str(task_id), retries)
-    meta = {
-        "task": task.name,
-        "scope": options.scope,  # for `singletask locks`; same round trip
-        "hostname": request.hostname or gethostname(),  # Celery's, memoized
-        "pid": str(os.getpid()),
-        "since": f"{time.time():.3f}",
-    }
-    if attempt is not None:
-        meta["task_id"] = str(task_id)
+    taken = _acquire(run)  # 2. acquire, or end without the body
+    if isinstance(taken, Ended):
+        return taken.value
+    handle, watch = _hold(run, taken)  # 3. hold: renewed, announced
+    return _run_body(run, handle, watch)  # 4. run the body, end the hold once
 
-    # 2. Acquire.
-    # The store starts the lease at some moment after the request leaves: the holder's deadline
-    # counts from the send (LockHandle's sent_at), not from the reply or what follows it.
-    sent_at = time.monotonic()
-    latest: str | None = None  # the latest send of the window (lock_debounce, coalesce "latest")
+
+class Ended(NamedTuple):
+    """An execution that ends without its body: what :func:`execute` returns for it."""
+
+    value: Any
+
+
+@dataclass(slots=True)
+class _Run:
+    """One execution on its way through :func:`execute`: who runs, under which key and token."""
+
+    task: Task[Any, Any]
+    options: LockOptions
+    body: Callable[..., Any]
+    args: Sequence[Any]
+    kwargs: Mapping[str, Any]
+    request: Any
+    frames: tuple[_Frame, ...]
+    task_id: str | None
+    direct: bool
+    key: str
+    state: AppState
+    backend: LockBackend
+    retries: int
+    token: str
+    takeover: str | None
+    meta: dict[str, str]
+    #: Names one execution attempt of one message: a redelivered copy of the message has the
+    #: same one, the body's own retry the next one; None for a direct call.
+    attempt: str | None
+    #: The store starts the lease at some moment after the request leaves: the holder's
+    #: deadline counts from the send (LockHandle's sent_at), not from the reply.
+    sent_at: float = 0.0
+    #: The latest send of the key's window (lock_debounce, lock_coalesce "latest"), if read.
+    latest: str | None = None
+    #: The lock key itself, where ``key`` became one of its holder slots (lock_limit).
+    lock_key: str = ""
+
+    @classmethod
+    def of(
+        cls,
+        task: Task[Any, Any],
+        options: LockOptions,
+        body: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+    ) -> _Run | None:
+        """Who is running: a worker or eager execution (a task id and ``retries``: its token
+        names that attempt, and it may take over the reservation made for it), or a direct
+        call (neither). None for a direct call from inside the execution holding the key."""
+        request = task.request
+        frames = _frames.get()
+        task_id: str | None = request.id
+        # A call from inside a running execution of this same task inherits its request.
+        nested = any(f.task == task.name and f.request_id == task_id for f in frames)
+        direct = bool(request.called_directly) or task_id is None or nested
+        key = options.key(args, kwargs)
+        if direct and any(base_key(f.handle.key) == key for f in frames):
+            return None
+        retries = int(request.retries or 0)
+        if direct:
+            attempt, token, takeover = None, direct_token(), None
+        else:
+            attempt = f"{task_id}:{retries}"
+            token = execution_token(str(task_id), retries)
+            # Take over the reservation made for this attempt: by apply_async when the message
+            # was sent (lock_scope "queue" / "coalesce"), or by the previous attempt when it
+            # ended with a retry (see endings.release_or_reserve); never a running attempt itself.
+            takeover = reservation_token(str(task_id), retries)
+        meta = {
+            "task": task.name,
+            "scope": options.scope,  # for `singletask locks`; same round trip
+            "hostname": request.hostname or gethostname(),  # Celery's, memoized
+            "pid": str(os.getpid()),
+            "since": f"{time.time():.3f}",
+        }
+        if attempt is not None:
+            meta["task_id"] = str(task_id)
+        state = app_state(task.app)
+        return cls(task, options, body, args, kwargs, request, frames, task_id, direct, key,
+                   state, state.backend, retries, token, takeover, meta, attempt)  # fmt: skip
+
+    def take(self, takeover: str | None) -> AcquireResult:
+        """One acquire of the key, taking over ``takeover``'s hold if it is the holder."""
+        self.sent_at = time.monotonic()
+        return take(self.backend, self.options, self.key, self.token, self.meta, takeover)
+
+    def unreachable(self, exc: BackendUnavailable | BackendTimeout) -> Ended:
+        """The lock store could not be reached: the task's ``lock_on_backend_error`` decides."""
+        return Ended(store_unreachable(
+            self.task, self.options, exc, self.direct, self.body, self.args, self.kwargs
+        ))  # fmt: skip
+
+    def give_back(self) -> None:
+        """End a hold taken for an execution that will not run its body (never raises)."""
+        release_or_reserve(self.task, self.options, self.backend, self.key, self.token, None)
+
+
+def _acquire(run: _Run) -> AcquireResult | Ended:
+    """2. Take the key in one atomic step of the store, or end without the body: superseded in
+    its window, the store unreachable, the key refused, held or too soon for its rate (all in
+    :mod:`singletask.execution.outcomes`, none releasing anything: they hold nothing). With
+    ``lock_policy`` "replace", a held key is taken over first (:mod:`.replace`)."""
     try:
-        windowed = options.debounce is not None or header_count(request, LATEST_HEADER)
-        if windowed and attempt is not None:
-            # Only the latest send of a window runs (lock_debounce; the follow-ups of
-            # lock_coalesce "latest", whose sends carry the header); its run closes it.
-            latest = backend.debounce_take(key, str(task_id))
-            if latest is not None and latest != task_id:
-                # It gives back a reservation it holds (a body retry's; coalescing, its send's).
-                reserved = retries > 0 or options.scope == "coalesce"
-                reservation = str(takeover) if reserved else None
-                return superseded(task, options, backend, key, latest, reservation)
-            sent_at = time.monotonic()
-        result = take(backend, options, key, token, meta, takeover)
-        retried = superseded_retry(result, str(task_id)) if latest == task_id else None
-        if retried is not None:
-            # The latest send of its window supersedes an earlier send's body retry: that retry
-            # will not run (it ends superseded), so its reservation is this send's to take.
-            sent_at = time.monotonic()
-            result = take(backend, options, key, token, meta, retried.token)
-            if result.acquired:
-                logger.info(
-                    "Task %s[%s] took over lock %r reserved for the retry of %s, which it "
-                    "supersedes (the latest send of its window)",
-                    task.name, task_id, key, retried.task_id,
-                )  # fmt: skip
-        holder = gone_holder(result) if attempt is not None else None
-        if holder is not None:
-            # Same host, and the holder's process is gone: no need to wait for its lease.
-            sent_at = time.monotonic()
-            result = take(backend, options, key, token, meta, holder.token)
-            if result.acquired:
-                logger.warning(
-                    "Task %s[%s] took over lock %r from %s, whose process is gone",
-                    task.name, task_id, key, holder.task_id,
-                )  # fmt: skip
-        if waits_for_rate(result, options, request, direct):
+        ended = _window(run)
+        if ended is not None:
+            return ended
+        result = _take_over(run, run.take(run.takeover))
+        if waits_for_rate(result, run.options, run.request, run.direct):
             # A start is allowed very soon: waiting here for it beats a trip through the broker,
             # which would make the start late (and evenly spaced starts never make that up).
             time.sleep(float(result.retry_after or 0))
-            sent_at = time.monotonic()
-            result = take(backend, options, key, token, meta, takeover)
+            result = run.take(run.takeover)
     except (BackendUnavailable, BackendTimeout) as exc:
-        return store_unreachable(task, options, exc, direct, body, args, kwargs)
+        return run.unreachable(exc)
     if not result.acquired:
-        conflict = Conflict(
-            task, options, backend, key, result.holder, direct, result.holders, result.retry_after
-        )
-        try:
-            sent_at = time.monotonic()
-            taken = replace.preempt(conflict, token, meta)  # lock_policy "replace" takes it over
-            if taken is None:
-                return refused(conflict)
-        except (BackendUnavailable, BackendTimeout) as exc:
-            # The preemption, or a coalescing follow-up's claim: as for the acquire itself.
-            return store_unreachable(task, options, exc, direct, body, args, kwargs)
+        taken = _preempt_or_refuse(run, result)
+        if isinstance(taken, Ended):
+            return taken
         result = taken
     # With lock_limit above 1 the execution holds one of the key's slots: renew and release it.
-    lock_key, key = key, result.key or key
-    if options.limit > 1:
-        try:
-            twin = twin_of(backend, options, request, lock_key, key)
-        except (BackendUnavailable, BackendTimeout) as exc:
-            # Whether a copy of this message runs in another slot is unknown: give the slot
-            # back (its lease ends it if the store stays away) and do as for the acquire.
-            _end(task, options, backend, key, token, None)
-            return store_unreachable(task, options, exc, direct, body, args, kwargs)
-        except BaseException:
-            _end(task, options, backend, key, token, None)  # never leave the slot taken
-            raise
-        if twin is not None:
-            # A copy of a message that still runs in another slot: it must not run twice.
-            _end(task, options, backend, key, token, None)
-            return refused(Conflict(task, options, backend, lock_key, twin, direct, (twin,)))
+    run.lock_key, run.key = run.key, result.key or run.key
+    ended = _admit(run, result)
+    return result if ended is None else ended
 
-    if attempt is not None and result.completed == attempt and is_redelivery(request):
+
+def _window(run: _Run) -> Ended | None:
+    """Only the latest send of a window runs (lock_debounce; the follow-ups of lock_coalesce
+    "latest", whose sends carry the header); its run closes it. An earlier send ends
+    superseded, giving back a reservation it holds (a body retry's; coalescing, its send's)."""
+    windowed = run.options.debounce is not None or header_count(run.request, LATEST_HEADER)
+    if not windowed or run.attempt is None:
+        return None
+    run.latest = run.backend.debounce_take(run.key, str(run.task_id))
+    if run.latest is None or run.latest == run.task_id:
+        return None
+    reserved = run.retries > 0 or run.options.scope == "coalesce"
+    reservation = str(run.takeover) if reserved else None
+    return Ended(superseded(run.task, run.options, run.backend, run.key, run.latest, reservation))
+
+
+def _take_over(run: _Run, result: AcquireResult) -> AcquireResult:
+    """Take the key over from a holder that will never release it: the reservation of a body
+    retry that this latest send of its window supersedes, or (same host) a holder whose process
+    is gone, without waiting for its lease."""
+    retried = superseded_retry(result, str(run.task_id)) if run.latest == run.task_id else None
+    if retried is not None:
+        # That retry will not run (it ends superseded), so its reservation is this send's.
+        result = run.take(retried.token)
+        if result.acquired:
+            logger.info(
+                "Task %s[%s] took over lock %r reserved for the retry of %s, which it "
+                "supersedes (the latest send of its window)",
+                run.task.name, run.task_id, run.key, retried.task_id,
+            )  # fmt: skip
+    holder = gone_holder(result) if run.attempt is not None else None
+    if holder is not None:
+        result = run.take(holder.token)
+        if result.acquired:
+            logger.warning(
+                "Task %s[%s] took over lock %r from %s, whose process is gone",
+                run.task.name, run.task_id, run.key, holder.task_id,
+            )  # fmt: skip
+    return result
+
+
+def _preempt_or_refuse(run: _Run, result: AcquireResult) -> AcquireResult | Ended:
+    """A held key: lock_policy "replace" takes it over; every other execution is refused."""
+    conflict = Conflict(run.task, run.options, run.backend, run.key, result.holder, run.direct,
+                        result.holders, result.retry_after)  # fmt: skip
+    try:
+        run.sent_at = time.monotonic()
+        taken = replace.preempt(conflict, run.token, run.meta)
+        if taken is None:
+            return Ended(refused(conflict))
+    except (BackendUnavailable, BackendTimeout) as exc:
+        # The preemption, or a coalescing follow-up's claim: as for the acquire itself.
+        return run.unreachable(exc)
+    return taken
+
+
+def _admit(run: _Run, result: AcquireResult) -> Ended | None:
+    """The last checks of a taken key before the body: no copy of this message running in
+    another slot, and no redelivered copy of a message that ran to completion; a coalescing
+    follow-up's claim is cleared."""
+    if run.options.limit > 1:
+        ended = _no_twin(run)
+        if ended is not None:
+            return ended
+    if run.attempt is not None and result.completed == run.attempt and is_redelivery(run.request):
         # This very message already ran to completion: a redelivered copy must not run.
-        _end(task, options, backend, key, token, None)
+        run.give_back()
         logger.warning(
             "Task %s[%s] dropped: this message already ran to completion under lock %r "
             "(a redelivered copy)",
-            task.name, task_id, key,
+            run.task.name, run.task_id, run.key,
         )  # fmt: skip
         raise Ignore()
-    if options.scope == "coalesce" and attempt is not None:
-        clear_follow_up(task, backend, key, str(task_id))
+    if run.options.scope == "coalesce" and run.attempt is not None:
+        clear_follow_up(run.task, run.backend, run.key, str(run.task_id))
+    return None
 
-    # 3. Run the body, renewed.
-    watch = report.Watch.of(task, None if direct else task_id)
+
+def _no_twin(run: _Run) -> Ended | None:
+    """A copy of a message that still runs in another slot must not run twice: its slot is
+    given back and it is refused as for a held key."""
+    try:
+        twin = twin_of(run.backend, run.options, run.request, run.lock_key, run.key)
+    except (BackendUnavailable, BackendTimeout) as exc:
+        # Whether a copy of this message runs in another slot is unknown: give the slot
+        # back (its lease ends it if the store stays away) and do as for the acquire.
+        run.give_back()
+        return run.unreachable(exc)
+    except BaseException:
+        run.give_back()  # never leave the slot taken
+        raise
+    if twin is None:
+        return None
+    run.give_back()
+    conflict = Conflict(run.task, run.options, run.backend, run.lock_key, twin, run.direct, (twin,))
+    return Ended(refused(conflict))
+
+
+def _hold(run: _Run, result: AcquireResult) -> tuple[LockHandle, report.Watch]:
+    """3. The hold: the handle (``self.lock``) whose lease the process's renewer renews, and
+    the execution announced (the lock_acquired signal, the event and span attributes)."""
+    task_id = None if run.direct else run.task_id
+    watch = report.Watch.of(run.task, task_id)
     handle = LockHandle(
-        key,
-        token,
-        None if direct else task_id,
+        run.key,
+        run.token,
+        task_id,
         result.fence,
-        options.ttl,
-        max_hold=options.max_hold,
-        on_lost=functools.partial(report.lease_lost, task, watch),
-        sent_at=sent_at,
-        preemptible=options.policy == "replace",
+        run.options.ttl,
+        max_hold=run.options.max_hold,
+        on_lost=functools.partial(report.lease_lost, run.task, watch),
+        sent_at=run.sent_at,
+        preemptible=run.options.policy == "replace",
     )
-    if options.renew:
-        state.renewer.add(handle)
+    if run.options.renew:
+        run.state.renewer.add(handle)
     if lock_acquired.receivers:
-        lock_acquired.send(sender=task, key=key, task_id=handle.task_id, fence=result.fence)
-    report.acquired(task, watch, handle)
-    reset = _frames.set((*frames, _Frame(task.name, None if direct else task_id, handle)))
+        lock_acquired.send(sender=run.task, key=run.key, task_id=task_id, fence=result.fence)
+    report.acquired(run.task, watch, handle)
+    return handle, watch
+
+
+def _run_body(run: _Run, handle: LockHandle, watch: report.Watch) -> Any:
+    """4. Run the body, then end the hold exactly once, whatever the ending (:data:`ENDINGS`).
+    A preempted body (lock_policy "replace") ends as replaced."""
+    task_id = None if run.direct else run.task_id
+    reset = _frames.set((*run.frames, _Frame(run.task.name, task_id, handle)))
     ending = "returned"
     raised: BaseException | None = None
     value: Any = None
     try:
-        value = body(*args, **kwargs)
+        value = run.body(*run.args, **run.kwargs)
     except BaseException as exc:
-        ending = ending_of(exc, worker=not direct and not request.is_eager)
+        ending = ending_of(exc, worker=not run.direct and not run.request.is_eager)
         raised = exc
         if not (isinstance(exc, LockLost) and handle.preemptible):
             raise
         ending = "replaced"  # if it was: see below, after the release
     finally:
-        # 4. End the hold, exactly once.
         _frames.reset(reset)
-        handle.lost  # noqa: B018 - reports a lease that ran out unnoticed by the body
-        state.renewer.remove(handle)  # before the release: no renewal starts after this
-        row = ENDINGS[ending]
-        retry = raised if row.reserve else None
-        completed = attempt if row.completed and task.acks_late else None
-        released = _end(task, options, backend, key, token, retry, completed=completed, meta=meta)
-        report.released(task, watch, handle)
-    outcome = replace.replaced(task, handle, backend, released) if handle.preemptible else None
+        released = _end_hold(run, handle, watch, ending, raised)
+    outcome = (
+        replace.replaced(run.task, handle, run.backend, released) if handle.preemptible else None
+    )
     if outcome is not None:
         return outcome  # a newer execution took over: the run ends as replaced
     if raised is not None:
@@ -330,49 +380,16 @@ def execute(
     return value
 
 
-def _end(
-    task: Task[Any, Any],
-    options: LockOptions,
-    backend: LockBackend,
-    key: str,
-    token: str,
-    retry: BaseException | None,
-    *,
-    completed: str | None = None,
-    meta: Mapping[str, str] | None = None,
+def _end_hold(
+    run: _Run, handle: LockHandle, watch: report.Watch, ending: str, raised: BaseException | None
 ) -> bool:
-    """End the execution's hold: release, or turn it into a reservation for the body's retry.
-
-    The reservation is the lock under a token only the retried attempt (same task id,
-    ``retries + 1``) takes over; it lasts the retry's countdown plus one lease. Never raises.
-    Returns False when a release found the lock no longer held, else True.
-    """
-    try:
-        if retry is not None:
-            request = task.request
-            # At most the store's longest lease: a retry delayed longer loses its reservation.
-            delay = seconds_until(getattr(retry, "when", None))
-            reserve = min(backend.max_lease, delay + options.ttl)
-            retries = int(request.retries or 0)
-            retry_token = reservation_token(str(request.id), retries + 1)
-            reserved = backend.acquire(key, retry_token, reserve, meta=meta, takeover_prefix=token)
-            if reserved.acquired:
-                logger.info(
-                    "Task %s[%s] retries: lock %r stays reserved for the retry (%.0fs at most)",
-                    task.name, request.id, key, reserve,
-                )  # fmt: skip
-            return True
-        if not backend.release(key, token, completed=completed):
-            logger.warning(
-                "Task %s[%s]: lock %r was no longer held when the task ended (its lease "
-                "ran out, or the worker released it for this task)",
-                task.name, task.request.id, key,
-            )  # fmt: skip
-            return False
-    except Exception:
-        # Never let release break the task's outcome; the lease ends by itself.
-        logger.exception(
-            "Task %s[%s]: could not release lock %r; it expires by itself within %.0fs",
-            task.name, task.request.id, key, options.ttl,
-        )  # fmt: skip
-    return True
+    """Stop renewing, then release or reserve as the ending's row of :data:`ENDINGS` says."""
+    handle.lost  # noqa: B018 - reports a lease that ran out unnoticed by the body
+    run.state.renewer.remove(handle)  # before the release: no renewal starts after this
+    row = ENDINGS[ending]
+    retry = raised if row.reserve else None
+    completed = run.attempt if row.completed and run.task.acks_late else None
+    released = release_or_reserve(run.task, run.options, run.backend, run.key, run.token,
+                                  retry, completed=completed, meta=run.meta)  # fmt: skip
+    report.released(run.task, watch, handle)
+    return released

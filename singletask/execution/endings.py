@@ -1,0 +1,136 @@
+"""How the hold of an execution ends, by the way its body ended.
+
+The endings the ``finally`` of :func:`singletask.execution.lifecycle.execute` tells apart (rows
+of the table "Which hook releases on which ending" in ``docs/lifecycle.rst``; the endings where
+this process never gets there are the worker main process's, in
+:mod:`singletask.execution.recovery`):
+
+==================  ====================================================  ========  =========
+ending              the body                                              the lock  completed
+==================  ====================================================  ========  =========
+``returned``        returned                                              released  yes
+``raised``          raised an exception (none of the ones below)          released  yes
+``rejected``        raised ``Reject(requeue=False)``                      released  yes
+``requeued``        raised ``Reject(requeue=True)``                       released  no
+``ignored``         raised ``Ignore`` (so did ``self.replace()``)         released  no
+``retried``         retried itself on a worker: ``self.retry()``          reserved  no
+``retried-inline``  retried itself in eager mode (Celery runs it again    released  no
+                    at once) or in a direct call (nothing runs it again)
+``stopped``         was unwound by ``SystemExit``, ``KeyboardInterrupt``  released  no
+``replaced``        preempted by a newer execution (``lock_policy``       released  no
+                    "replace"): raised ``LockLost``, or returned
+==================  ====================================================  ========  =========
+
+*Released* is an owner-checked release; *reserved* turns the lock into a reservation only the
+retried attempt takes over (for the retry's countdown plus one lease). *Completed* releases
+record the attempt as the key's completion marker, so a redelivered copy of a message that ran
+to completion is dropped instead of running again; only for tasks with ``acks_late``: any other
+message is acknowledged before its body starts, so no copy of it comes back once it has run,
+and its key keeps nothing after the release.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
+
+from celery.exceptions import Ignore, Reject, Retry
+
+from ..protocol.headers import seconds_until
+from ..protocol.tokens import reservation_token
+
+if TYPE_CHECKING:
+    from celery import Task
+
+    from ..backends.base import LockBackend
+    from ..conf.options import LockOptions
+
+__all__ = ["ENDINGS", "Ending", "ending_of", "release_or_reserve"]
+
+logger = logging.getLogger("singletask")
+
+
+class Ending(NamedTuple):
+    """What the end of a hold does, for one way a body can end."""
+
+    #: Keep the lock as a reservation for the retried attempt instead of releasing it.
+    reserve: bool
+    #: Record the attempt as the key's completion marker (the message is done with).
+    completed: bool
+
+
+#: The way a body ended -> what its hold's end does (see the table above).
+ENDINGS: Final[Mapping[str, Ending]] = {
+    "returned": Ending(reserve=False, completed=True),
+    "raised": Ending(reserve=False, completed=True),
+    "rejected": Ending(reserve=False, completed=True),
+    "requeued": Ending(reserve=False, completed=False),
+    "ignored": Ending(reserve=False, completed=False),
+    "retried": Ending(reserve=True, completed=False),
+    "retried-inline": Ending(reserve=False, completed=False),
+    "stopped": Ending(reserve=False, completed=False),
+    "replaced": Ending(reserve=False, completed=False),
+}
+
+
+def ending_of(exc: BaseException, *, worker: bool) -> str:
+    """The :data:`ENDINGS` row of a body that raised ``exc``; ``worker``: neither a direct call
+    nor eager mode (only a worker execution's retry is published for later)."""
+    if isinstance(exc, Retry):
+        return "retried" if worker and getattr(exc, "sig", None) is not None else "retried-inline"
+    if isinstance(exc, Reject):
+        return "requeued" if getattr(exc, "requeue", False) else "rejected"
+    if isinstance(exc, Ignore):
+        return "ignored"
+    if isinstance(exc, Exception):
+        return "raised"
+    return "stopped"
+
+
+def release_or_reserve(
+    task: Task[Any, Any],
+    options: LockOptions,
+    backend: LockBackend,
+    key: str,
+    token: str,
+    retry: BaseException | None,
+    *,
+    completed: str | None = None,
+    meta: Mapping[str, str] | None = None,
+) -> bool:
+    """End the execution's hold: release, or turn it into a reservation for the body's retry.
+
+    The reservation is the lock under a token only the retried attempt (same task id,
+    ``retries + 1``) takes over; it lasts the retry's countdown plus one lease. Never raises.
+    Returns False when a release found the lock no longer held, else True.
+    """
+    try:
+        if retry is not None:
+            request = task.request
+            # At most the store's longest lease: a retry delayed longer loses its reservation.
+            delay = seconds_until(getattr(retry, "when", None))
+            reserve = min(backend.max_lease, delay + options.ttl)
+            retries = int(request.retries or 0)
+            retry_token = reservation_token(str(request.id), retries + 1)
+            reserved = backend.acquire(key, retry_token, reserve, meta=meta, takeover_prefix=token)
+            if reserved.acquired:
+                logger.info(
+                    "Task %s[%s] retries: lock %r stays reserved for the retry (%.0fs at most)",
+                    task.name, request.id, key, reserve,
+                )  # fmt: skip
+            return True
+        if not backend.release(key, token, completed=completed):
+            logger.warning(
+                "Task %s[%s]: lock %r was no longer held when the task ended (its lease "
+                "ran out, or the worker released it for this task)",
+                task.name, task.request.id, key,
+            )  # fmt: skip
+            return False
+    except Exception:
+        # Never let release break the task's outcome; the lease ends by itself.
+        logger.exception(
+            "Task %s[%s]: could not release lock %r; it expires by itself within %.0fs",
+            task.name, task.request.id, key, options.ttl,
+        )  # fmt: skip
+    return True
