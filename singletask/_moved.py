@@ -83,7 +83,9 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in MOVED:
             return None
-        return importlib.util.spec_from_loader(fullname, self)
+        # An old package (``singletask.web``) keeps its old submodules importable.
+        package = any(old.startswith(fullname + ".") for old in MOVED)
+        return importlib.util.spec_from_loader(fullname, self, is_package=package)
 
     def exec_module(self, module: ModuleType) -> None:
         new = MOVED[module.__name__]

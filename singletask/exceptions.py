@@ -7,7 +7,9 @@
     │   └── UnknownBackendError          no backend for that URL scheme
     ├── LockKeyError(TypeError)          a lock key cannot be built from the arguments
     ├── TaskLocked                       the lock is held by another execution
+    │   └── RateLimited                  the key's rate allows no start yet
     ├── LockLost                         a running execution's lock expired or was taken
+    │   └── LockPreempted                a newer execution took it over (policy "replace")
     ├── BackendError                     the lock store failed (driver error chained)
     │   ├── BackendUnavailable           cannot connect / connection lost
     │   └── BackendTimeout               a socket or command timed out

@@ -162,3 +162,25 @@ def test_skipped_through_a_stored_success_result(result_app: celery.Celery) -> N
 def test_skipped_str_is_readable() -> None:
     assert str(Skipped(KEY, "holder-id")) == f"skipped: lock {KEY!r} is held by holder-id"
     assert str(Skipped(KEY)) == f"skipped: lock {KEY!r} is held by another execution"
+
+
+def test_the_tree_drawn_in_the_module_is_the_hierarchy() -> None:
+    """exceptions.py opens with its tree: every exception of the module is drawn in it, under its
+    parent (the docs and readers take it from there)."""
+    drawn: dict[str, str] = {}
+    parents: list[str] = []
+    for line in (singletask.exceptions.__doc__ or "").splitlines():
+        name = line.strip("│├└─ ").split("(")[0].split(" ")[0]
+        if not name or not name[0].isupper() or name not in singletask.exceptions.__all__:
+            continue
+        depth = (len(line) - len(line.lstrip("│├└─ "))) // 4 - 1
+        del parents[depth:]
+        if parents:
+            drawn[name] = parents[-1]
+        parents.append(name)
+    for name in singletask.exceptions.__all__:
+        if name == "SingletaskError":
+            continue
+        exc = getattr(singletask.exceptions, name)
+        assert name in drawn, f"{name} is missing from the tree"
+        assert exc.__mro__[1].__name__ == drawn[name], name

@@ -123,3 +123,41 @@ def test_a_store_class_still_imports_from_its_path_before_0_3_0(
     with pytest.warns(DeprecationWarning, match=re.escape(old) + " is now"):
         moved = importlib.import_module(old)
     assert getattr(moved, name) is getattr(importlib.import_module(new), name)
+
+
+@pytest.mark.parametrize(
+    ("old", "name", "new"),
+    [
+        ("singletask.config", "Settings", "singletask.conf.settings"),
+        ("singletask.options", "TaskOptions", "singletask.conf.options"),
+        ("singletask.keys", "KeySpec", "singletask.protocol.keys"),
+        ("singletask.slots", "slot_keys", "singletask.protocol.slots"),
+        ("singletask.lifecycle", "execute", "singletask.execution.lifecycle"),
+        ("singletask.outcomes", "refused", "singletask.execution.outcomes"),
+        ("singletask.flower", "format_task", "singletask.observe.flower"),
+        ("singletask.inventory", "find_locks", "singletask.ops.inventory"),
+        ("singletask.inventory", "find_state", "singletask.ops.inventory"),
+        ("singletask.web", "LockPage", "singletask.ops.web"),
+        ("singletask.web.asgi", "asgi", "singletask.ops.web.asgi"),
+        ("singletask.exporter", "Exporter", "singletask.ops.exporter"),
+        ("singletask.cli_locks", "COMMANDS", "singletask.cli.locks"),
+    ],
+)
+def test_a_module_still_imports_from_its_path_before_0_4_0(old: str, name: str, new: str) -> None:
+    """0.4.0 laid the package out by send and execution: each old module path gives the new
+    module's objects and warns with the new path, until 1.0."""
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=re.escape(old) + " is now " + re.escape(new)):
+        moved = importlib.import_module(old)
+    assert getattr(moved, name) is getattr(importlib.import_module(new), name)
+
+
+def test_the_command_line_keeps_its_entry_points() -> None:
+    """pyproject names ``singletask.cli:main`` and ``singletask.cli:singletask`` (the console
+    script and Celery's ``celery.commands`` plugin): cli/ is a package, they are where they were."""
+    import click
+
+    import singletask.cli
+
+    assert callable(singletask.cli.main)
+    assert isinstance(singletask.cli.singletask, click.Group)
