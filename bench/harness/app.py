@@ -1,6 +1,6 @@
 """The benchmark's Celery app: the same two tasks under every contender.
 
-``celery -A bench.app worker`` builds it from environment variables (see :func:`_from_env`);
+``celery -A bench.harness.app worker`` builds it from environment variables (see :func:`_from_env`);
 the benchmark process builds it with :func:`make_app`. For each variant ``v`` there are:
 
 ``bench.<v>.noop(i)``
@@ -36,7 +36,7 @@ from typing import Any
 import redis
 from celery import Celery, Task, current_task, signals
 
-from . import cookbook, only_one
+from bench.alternatives import cookbook, only_one
 
 #: Every contender, in report order. ``plain`` is Celery's own Task without any lock.
 VARIANTS = [

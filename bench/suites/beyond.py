@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import random
-import sys
 import tempfile
 import time
 import uuid
@@ -47,14 +46,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import redis
 
-import redis  # noqa: E402
-
-from bench.app import make_app  # noqa: E402
-from bench.common import (  # noqa: E402
+from bench import RESULTS, ROOT
+from bench.harness.app import make_app
+from bench.harness.common import (
     BROKER_DB,
     LOCK_DB,
     PROBE_DB,
@@ -64,9 +60,8 @@ from bench.common import (  # noqa: E402
     log,
     summary,
 )
-from bench.store_runs import batch_us  # noqa: E402
-from bench.stores import request_counter  # noqa: E402
-from tests.servers import SQL_URLS, drop_sql_table, sql_problem  # noqa: E402
+from bench.harness.store_runs import batch_us, request_counter
+from tests.servers import SQL_URLS, drop_sql_table, sql_problem
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "full": {"executions": 1000, "rounds": 7, "rate": 20.0, "fleet_seconds": 90.0,
@@ -357,9 +352,11 @@ def rst(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench beyond", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="tiny configuration (a minute)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--publish-docs", action="store_true",
                         help="also write docs/_static/performance/beyond.rst.inc")  # fmt: skip
     args = parser.parse_args(argv)
@@ -410,7 +407,3 @@ def main(argv: list[str]) -> int:
         (ROOT / "docs" / "_static" / "performance" / "beyond.rst.inc").write_text(rst(results))
     print(rst(results))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import socket
-import sys
 import tempfile
 import time
 import uuid
@@ -34,15 +33,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import redis
 
-import redis  # noqa: E402
-
-from bench.common import RedisServer, log  # noqa: E402
-from singletask.backends.redis.store import RedisBackend, fence_key  # noqa: E402
-from singletask.protocol.tokens import execution_token  # noqa: E402
+from bench import RESULTS
+from bench.harness.common import RedisServer, log
+from singletask.backends.redis.store import RedisBackend, fence_key
+from singletask.protocol.tokens import execution_token
 
 TASK = "bench.singletask.noop"
 PREFIX = "singletask:"
@@ -253,10 +249,12 @@ def measure(client: redis.Redis, store: RedisBackend, write: Writer, keys: int) 
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench layouts", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--keys", type=int, default=100_000, help="records per candidate")
     parser.add_argument("--quick", action="store_true", help="2,000 records per candidate")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     keys = 2000 if args.quick else args.keys
     results: dict[str, Any] = {"keys": keys, "candidates": {}}
@@ -286,7 +284,3 @@ def main(argv: list[str]) -> int:
             f"  {row['sample_memory_usage'] or 0:12d}  {row['sample_encoding']}"
         )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
