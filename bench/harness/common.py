@@ -1,7 +1,7 @@
 """Shared pieces of the benchmark: the private Redis server, worker processes, statistics.
 
 Everything here runs in the benchmark's own interpreter (bench/.venv, or the current one with
-``run.py --here``). Nothing ever talks to a Redis the benchmark did not start itself.
+``python -m bench run --here``). Nothing ever talks to a Redis the benchmark did not start itself.
 """
 
 from __future__ import annotations

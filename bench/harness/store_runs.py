@@ -1,6 +1,8 @@
-"""What the two lock store benchmarks (``bench/stores.py`` and ``bench/cache_stores.py``) measure
-the same way: their configurations, a timed batch of calls, measurement 3 (a real prefork
-worker per store) and measurement 4 (acquire with ``held`` locks held, against an empty store).
+"""What the two lock store suites (``stores`` and ``cache_stores``) measure the same way.
+
+Their configurations, a timed batch of calls, measurement 3 (a real prefork worker per store),
+measurement 4 (acquire with ``held`` locks held, against an empty store), and the requests the
+SQL drivers send.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
-"""Beyond the singleton: ``python bench/beyond.py [--quick] [--out DIR] [--publish-docs]``.
+"""What lock_limit, lock_rate and lock_debounce cost beside the singleton; a fleet under a rate.
 
-What ``lock_limit``, ``lock_rate`` and ``lock_debounce`` cost next to the singleton, on Redis (a
-private ``redis-server``) and PostgreSQL (the server of ``SINGLETASK_TEST_POSTGRES_URL``,
-default the test suite's, in a table of the benchmark's own, dropped at the end), and what a
-fleet of workers does under a rate. The broker is always the private Redis.
+The lock stores are Redis (a private ``redis-server``) and PostgreSQL (the server of
+``SINGLETASK_TEST_POSTGRES_URL``, default the test suite's, in a table of the benchmark's own,
+dropped at the end). The broker is always the private Redis.
 
 1. **Per execution**, in one process: eager executions (``task_always_eager``, Celery's tracer,
-   with a worker's stack protection as ``bench/run.py`` installs it) of an empty task locked per
+   with a worker's stack protection as the ``run`` suite installs it) of an empty task locked per
    argument value, for the singleton (no option), ``lock_limit=5``, ``lock_rate="1000/s"`` (a
    key per execution, so the rate is checked and never refuses) and ``lock_debounce=1``. Eager
    mode does not debounce a send, so a debounced execution is measured as a worker meets it:
@@ -70,7 +69,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
               "workers": 2, "concurrency": 1},
 }  # fmt: skip
 
-#: Each measured variant and its task (bench/app.py registers them).
+#: Each measured variant and its task (bench/harness/app.py registers them).
 TASKS = {
     "singleton": "bench.singletask.noop",
     "limit": "bench.singletask-limit.noop",
@@ -364,7 +363,7 @@ def main(argv: list[str]) -> int:
     logging.getLogger("singletask").setLevel(logging.ERROR)
     from celery.app.trace import _install_stack_protection
 
-    _install_stack_protection()  # as bench/run.py: execute as a worker's pool process does
+    _install_stack_protection()  # as the run suite: execute as a worker's pool process does
     table = f"st_bench_beyond_{uuid.uuid4().hex[:8]}"
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     load = os.getloadavg()

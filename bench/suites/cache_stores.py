@@ -1,4 +1,4 @@
-"""memcached and Django's cache beside Redis: ``python bench/cache_stores.py [--quick]``.
+"""memcached and Django's cache beside Redis, as the lock store of singletask's own task.
 
 Options: ``--out DIR`` (default ``bench/results``), ``--publish-docs``.
 

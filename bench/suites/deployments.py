@@ -1,4 +1,4 @@
-"""Lock stores beyond one Redis (issue 15): ``python bench/deployments.py [--quick] [--out DIR]``.
+"""Lock stores beyond one Redis: a Redis Cluster and Sentinel, beside a single server.
 
 In one run, on loopback, from the ``redis-server`` on PATH (tests/deployments.py starts them):
 a single Redis, a 6-node Redis Cluster (3 masters, 3 replicas) and a Sentinel deployment

@@ -1,8 +1,8 @@
-"""Redis memory of candidate lock record layouts: ``python bench/layouts.py [--keys N] [--quick]``.
+"""Redis memory per record of candidate lock record layouts, the current one among them.
 
-Issue 18 asks for a held lock of at most about 350 bytes and a released key of at most about 64
-bytes. This script measures, on a private ``redis-server``, what each candidate way of storing
-the same information costs, so that a layout is chosen with numbers:
+The aim is a held lock of at most about 350 bytes and a released key of at most about 64 bytes.
+On a private ``redis-server``, this measures what each candidate way of storing the same
+information costs, so that a layout is chosen with numbers:
 
 * every candidate stores what a real execution of ``bench.singletask.noop`` (locked per
   argument) writes: its key (``<prefix><task name>:<64 hex digits>``), an owner token made by
@@ -15,7 +15,7 @@ the same information costs, so that a layout is chosen with numbers:
 The candidates are storage shapes, written with plain commands, except those marked ``now``,
 which :class:`singletask.backends.redis.RedisBackend` itself writes (acquire, and release with
 and without a completion marker). ``0.1.0`` is what it wrote in 0.1.0 (a 66-byte owner token),
-``60-byte token`` the first step of issue 18 (the token shortened, two keys per lock); the
+``60-byte token`` the first step from it (the token shortened, two keys per lock); the
 others are alternatives that were considered.
 """
 

@@ -1,4 +1,4 @@
-"""``singletask locks`` on a large Redis database where KEYS is disabled (issue 14).
+"""``singletask locks`` on a large Redis database where KEYS is disabled: time and memory.
 
 Starts a private ``redis-server`` on a free loopback port with ``KEYS`` renamed away (so any
 use of it would fail), fills database 0 with ``--unrelated`` keys of another application
@@ -11,8 +11,8 @@ streams pages).
 
 ::
 
-    python -m bench.locks_scale                   # 100,000 unrelated keys, 10,000 locks
-    python -m bench.locks_scale --quick           # 2,000 and 200, for the test suite
+    python -m bench locks_scale                   # 100,000 unrelated keys, 10,000 locks
+    python -m bench locks_scale --quick           # 2,000 and 200, for the test suite
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""singletask beside the alternatives on one private Redis: ``python -m bench run [--quick]``.
+"""singletask beside the alternatives on one private Redis, in five measurements.
 
 Five measurements, each in its own module of this folder: the lock's overhead per execution
 (``overhead``), a prefork worker's throughput (``throughput``), duplicates of one key

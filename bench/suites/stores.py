@@ -1,4 +1,4 @@
-"""The lock stores side by side: ``python bench/stores.py [--quick] [--out DIR] [--publish-docs]``.
+"""The lock stores side by side: Redis, PostgreSQL, MariaDB/MySQL and SQLite.
 
 singletask's own task (``bench.singletask.noop``, locked per argument) with its lock in each
 store, in the same run: Redis (a private ``redis-server``), PostgreSQL and MariaDB/MySQL (the
