@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or refresh) the benchmark's own virtualenv, bench/.venv, from bench/requirements.txt.
 # The alternatives singletask is compared with are installed there only, never as dependencies
-# of singletask. `python bench/run.py` does the same by itself when the venv is missing or stale.
+# of singletask. `python -m bench run` does the same by itself when the venv is missing or stale.
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON="${PYTHON:-python3}"

@@ -14,7 +14,7 @@ All run on loopback ports, from the ``redis-server`` and ``redis-cli`` found on 
   certificates made by ``openssl`` (needs a redis-server built with TLS; see
   :func:`tls_redis_binary`).
 
-The bench uses these too (bench/deployments.py), so nothing here imports pytest.
+The bench uses these too (bench/suites/deployments.py), so nothing here imports pytest.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ CI = os.environ.get("CI", "").strip().lower() in {"1", "true", "yes", "on"}
 
 def unavailable(reason: str) -> None:
     """Skip the test locally, fail it in CI: a missing server must never pass silently there."""
-    import pytest  # here, so that the benchmark (bench/common.py) can use this module without it
+    import pytest  # here, so that the benchmark (bench/harness/) can use this module without it
 
     if CI:
         pytest.fail(f"{reason} (CI is set, so this fails instead of skipping)", pytrace=False)

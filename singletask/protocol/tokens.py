@@ -36,7 +36,7 @@ def execution_token(task_id: str, retries: int) -> str:
     child) rather than from a system call. Host id and nonce are written in unpadded base64url
     (8 and 6 characters for 48 and 32 bits), so that a token with a UUID task id stays within
     64 bytes: Redis keeps a hash whose values are all that short in its compact encoding, which
-    about halves the memory of a lock's hash (see ``bench/layouts.py``).
+    about halves the memory of a lock's hash (see ``bench/suites/layouts.py``).
     """
     nonce = _b64(random.getrandbits(32).to_bytes(4, "big"))
     return f"{task_id}:{retries}:{host_id()}:{os.getpid()}:{nonce}"

@@ -106,10 +106,11 @@ def _text(value: bytes | str) -> str:
 # The held record's compact fields (see scripts.py): what an execution's metadata says that the
 # lock key, the owner token or the fencing token already say is left out, and the rest is
 # written under one-letter names, so that a held lock costs about a third less Redis memory
-# (``bench/layouts.py``). The encoding is lossless: a record reads back as exactly the metadata
-# given. When the owner token is an execution's (``<task id>:<retries>:<host>:<pid>:<nonce>``),
-# its task id and pid are the record's unless i or p says otherwise; the scope is "execution"
-# unless s says otherwise; x lists the fields among these that the metadata did not have.
+# (``bench/suites/layouts.py``). The encoding is lossless: a record reads back as exactly the
+# metadata given. When the owner token is an execution's
+# (``<task id>:<retries>:<host>:<pid>:<nonce>``), its task id and pid are the record's unless i
+# or p says otherwise; the scope is "execution" unless s says otherwise; x lists the fields among
+# these that the metadata did not have.
 #
 #   i  task_id, when it is not the token's       p  pid, when it is not the token's
 #   s  scope, when not "execution": q (queue), c (coalesce), or = and the scope written out

@@ -1,12 +1,11 @@
-"""Beyond the singleton: ``python bench/beyond.py [--quick] [--out DIR] [--publish-docs]``.
+"""What lock_limit, lock_rate and lock_debounce cost beside the singleton; a fleet under a rate.
 
-What ``lock_limit``, ``lock_rate`` and ``lock_debounce`` cost next to the singleton, on Redis (a
-private ``redis-server``) and PostgreSQL (the server of ``SINGLETASK_TEST_POSTGRES_URL``,
-default the test suite's, in a table of the benchmark's own, dropped at the end), and what a
-fleet of workers does under a rate. The broker is always the private Redis.
+The lock stores are Redis (a private ``redis-server``) and PostgreSQL (the server of
+``SINGLETASK_TEST_POSTGRES_URL``, default the test suite's, in a table of the benchmark's own,
+dropped at the end). The broker is always the private Redis.
 
 1. **Per execution**, in one process: eager executions (``task_always_eager``, Celery's tracer,
-   with a worker's stack protection as ``bench/run.py`` installs it) of an empty task locked per
+   with a worker's stack protection as the ``run`` suite installs it) of an empty task locked per
    argument value, for the singleton (no option), ``lock_limit=5``, ``lock_rate="1000/s"`` (a
    key per execution, so the rate is checked and never refuses) and ``lock_debounce=1``. Eager
    mode does not debounce a send, so a debounced execution is measured as a worker meets it:
@@ -39,7 +38,6 @@ import json
 import logging
 import os
 import random
-import sys
 import tempfile
 import time
 import uuid
@@ -47,14 +45,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import redis
 
-import redis  # noqa: E402
-
-from bench.app import make_app  # noqa: E402
-from bench.common import (  # noqa: E402
+from bench import RESULTS, ROOT
+from bench.harness.app import make_app
+from bench.harness.common import (
     BROKER_DB,
     LOCK_DB,
     PROBE_DB,
@@ -64,9 +59,8 @@ from bench.common import (  # noqa: E402
     log,
     summary,
 )
-from bench.store_runs import batch_us  # noqa: E402
-from bench.stores import request_counter  # noqa: E402
-from tests.servers import SQL_URLS, drop_sql_table, sql_problem  # noqa: E402
+from bench.harness.store_runs import batch_us, request_counter
+from tests.servers import SQL_URLS, drop_sql_table, sql_problem
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "full": {"executions": 1000, "rounds": 7, "rate": 20.0, "fleet_seconds": 90.0,
@@ -75,7 +69,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
               "workers": 2, "concurrency": 1},
 }  # fmt: skip
 
-#: Each measured variant and its task (bench/app.py registers them).
+#: Each measured variant and its task (bench/harness/app.py registers them).
 TASKS = {
     "singleton": "bench.singletask.noop",
     "limit": "bench.singletask-limit.noop",
@@ -357,9 +351,11 @@ def rst(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench beyond", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="tiny configuration (a minute)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--publish-docs", action="store_true",
                         help="also write docs/_static/performance/beyond.rst.inc")  # fmt: skip
     args = parser.parse_args(argv)
@@ -367,7 +363,7 @@ def main(argv: list[str]) -> int:
     logging.getLogger("singletask").setLevel(logging.ERROR)
     from celery.app.trace import _install_stack_protection
 
-    _install_stack_protection()  # as bench/run.py: execute as a worker's pool process does
+    _install_stack_protection()  # as the run suite: execute as a worker's pool process does
     table = f"st_bench_beyond_{uuid.uuid4().hex[:8]}"
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     load = os.getloadavg()
@@ -410,7 +406,3 @@ def main(argv: list[str]) -> int:
         (ROOT / "docs" / "_static" / "performance" / "beyond.rst.inc").write_text(rst(results))
     print(rst(results))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

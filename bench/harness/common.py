@@ -1,7 +1,7 @@
 """Shared pieces of the benchmark: the private Redis server, worker processes, statistics.
 
 Everything here runs in the benchmark's own interpreter (bench/.venv, or the current one with
-``run.py --here``). Nothing ever talks to a Redis the benchmark did not start itself.
+``python -m bench run --here``). Nothing ever talks to a Redis the benchmark did not start itself.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from typing import Any
 
 import redis
 
+from bench import ROOT
 from tests.servers import RedisServer as _Server
 from tests.servers import redis_server_binary
-
-ROOT = Path(__file__).resolve().parents[1]
 
 #: Databases of the one private Redis server.
 BROKER_DB, LOCK_DB, PROBE_DB = 0, 1, 2
@@ -128,7 +127,7 @@ class ServerCounters:
 
 
 class Worker:
-    """A ``celery -A bench.app worker -P prefork`` subprocess in its own process group."""
+    """A ``celery -A bench.harness.app worker -P prefork`` subprocess in its own process group."""
 
     def __init__(
         self,
@@ -154,7 +153,7 @@ class Worker:
     def start(self, probe: redis.Redis, timeout: float = 60.0) -> None:
         """Start the worker; return once its pool is up (its ``worker_ready`` marker is set)."""
         command = [
-            sys.executable, "-m", "celery", "-A", "bench.app", "worker",
+            sys.executable, "-m", "celery", "-A", "bench.harness.app", "worker",
             "-P", "prefork", "-c", str(self.concurrency), "-n", self.nodename,
             "-Q", ",".join(self.queues), "-l", "WARNING",
             "--without-gossip", "--without-mingle", "--without-heartbeat", *self.extra,

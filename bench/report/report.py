@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .app import LOCK_SIDE, LOCK_TTL
+from bench.harness.app import LOCK_SIDE, LOCK_TTL
 
 Table = tuple[str, list[str], list[list[str]]]  # title, header, rows
 

@@ -1,4 +1,4 @@
-"""memcached and Django's cache beside Redis: ``python bench/cache_stores.py [--quick]``.
+"""memcached and Django's cache beside Redis, as the lock store of singletask's own task.
 
 Options: ``--out DIR`` (default ``bench/results``), ``--publish-docs``.
 
@@ -28,20 +28,16 @@ import argparse
 import json
 import os
 import random
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from pymemcache.client.base import Client
 
-from pymemcache.client.base import Client  # noqa: E402
-
-from bench.app import make_app  # noqa: E402
-from bench.common import (  # noqa: E402
+from bench import RESULTS, ROOT
+from bench.harness.app import make_app
+from bench.harness.common import (
     BROKER_DB,
     LOCK_DB,
     PROBE_DB,
@@ -50,13 +46,13 @@ from bench.common import (  # noqa: E402
     log,
     summary,
 )
-from bench.store_runs import (  # noqa: E402
+from bench.harness.store_runs import (
     CONFIGS,
     batch_us,
     held_locks,
     worker_throughput,
 )
-from tests.servers import MemcachedServer, start_memcached  # noqa: E402
+from tests.servers import MemcachedServer, start_memcached
 
 #: The second (empty) Redis store of measurement 4.
 EMPTY_DB = 3
@@ -180,9 +176,11 @@ def rst(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench cache_stores", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="tiny configuration (a minute)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
         "--publish-docs", action="store_true",
         help="also write docs/_static/performance/cache_stores.rst.inc",
@@ -239,7 +237,3 @@ def main(argv: list[str]) -> int:
         target.write_text(rst(results))
     print(rst(results))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from .report import Table, environment_lines, summary_lines, tables
+from bench.report.report import Table, environment_lines, summary_lines, tables
 
 #: The tables published in parts, by the start of their title: each part is (its name, its
 #: columns), shown with the variant column. The Markdown report keeps them whole.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .report import DASH, label
+from bench.report.report import DASH, label
 
 #: Font sizes of the plot, in points. The figure is drawn 10 inches wide and shown about 7.5
 #: inches wide on the docs' page, so these read like the page's own small print.

@@ -28,7 +28,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from .common import LOCK_DB, RedisServer, log, summary
+from bench.harness.common import LOCK_DB, RedisServer, log, summary
 
 #: A database of the same server that holds nothing: the rate to compare with.
 EMPTY_DB = 5
@@ -125,7 +125,7 @@ def primitive(app: Celery, variant: str, lock_url: str) -> Primitive | None:
 
         return Primitive(acquire, release, "acquire_lock / release_lock")
     if variant == "only-one":
-        from .only_one import client
+        from bench.alternatives.only_one import client
 
         def acquire(i: int) -> None:
             lock = client().lock(f"only-one:noop:{i}", timeout=LONG_LEASE)
@@ -138,7 +138,7 @@ def primitive(app: Celery, variant: str, lock_url: str) -> Primitive | None:
 
         return Primitive(acquire, release, "redis-py Lock.acquire(blocking=False) / release")
     if variant == "cookbook":
-        from .cookbook import LOCK_EXPIRE, cache_add, cache_delete, lock_id
+        from bench.alternatives.cookbook import LOCK_EXPIRE, cache_add, cache_delete, lock_id
 
         def acquire(i: int) -> None:
             cache_add(lock_id(task.name, i), app.oid, LOCK_EXPIRE)

@@ -1,4 +1,4 @@
-"""Lock stores beyond one Redis (issue 15): ``python bench/deployments.py [--quick] [--out DIR]``.
+"""Lock stores beyond one Redis: a Redis Cluster and Sentinel, beside a single server.
 
 In one run, on loopback, from the ``redis-server`` on PATH (tests/deployments.py starts them):
 a single Redis, a 6-node Redis Cluster (3 masters, 3 replicas) and a Sentinel deployment
@@ -36,23 +36,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import redis
+from celery import Celery
 
-import redis  # noqa: E402
-from celery import Celery  # noqa: E402
-
-from singletask import SingletonTask  # noqa: E402
-from singletask.backends import backend_from_url  # noqa: E402
-from singletask.exceptions import BackendError  # noqa: E402
-from tests.deployments import (  # noqa: E402
+from bench import RESULTS
+from singletask import SingletonTask
+from singletask.backends import backend_from_url
+from singletask.exceptions import BackendError
+from tests.deployments import (
     ClusterDeployment,
     SentinelDeployment,
     default_binary,
     wait_until,
 )
-from tests.servers import RedisServer  # noqa: E402
+from tests.servers import RedisServer
 
 
 def log(message: str) -> None:
@@ -301,10 +298,12 @@ def rst(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench deployments", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--quick", action="store_true", help="a small configuration")
     parser.add_argument("--failovers", type=int, default=3, help="failover rounds per mode")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="singletask-deploy-") as tmp:
         results = run(args.quick, args.failovers, Path(tmp))
@@ -313,7 +312,3 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "deployments.rst").write_text(rst(results))
     print(rst(results))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -37,8 +37,8 @@ from typing import Any
 import redis
 from celery import Celery
 
-from .app import noop as bench_noop
-from .common import LOCK_DB, RedisServer, ServerCounters, log, summary
+from bench.harness.app import noop as bench_noop
+from bench.harness.common import LOCK_DB, RedisServer, ServerCounters, log, summary
 
 
 def _batch(run: Callable[[int], Any], count: int, budget: float) -> tuple[float, int]:

@@ -1,8 +1,8 @@
-"""Redis memory of candidate lock record layouts: ``python bench/layouts.py [--keys N] [--quick]``.
+"""Redis memory per record of candidate lock record layouts, the current one among them.
 
-Issue 18 asks for a held lock of at most about 350 bytes and a released key of at most about 64
-bytes. This script measures, on a private ``redis-server``, what each candidate way of storing
-the same information costs, so that a layout is chosen with numbers:
+The aim is a held lock of at most about 350 bytes and a released key of at most about 64 bytes.
+On a private ``redis-server``, this measures what each candidate way of storing the same
+information costs, so that a layout is chosen with numbers:
 
 * every candidate stores what a real execution of ``bench.singletask.noop`` (locked per
   argument) writes: its key (``<prefix><task name>:<64 hex digits>``), an owner token made by
@@ -15,7 +15,7 @@ the same information costs, so that a layout is chosen with numbers:
 The candidates are storage shapes, written with plain commands, except those marked ``now``,
 which :class:`singletask.backends.redis.RedisBackend` itself writes (acquire, and release with
 and without a completion marker). ``0.1.0`` is what it wrote in 0.1.0 (a 66-byte owner token),
-``60-byte token`` the first step of issue 18 (the token shortened, two keys per lock); the
+``60-byte token`` the first step from it (the token shortened, two keys per lock); the
 others are alternatives that were considered.
 """
 
@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import socket
-import sys
 import tempfile
 import time
 import uuid
@@ -34,15 +33,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import redis
 
-import redis  # noqa: E402
-
-from bench.common import RedisServer, log  # noqa: E402
-from singletask.backends.redis.store import RedisBackend, fence_key  # noqa: E402
-from singletask.protocol.tokens import execution_token  # noqa: E402
+from bench import RESULTS
+from bench.harness.common import RedisServer, log
+from singletask.backends.redis.store import RedisBackend, fence_key
+from singletask.protocol.tokens import execution_token
 
 TASK = "bench.singletask.noop"
 PREFIX = "singletask:"
@@ -253,10 +249,12 @@ def measure(client: redis.Redis, store: RedisBackend, write: Writer, keys: int) 
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench layouts", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--keys", type=int, default=100_000, help="records per candidate")
     parser.add_argument("--quick", action="store_true", help="2,000 records per candidate")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     keys = 2000 if args.quick else args.keys
     results: dict[str, Any] = {"keys": keys, "candidates": {}}
@@ -286,7 +284,3 @@ def main(argv: list[str]) -> int:
             f"  {row['sample_memory_usage'] or 0:12d}  {row['sample_encoding']}"
         )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

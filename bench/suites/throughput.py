@@ -23,7 +23,7 @@ from typing import Any
 import redis
 from celery import Celery
 
-from .common import (
+from bench.harness.common import (
     BROKER_DB,
     LOCK_DB,
     PROBE_DB,

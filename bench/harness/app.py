@@ -1,7 +1,8 @@
 """The benchmark's Celery app: the same two tasks under every contender.
 
-``celery -A bench.app worker`` builds it from environment variables (see :func:`_from_env`);
-the benchmark process builds it with :func:`make_app`. For each variant ``v`` there are:
+``celery -A bench.harness.app worker`` builds it from environment variables (see
+:func:`_from_env`); the benchmark process builds it with :func:`make_app`. For each variant ``v``
+there are:
 
 ``bench.<v>.noop(i)``
     An empty body, locked per value of ``i`` (measurements 1 and 2).
@@ -36,7 +37,7 @@ from typing import Any
 import redis
 from celery import Celery, Task, current_task, signals
 
-from . import cookbook, only_one
+from bench.alternatives import cookbook, only_one
 
 #: Every contender, in report order. ``plain`` is Celery's own Task without any lock.
 VARIANTS = [
@@ -61,7 +62,7 @@ REQUIRES = {
     "celery-heimdall-nb": "celery_heimdall",
 }
 
-#: The task options of bench/beyond.py's variants (not contenders: run.py never runs them).
+#: The task options of the beyond suite's variants (not contenders: run never runs them).
 #: The rate is high enough never to refuse a key per execution: what it measures is the check.
 BEYOND: dict[str, dict[str, Any]] = {
     "singletask-limit": {"lock_limit": 5},
@@ -239,12 +240,12 @@ def _register(app: Celery, variant: str) -> None:
         task(name=noop_name, base=SingletonTask, lock_args="*", lock_scope=scope)(noop)
         task(name=hold_name, base=SingletonTask, lock_args=("key",), lock_scope=scope)(hold)
     elif variant in BEYOND:
-        # The options beyond the singleton (bench/beyond.py), on the same per-argument keys.
+        # The options beyond the singleton (suites/beyond.py), on the same per-argument keys.
         from singletask import SingletonTask
 
         task(name=noop_name, base=SingletonTask, lock_args="*", **BEYOND[variant])(noop)
     elif variant == "singletask-fleet":
-        # One key for the whole task under a rate: bench/beyond.py's fleet of workers.
+        # One key for the whole task under a rate: suites/beyond.py's fleet of workers.
         from singletask import SingletonTask
 
         task(

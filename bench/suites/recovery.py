@@ -35,8 +35,8 @@ from typing import Any
 import redis
 from celery import Celery
 
-from .common import LOCK_DB, PROBE_DB, RedisServer, log, running_worker, summary
-from .contention import send_through_task
+from bench.harness.common import LOCK_DB, PROBE_DB, RedisServer, log, running_worker, summary
+from bench.suites.contention import send_through_task
 
 FAULTS = ("sigkill", "time-limit", "revoke")
 

@@ -1,4 +1,4 @@
-"""The lock stores side by side: ``python bench/stores.py [--quick] [--out DIR] [--publish-docs]``.
+"""The lock stores side by side: Redis, PostgreSQL, MariaDB/MySQL and SQLite.
 
 singletask's own task (``bench.singletask.noop``, locked per argument) with its lock in each
 store, in the same run: Redis (a private ``redis-server``), PostgreSQL and MariaDB/MySQL (the
@@ -26,20 +26,15 @@ import argparse
 import json
 import os
 import random
-import sys
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.app import make_app  # noqa: E402
-from bench.common import (  # noqa: E402
+from bench import RESULTS, ROOT
+from bench.harness.app import make_app
+from bench.harness.common import (
     BROKER_DB,
     LOCK_DB,
     PROBE_DB,
@@ -48,14 +43,15 @@ from bench.common import (  # noqa: E402
     log,
     summary,
 )
-from bench.store_runs import (  # noqa: E402
+from bench.harness.store_runs import (
     CONFIGS,
     batch_us,
     held_locks,
+    request_counter,
     worker_throughput,
 )
-from singletask.backends import backend_from_url  # noqa: E402
-from tests.servers import SQL_URLS, drop_sql_table, sql_problem  # noqa: E402
+from singletask.backends import backend_from_url
+from tests.servers import SQL_URLS, drop_sql_table, sql_problem
 
 STORES = ("redis", "postgresql", "postgresql-async", "mysql", "sqlite")
 
@@ -68,30 +64,6 @@ SERVERLESS = ("redis", "sqlite")
 #: PostgreSQL with ``synchronous_commit=off`` for the lock sessions (see docs/store-sql.rst,
 #: "Durability").
 ASYNC_COMMIT = "options=-c%20synchronous_commit%3Doff"
-
-
-@contextmanager
-def request_counter() -> Iterator[list[int]]:
-    """Count the requests the PostgreSQL and MySQL drivers send (one per ``execute``)."""
-    import psycopg
-    import pymysql.cursors
-
-    counted = [0]
-    originals = (psycopg.Cursor.execute, pymysql.cursors.Cursor.execute)
-
-    def counting(original: Callable[..., Any]) -> Callable[..., Any]:
-        def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
-            counted[0] += 1
-            return original(self, *args, **kwargs)
-
-        return execute
-
-    psycopg.Cursor.execute = counting(originals[0])  # type: ignore[method-assign]
-    pymysql.cursors.Cursor.execute = counting(originals[1])  # type: ignore[method-assign]
-    try:
-        yield counted
-    finally:
-        psycopg.Cursor.execute, pymysql.cursors.Cursor.execute = originals  # type: ignore[method-assign]
 
 
 def store_urls(
@@ -219,9 +191,11 @@ def rst(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench stores", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="tiny configuration (a minute)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--publish-docs", action="store_true",
                         help="also write docs/_static/performance/stores.rst.inc")  # fmt: skip
     args = parser.parse_args(argv)
@@ -257,7 +231,3 @@ def main(argv: list[str]) -> int:
         (ROOT / "docs" / "_static" / "performance" / "stores.rst.inc").write_text(rst(results))
     print(rst(results))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

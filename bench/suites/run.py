@@ -1,15 +1,18 @@
-"""Run the singletask benchmark suite (issue 6): ``python bench/run.py [--quick] [--out DIR]``.
+"""singletask beside the alternatives on one private Redis, in five measurements.
 
-By default the script re-runs itself inside the benchmark's own virtualenv, ``bench/.venv``,
+Five measurements, each in its own module of this folder: the lock's overhead per execution
+(``overhead``), a prefork worker's throughput (``throughput``), duplicates of one key
+(``contention``), how long a key stays locked after its holder dies (``recovery``) and many
+keys held at once (``scale``). One private ``redis-server`` on a free loopback port is broker,
+lock store and probe for all of them. The output folder (``--out``, default ``bench/results``)
+receives ``results.json``, ``results.md``, ``results.rst`` and ``plot.png`` (when matplotlib is
+available). See ``docs/performance.rst`` for the method.
+
+By default the command runs again inside the benchmark's own virtualenv, ``bench/.venv``,
 creating it from ``bench/requirements.txt`` when it is missing or out of date: the alternatives
 (celery-singleton, celery-once, celery-heimdall) and matplotlib are installed there only, never
 as dependencies of singletask. ``--here`` runs in the current interpreter instead, with the
 variants whose libraries it has (the test suite does this with ``--quick``).
-
-It starts one private ``redis-server`` on a free loopback port, used as broker, lock store and
-probe for every measurement, and writes ``results.json``, ``results.md``, ``results.rst`` and
-``plot.png`` (when matplotlib is available) to the output folder (default ``bench/results``).
-See ``docs/performance.rst`` for the method.
 """
 
 from __future__ import annotations
@@ -29,9 +32,7 @@ import venv
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench import RESULTS, ROOT
 
 BENCH = ROOT / "bench"
 VENV = BENCH / ".venv"
@@ -111,13 +112,15 @@ def ensure_venv() -> Path:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench run", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
         help="tiny configuration (about 1.5 minutes; 10 s for plain,singletask)",
     )
-    parser.add_argument("--out", type=Path, default=BENCH / "results", help="output folder")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="output folder")
     parser.add_argument(
         "--only", default="", help="comma-separated variants to run (default: all available)"
     )
@@ -148,11 +151,16 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if not args.here and Path(sys.prefix).resolve() != VENV.resolve():
         python = ensure_venv()
-        os.execv(str(python), [str(python), str(Path(__file__).resolve()), *argv])
+        # The same command in the venv's interpreter, from the same folder (``--out`` may be
+        # relative to it), with the repository on its path for ``bench`` and ``singletask``.
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        command = [str(python), "-m", "bench", "run", *argv]
+        os.execve(str(python), command, {**os.environ, "PYTHONPATH": path})
 
-    from bench import app as bench_app
-    from bench import contention, overhead, plot, publish, recovery, report, scale, throughput
-    from bench.common import BROKER_DB, LOCK_DB, PROBE_DB, RedisServer, log, machine_load
+    from bench.harness import app as bench_app
+    from bench.harness.common import BROKER_DB, LOCK_DB, PROBE_DB, RedisServer, log, machine_load
+    from bench.report import plot, publish, report
+    from bench.suites import contention, overhead, recovery, scale, throughput
 
     # In this process the eager executions log every duplicate they turn away: keep it quiet.
     logging.getLogger("singletask").setLevel(logging.ERROR)
@@ -316,7 +324,3 @@ def main(argv: list[str]) -> int:
     log(f"done: {out / 'results.md'}")
     print(report.markdown(results))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -24,8 +24,16 @@ from typing import Any
 import redis
 from celery import Celery
 
-from . import app as bench_app
-from .common import LOCK_DB, PROBE_DB, RedisServer, ServerCounters, log, running_worker, summary
+from bench.harness import app as bench_app
+from bench.harness.common import (
+    LOCK_DB,
+    PROBE_DB,
+    RedisServer,
+    ServerCounters,
+    log,
+    running_worker,
+    summary,
+)
 
 
 def send_through_task(task: Any, key: str, mode: str, token: str) -> bool:

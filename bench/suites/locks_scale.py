@@ -1,4 +1,4 @@
-"""``singletask locks`` on a large Redis database where KEYS is disabled (issue 14).
+"""``singletask locks`` on a large Redis database where KEYS is disabled: time and memory.
 
 Starts a private ``redis-server`` on a free loopback port with ``KEYS`` renamed away (so any
 use of it would fail), fills database 0 with ``--unrelated`` keys of another application
@@ -11,8 +11,8 @@ streams pages).
 
 ::
 
-    python -m bench.locks_scale                   # 100,000 unrelated keys, 10,000 locks
-    python -m bench.locks_scale --quick           # 2,000 and 200, for the test suite
+    python -m bench locks_scale                   # 100,000 unrelated keys, 10,000 locks
+    python -m bench locks_scale --quick           # 2,000 and 200, for the test suite
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from typing import Any
 
 import redis
 
+from bench import ROOT
 from singletask.backends.redis import RedisBackend
 from singletask.protocol.tokens import execution_token
 from tests.servers import RedisServer, redis_server_binary
 
-ROOT = Path(__file__).resolve().parents[1]
 TASK = "bench.sync"
 
 
@@ -106,7 +106,9 @@ def measure(url: str, rounds: int, expected: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench locks_scale", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--unrelated", type=int, default=100_000)
     parser.add_argument("--locks", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=3)
@@ -151,7 +153,3 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(report, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,8 @@
-"""What the two lock store benchmarks (``bench/stores.py`` and ``bench/cache_stores.py``) measure
-the same way: their configurations, a timed batch of calls, measurement 3 (a real prefork
-worker per store) and measurement 4 (acquire with ``held`` locks held, against an empty store).
+"""What the two lock store suites (``stores`` and ``cache_stores``) measure the same way.
+
+Their configurations, a timed batch of calls, measurement 3 (a real prefork worker per store),
+measurement 4 (acquire with ``held`` locks held, against an empty store), and the requests the
+SQL drivers send.
 """
 
 from __future__ import annotations
@@ -8,18 +10,18 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench import throughput
-from bench.app import make_app
-from bench.common import BROKER_DB, PROBE_DB, RedisServer, log, quantile, summary
+from bench import ROOT
+from bench.harness.app import make_app
+from bench.harness.common import BROKER_DB, PROBE_DB, RedisServer, log, quantile, summary
+from bench.suites import throughput
 from singletask.backends import backend_from_url
-
-ROOT = Path(__file__).resolve().parents[1]
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "full": {"executions": 1000, "rounds": 7, "messages": 1000, "tp_rounds": 3, "held": 100_000,
@@ -27,6 +29,30 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "quick": {"executions": 100, "rounds": 2, "messages": 100, "tp_rounds": 1, "held": 2000,
               "cycles": 100},
 }  # fmt: skip
+
+
+@contextmanager
+def request_counter() -> Iterator[list[int]]:
+    """Count the requests the PostgreSQL and MySQL drivers send (one per ``execute``)."""
+    import psycopg
+    import pymysql.cursors
+
+    counted = [0]
+    originals = (psycopg.Cursor.execute, pymysql.cursors.Cursor.execute)
+
+    def counting(original: Callable[..., Any]) -> Callable[..., Any]:
+        def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
+            counted[0] += 1
+            return original(self, *args, **kwargs)
+
+        return execute
+
+    psycopg.Cursor.execute = counting(originals[0])  # type: ignore[method-assign]
+    pymysql.cursors.Cursor.execute = counting(originals[1])  # type: ignore[method-assign]
+    try:
+        yield counted
+    finally:
+        psycopg.Cursor.execute, pymysql.cursors.Cursor.execute = originals  # type: ignore[method-assign]
 
 
 def batch_us(run: Callable[[int], Any], first: int, count: int) -> float:

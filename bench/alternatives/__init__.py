@@ -1,0 +1,1 @@
+"""The recipes singletask is compared with, re-implemented for the benchmark."""

@@ -1,0 +1,1 @@
+"""What every suite shares: the private servers, the contenders' Celery app, the store runs."""
