@@ -4,22 +4,22 @@
 of four steps, each a function below it in this order (``docs/lifecycle.rst`` tells the same
 story for users):
 
-1. **Who is running** (:meth:`_Run.of`). A worker or eager execution has a task id and
+1. **Who is running** (``_Run.of``). A worker or eager execution has a task id and
    ``retries``: its owner token names that *attempt* and its process, and it may take over the
    reservation made for that attempt (by ``apply_async`` with ``lock_scope`` "queue"/"coalesce",
    or by the previous attempt's body retry). A direct call ``task(...)`` has neither. A direct
    call from inside the execution that holds the same key is re-entrant: it runs the body and
    takes nothing.
-2. **Acquire** (:func:`_acquire`), in one atomic step of the store: the debounce window
-   (:func:`_window`), the take and its takeovers (:func:`_take_over`: a superseded retry's
+2. **Acquire** (``_acquire``), in one atomic step of the store: the debounce window
+   (``_window``), the take and its takeovers (``_take_over``: a superseded retry's
    reservation, a holder whose process is gone), the short rate wait, the preemption or refusal
-   of a held key (:func:`_preempt_or_refuse`), the last checks of a taken slot or redelivered
-   copy (:func:`_admit`). Every execution that does not get to run its body ends in
+   of a held key (``_preempt_or_refuse``), the last checks of a taken slot or redelivered
+   copy (``_admit``). Every execution that does not get to run its body ends in
    :mod:`singletask.execution.outcomes` and holds nothing when it does.
-3. **Hold** (:func:`_hold`): the :class:`~singletask.LockHandle` (``self.lock``) whose lease the
+3. **Hold** (``_hold``): the :class:`~singletask.LockHandle` (``self.lock``) whose lease the
    process's renewer renews; a lease found lost is logged and sent as
    :data:`~singletask.signals.lock_lost`, once.
-4. **Run the body and end the hold exactly once** (:func:`_run_body`), in the ``finally``
+4. **Run the body and end the hold exactly once** (``_run_body``), in the ``finally``
    around the body, whatever the ending: stop renewing, then release or reserve as
    :data:`singletask.execution.endings.ENDINGS` says for the way the body ended.
 """
