@@ -50,6 +50,7 @@ from .options import (
     url_db,
     url_query,
 )
+from .scripts import HOLDER_SCRIPT
 from .slots import listed, scan_pattern
 from .state import scan_state
 from .store import _DRIVER_ERRORS
@@ -141,12 +142,6 @@ class RedisSentinelBackend(_Deployed):
                 client.close()
             self._sentinel = None
 
-
-# KEYS[1]  lock key
-# Returns {holder fields as field, value, ..., lease left in ms} (an empty hash: free).
-HOLDER_SCRIPT = """
-return {redis.call('HGETALL', KEYS[1]), redis.call('PTTL', KEYS[1])}
-"""
 
 _HOLDER = _Script(HOLDER_SCRIPT)
 
