@@ -8,9 +8,9 @@ has a hash tag or no ``}`` at all:
 * ``}:fence`` — a hash holding a coalescing task's pending follow-up claim (:func:`fence_key`);
 * ``}:rate`` — the rate record: a string, the server time (microseconds since the epoch) of
   the key's next allowed start, expiring then (``PX`` interval).
-  :data:`ACQUIRE_SLOT_RATED_SCRIPT` checks and writes it in the script that takes the slot,
-  so it must share the slots' cluster slot (the Cluster store refuses a key whose rate record
-  would not);
+  :data:`~singletask.backends.redis.scripts.ACQUIRE_SLOT_RATED_SCRIPT` checks and writes it in
+  the script that takes the slot, so it must share the slots' cluster slot (the Cluster store
+  refuses a key whose rate record would not);
 * ``}:debounce`` — the debounce window: a hash ``{l: latest task id, o: server ms it opened}``,
   kept ``ttl`` from each send. A window closed by its latest send's take has no ``o``: it keeps
   naming that send until it expires, and the next send opens a new window. Its scripts touch

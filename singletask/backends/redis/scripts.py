@@ -25,6 +25,13 @@ milliseconds from 1, or 0 where it says so, to :data:`MAX_LEASE_MS`) and fails *
 first write* when one is out of range, so ``PEXPIRE`` cannot fail after a write. (Redis runs a
 script that has started writing to its end even when it is out of memory, and a script cannot
 be killed once it has written, so nothing else can stop one between a write and its expiry.)
+
+**Every script of the Redis stores is here**, each under a comment giving its KEYS, ARGV and
+reply: besides the lock's, those of holder slots (``lock_limit``: every slot of a key read and
+one taken, :mod:`~singletask.backends.redis.slots`), of the rate record that goes with them
+(``lock_rate``), of debounce windows (``lock_debounce``, :mod:`~singletask.backends.redis.rates`)
+and of preemption records (``lock_policy = "replace"``, :mod:`~singletask.backends.redis.replaced`).
+Each one's keys share a Redis Cluster slot. :mod:`~singletask.backends.redis.wire` sends them.
 """
 
 from __future__ import annotations
@@ -109,8 +116,7 @@ end
 # last completion marker (d) is carried into the new held record.
 # Errors (before any write) when ARGV[2] is out of range.
 # (The body is the Lua function acquire(), which ACQUIRE_KEEPING_SCRIPT calls as well; it gives
-# the key with take(), which the holder-slot scripts of slots.py call for the slot they
-# choose.)
+# the key with take(), which the holder-slot scripts below call for the slot they choose.)
 # take(key, cur, last, marker, lease): give key to ARGV[1] for lease ms, ARGV[4…] as above; cur
 # is its holder's token (or false), last the last fence to grow from (or false), marker the
 # completion marker to carry (or false). Returns {1, fence, marker}.
@@ -411,7 +417,7 @@ return {pttl, unpack(fields)}
 # Lua: acquire_slot(keeping, start) is ACQUIRE_SLOT_SCRIPT's body (take() is ACQUIRE_SCRIPT's:
 # the chosen slot is given exactly as acquire() gives a key). With keeping, a successful reply
 # gets what the slot was before as a fifth element (as ACQUIRE_KEEPING_SCRIPT's fourth). With
-# start (the rated scripts of rates.py), a slot about to be taken by a new token is a start:
+# start (the rated scripts below), a slot about to be taken by a new token is a start:
 # start() records it and returns false, or returns the ms until one is allowed, and the reply is
 # {2, those ms} (nothing written).
 _ACQUIRE_SLOT_FUNCTION = """
@@ -513,7 +519,7 @@ end
 """
 
 # KEYS[1…n]  the holder slots of a lock key, as ACQUIRE_SLOT_SCRIPT's
-# KEYS[n+1]  the key's rate record (rate_key; same cluster slot)
+# KEYS[n+1]  the key's rate record (rates.rate_key; same cluster slot)
 # ARGV       as ACQUIRE_SLOT_SCRIPT's, then the interval in ms (the last one)
 # Returns ACQUIRE_SLOT_SCRIPT's replies ({1, ...} taken, {0, ...} every slot held: nothing is
 # written, the rate record is not read), and {2, ms until a start is allowed} when the slot it
@@ -538,7 +544,7 @@ ACQUIRE_SLOT_RATED_KEEPING_SCRIPT = (
 )  # fmt: skip
 
 
-# KEYS[1]  the key's debounce window (window_key)
+# KEYS[1]  the key's debounce window (rates.window_key)
 # ARGV[1]  the task id of this send
 # ARGV[2]  how long the window is kept from now, in milliseconds
 # Returns {previous latest task id, or false when this call opened the window; ms since the
@@ -611,7 +617,7 @@ return 1
 """
 
 
-# KEYS[1]  the preemption record (record_key)
+# KEYS[1]  the preemption record (replaced.record_key)
 # ARGV[1]  the preemptor's task id, '' for none
 # ARGV[2]  how long the record is kept, in milliseconds (the preemptor's lease)
 # Returns 1. Errors (before any write) when ARGV[2] is out of range.
@@ -619,7 +625,7 @@ LEAVE_REPLACED_SCRIPT: Final = (
     _CHECK_MS + "redis.call('SET', KEYS[1], ARGV[1], 'PX', ms(ARGV[2]))\nreturn 1\n"
 )
 
-# KEYS[1]  the preemption record (record_key)
+# KEYS[1]  the preemption record (replaced.record_key)
 # Returns the preemptor's task id ('' for none), or false when there is no such record.
 REPLACED_BY_SCRIPT: Final = "return redis.call('GET', KEYS[1])\n"
 

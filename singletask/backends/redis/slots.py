@@ -1,9 +1,9 @@
 """Holder slots (``lock_limit``, :mod:`singletask.protocol.slots`) on the Redis stores.
 
 A slot is a lock key of its own, one hash as :mod:`~singletask.backends.redis.scripts` describes;
-slot 0 is the key itself. :data:`ACQUIRE_SLOT_SCRIPT` reads every slot of a key and takes one,
-in one script: the slots of a key hash to the key's own Redis Cluster slot (a key with a hash
-tag, or without ``}``; :meth:`RedisClusterBackend.acquire_slot
+slot 0 is the key itself. :data:`~singletask.backends.redis.scripts.ACQUIRE_SLOT_SCRIPT` reads
+every slot of a key and takes one, in one script: the slots of a key hash to the key's own Redis
+Cluster slot (a key with a hash tag, or without ``}``; :meth:`RedisClusterBackend.acquire_slot
 <singletask.backends.redis.deploy.RedisClusterBackend>` refuses any other). The key's last
 fencing token is the largest the records of its slots hold (held or released), and the server
 clock's after that, as for one key; its completion marker is the base key's (field ``d``),
