@@ -1,8 +1,8 @@
 """The Redis family of lock stores: one server, Sentinel and Cluster, with or without TLS.
 
 * ``store``: :class:`RedisBackend` (``redis://``, ``rediss://``, ``unix://``);
-* ``deploy`` and ``deploy_base``: :class:`RedisSentinelBackend` (``sentinel://``) and
-  :class:`RedisClusterBackend` (``redis+cluster://``, ``rediss+cluster://``);
+* ``deploy``: :class:`RedisSentinelBackend` (``sentinel://``) and :class:`RedisClusterBackend`
+  (``redis+cluster://``, ``rediss+cluster://``), and what the two share;
 * ``scripts``, ``slots``, ``rates``: the Lua scripts of the lock, of holder slots and
   of rates, coalesce claims and debounce windows;
 * ``wire``, ``connections``, ``options``: how a script goes out and its reply comes
