@@ -10,9 +10,9 @@ and costs one round trip once the script is cached on the server.
 
 URLs: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` (TLS) and
 ``unix:///path/to/socket?db=0``, with redis-py's query options (``socket_timeout``, ...),
-checked strictly when the backend is built (:func:`singletask.backends.urls.parse_redis_url`). The
-scripts, and how they keep every key with an expiry, are in
-:mod:`singletask.backends.redis.scripts`.
+checked strictly when the backend is built
+(:func:`singletask.backends.redis.options.parse_redis_url`). The scripts, and how they keep
+every key with an expiry, are in :mod:`singletask.backends.redis.scripts`.
 
 A backend built from a URL sends its scripts over redis-py connections it keeps itself, one
 per thread that uses it at once, with the command encoded here: the lock costs its two round
@@ -35,9 +35,9 @@ from redis.retry import Retry
 from ...exceptions import BackendError, ConfigurationError
 from ...protocol.slots import base_key
 from ..base import AcquireResult, Holder, LockBackend, StoreState
-from ..urls import mask_url, parse_redis_url
+from ..urls import mask_url
 from .connections import send
-from .options import connection_options, retentions
+from .options import connection_options, parse_redis_url, retentions
 from .rates import (
     _DEBOUNCE,
     _DEBOUNCE_TAKE,
