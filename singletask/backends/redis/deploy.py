@@ -55,18 +55,18 @@ from .options import (
     url_db,
     url_query,
 )
-from .rates import _ACQUIRE_SLOT_RATED, _ACQUIRE_SLOT_RATED_KEEPING
+from .rates import ACQUIRE_SLOT_RATED, ACQUIRE_SLOT_RATED_KEEPING
 from .scripts import HOLDER_SCRIPT
-from .slots import _ACQUIRE_SLOT, _ACQUIRE_SLOT_KEEPING, listed, scan_pattern
+from .slots import ACQUIRE_SLOT, ACQUIRE_SLOT_KEEPING, listed, scan_pattern
 from .state import scan_state
-from .store import _DRIVER_ERRORS, FENCE_RETENTION, MARKER_RETENTION, RedisBackend
+from .store import DRIVER_ERRORS, FENCE_RETENTION, MARKER_RETENTION, RedisBackend
 from .wire import (
-    _ACQUIRE,
-    _ACQUIRE_KEEPING,
-    _RESTORE,
-    _holder,
-    _Script,
+    ACQUIRE,
+    ACQUIRE_KEEPING,
+    RESTORE,
+    Script,
     drop_idle,
+    holder_from_reply,
     not_run,
 )
 
@@ -77,9 +77,9 @@ MAX_REDIRECTS = 5
 
 #: The acquire scripts the replica wait runs instead (they also return what the key was before).
 _KEEPING = {
-    _ACQUIRE: _ACQUIRE_KEEPING,
-    _ACQUIRE_SLOT: _ACQUIRE_SLOT_KEEPING,
-    _ACQUIRE_SLOT_RATED: _ACQUIRE_SLOT_RATED_KEEPING,
+    ACQUIRE: ACQUIRE_KEEPING,
+    ACQUIRE_SLOT: ACQUIRE_SLOT_KEEPING,
+    ACQUIRE_SLOT_RATED: ACQUIRE_SLOT_RATED_KEEPING,
 }
 
 #: Options a URL's query string may carry (the transport options may carry them too).
@@ -173,7 +173,7 @@ class _Deployed(RedisBackend):
     def _call(
         self,
         operation: str,
-        script: _Script,
+        script: Script,
         keys: Sequence[str],
         args: Sequence[str | int | bytes],
     ) -> Any:
@@ -183,7 +183,7 @@ class _Deployed(RedisBackend):
             return super()._call(operation, script, keys, args)
         try:
             reply, acks = self._acquire_and_wait(keeping, keys, args, wait)
-        except _DRIVER_ERRORS as exc:
+        except DRIVER_ERRORS as exc:
             if not_run(exc):
                 # The pipeline's connection went back to the pool, still to the demoted
                 # master: close the idle ones, so that the next call asks where the master is.
@@ -201,9 +201,9 @@ class _Deployed(RedisBackend):
         # The keeping scripts add what the key was before last; a slot's reply names the slot.
         # A rated acquisition's start stays spent: only the slot is put back.
         fence, before = reply[1], reply[-1]
-        taken = keys[int(reply[3])] if script is not _ACQUIRE else keys[0]
+        taken = keys[int(reply[3])] if script is not ACQUIRE else keys[0]
         try:
-            undone = super()._call("acquire", _RESTORE, (taken,), (args[0], fence, *before))
+            undone = super()._call("acquire", RESTORE, (taken,), (args[0], fence, *before))
             outcome = "the key was put back as it was" if undone else "the key has changed since"
         except BackendError as exc:
             outcome = f"putting the key back failed too, so it is held until its lease ends ({exc})"
@@ -214,7 +214,7 @@ class _Deployed(RedisBackend):
 
     def _acquire_and_wait(
         self,
-        script: _Script,
+        script: Script,
         keys: Sequence[str],
         args: Sequence[str | int | bytes],
         wait: ReplicaWait,
@@ -321,7 +321,7 @@ class RedisSentinelBackend(_Deployed):
             self._sentinel = None
 
 
-_HOLDER = _Script(HOLDER_SCRIPT)
+_HOLDER = Script(HOLDER_SCRIPT)
 
 
 class RedisClusterBackend(_Deployed):
@@ -372,7 +372,7 @@ class RedisClusterBackend(_Deployed):
 
     def _acquire_and_wait(
         self,
-        script: _Script,
+        script: Script,
         keys: Sequence[str],
         args: Sequence[str | int | bytes],
         wait: ReplicaWait,
@@ -398,7 +398,7 @@ class RedisClusterBackend(_Deployed):
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                 # The node may be gone (a failover): re-read the topology for the next call,
                 # as the cluster client does on its own path.
-                with contextlib.suppress(*_DRIVER_ERRORS):
+                with contextlib.suppress(*DRIVER_ERRORS):
                     cluster.nodes_manager.initialize()
                 raise
             asking = False
@@ -437,7 +437,7 @@ class RedisClusterBackend(_Deployed):
         """Who holds ``key``: one script (the cluster client follows redirections for scripts,
         not for the MULTI the single-server backend reads with)."""
         fields, pttl = self._call("inspect", _HOLDER, (key,), ())
-        return _holder(key, dict(zip(fields[::2], fields[1::2], strict=True)), int(pttl))
+        return holder_from_reply(key, dict(zip(fields[::2], fields[1::2], strict=True)), int(pttl))
 
     def iter_state(self, prefix: str, *, page_size: int = 500) -> Iterator[StoreState]:
         """Every master in turn, as :meth:`iter_locks`; each page read from its own node."""

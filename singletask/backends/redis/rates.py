@@ -36,12 +36,19 @@ from .scripts import (
     DEBOUNCE_TAKE_SCRIPT,
     DEBOUNCE_UNDO_SCRIPT,
 )
-from .slots import _ACQUIRE_SLOT, COMPANION_ENDS
-from .wire import _ms, _Script, _text, encode_meta
+from .slots import ACQUIRE_SLOT, COMPANION_ENDS
+from .wire import Script, as_text, encode_meta, lease_ms
 
 __all__ = [
+    "ACQUIRE_SLOT_RATED",
+    "ACQUIRE_SLOT_RATED_KEEPING",
     "COMPANION_ENDS",
+    "DEBOUNCE",
+    "DEBOUNCE_TAKE",
+    "DEBOUNCE_UNDO",
     "check_key",
+    "debounce_args",
+    "debounce_result",
     "fence_key",
     "rate_key",
     "slot_request",
@@ -88,12 +95,12 @@ def check_key(where: str, key: str, operation: str) -> None:
         )
 
 
-_ACQUIRE_SLOT_RATED = _Script(ACQUIRE_SLOT_RATED_SCRIPT)
-_ACQUIRE_SLOT_RATED_KEEPING = _Script(ACQUIRE_SLOT_RATED_KEEPING_SCRIPT)
+ACQUIRE_SLOT_RATED = Script(ACQUIRE_SLOT_RATED_SCRIPT)
+ACQUIRE_SLOT_RATED_KEEPING = Script(ACQUIRE_SLOT_RATED_KEEPING_SCRIPT)
 
-_DEBOUNCE = _Script(DEBOUNCE_SCRIPT)
-_DEBOUNCE_TAKE = _Script(DEBOUNCE_TAKE_SCRIPT)
-_DEBOUNCE_UNDO = _Script(DEBOUNCE_UNDO_SCRIPT)
+DEBOUNCE = Script(DEBOUNCE_SCRIPT)
+DEBOUNCE_TAKE = Script(DEBOUNCE_TAKE_SCRIPT)
+DEBOUNCE_UNDO = Script(DEBOUNCE_UNDO_SCRIPT)
 
 
 def slot_request(
@@ -104,7 +111,7 @@ def slot_request(
     meta: Mapping[str, str] | None,
     takeover_prefix: str | None,
     interval: float | None,
-) -> tuple[_Script, list[str], list[str | int]]:
+) -> tuple[Script, list[str], list[str | int]]:
     """The script, keys and arguments of an acquire_slot: the slot script, or with
     ``interval`` the rated one (its rate record the last key, the interval the last argument).
 
@@ -113,19 +120,19 @@ def slot_request(
     """
     keys = slot_keys(key, limit)
     since, fields = encode_meta(key, token, meta or {})
-    args: list[str | int] = [token, _ms(ttl, "acquire"), takeover_prefix or "", since, *fields]
+    args: list[str | int] = [token, lease_ms(ttl, "acquire"), takeover_prefix or "", since, *fields]
     if interval is None:
-        return _ACQUIRE_SLOT, keys, args
+        return ACQUIRE_SLOT, keys, args
     # Rounded up to the millisecond (the script's unit): a shorter interval would let a start
     # through early (a third of a second truncated to 333 ms: 4 starts in a second for "3/s").
     micros = round(check_lease(interval, "acquire_slot interval") * 1_000_000)
     args.append(max(1, -(-micros // 1000)))
-    return _ACQUIRE_SLOT_RATED, [*keys, rate_key(key)], args
+    return ACQUIRE_SLOT_RATED, [*keys, rate_key(key)], args
 
 
 def debounce_args(task_id: str, ttl: float) -> tuple[str, int]:
     """DEBOUNCE_SCRIPT's arguments (the lease checked)."""
-    return task_id, _ms(ttl, "debounce")
+    return task_id, lease_ms(ttl, "debounce")
 
 
 def debounce_result(reply: Sequence[Any]) -> tuple[str | None, float, str | None]:
@@ -133,7 +140,7 @@ def debounce_result(reply: Sequence[Any]) -> tuple[str | None, float, str | None
     reply."""
     previous, age, closed = reply
     return (
-        _text(previous) if previous else None,
+        as_text(previous) if previous else None,
         int(age) / 1000,
-        _text(closed) if closed else None,
+        as_text(closed) if closed else None,
     )

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from ...protocol.slots import companion_key
 from .scripts import LEAVE_REPLACED_SCRIPT, REPLACED_BY_SCRIPT
-from .wire import _Script
+from .wire import Script
 
-__all__ = ["record_key"]
+__all__ = ["LEAVE_REPLACED", "REPLACED_BY", "record_key"]
 
-_LEAVE_REPLACED = _Script(LEAVE_REPLACED_SCRIPT)
-_REPLACED_BY = _Script(REPLACED_BY_SCRIPT)
+LEAVE_REPLACED = Script(LEAVE_REPLACED_SCRIPT)
+REPLACED_BY = Script(REPLACED_BY_SCRIPT)
 
 
 def record_key(key: str, token: str) -> str:

@@ -21,9 +21,11 @@ from redis.cluster import RedisCluster
 from ...protocol.slots import base_key, slot_index
 from ..base import AcquireResult, Holder
 from .scripts import ACQUIRE_SLOT_KEEPING_SCRIPT, ACQUIRE_SLOT_SCRIPT
-from .wire import _conflict_holder, _glob_escape, _holder, _Script, _text
+from .wire import Script, as_text, conflict_holder, glob_escape, holder_from_reply
 
 __all__ = [
+    "ACQUIRE_SLOT",
+    "ACQUIRE_SLOT_KEEPING",
     "COMPANION_ENDS",
     "listed",
     "scan_locks",
@@ -31,8 +33,8 @@ __all__ = [
     "slot_result",
 ]
 
-_ACQUIRE_SLOT = _Script(ACQUIRE_SLOT_SCRIPT)
-_ACQUIRE_SLOT_KEEPING = _Script(ACQUIRE_SLOT_KEEPING_SCRIPT)
+ACQUIRE_SLOT = Script(ACQUIRE_SLOT_SCRIPT)
+ACQUIRE_SLOT_KEEPING = Script(ACQUIRE_SLOT_KEEPING_SCRIPT)
 
 
 def slot_result(keys: Sequence[str], reply: Sequence[Any]) -> AcquireResult:
@@ -45,10 +47,10 @@ def slot_result(keys: Sequence[str], reply: Sequence[Any]) -> AcquireResult:
         return AcquireResult(
             True,
             fence=int(fence),
-            completed=_text(completed) if completed else None,
+            completed=as_text(completed) if completed else None,
             key=keys[int(index)],
         )
-    holders = tuple(_conflict_holder(*reply[i : i + 6]) for i in range(1, len(reply), 6))
+    holders = tuple(conflict_holder(*reply[i : i + 6]) for i in range(1, len(reply), 6))
     return AcquireResult(False, holders[0], holders=holders)
 
 
@@ -62,7 +64,7 @@ def scan_pattern(prefix: str) -> str:
     its slots among them) and the slots ``{<key>}:slot:<i>`` of the others alike; :func:`listed`
     keeps the right ones (a foreign name that holds ``prefix`` elsewhere costs its name only).
     """
-    escaped = _glob_escape(prefix)
+    escaped = glob_escape(prefix)
     return f"*{escaped}*" if escaped else "*"
 
 
@@ -81,7 +83,7 @@ def scan_locks(client: redis.Redis, prefix: str, page_size: int) -> Iterator[tup
     Raises redis-py's errors."""
     page: list[bytes | str] = []
     for raw in client.scan_iter(match=scan_pattern(prefix), count=page_size):
-        if listed(_text(raw), prefix):
+        if listed(as_text(raw), prefix):
             page.append(raw)
         if len(page) >= page_size:
             yield from _read_page(client, page)
@@ -105,7 +107,7 @@ def _read_page(client: redis.Redis, keys: list[bytes | str]) -> Iterator[tuple[s
         fields, pttl = replies[2 * index], replies[2 * index + 1]
         if isinstance(fields, Exception) or isinstance(pttl, Exception):
             continue  # not a hash: not one of ours
-        name = _text(key)
-        found = _holder(name, fields, pttl)
+        name = as_text(key)
+        found = holder_from_reply(name, fields, pttl)
         if found is not None:
             yield name, found
