@@ -50,7 +50,7 @@ nitpick_ignore = (
             "singletask.conf.settings.Settings",
             "singletask.protocol.keys.KeySpec",
             "singletask.backends.sql.core.SQLBackend",
-            "singletask.backends.redis.deploy_base._Deployed",
+            "singletask.backends.redis.deploy._Deployed",
             "TaskOptions",
         )
     ]

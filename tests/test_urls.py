@@ -16,7 +16,8 @@ import pytest
 
 from singletask import BackendUnavailable, ConfigurationError, SingletaskError, SingletonTask
 from singletask.backends import backend_from_url
-from singletask.backends.urls import mask_url, parse_redis_url
+from singletask.backends.redis.options import parse_redis_url
+from singletask.backends.urls import mask_url
 from singletask.conf.settings import Settings
 
 from .servers import free_port

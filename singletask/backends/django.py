@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 from ..exceptions import ConfigurationError, UnsupportedOperation
 from .base import AcquireResult, Holder, LockBackend
 from .memcached.store import MAX_RELATIVE_EXPIRY
-from .urls import mask_url, parse_redis_url
+from .urls import mask_url
 
 __all__ = ["REFUSED", "DjangoCacheBackend"]
 
@@ -211,6 +211,7 @@ class DjangoCacheBackend(LockBackend):
             ) from exc
 
     def _redis_store(self, cache: Any) -> LockBackend:
+        from .redis.options import parse_redis_url
         from .redis.store import CLIENT_DEFAULTS, RedisBackend
 
         # The server Django writes to, checked as singletask checks its own Redis URLs:

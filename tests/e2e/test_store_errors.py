@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from singletask.backends import backend_from_url
-from singletask.backends.redis.wire import _CLAIM_NEXT
+from singletask.backends.redis.wire import CLAIM_NEXT
 from singletask.protocol.headers import REDELIVERED_HEADER
 from singletask.protocol.slots import slot_keys
 
@@ -105,7 +105,7 @@ def test_a_store_timeout_in_the_follow_up_claim_retries_with_backoff_then_runs(
     running = task.apply_async(kwargs={"label": label, "tag": "first", "hold": True})
     env.probe.wait_for(label, "start")
     # And the lock store answering the next follow-up claim too late, once
-    proxy.delay_reply_to(_CLAIM_NEXT.sha.encode(), HELD)
+    proxy.delay_reply_to(CLAIM_NEXT.sha.encode(), HELD)
 
     # When another message of the key runs meanwhile (sent by name: no claim when it is sent,
     # so its execution is the first to claim)

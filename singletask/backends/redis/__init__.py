@@ -1,10 +1,11 @@
 """The Redis family of lock stores: one server, Sentinel and Cluster, with or without TLS.
 
 * ``store``: :class:`RedisBackend` (``redis://``, ``rediss://``, ``unix://``);
-* ``deploy`` and ``deploy_base``: :class:`RedisSentinelBackend` (``sentinel://``) and
-  :class:`RedisClusterBackend` (``redis+cluster://``, ``rediss+cluster://``);
-* ``scripts``, ``slots``, ``rates``: the Lua scripts of the lock, of holder slots and
-  of rates, coalesce claims and debounce windows;
+* ``deploy``: :class:`RedisSentinelBackend` (``sentinel://``) and :class:`RedisClusterBackend`
+  (``redis+cluster://``, ``rediss+cluster://``), and what the two share;
+* ``scripts``: every Lua script, each under its KEYS, ARGV and reply;
+* ``slots``, ``rates``, ``replaced``, ``state``: holder slots; a key's companion records (rates,
+  coalesce claims, debounce windows); preemption records; the bookkeeping listed for operators;
 * ``wire``, ``connections``, ``options``: how a script goes out and its reply comes
   back, the connections the store keeps, and its URL and transport options.
 """

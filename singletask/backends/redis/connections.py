@@ -9,15 +9,15 @@ from typing import Any, cast
 
 import redis
 
-from .wire import _Connection, _Script, not_run
+from .wire import Connection, Script, not_run
 
 __all__ = ["drop", "send"]
 
 
 def send(
-    idle: list[_Connection],
+    idle: list[Connection],
     client: redis.Redis,
-    script: _Script,
+    script: Script,
     keys: Sequence[str],
     args: Sequence[str | int | bytes],
 ) -> Any:
@@ -41,7 +41,7 @@ def send(
             connection, fresh = idle.pop(), False
         except IndexError:
             pool = client.connection_pool
-            connection = cast(_Connection, pool.connection_class(**pool.connection_kwargs))
+            connection = cast(Connection, pool.connection_class(**pool.connection_kwargs))
             fresh = True
         try:
             connection.send_packed_command([script.command(keys, args)])
@@ -72,7 +72,7 @@ def send(
         return reply
 
 
-def drop(idle: list[_Connection], connection: _Connection, fresh: bool) -> None:
+def drop(idle: list[Connection], connection: Connection, fresh: bool) -> None:
     """Close ``connection``, which failed; and every idle one too, if it had been idle."""
     connection.disconnect()
     if fresh:

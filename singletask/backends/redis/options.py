@@ -1,5 +1,6 @@
 """What the Redis deployments share: TLS, socket and replica-wait options, password masking,
-and the parts of the URLs redis-py does not parse (Sentinel's and Cluster's).
+the parts of the URLs redis-py does not parse (Sentinel's and Cluster's), and the strict check
+of the URLs it does (:func:`parse_redis_url`: ``redis://``, ``rediss://``, ``unix://``).
 
 They come from the URL's query string (``rediss://host?ssl_cert_reqs=required&...``) or from the
 setting ``singletask_backend_transport_options``, as Celery's Redis result backend reads them
@@ -8,16 +9,17 @@ from ``result_backend_transport_options``; a key given in both places takes the 
 
 from __future__ import annotations
 
+import inspect
 import math
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
-from urllib.parse import SplitResult, parse_qsl, unquote
+from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 
 from ...exceptions import ConfigurationError
 from ..base import MAX_LEASE
-from ..urls import mask_url
+from ..urls import mask_url, query_options
 
 __all__ = [
     "RETENTION_OPTIONS",
@@ -26,6 +28,7 @@ __all__ = [
     "ReplicaWait",
     "connection_options",
     "mask",
+    "parse_redis_url",
     "retentions",
     "tls_options",
     "to_bool",
@@ -289,3 +292,121 @@ def url_query(parts: SplitResult, where: str) -> dict[str, str]:
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
     check_keys(query, {*TLS_OPTIONS, *SOCKET_OPTIONS}, f"{where}: URL query")
     return query
+
+
+# -- One server's URLs (redis://, rediss://, unix://), which redis-py parses leniently ------
+
+#: A URL to show in messages about a bad Redis URL.
+REDIS_EXAMPLE = "redis://:password@localhost:6379/1"
+
+#: Plain-text client options a Redis URL may carry besides redis-py's parsed ones (objects such
+#: as ``retry`` cannot be written in a URL; ``decode_responses`` would change every reply).
+_REDIS_TEXT_OPTIONS = frozenset({"client_name", "lib_name", "lib_version", "encoding"})
+
+
+def _redis_query_names(connection_class: type) -> frozenset[str]:
+    """The query options a Redis URL may carry for ``connection_class``: those redis-py parses,
+    and the plain-text and ``ssl_*`` parameters of the connection classes' ``__init__``."""
+    from redis import connection
+
+    names = set(getattr(connection, "URL_QUERY_ARGUMENT_PARSERS", {}))
+    for cls in connection_class.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            continue
+        for name in inspect.signature(init).parameters:
+            if name in _REDIS_TEXT_OPTIONS or name.startswith("ssl_"):
+                names.add(name)
+    names.add("max_connections")
+    return frozenset(names)
+
+
+def parse_redis_url(url: str) -> dict[str, Any]:
+    """Check a ``redis://``, ``rediss://`` or ``unix://`` URL strictly; return redis-py's options.
+
+    Refused (where redis-py would default silently, or fail only when it first connects): a
+    port that is not a number from 1 to 65535, a database that is not a whole number from 0
+    (in the path or as ``?db=``), a path with more than the database, a ``unix://`` URL
+    without a socket path, and a query option redis-py does not know or cannot parse.
+
+    Raises:
+        ConfigurationError: The URL is not valid; the message names the part, masks the
+            password and shows the expected form.
+    """
+    from redis import connection
+
+    shown = mask_url(url)
+    scheme, sep, _ = url.partition("://")
+    scheme = scheme.lower()
+    if not sep or scheme not in ("redis", "rediss", "unix"):
+        raise ConfigurationError(
+            f"{shown!r} is not a Redis URL: expected redis://, rediss:// or unix://, "
+            f"for example {REDIS_EXAMPLE!r}"
+        )
+    parts = urlsplit(url)
+    connection_class: type = {
+        "redis": connection.Connection,
+        "rediss": connection.SSLConnection,
+        "unix": connection.UnixDomainSocketConnection,
+    }[scheme]
+    query = query_options(url, _redis_query_names(connection_class))
+    parsers = getattr(connection, "URL_QUERY_ARGUMENT_PARSERS", {})
+    options: dict[str, Any] = {}
+    for name, value in query.items():
+        parser = parsers.get(name)
+        try:
+            options[name] = parser(value) if parser else value
+        except (TypeError, ValueError):
+            raise ConfigurationError(
+                f"{shown!r}: query option {name!r} has an invalid value"
+            ) from None
+    if parts.username:
+        options["username"] = unquote(parts.username)
+    if parts.password:
+        options["password"] = unquote(parts.password)
+    if scheme == "unix":
+        if parts.netloc and "@" not in parts.netloc:
+            # No host here: this is user info cut short by a '/', '?' or '#' in the password,
+            # and the rest of it would be read as the socket's path.
+            raise ConfigurationError(
+                f"{shown!r}: a unix:// URL has no host; write unix://:password@/path/to.sock, "
+                "with a '/', '?', '#', '@' or '%' in the password percent-encoded"
+            )
+        if not parts.path:
+            raise ConfigurationError(
+                f"{shown!r}: a unix:// URL needs the socket's path, e.g. "
+                "'unix:///run/redis/redis.sock?db=1'"
+            )
+        options["path"] = unquote(parts.path)
+    else:
+        if parts.hostname:
+            options["host"] = unquote(parts.hostname)
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if port is not None and not 1 <= port <= 65535:
+            raise ConfigurationError(
+                f"{shown!r}: the port must be a number from 1 to 65535, e.g. {REDIS_EXAMPLE!r}"
+            )
+        if port is not None:
+            options["port"] = port
+        path = unquote(parts.path).strip("/")
+        if path:
+            if "db" in query:
+                raise ConfigurationError(
+                    f"{shown!r}: the database is given twice (in the path and as ?db=)"
+                )
+            options["db"] = _database(path, shown)
+    if "db" in options:
+        options["db"] = _database(str(options["db"]), shown)
+    return options
+
+
+def _database(text: str, shown: str) -> int:
+    if not text.isdigit() or not text.isascii():
+        raise ConfigurationError(
+            f"{shown!r}: the database must be a whole number from 0 (the path of "
+            f"{REDIS_EXAMPLE!r} is database 1)"
+        )
+    return int(text)

@@ -8,9 +8,9 @@ has a hash tag or no ``}`` at all:
 * ``}:fence`` — a hash holding a coalescing task's pending follow-up claim (:func:`fence_key`);
 * ``}:rate`` — the rate record: a string, the server time (microseconds since the epoch) of
   the key's next allowed start, expiring then (``PX`` interval).
-  :data:`ACQUIRE_SLOT_RATED_SCRIPT` checks and writes it in the script that takes the slot,
-  so it must share the slots' cluster slot (the Cluster store refuses a key whose rate record
-  would not);
+  :data:`~singletask.backends.redis.scripts.ACQUIRE_SLOT_RATED_SCRIPT` checks and writes it in
+  the script that takes the slot, so it must share the slots' cluster slot (the Cluster store
+  refuses a key whose rate record would not);
 * ``}:debounce`` — the debounce window: a hash ``{l: latest task id, o: server ms it opened}``,
   kept ``ttl`` from each send. A window closed by its latest send's take has no ``o``: it keeps
   naming that send until it expires, and the next send opens a new window. Its scripts touch
@@ -29,18 +29,26 @@ from typing import Any
 from ...exceptions import LockKeyError
 from ...protocol.slots import companion_key, slot_keys
 from ..base import check_lease
-from .scripts import _ACQUIRE_FUNCTION, _CHECK_MS
-from .slots import _ACQUIRE_SLOT, _ACQUIRE_SLOT_FUNCTION, COMPANION_ENDS
-from .wire import _ms, _Script, _text, encode_meta
+from .scripts import (
+    ACQUIRE_SLOT_RATED_KEEPING_SCRIPT,
+    ACQUIRE_SLOT_RATED_SCRIPT,
+    DEBOUNCE_SCRIPT,
+    DEBOUNCE_TAKE_SCRIPT,
+    DEBOUNCE_UNDO_SCRIPT,
+)
+from .slots import ACQUIRE_SLOT, COMPANION_ENDS
+from .wire import Script, as_text, encode_meta, lease_ms
 
 __all__ = [
-    "ACQUIRE_SLOT_RATED_KEEPING_SCRIPT",
-    "ACQUIRE_SLOT_RATED_SCRIPT",
+    "ACQUIRE_SLOT_RATED",
+    "ACQUIRE_SLOT_RATED_KEEPING",
     "COMPANION_ENDS",
-    "DEBOUNCE_SCRIPT",
-    "DEBOUNCE_TAKE_SCRIPT",
-    "DEBOUNCE_UNDO_SCRIPT",
+    "DEBOUNCE",
+    "DEBOUNCE_TAKE",
+    "DEBOUNCE_UNDO",
     "check_key",
+    "debounce_args",
+    "debounce_result",
     "fence_key",
     "rate_key",
     "slot_request",
@@ -87,125 +95,12 @@ def check_key(where: str, key: str, operation: str) -> None:
         )
 
 
-# Lua, after _CHECK_MS and before the functions of the slot script: takes the rate record and
-# the interval off the end of KEYS and ARGV (the locals shadow them for everything after, so the
-# slot script's functions see its own KEYS and ARGV), and defines start(), acquire_slot's hook.
-_RATE_PRELUDE = """
-local rate, interval = KEYS[#KEYS], ms(ARGV[#ARGV])
-local KEYS, ARGV = {unpack(KEYS, 1, #KEYS - 1)}, {unpack(ARGV, 1, #ARGV - 1)}
-local function start()
-  local now = redis.call('TIME')
-  local now_us = tonumber(now[1]) * 1000000 + tonumber(now[2])
-  local allowed = tonumber(redis.call('GET', rate) or '0') or 0
-  if allowed > now_us then return math.ceil((allowed - now_us) / 1000) end
-  redis.call('SET', rate, string.format('%.0f', now_us + interval * 1000), 'PX', interval)
-  return false
-end
-"""
+ACQUIRE_SLOT_RATED = Script(ACQUIRE_SLOT_RATED_SCRIPT)
+ACQUIRE_SLOT_RATED_KEEPING = Script(ACQUIRE_SLOT_RATED_KEEPING_SCRIPT)
 
-# KEYS[1…n]  the holder slots of a lock key, as ACQUIRE_SLOT_SCRIPT's
-# KEYS[n+1]  the key's rate record (rate_key; same cluster slot)
-# ARGV       as ACQUIRE_SLOT_SCRIPT's, then the interval in ms (the last one)
-# Returns ACQUIRE_SLOT_SCRIPT's replies ({1, ...} taken, {0, ...} every slot held: nothing is
-# written, the rate record is not read), and {2, ms until a start is allowed} when the slot it
-# would take goes to a new token (free, or taken over: a start) within the interval of the key's
-# last start, by the server clock (rounded up to the ms); nothing is written then. A start
-# writes KEYS[n+1] = server microseconds of the next allowed start (now + interval), PX
-# interval: in microseconds, so that no start comes a rounding closer than the interval. A
-# holder taking its own slot again is no start: the rate record is neither read nor written.
-# Errors (before any write) when ARGV[2] or the interval is out of range.
-ACQUIRE_SLOT_RATED_SCRIPT = (
-    _CHECK_MS + _RATE_PRELUDE + _ACQUIRE_FUNCTION + _ACQUIRE_SLOT_FUNCTION
-    + "return acquire_slot(false, start)\n"
-)  # fmt: skip
-
-# KEYS, ARGV as ACQUIRE_SLOT_RATED_SCRIPT's
-# Returns its replies, a taken slot's with a fifth element as ACQUIRE_SLOT_KEEPING_SCRIPT's:
-# the rated slot acquisition of the opt-in replica wait (which puts back the slot it cannot
-# confirm, not the rate record: that start stays spent).
-ACQUIRE_SLOT_RATED_KEEPING_SCRIPT = (
-    _CHECK_MS + _RATE_PRELUDE + _ACQUIRE_FUNCTION + _ACQUIRE_SLOT_FUNCTION
-    + "return acquire_slot(true, start)\n"
-)  # fmt: skip
-
-_ACQUIRE_SLOT_RATED = _Script(ACQUIRE_SLOT_RATED_SCRIPT)
-_ACQUIRE_SLOT_RATED_KEEPING = _Script(ACQUIRE_SLOT_RATED_KEEPING_SCRIPT)
-
-# KEYS[1]  the key's debounce window (window_key)
-# ARGV[1]  the task id of this send
-# ARGV[2]  how long the window is kept from now, in milliseconds
-# Returns {previous latest task id, or false when this call opened the window; ms since the
-# window opened, by the server clock (0 when this call opened it); the latest of the closed
-# window this call opened a new one over, else false (for DEBOUNCE_UNDO_SCRIPT)}. ARGV[1]
-# becomes the latest (field l). A window is open when the hash has field o; with no hash, or
-# one without o (a window closed by DEBOUNCE_TAKE_SCRIPT), this call opens a new one: the hash
-# is written again as {l: ARGV[1], o: the server ms now}. The hash is kept ARGV[2] ms from
-# now, or longer if an earlier send asked for longer (its PTTL is never shortened: an earlier
-# send with a longer countdown of its own must still find the window when it starts).
-# Errors (before any write) when ARGV[2] is out of range.
-DEBOUNCE_SCRIPT = (
-    _CHECK_MS
-    + """
-local ttl = math.max(ms(ARGV[2]), redis.call('PTTL', KEYS[1]))
-local now = redis.call('TIME')
-local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-local rec = redis.call('HMGET', KEYS[1], 'l', 'o')
-local opened = tonumber(rec[2])
-local closed = false
-if rec[1] and opened then
-  redis.call('HSET', KEYS[1], 'l', ARGV[1])
-else
-  closed, rec[1], opened = rec[1], false, now_ms
-  redis.call('DEL', KEYS[1])
-  redis.call('HSET', KEYS[1], 'l', ARGV[1], 'o', string.format('%.0f', now_ms))
-end
-redis.call('PEXPIRE', KEYS[1], ttl)
-return {rec[1], math.max(0, now_ms - opened), closed}
-"""
-)
-
-# KEYS[1]  the key's debounce window
-# ARGV[1]  a task id
-# Returns the window's latest task id (field l; false when there is no window record), open
-# or closed. When that is ARGV[1] and the window is open (field o), closes it: deletes field o,
-# keeping the hash, its latest and its expiry (PTTL). Writes nothing else.
-DEBOUNCE_TAKE_SCRIPT = """
-local rec = redis.call('HMGET', KEYS[1], 'l', 'o')
-if rec[1] == ARGV[1] and rec[2] then
-  redis.call('HDEL', KEYS[1], 'o')
-end
-return rec[1]
-"""
-
-# KEYS[1]  the key's debounce window
-# ARGV[1]  the task id of a send whose message was never published
-# ARGV[2]  the latest send its DEBOUNCE_SCRIPT call replaced, or '' when that call opened the
-#          window
-# ARGV[3]  the latest of the closed window that call replaced (its third reply), or ''
-# Returns 1 when it changed the window, else 0. Only when the window is open (field o) and its
-# latest (field l) is ARGV[1]: with ARGV[2], l becomes ARGV[2] (o and the expiry are kept);
-# with '' and ARGV[3], the closed window is back: l becomes ARGV[3] and o is deleted (the
-# expiry kept); with '' and '', the hash is deleted. Otherwise (superseded, closed, or no
-# window) it writes nothing.
-DEBOUNCE_UNDO_SCRIPT = """
-local rec = redis.call('HMGET', KEYS[1], 'l', 'o')
-if rec[1] ~= ARGV[1] or not rec[2] then
-  return 0
-end
-if ARGV[2] ~= '' then
-  redis.call('HSET', KEYS[1], 'l', ARGV[2])
-elseif ARGV[3] ~= '' then
-  redis.call('HSET', KEYS[1], 'l', ARGV[3])
-  redis.call('HDEL', KEYS[1], 'o')
-else
-  redis.call('DEL', KEYS[1])
-end
-return 1
-"""
-
-_DEBOUNCE = _Script(DEBOUNCE_SCRIPT)
-_DEBOUNCE_TAKE = _Script(DEBOUNCE_TAKE_SCRIPT)
-_DEBOUNCE_UNDO = _Script(DEBOUNCE_UNDO_SCRIPT)
+DEBOUNCE = Script(DEBOUNCE_SCRIPT)
+DEBOUNCE_TAKE = Script(DEBOUNCE_TAKE_SCRIPT)
+DEBOUNCE_UNDO = Script(DEBOUNCE_UNDO_SCRIPT)
 
 
 def slot_request(
@@ -216,7 +111,7 @@ def slot_request(
     meta: Mapping[str, str] | None,
     takeover_prefix: str | None,
     interval: float | None,
-) -> tuple[_Script, list[str], list[str | int]]:
+) -> tuple[Script, list[str], list[str | int]]:
     """The script, keys and arguments of an acquire_slot: the slot script, or with
     ``interval`` the rated one (its rate record the last key, the interval the last argument).
 
@@ -225,19 +120,19 @@ def slot_request(
     """
     keys = slot_keys(key, limit)
     since, fields = encode_meta(key, token, meta or {})
-    args: list[str | int] = [token, _ms(ttl, "acquire"), takeover_prefix or "", since, *fields]
+    args: list[str | int] = [token, lease_ms(ttl, "acquire"), takeover_prefix or "", since, *fields]
     if interval is None:
-        return _ACQUIRE_SLOT, keys, args
+        return ACQUIRE_SLOT, keys, args
     # Rounded up to the millisecond (the script's unit): a shorter interval would let a start
     # through early (a third of a second truncated to 333 ms: 4 starts in a second for "3/s").
     micros = round(check_lease(interval, "acquire_slot interval") * 1_000_000)
     args.append(max(1, -(-micros // 1000)))
-    return _ACQUIRE_SLOT_RATED, [*keys, rate_key(key)], args
+    return ACQUIRE_SLOT_RATED, [*keys, rate_key(key)], args
 
 
 def debounce_args(task_id: str, ttl: float) -> tuple[str, int]:
     """DEBOUNCE_SCRIPT's arguments (the lease checked)."""
-    return task_id, _ms(ttl, "debounce")
+    return task_id, lease_ms(ttl, "debounce")
 
 
 def debounce_result(reply: Sequence[Any]) -> tuple[str | None, float, str | None]:
@@ -245,7 +140,7 @@ def debounce_result(reply: Sequence[Any]) -> tuple[str | None, float, str | None
     reply."""
     previous, age, closed = reply
     return (
-        _text(previous) if previous else None,
+        as_text(previous) if previous else None,
         int(age) / 1000,
-        _text(closed) if closed else None,
+        as_text(closed) if closed else None,
     )

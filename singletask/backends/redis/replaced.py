@@ -9,28 +9,14 @@ the listings of locks and bookkeeping leave it out.
 
 from __future__ import annotations
 
-from typing import Final
-
 from ...protocol.slots import companion_key
-from .scripts import _CHECK_MS
-from .wire import _Script
+from .scripts import LEAVE_REPLACED_SCRIPT, REPLACED_BY_SCRIPT
+from .wire import Script
 
-__all__ = ["LEAVE_REPLACED_SCRIPT", "REPLACED_BY_SCRIPT", "record_key"]
+__all__ = ["LEAVE_REPLACED", "REPLACED_BY", "record_key"]
 
-# KEYS[1]  the preemption record (record_key)
-# ARGV[1]  the preemptor's task id, '' for none
-# ARGV[2]  how long the record is kept, in milliseconds (the preemptor's lease)
-# Returns 1. Errors (before any write) when ARGV[2] is out of range.
-LEAVE_REPLACED_SCRIPT: Final = (
-    _CHECK_MS + "redis.call('SET', KEYS[1], ARGV[1], 'PX', ms(ARGV[2]))\nreturn 1\n"
-)
-
-# KEYS[1]  the preemption record (record_key)
-# Returns the preemptor's task id ('' for none), or false when there is no such record.
-REPLACED_BY_SCRIPT: Final = "return redis.call('GET', KEYS[1])\n"
-
-_LEAVE_REPLACED = _Script(LEAVE_REPLACED_SCRIPT)
-_REPLACED_BY = _Script(REPLACED_BY_SCRIPT)
+LEAVE_REPLACED = Script(LEAVE_REPLACED_SCRIPT)
+REPLACED_BY = Script(REPLACED_BY_SCRIPT)
 
 
 def record_key(key: str, token: str) -> str:

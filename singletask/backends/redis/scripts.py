@@ -25,22 +25,41 @@ milliseconds from 1, or 0 where it says so, to :data:`MAX_LEASE_MS`) and fails *
 first write* when one is out of range, so ``PEXPIRE`` cannot fail after a write. (Redis runs a
 script that has started writing to its end even when it is out of memory, and a script cannot
 be killed once it has written, so nothing else can stop one between a write and its expiry.)
+
+**Every script of the Redis stores is here**, each under a comment giving its KEYS, ARGV and
+reply: besides the lock's, those of holder slots (``lock_limit``: every slot of a key read and
+one taken, :mod:`~singletask.backends.redis.slots`), of the rate record that goes with them
+(``lock_rate``), of debounce windows (``lock_debounce``, :mod:`~singletask.backends.redis.rates`)
+and of preemption records (``lock_policy = "replace"``, :mod:`~singletask.backends.redis.replaced`).
+Each one's keys share a Redis Cluster slot. :mod:`~singletask.backends.redis.wire` sends them.
 """
 
 from __future__ import annotations
+
+from typing import Final
 
 from ..base import MAX_LEASE
 
 __all__ = [
     "ACQUIRE_KEEPING_SCRIPT",
     "ACQUIRE_SCRIPT",
+    "ACQUIRE_SLOT_KEEPING_SCRIPT",
+    "ACQUIRE_SLOT_RATED_KEEPING_SCRIPT",
+    "ACQUIRE_SLOT_RATED_SCRIPT",
+    "ACQUIRE_SLOT_SCRIPT",
     "CLAIM_NEXT_SCRIPT",
     "CLEAR_NEXT_SCRIPT",
+    "DEBOUNCE_SCRIPT",
+    "DEBOUNCE_TAKE_SCRIPT",
+    "DEBOUNCE_UNDO_SCRIPT",
     "EXTEND_MANY_SCRIPT",
     "EXTEND_SCRIPT",
+    "HOLDER_SCRIPT",
+    "LEAVE_REPLACED_SCRIPT",
     "MAX_LEASE_MS",
     "OPERATOR_RELEASE_SCRIPT",
     "RELEASE_SCRIPT",
+    "REPLACED_BY_SCRIPT",
     "RESTORE_SCRIPT",
 ]
 
@@ -97,8 +116,7 @@ end
 # last completion marker (d) is carried into the new held record.
 # Errors (before any write) when ARGV[2] is out of range.
 # (The body is the Lua function acquire(), which ACQUIRE_KEEPING_SCRIPT calls as well; it gives
-# the key with take(), which the holder-slot scripts of slots.py call for the slot they
-# choose.)
+# the key with take(), which the holder-slot scripts below call for the slot they choose.)
 # take(key, cur, last, marker, lease): give key to ARGV[1] for lease ms, ARGV[4…] as above; cur
 # is its holder's token (or false), last the last fence to grow from (or false), marker the
 # completion marker to carry (or false). Returns {1, fence, marker}.
@@ -394,3 +412,226 @@ leave(KEYS[1], held[5] or held[6], held[7], fence_keep, marker_keep)
 return {pttl, unpack(fields)}
 """
 )
+
+
+# Lua: acquire_slot(keeping, start) is ACQUIRE_SLOT_SCRIPT's body (take() is ACQUIRE_SCRIPT's:
+# the chosen slot is given exactly as acquire() gives a key). With keeping, a successful reply
+# gets what the slot was before as a fifth element (as ACQUIRE_KEEPING_SCRIPT's fourth). With
+# start (the rated scripts below), a slot about to be taken by a new token is a start:
+# start() records it and returns false, or returns the ms until one is allowed, and the reply is
+# {2, those ms} (nothing written).
+_ACQUIRE_SLOT_FUNCTION = """
+local function acquire_slot(keeping, start)
+local lease = ms(ARGV[2])
+local recs, top, chosen = {}, false, nil
+for i = 1, #KEYS do
+  local rec = redis.call('HMGET', KEYS[i], 'token', 'fence', 'f')
+  recs[i] = rec
+  local last = rec[2] or rec[3]
+  if last and (not top or tonumber(last) > tonumber(top)) then top = last end
+  if not chosen and rec[1] == ARGV[1] then chosen = i end
+end
+if not chosen and ARGV[3] ~= '' then
+  for i = 1, #KEYS do
+    local cur = recs[i][1]
+    if cur and string.sub(cur, 1, #ARGV[3]) == ARGV[3] then chosen = i break end
+  end
+end
+if not chosen then
+  for i = 1, #KEYS do
+    if not recs[i][1] then chosen = i break end
+  end
+end
+if not chosen then
+  local out = {0}
+  for i = 1, #KEYS do
+    local held = redis.call('HMGET', KEYS[i], 'task_id', 'i', 'x')
+    local rec = recs[i]
+    local n = #out
+    out[n + 1], out[n + 2], out[n + 3], out[n + 4] = rec[1], held[1], held[2], held[3]
+    out[n + 5], out[n + 6] = redis.call('PTTL', KEYS[i]), rec[2] or rec[3]
+  end
+  return out
+end
+local key, rec = KEYS[chosen], recs[chosen]
+if start and rec[1] ~= ARGV[1] then
+  local wait = start()
+  if wait then return {2, wait} end
+end
+local before
+if keeping then
+  local fields, pttl, now = redis.call('HGETALL', key), redis.call('PTTL', key), redis.call('TIME')
+  before = {tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000), pttl}
+  for i = 1, #fields do
+    before[i + 2] = fields[i]
+  end
+end
+local marker = redis.call('HGET', KEYS[1], 'd')
+local reply
+if rec[1] == ARGV[1] and (rec[2] or rec[3]) then
+  reply = take(key, rec[1], rec[2] or rec[3], marker, lease)
+else
+  reply = take(key, false, top, marker, lease)
+end
+reply[4] = chosen - 1
+if keeping then reply[5] = before end
+return reply
+end
+"""
+
+# KEYS[1…n]  the holder slots of a lock key (protocol.slots.slot_keys), slot 0 (the key) first
+# ARGV       as ACQUIRE_SCRIPT's: owner token, lease ms, takeover prefix or '', since, fields…
+# Returns {1, fence, completion marker or false, index of the slot taken (0-based)} when the
+# caller holds a slot now: the slot ARGV[1] holds already (its fence is kept), else the first
+# whose holder's token starts with ARGV[3], else the first free one, taken as ACQUIRE_SCRIPT
+# takes a key; a new fence is max(largest fence any slot's record holds + 1, server time in
+# microseconds), and the marker is KEYS[1]'s. Otherwise (every slot held) {0, then for each
+# slot in order: holder token, its task_id field (0.1.0), its i field, its x field, lease left
+# in ms, holder fence}.
+# Errors (before any write) when ARGV[2] is out of range.
+ACQUIRE_SLOT_SCRIPT = (
+    _CHECK_MS + _ACQUIRE_FUNCTION + _ACQUIRE_SLOT_FUNCTION + "return acquire_slot()\n"
+)
+
+# KEYS, ARGV as ACQUIRE_SLOT_SCRIPT's
+# Returns ACQUIRE_SLOT_SCRIPT's reply; when the caller holds a slot now, with a fifth element:
+# what that slot was before (as ACQUIRE_KEEPING_SCRIPT's fourth, RESTORE_SCRIPT's ARGV[3…]).
+# The slot acquisition of the opt-in replica wait. Errors as ACQUIRE_SLOT_SCRIPT.
+ACQUIRE_SLOT_KEEPING_SCRIPT = (
+    _CHECK_MS + _ACQUIRE_FUNCTION + _ACQUIRE_SLOT_FUNCTION + "return acquire_slot(true)\n"
+)
+
+
+# Lua, after _CHECK_MS and before the functions of the slot script: takes the rate record and
+# the interval off the end of KEYS and ARGV (the locals shadow them for everything after, so the
+# slot script's functions see its own KEYS and ARGV), and defines start(), acquire_slot's hook.
+_RATE_PRELUDE = """
+local rate, interval = KEYS[#KEYS], ms(ARGV[#ARGV])
+local KEYS, ARGV = {unpack(KEYS, 1, #KEYS - 1)}, {unpack(ARGV, 1, #ARGV - 1)}
+local function start()
+  local now = redis.call('TIME')
+  local now_us = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  local allowed = tonumber(redis.call('GET', rate) or '0') or 0
+  if allowed > now_us then return math.ceil((allowed - now_us) / 1000) end
+  redis.call('SET', rate, string.format('%.0f', now_us + interval * 1000), 'PX', interval)
+  return false
+end
+"""
+
+# KEYS[1…n]  the holder slots of a lock key, as ACQUIRE_SLOT_SCRIPT's
+# KEYS[n+1]  the key's rate record (rates.rate_key; same cluster slot)
+# ARGV       as ACQUIRE_SLOT_SCRIPT's, then the interval in ms (the last one)
+# Returns ACQUIRE_SLOT_SCRIPT's replies ({1, ...} taken, {0, ...} every slot held: nothing is
+# written, the rate record is not read), and {2, ms until a start is allowed} when the slot it
+# would take goes to a new token (free, or taken over: a start) within the interval of the key's
+# last start, by the server clock (rounded up to the ms); nothing is written then. A start
+# writes KEYS[n+1] = server microseconds of the next allowed start (now + interval), PX
+# interval: in microseconds, so that no start comes a rounding closer than the interval. A
+# holder taking its own slot again is no start: the rate record is neither read nor written.
+# Errors (before any write) when ARGV[2] or the interval is out of range.
+ACQUIRE_SLOT_RATED_SCRIPT = (
+    _CHECK_MS + _RATE_PRELUDE + _ACQUIRE_FUNCTION + _ACQUIRE_SLOT_FUNCTION
+    + "return acquire_slot(false, start)\n"
+)  # fmt: skip
+
+# KEYS, ARGV as ACQUIRE_SLOT_RATED_SCRIPT's
+# Returns its replies, a taken slot's with a fifth element as ACQUIRE_SLOT_KEEPING_SCRIPT's:
+# the rated slot acquisition of the opt-in replica wait (which puts back the slot it cannot
+# confirm, not the rate record: that start stays spent).
+ACQUIRE_SLOT_RATED_KEEPING_SCRIPT = (
+    _CHECK_MS + _RATE_PRELUDE + _ACQUIRE_FUNCTION + _ACQUIRE_SLOT_FUNCTION
+    + "return acquire_slot(true, start)\n"
+)  # fmt: skip
+
+
+# KEYS[1]  the key's debounce window (rates.window_key)
+# ARGV[1]  the task id of this send
+# ARGV[2]  how long the window is kept from now, in milliseconds
+# Returns {previous latest task id, or false when this call opened the window; ms since the
+# window opened, by the server clock (0 when this call opened it); the latest of the closed
+# window this call opened a new one over, else false (for DEBOUNCE_UNDO_SCRIPT)}. ARGV[1]
+# becomes the latest (field l). A window is open when the hash has field o; with no hash, or
+# one without o (a window closed by DEBOUNCE_TAKE_SCRIPT), this call opens a new one: the hash
+# is written again as {l: ARGV[1], o: the server ms now}. The hash is kept ARGV[2] ms from
+# now, or longer if an earlier send asked for longer (its PTTL is never shortened: an earlier
+# send with a longer countdown of its own must still find the window when it starts).
+# Errors (before any write) when ARGV[2] is out of range.
+DEBOUNCE_SCRIPT = (
+    _CHECK_MS
+    + """
+local ttl = math.max(ms(ARGV[2]), redis.call('PTTL', KEYS[1]))
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local rec = redis.call('HMGET', KEYS[1], 'l', 'o')
+local opened = tonumber(rec[2])
+local closed = false
+if rec[1] and opened then
+  redis.call('HSET', KEYS[1], 'l', ARGV[1])
+else
+  closed, rec[1], opened = rec[1], false, now_ms
+  redis.call('DEL', KEYS[1])
+  redis.call('HSET', KEYS[1], 'l', ARGV[1], 'o', string.format('%.0f', now_ms))
+end
+redis.call('PEXPIRE', KEYS[1], ttl)
+return {rec[1], math.max(0, now_ms - opened), closed}
+"""
+)
+
+# KEYS[1]  the key's debounce window
+# ARGV[1]  a task id
+# Returns the window's latest task id (field l; false when there is no window record), open
+# or closed. When that is ARGV[1] and the window is open (field o), closes it: deletes field o,
+# keeping the hash, its latest and its expiry (PTTL). Writes nothing else.
+DEBOUNCE_TAKE_SCRIPT = """
+local rec = redis.call('HMGET', KEYS[1], 'l', 'o')
+if rec[1] == ARGV[1] and rec[2] then
+  redis.call('HDEL', KEYS[1], 'o')
+end
+return rec[1]
+"""
+
+# KEYS[1]  the key's debounce window
+# ARGV[1]  the task id of a send whose message was never published
+# ARGV[2]  the latest send its DEBOUNCE_SCRIPT call replaced, or '' when that call opened the
+#          window
+# ARGV[3]  the latest of the closed window that call replaced (its third reply), or ''
+# Returns 1 when it changed the window, else 0. Only when the window is open (field o) and its
+# latest (field l) is ARGV[1]: with ARGV[2], l becomes ARGV[2] (o and the expiry are kept);
+# with '' and ARGV[3], the closed window is back: l becomes ARGV[3] and o is deleted (the
+# expiry kept); with '' and '', the hash is deleted. Otherwise (superseded, closed, or no
+# window) it writes nothing.
+DEBOUNCE_UNDO_SCRIPT = """
+local rec = redis.call('HMGET', KEYS[1], 'l', 'o')
+if rec[1] ~= ARGV[1] or not rec[2] then
+  return 0
+end
+if ARGV[2] ~= '' then
+  redis.call('HSET', KEYS[1], 'l', ARGV[2])
+elseif ARGV[3] ~= '' then
+  redis.call('HSET', KEYS[1], 'l', ARGV[3])
+  redis.call('HDEL', KEYS[1], 'o')
+else
+  redis.call('DEL', KEYS[1])
+end
+return 1
+"""
+
+
+# KEYS[1]  the preemption record (replaced.record_key)
+# ARGV[1]  the preemptor's task id, '' for none
+# ARGV[2]  how long the record is kept, in milliseconds (the preemptor's lease)
+# Returns 1. Errors (before any write) when ARGV[2] is out of range.
+LEAVE_REPLACED_SCRIPT: Final = (
+    _CHECK_MS + "redis.call('SET', KEYS[1], ARGV[1], 'PX', ms(ARGV[2]))\nreturn 1\n"
+)
+
+# KEYS[1]  the preemption record (replaced.record_key)
+# Returns the preemptor's task id ('' for none), or false when there is no such record.
+REPLACED_BY_SCRIPT: Final = "return redis.call('GET', KEYS[1])\n"
+
+
+# KEYS[1]  lock key
+# Returns {holder fields as field, value, ..., lease left in ms} (an empty hash: free).
+HOLDER_SCRIPT = """
+return {redis.call('HGETALL', KEYS[1]), redis.call('PTTL', KEYS[1])}
+"""

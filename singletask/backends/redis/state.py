@@ -18,7 +18,7 @@ import redis
 from ...protocol.slots import split_companion
 from ..base import StoreState
 from .slots import scan_pattern
-from .wire import _text
+from .wire import as_text
 
 __all__ = ["scan_state"]
 
@@ -34,7 +34,7 @@ def scan_state(
     errors."""
     page: list[tuple[str, str, str]] = []
     for raw in client.scan_iter(match=scan_pattern(prefix), count=page_size):
-        name = _text(raw)
+        name = as_text(raw)
         found = split_companion(name)
         if found is None or found[1] not in _KINDS or not found[0].startswith(prefix):
             continue
@@ -81,14 +81,14 @@ def _record(kind: str, key: str, value: Any, ttl: float, now_us: int) -> StoreSt
         if kind == "follow_up":
             task_id, until = value
             left = (int(until or 0) * 1000 - now_us) / 1_000_000
-            return StoreState(kind, key, _text(task_id), left) if task_id and left > 0 else None
+            return StoreState(kind, key, as_text(task_id), left) if task_id and left > 0 else None
         if kind == "window":
             latest, opened = value
             if not latest:
                 return None
             age = None if opened is None else max(0.0, (now_us - int(opened) * 1000) / 1_000_000)
             detail = {"open": opened is not None, "age": age}
-            return StoreState(kind, key, _text(latest), ttl, detail)
+            return StoreState(kind, key, as_text(latest), ttl, detail)
         left = (int(value) - now_us) / 1_000_000 if value is not None else 0.0
         return StoreState(kind, key, None, ttl, {"next_start_in": left}) if left > 0 else None
     except (TypeError, ValueError):

@@ -10,9 +10,9 @@ and costs one round trip once the script is cached on the server.
 
 URLs: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` (TLS) and
 ``unix:///path/to/socket?db=0``, with redis-py's query options (``socket_timeout``, ...),
-checked strictly when the backend is built (:func:`singletask.backends.urls.parse_redis_url`). The
-scripts, and how they keep every key with an expiry, are in
-:mod:`singletask.backends.redis.scripts`.
+checked strictly when the backend is built
+(:func:`singletask.backends.redis.options.parse_redis_url`). The scripts, and how they keep
+every key with an expiry, are in :mod:`singletask.backends.redis.scripts`.
 
 A backend built from a URL sends its scripts over redis-py connections it keeps itself, one
 per thread that uses it at once, with the command encoded here: the lock costs its two round
@@ -35,13 +35,13 @@ from redis.retry import Retry
 from ...exceptions import BackendError, ConfigurationError
 from ...protocol.slots import base_key
 from ..base import AcquireResult, Holder, LockBackend, StoreState
-from ..urls import mask_url, parse_redis_url
+from ..urls import mask_url
 from .connections import send
-from .options import connection_options, retentions
+from .options import connection_options, parse_redis_url, retentions
 from .rates import (
-    _DEBOUNCE,
-    _DEBOUNCE_TAKE,
-    _DEBOUNCE_UNDO,
+    DEBOUNCE,
+    DEBOUNCE_TAKE,
+    DEBOUNCE_UNDO,
     check_key,
     debounce_args,
     debounce_result,
@@ -49,36 +49,36 @@ from .rates import (
     slot_request,
     window_key,
 )
-from .replaced import _LEAVE_REPLACED, _REPLACED_BY, record_key
+from .replaced import LEAVE_REPLACED, REPLACED_BY, record_key
 from .slots import scan_locks, slot_result
 from .state import scan_state
 from .wire import (
-    _ACQUIRE,
-    _CLAIM_NEXT,
-    _CLEAR_NEXT,
-    _EXTEND,
-    _EXTEND_MANY,
-    _OPERATOR_RELEASE,
-    _RELEASE,
+    ACQUIRE,
+    CLAIM_NEXT,
+    CLEAR_NEXT,
+    EXTEND,
+    EXTEND_MANY,
     NOT_RUN_CODES,
-    _conflict_holder,
-    _Connection,
-    _holder,
-    _keep_ms,
-    _ms,
-    _removed,
-    _Script,
-    _text,
+    OPERATOR_RELEASE,
+    RELEASE,
+    Connection,
+    Script,
+    as_text,
+    conflict_holder,
     driver_error,
     drop_idle,
     encode_meta,
+    holder_from_reply,
+    keep_ms,
+    lease_ms,
     not_run,
+    removed_holder,
 )
 
-__all__ = ["NOT_RUN_CODES", "RedisBackend", "fence_key", "not_run"]
+__all__ = ["DRIVER_ERRORS", "NOT_RUN_CODES", "RedisBackend", "fence_key", "not_run"]
 
 #: What redis-py raises; translated to singletask's errors at this module's boundary.
-_DRIVER_ERRORS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException)
+DRIVER_ERRORS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException)
 
 #: How long a released key keeps its last fencing token, by default: not at all (the next token
 #: rests on the server's clock). The transport option ``fence_retention`` (seconds) sets it.
@@ -139,7 +139,7 @@ class RedisBackend(LockBackend):
             (FENCE_RETENTION, MARKER_RETENTION),
         )
         # The retentions in whole milliseconds, as the release scripts take them.
-        self._keep = (_keep_ms(self.marker_retention), _keep_ms(self.fence_retention))
+        self._keep = (keep_ms(self.marker_retention), keep_ms(self.fence_retention))
         if url is not None:
             self._check_url(url)  # fail early, and strictly, on a bad URL
         self._url = url
@@ -151,7 +151,7 @@ class RedisBackend(LockBackend):
         self._pid = os.getpid() if client is None else None
         # Connections of a URL-built backend, idle between two script calls (see
         # connections.send).
-        self._idle: list[_Connection] = []
+        self._idle: list[Connection] = []
 
     @classmethod
     def from_url(
@@ -217,13 +217,13 @@ class RedisBackend(LockBackend):
         """Raise the redis-py errors raised inside as singletask's (see :meth:`_error`)."""
         try:
             yield
-        except _DRIVER_ERRORS as exc:
+        except DRIVER_ERRORS as exc:
             raise self._error(exc, operation, key) from exc
 
     def _call(
         self,
         operation: str,
-        script: _Script,
+        script: Script,
         keys: Sequence[str],
         args: Sequence[str | int | bytes],
     ) -> Any:
@@ -241,11 +241,11 @@ class RedisBackend(LockBackend):
                     return client.evalsha(script.sha, len(keys), *keys, *args)
                 except redis.exceptions.NoScriptError:
                     return client.eval(script.text, len(keys), *keys, *args)
-            except _DRIVER_ERRORS as exc:
+            except DRIVER_ERRORS as exc:
                 if not_run(exc):
                     drop_idle(client)
                 raise
-        except _DRIVER_ERRORS as exc:
+        except DRIVER_ERRORS as exc:
             raise self._error(exc, operation, keys[0]) from exc
 
     def acquire(
@@ -259,14 +259,15 @@ class RedisBackend(LockBackend):
     ) -> AcquireResult:
         self._check_key(key, "acquire")
         since, fields = encode_meta(key, token, meta or {})
-        args: list[str | int] = [token, _ms(ttl, "acquire"), takeover_prefix or "", since, *fields]
-        reply = self._call("acquire", _ACQUIRE, (key,), args)
+        lease = lease_ms(ttl, "acquire")
+        args: list[str | int] = [token, lease, takeover_prefix or "", since, *fields]
+        reply = self._call("acquire", ACQUIRE, (key,), args)
         if reply[0] == 1:
             _, fence, completed = reply
             return AcquireResult(
-                True, fence=int(fence), completed=_text(completed) if completed else None
+                True, fence=int(fence), completed=as_text(completed) if completed else None
             )
-        return AcquireResult(False, _conflict_holder(*reply[1:]))
+        return AcquireResult(False, conflict_holder(*reply[1:]))
 
     def acquire_slot(
         self,
@@ -288,19 +289,19 @@ class RedisBackend(LockBackend):
     def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float, str | None]:
         self._check_key(key, "debounce")
         args = debounce_args(task_id, ttl)
-        return debounce_result(self._call("debounce", _DEBOUNCE, (window_key(key),), args))
+        return debounce_result(self._call("debounce", DEBOUNCE, (window_key(key),), args))
 
     def debounce_take(self, key: str, task_id: str) -> str | None:
         self._check_key(key, "debounce")
-        latest = self._call("debounce", _DEBOUNCE_TAKE, (window_key(key),), (task_id,))
-        return _text(latest) if latest else None
+        latest = self._call("debounce", DEBOUNCE_TAKE, (window_key(key),), (task_id,))
+        return as_text(latest) if latest else None
 
     def debounce_undo(
         self, key: str, task_id: str, previous: str | None, *, closed: str | None = None
     ) -> bool:
         self._check_key(key, "debounce")
         args = (task_id, previous or "", closed or "")
-        return bool(self._call("debounce", _DEBOUNCE_UNDO, (window_key(key),), args))
+        return bool(self._call("debounce", DEBOUNCE_UNDO, (window_key(key),), args))
 
     def _check_key(self, key: str, operation: str) -> None:
         """Refuse a raw key that may be another lock's companion record."""
@@ -317,16 +318,16 @@ class RedisBackend(LockBackend):
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         args = (token, completed or "", *self._keep)
-        return bool(self._call("release", _RELEASE, self._release_keys(key), args))
+        return bool(self._call("release", RELEASE, self._release_keys(key), args))
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
-        return bool(self._call("extend", _EXTEND, (key,), (token, _ms(ttl, "extend"))))
+        return bool(self._call("extend", EXTEND, (key,), (token, lease_ms(ttl, "extend"))))
 
     def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool]:
         if not leases:
             return []
         for _, _, ttl in leases:
-            _ms(ttl, "extend")  # every lease checked before any is sent
+            lease_ms(ttl, "extend")  # every lease checked before any is sent
         client = self.client
         if isinstance(client, RedisCluster):
             # A script's keys must share a slot (and cluster pipelines cannot run scripts):
@@ -346,23 +347,23 @@ class RedisBackend(LockBackend):
         keys = [key for key, _, _ in leases]
         args: list[str | int] = []
         for _, token, ttl in leases:
-            args += [token, _ms(ttl, "extend")]
-        return [bool(done) for done in self._call("extend", _EXTEND_MANY, keys, args)]
+            args += [token, lease_ms(ttl, "extend")]
+        return [bool(done) for done in self._call("extend", EXTEND_MANY, keys, args)]
 
     def claim_next(self, key: str, task_id: str, ttl: float) -> str:
-        args = (task_id, _ms(ttl, "claim_next"))
-        return _text(self._call("claim_next", _CLAIM_NEXT, (fence_key(key),), args))
+        args = (task_id, lease_ms(ttl, "claim_next"))
+        return as_text(self._call("claim_next", CLAIM_NEXT, (fence_key(key),), args))
 
     def clear_next(self, key: str, task_id: str) -> bool:
-        return bool(self._call("clear_next", _CLEAR_NEXT, (fence_key(key),), (task_id,)))
+        return bool(self._call("clear_next", CLEAR_NEXT, (fence_key(key),), (task_id,)))
 
     def _leave_replaced(self, key: str, victim: str, successor: str, ttl: float) -> None:
-        args = (successor, _ms(ttl, "preempt"))
-        self._call("preempt", _LEAVE_REPLACED, (record_key(key, victim),), args)
+        args = (successor, lease_ms(ttl, "preempt"))
+        self._call("preempt", LEAVE_REPLACED, (record_key(key, victim),), args)
 
     def replaced_by(self, key: str, token: str) -> str | None:
-        found = self._call("inspect", _REPLACED_BY, (record_key(key, token),), ())
-        return _text(found) if found is not None else super().replaced_by(key, token)
+        found = self._call("inspect", REPLACED_BY, (record_key(key, token),), ())
+        return as_text(found) if found is not None else super().replaced_by(key, token)
 
     def holder(self, key: str) -> Holder | None:
         client = self.client
@@ -370,7 +371,7 @@ class RedisBackend(LockBackend):
             pipe.hgetall(key)
             pipe.pttl(key)
             fields, pttl = pipe.execute()
-        return _holder(key, fields, int(pttl))
+        return holder_from_reply(key, fields, int(pttl))
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """One SCAN MATCH ``*prefix*`` (keys and holder slots alike), COUNT ``page_size``; each
@@ -387,10 +388,11 @@ class RedisBackend(LockBackend):
 
     def release_held_by(self, key: str, task_id: str) -> Holder | None:
         args = (task_id, *self._keep)
-        return _removed(key, self._call("release", _OPERATOR_RELEASE, (key,), args))
+        return removed_holder(key, self._call("release", OPERATOR_RELEASE, (key,), args))
 
     def force_release(self, key: str) -> Holder | None:
-        return _removed(key, self._call("release", _OPERATOR_RELEASE, (key,), ("", *self._keep)))
+        args = ("", *self._keep)
+        return removed_holder(key, self._call("release", OPERATOR_RELEASE, (key,), args))
 
     def close(self) -> None:
         if self._url is not None and self._client is not None and self._pid == os.getpid():

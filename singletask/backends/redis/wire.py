@@ -30,10 +30,34 @@ from .scripts import (
     RESTORE_SCRIPT,
 )
 
-__all__ = ["NOT_RUN_CODES", "driver_error", "drop_idle", "not_run"]
+__all__ = [
+    "ACQUIRE",
+    "ACQUIRE_KEEPING",
+    "CLAIM_NEXT",
+    "CLEAR_NEXT",
+    "EXTEND",
+    "EXTEND_MANY",
+    "NOT_RUN_CODES",
+    "OPERATOR_RELEASE",
+    "RELEASE",
+    "RESTORE",
+    "Connection",
+    "Script",
+    "as_text",
+    "conflict_holder",
+    "driver_error",
+    "drop_idle",
+    "encode_meta",
+    "glob_escape",
+    "holder_from_reply",
+    "keep_ms",
+    "lease_ms",
+    "not_run",
+    "removed_holder",
+]
 
 
-class _Connection(Protocol):
+class Connection(Protocol):
     """What this module uses of a redis-py connection (whose methods are untyped)."""
 
     def send_packed_command(self, command: list[bytes], check_health: bool = True) -> None: ...
@@ -43,12 +67,12 @@ class _Connection(Protocol):
     def disconnect(self) -> None: ...
 
 
-def _ms(seconds: float, operation: str) -> int:
+def lease_ms(seconds: float, operation: str) -> int:
     """``seconds`` in whole milliseconds (at least 1), once :func:`check_lease` accepts it."""
     return max(1, int(check_lease(seconds, operation) * 1000))
 
 
-def _keep_ms(seconds: float) -> int:
+def keep_ms(seconds: float) -> int:
     """A retention in whole milliseconds: 0 stays 0 (nothing kept), anything else at least 1."""
     return 0 if seconds == 0 else max(1, int(seconds * 1000))
 
@@ -58,7 +82,7 @@ def _bulk(data: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(data), data)
 
 
-class _Script:
+class Script:
     """A script of :mod:`~singletask.backends.redis.scripts`, called by its SHA1 digest, with
     the command encoded here."""
 
@@ -88,18 +112,19 @@ class _Script:
         return b"".join(parts)
 
 
-_ACQUIRE = _Script(ACQUIRE_SCRIPT)
-_RELEASE = _Script(RELEASE_SCRIPT)
-_EXTEND = _Script(EXTEND_SCRIPT)
-_EXTEND_MANY = _Script(EXTEND_MANY_SCRIPT)
-_CLAIM_NEXT = _Script(CLAIM_NEXT_SCRIPT)
-_CLEAR_NEXT = _Script(CLEAR_NEXT_SCRIPT)
-_OPERATOR_RELEASE = _Script(OPERATOR_RELEASE_SCRIPT)
-_ACQUIRE_KEEPING = _Script(ACQUIRE_KEEPING_SCRIPT)
-_RESTORE = _Script(RESTORE_SCRIPT)
+ACQUIRE = Script(ACQUIRE_SCRIPT)
+RELEASE = Script(RELEASE_SCRIPT)
+EXTEND = Script(EXTEND_SCRIPT)
+EXTEND_MANY = Script(EXTEND_MANY_SCRIPT)
+CLAIM_NEXT = Script(CLAIM_NEXT_SCRIPT)
+CLEAR_NEXT = Script(CLEAR_NEXT_SCRIPT)
+OPERATOR_RELEASE = Script(OPERATOR_RELEASE_SCRIPT)
+ACQUIRE_KEEPING = Script(ACQUIRE_KEEPING_SCRIPT)
+RESTORE = Script(RESTORE_SCRIPT)
 
 
-def _text(value: bytes | str) -> str:
+def as_text(value: bytes | str) -> str:
+    """A reply's ``value`` as text (bytes decoded as UTF-8)."""
     return value.decode() if isinstance(value, bytes) else value
 
 
@@ -236,12 +261,14 @@ def _decode_meta(key: str, token: str, fields: Mapping[str, str]) -> dict[str, s
 _NOT_META = frozenset({"token", "f", "fence", "d"})
 
 
-def _holder(key: str, fields: Mapping[bytes | str, bytes | str], pttl: int) -> Holder | None:
+def holder_from_reply(
+    key: str, fields: Mapping[bytes | str, bytes | str], pttl: int
+) -> Holder | None:
     """The Holder of a lock hash's fields and PTTL; None for no lock (a released record, or a
     companion hash). Reads the compact record and 0.1.0's (long field names, ``fence``)."""
     if not fields or pttl == -2:
         return None
-    record = {_text(k): _text(v) for k, v in fields.items()}
+    record = {as_text(k): as_text(v) for k, v in fields.items()}
     token = record.get("token")
     if token is None:
         return None
@@ -264,17 +291,17 @@ def _conflict_task_id(token: str, old: Any, compact: Any, absent: Any) -> str | 
     """The holder's task id in an acquire's conflict reply: 0.1.0's task_id field, or the
     compact record's (its i and x fields, see :func:`_from_token`)."""
     if old is not None:
-        return _text(old)
-    fields = {name: _text(v) for name, v in (("i", compact), ("x", absent)) if v is not None}
+        return as_text(old)
+    fields = {name: as_text(v) for name, v in (("i", compact), ("x", absent)) if v is not None}
     return _from_token("i", token, fields)
 
 
-def _conflict_holder(
+def conflict_holder(
     raw_token: bytes | str, old: Any, compact: Any, absent: Any, pttl: int, fence: Any
 ) -> Holder:
     """The Holder of an acquire's conflict reply (token, its 0.1.0 task_id field, its i and x
     fields, lease left in ms, fence): brief, without the metadata."""
-    token = _text(raw_token)
+    token = as_text(raw_token)
     return Holder(
         token,
         _conflict_task_id(token, old, compact, absent),
@@ -284,15 +311,15 @@ def _conflict_holder(
     )
 
 
-def _removed(key: str, reply: Sequence[Any]) -> Holder | None:
+def removed_holder(key: str, reply: Sequence[Any]) -> Holder | None:
     """The Holder of an OPERATOR_RELEASE_SCRIPT reply, or None when it removed nothing."""
     if not reply:
         return None
     pttl, flat = int(reply[0]), reply[1:]
-    return _holder(key, dict(zip(flat[::2], flat[1::2], strict=True)), pttl)
+    return holder_from_reply(key, dict(zip(flat[::2], flat[1::2], strict=True)), pttl)
 
 
-def _glob_escape(text: str) -> str:
+def glob_escape(text: str) -> str:
     """``text`` with the glob characters of SCAN MATCH escaped, to match it literally."""
     return "".join("\\" + char if char in "*?[]\\" else char for char in text)
 
