@@ -60,7 +60,7 @@ MOVED: dict[str, str] = {
     "singletask.web.asgi": "singletask.ops.web.asgi",
     "singletask.web.mount": "singletask.ops.web.mount",
     "singletask.web.server": "singletask.ops.web.server",
-    "singletask.web.state": "singletask.ops.web.state",
+    "singletask.web.state": "singletask.ops.web.bookkeeping",
     "singletask.exporter": "singletask.ops.exporter",
     "singletask.exporter.events": "singletask.ops.exporter.events",
     "singletask.exporter.service": "singletask.ops.exporter.service",

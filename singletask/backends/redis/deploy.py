@@ -39,6 +39,7 @@ from redis.sentinel import Sentinel
 from ...exceptions import BackendError, BackendUnavailable, ConfigurationError, LockKeyError
 from ...protocol.slots import base_key
 from ..base import Holder, StoreState
+from .bookkeeping import scan_state
 from .options import (
     RETENTION_OPTIONS,
     SOCKET_OPTIONS,
@@ -58,7 +59,6 @@ from .options import (
 from .rates import ACQUIRE_SLOT_RATED, ACQUIRE_SLOT_RATED_KEEPING
 from .scripts import HOLDER_SCRIPT
 from .slots import ACQUIRE_SLOT, ACQUIRE_SLOT_KEEPING, listed, scan_pattern
-from .state import scan_state
 from .store import DRIVER_ERRORS, FENCE_RETENTION, MARKER_RETENTION, RedisBackend
 from .wire import (
     ACQUIRE,

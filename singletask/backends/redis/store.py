@@ -36,6 +36,7 @@ from ...exceptions import BackendError, ConfigurationError
 from ...protocol.slots import base_key
 from ..base import AcquireResult, Holder, LockBackend, StoreState
 from ..urls import mask_url
+from .bookkeeping import scan_state
 from .connections import send
 from .options import connection_options, parse_redis_url, retentions
 from .rates import (
@@ -51,7 +52,6 @@ from .rates import (
 )
 from .replaced import LEAVE_REPLACED, REPLACED_BY, record_key
 from .slots import scan_locks, slot_result
-from .state import scan_state
 from .wire import (
     ACQUIRE,
     CLAIM_NEXT,

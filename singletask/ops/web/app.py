@@ -32,7 +32,7 @@ from ...backends.base import LockBackend
 from ...backends.urls import mask_url
 from ...exceptions import BackendError, ConfigurationError, UnsupportedOperation
 from ..inventory import LockRecord, find_locks, holders_of, release_lock
-from .state import matches, state_records
+from .bookkeeping import matches, state_records
 
 __all__ = ["TOKEN_HEADER", "LockPage"]
 
