@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from ..backends import check_url
-from ..backends.sql.core import TABLE_SCHEMES, check_table
+from ..backends.base import TABLE_SCHEMES, check_table
 from ..backends.urls import mask_url
 from ..exceptions import ConfigurationError
 from ..protocol.slots import check_limit
