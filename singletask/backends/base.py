@@ -124,6 +124,24 @@ class LockBackend(abc.ABC):
         """
 
     @classmethod
+    def check_table_option(cls, url: str, table: str, where: str) -> str:
+        """Return ``table`` if the store at ``url`` takes it as its ``table`` option (the setting
+        ``singletask_backend_table``), checked without connecting to anything.
+
+        The default refuses it: the store keeps no table. A store that keeps its locks in a
+        table (the SQL stores) overrides this.
+
+        Raises:
+            ConfigurationError: The store has no table, or ``table`` is not a usable name; the
+                message starts with ``where``.
+        """
+        scheme = url.split("://", 1)[0].lower()
+        raise ConfigurationError(
+            f"{where}: the lock store {scheme}:// has no table; the setting applies to "
+            f"{', '.join(f'{s}://' for s in sorted(TABLE_SCHEMES))} only"
+        )
+
+    @classmethod
     def check_url(cls, url: str) -> None:
         """Check ``url`` without connecting to anything; :meth:`from_url` checks the same.
 

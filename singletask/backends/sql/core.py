@@ -230,6 +230,10 @@ class SQLBackend(LockBackend):
     def check_url(cls, url: str) -> None:
         cls.from_url(url).close()  # builds nothing but the (lazy) pool: no connection
 
+    @classmethod
+    def check_table_option(cls, url: str, table: str, where: str) -> str:
+        return check_table(table, where)
+
     def acquire(
         self, key: str, token: str, ttl: float, *,
         meta: Mapping[str, str] | None = None, takeover_prefix: str | None = None,
