@@ -15,14 +15,13 @@ from typing import Any
 import click
 
 from .. import __version__
+from .base import CONTEXT
 from .demo import demo
 from .exporter import exporter
 from .locks import COMMANDS
 from .web import web
 
 __all__ = ["main", "singletask"]
-
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
 @click.group(context_settings=CONTEXT)

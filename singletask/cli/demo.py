@@ -9,10 +9,9 @@ from typing import Any
 import click
 
 from ..backends.urls import mask_url
+from .base import CONTEXT
 
 __all__ = ["demo"]
-
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
 def _scheme(value: str, what: str) -> str:
