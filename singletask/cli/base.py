@@ -1,6 +1,7 @@
-"""Which lock store an operator command works on: the one place the commands (``locks``,
-``inspect``, ``release``, ``web``, ``exporter``) turn ``--url`` and the Celery app's settings into
-a store URL, its key prefix and its options, with the same usage errors."""
+"""What the commands share (Celery's ``bin/base.py`` shape): their context settings
+(:data:`CONTEXT`), and which lock store an operator command works on, the one place the commands
+(``locks``, ``inspect``, ``release``, ``web``, ``exporter``) turn ``--url`` and the Celery app's
+settings into a store URL, its key prefix and its options, with the same usage errors."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import click
 from ..conf.settings import DEFAULTS, Settings
 from ..exceptions import ConfigurationError
 
-__all__ = ["store_settings", "url_option"]
+__all__ = ["CONTEXT", "store_settings", "url_option"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+#: The context settings of the group and of every command (-h, and the width of the help).
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 #: What ``--url`` says when the command needs a store.
 URL_HELP = (

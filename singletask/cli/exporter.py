@@ -23,11 +23,9 @@ from ..backends.base import LockBackend
 from ..backends.urls import mask_url
 from ..conf.settings import check_key_prefix
 from ..exceptions import ConfigurationError, UnsupportedOperation
-from .base import store_settings, url_option
+from .base import CONTEXT, store_settings, url_option
 
 __all__ = ["exporter"]
-
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
 def _positive(ctx: click.Context, param: click.Parameter, value: float) -> float:

@@ -27,14 +27,13 @@ from ..backends.base import LockBackend
 from ..backends.urls import mask_url
 from ..exceptions import BackendError, ConfigurationError, UnsupportedOperation
 from ..ops.inventory import FIELDS, LockRecord, find_locks, holders_of, release_lock
-from .base import store_settings, url_option
+from .base import CONTEXT, store_settings, url_option
 
 __all__ = ["COMMANDS", "STORE_FAILED"]
 
 #: Exit status when the lock store failed (1 and 2 are "refused / nothing" and "usage").
 STORE_FAILED = 3
 
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 

@@ -16,11 +16,10 @@ import click
 
 from ..backends.urls import mask_url
 from ..exceptions import ConfigurationError
-from .base import store_settings, url_option
+from .base import CONTEXT, store_settings, url_option
 
 __all__ = ["TOKEN_ENV", "web"]
 
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 #: The environment variable that may hold the release token (else ``--token-file``).
 TOKEN_ENV = "SINGLETASK_WEB_TOKEN"

@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from ..backends import check_url
-from ..backends.sql.core import TABLE_SCHEMES, check_table
+from ..backends import backend_class, check_url
+from ..backends.base import check_table
 from ..backends.urls import mask_url
 from ..exceptions import ConfigurationError
 from ..protocol.slots import check_limit
@@ -266,14 +266,10 @@ class Settings:
         """
         options: dict[str, Any] = {}
         if self.backend_table is not None:
-            scheme = self.backend_url.split("://", 1)[0].lower()
-            if scheme not in TABLE_SCHEMES:
-                raise ConfigurationError(
-                    f"setting singletask_backend_table: the lock store {scheme}:// has no "
-                    "table; the setting applies to "
-                    f"{', '.join(f'{s}://' for s in sorted(TABLE_SCHEMES))} only"
-                )
-            options["table"] = self.backend_table
+            url = self.backend_url
+            options["table"] = backend_class(url).check_table_option(
+                url, self.backend_table, "setting singletask_backend_table"
+            )
         if self.backend_transport_options:
             options["transport_options"] = self.backend_transport_options
         return options

@@ -224,10 +224,11 @@ def delete_lock_keys(url: str, prefix: str) -> int:
     if scheme == "sqlite":
         import sqlite3
 
-        from ..backends.sql.sqlite import SQLiteBackend
+        from ..backends import backend_from_url
 
-        backend = SQLiteBackend.from_url(url)
-        conn = sqlite3.connect(backend.path, timeout=10)
+        # The store's own reading of its URL (the database file), through the registry.
+        path: Path = backend_from_url(url).path  # type: ignore[attr-defined]
+        conn = sqlite3.connect(path, timeout=10)
         try:
             like = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
             deleted = 0

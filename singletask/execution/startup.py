@@ -5,9 +5,11 @@ When a worker is ready (Celery's ``worker_ready`` signal) and its app has single
 * if the lock store's URL is missing or invalid, it logs an ERROR with the
   :class:`~singletask.ConfigurationError` every execution of those tasks will then fail with
   (the worker still starts: its other tasks do not need locks);
-* if the lock store is ``memory://``, which keeps locks inside one process, it logs an ERROR
-  when the pool runs tasks in more than one process (they would not exclude each other), and
-  a WARNING otherwise (another worker with the same setting would not be excluded either).
+* if the lock store is ``memory://`` (any store whose class is
+  :attr:`~singletask.backends.base.LockBackend.in_process`), which keeps locks inside one
+  process, it logs an ERROR when the pool runs tasks in more than one process (they would not
+  exclude each other), and a WARNING otherwise (another worker with the same setting would not
+  be excluded either).
 
 Two more hooks serve singletask's Celery events (:mod:`singletask.observe.report`): when a worker is
 made (``worker_init``), its processes learn whether it sends task events (``-E``); when a pool
@@ -24,7 +26,6 @@ from typing import Any
 from celery import current_app, signals
 
 from ..backends import backend_class
-from ..backends.memory import MemoryBackend
 from ..conf.runtime import is_singleton
 from ..conf.settings import Settings
 from ..exceptions import ConfigurationError
@@ -67,16 +68,17 @@ def check_worker(app: Any, pool_cls: object, concurrency: object) -> list[str]:
                        f"({shown}): every execution of them will fail: {exc}")]  # fmt: skip
     try:
         url = settings.backend_url
-        memory = issubclass(backend_class(url), MemoryBackend)
+        in_process = backend_class(url).in_process
     except ConfigurationError as exc:
         return [_error(f"this worker has no usable lock store, so every execution of its "
                        f"singleton tasks ({shown}) will fail: {exc}")]  # fmt: skip
-    if not memory:
+    if not in_process:
         return []
+    scheme = url.split("://", 1)[0].lower()
     pool, processes = pool_processes(pool_cls, concurrency)
     if processes > 1:
         message = (
-            f"singletask: the lock store is memory://, which keeps locks inside one process, "
+            f"singletask: the lock store is {scheme}://, which keeps locks inside one process, "
             f"but this worker's {pool} pool runs tasks in {processes} processes: its singleton "
             f"tasks ({shown}) are NOT exclusive between them, nor with other workers. Set "
             "singletask_backend_url to a shared store (redis://, or sqlite:// on one host)"
@@ -84,7 +86,7 @@ def check_worker(app: Any, pool_cls: object, concurrency: object) -> list[str]:
         logger.error("%s", message)
     else:
         message = (
-            f"singletask: the lock store is memory://, which keeps locks inside this worker "
+            f"singletask: the lock store is {scheme}://, which keeps locks inside this worker "
             f"process ({pool} pool): singleton tasks ({shown}) are exclusive only within it, "
             "not with any other worker using the same setting"
         )

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, Final
 from celery.signals import task_retry
 
 from ..backends import backend_from_url
-from ..backends.memory import MemoryBackend
 from ..exceptions import TaskLocked
 from ..signals import lock_conflict
 from .locks import lock_key
@@ -241,7 +240,7 @@ def isolated_locks(app: Celery, *, url: str | None = None) -> Iterator[IsolatedL
         An :class:`IsolatedLocks` that records what the app's tasks did on a held lock.
     """
     if url is None:
-        store: LockBackend = MemoryBackend()
+        store: LockBackend = backend_from_url("memory://")
         namespace = ""
     else:
         store = backend_from_url(url)

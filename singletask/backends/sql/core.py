@@ -50,7 +50,6 @@ import abc
 import functools
 import hashlib
 import json
-import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
@@ -58,9 +57,20 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from ...exceptions import ConfigurationError, LockKeyError
 from ...protocol.slots import base_key, slot_index, slot_keys
-from ..base import AcquireResult, Holder, LockBackend, StoreState, check_lease
+from ..base import (
+    TABLE_SCHEMES,
+    AcquireResult,
+    Holder,
+    LockBackend,
+    StoreState,
+    check_lease,
+    check_table,
+)
 from ..urls import check_port
 from . import replaced, state
+
+# TABLE_SCHEMES, check_table: the ``table`` option's rules, from singletask.backends.base (the
+# settings check the option there, without importing a store family).
 
 __all__ = [
     "DEFAULT_TABLE",
@@ -79,11 +89,6 @@ __all__ = [
     "stored_key",
 ]
 
-#: URL schemes of the stores that keep locks in a table (setting ``singletask_backend_table``).
-TABLE_SCHEMES = frozenset(
-    {"postgresql", "postgres", "postgresql+psycopg", "mysql", "mariadb", "mysql+pymysql"}
-)
-
 #: The table used unless the ``table`` option (setting ``singletask_backend_table``) names one.
 DEFAULT_TABLE = "singletask_locks"
 
@@ -94,26 +99,7 @@ FENCE_RETENTION = 7 * 24 * 3600.0
 RECLAIM_INTERVAL = 60.0
 RECLAIM_BATCH = 1000
 
-_TABLE_NAME = re.compile(r"(?:[a-z_][a-z0-9_]{0,47}\.)?[a-z_][a-z0-9_]{0,47}")
-
 R = TypeVar("R")
-
-
-def check_table(name: object, where: str = "option table") -> str:
-    """Return ``name`` if it is a usable table name (``table`` or ``schema.table``).
-
-    Lower-case letters, digits and underscores only (at most 48 of them per part), so the name
-    means the same unquoted in PostgreSQL and MySQL, on every filesystem.
-
-    Raises:
-        ConfigurationError: It is not.
-    """
-    if not isinstance(name, str) or not _TABLE_NAME.fullmatch(name):
-        raise ConfigurationError(
-            f"{where}: expected a table name such as 'singletask_locks' or 'myschema.locks' "
-            f"(lower-case letters, digits and '_', at most 48 per part), got {name!r}"
-        )
-    return name
 
 
 class SQLOptions:
@@ -243,6 +229,10 @@ class SQLBackend(LockBackend):
     @classmethod
     def check_url(cls, url: str) -> None:
         cls.from_url(url).close()  # builds nothing but the (lazy) pool: no connection
+
+    @classmethod
+    def check_table_option(cls, url: str, table: str, where: str) -> str:
+        return check_table(table, where)
 
     def acquire(
         self, key: str, token: str, ttl: float, *,
