@@ -19,7 +19,7 @@ from singletask.backends.memory import MemoryBackend
 from singletask.backends.redis import RedisBackend
 from singletask.backends.sql.sqlite import SQLiteBackend
 
-from .backends.expiry import INSPECTORS, close_connections
+from .contract.expiry import INSPECTORS, close_connections
 from .deployments import (
     ClusterDeployment,
     SentinelDeployment,

@@ -19,7 +19,7 @@ from singletask.backends import backend_from_url
 from singletask.backends.urls import mask_url, parse_redis_url
 from singletask.conf.settings import Settings
 
-from .servers import free_port
+from ..servers import free_port
 
 PASSWORD = "pw-Zq81xT"
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from .servers import counted_on_the_server, redis_server_binary, unavailable
+from ..servers import counted_on_the_server, redis_server_binary, unavailable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # It runs real workers and measures PostgreSQL as well as Redis.
 pytestmark = pytest.mark.bench

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from .servers import counted_on_the_server, redis_server_binary, unavailable
+from ..servers import counted_on_the_server, redis_server_binary, unavailable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.bench
 

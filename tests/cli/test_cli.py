@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from singletask import __version__
 from singletask.cli import singletask
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def invoke(*args: str) -> tuple[int, str]:

@@ -31,9 +31,9 @@ from singletask.ops.inventory import FIELDS, find_state
 from singletask.protocol.slots import slot_key
 from singletask.signals import lock_released_by_operator
 
-from .servers import SQL_URLS, redis_server_binary, sql_test_table, unavailable
+from ..servers import SQL_URLS, redis_server_binary, sql_test_table, unavailable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["sqlite", "redis"])

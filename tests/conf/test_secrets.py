@@ -28,7 +28,7 @@ from singletask import SingletaskError, SingletonTask
 from singletask.backends import backend_from_url, known_schemes
 from singletask.conf.settings import Settings
 
-from .servers import free_port
+from ..servers import free_port
 
 #: The password is LEFT + one awkward character + RIGHT: neither half may appear anywhere (a
 #: parser that splits the URL at the awkward character would show one of them).

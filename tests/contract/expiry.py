@@ -25,7 +25,7 @@ from singletask.backends.memory import MemoryBackend
 from singletask.backends.sql.sqlite import FENCE_RETENTION as SQLITE_FENCE_RETENTION
 from singletask.backends.sql.sqlite import SQLiteBackend
 
-from .memcached_records import inspect_memcached
+from ..backends.memcached_records import inspect_memcached
 
 #: (backend under test, the test's request, text every key of the test contains) -> records.
 Inspector = Callable[[LockBackend, pytest.FixtureRequest, str], dict[str, float | None]]

@@ -24,11 +24,11 @@ import psutil
 import pytest
 import redis
 
-from .servers import unavailable
+from ..servers import unavailable
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMMAND = [sys.executable, "-m", "singletask", "demo", "--quick"]
 SCENARIOS = ["burst", "customers", "retry", "raise", "periodic", "replace", "limit", "rate"]
 #: The lock_limit of each scenario's task (1: a singleton); for "replace", one more while a

@@ -22,7 +22,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROJECT = ROOT / "examples" / "django_project"
 BROKER_DB, RESULTS_DB = 14, 15  # databases no other test module uses
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MARKDOWN = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 RST = sorted((ROOT / "docs").glob("*.rst"))
 PYTHON = {"python", "python3", "py", "pycon"}
@@ -227,7 +227,7 @@ INCLUDES = [
     for line, text in enumerate(path.read_text().splitlines())
     for target in re.findall(r"^\s*\.\. literalinclude::\s*(\S+)", text)
 ]
-TEST_SOURCES = "\n".join(p.read_text() for p in sorted((ROOT / "tests").glob("test_*.py")))
+TEST_SOURCES = "\n".join(p.read_text() for p in sorted((ROOT / "tests").rglob("test_*.py")))
 
 
 def test_the_scan_finds_the_included_examples():

@@ -29,7 +29,7 @@ import pytest
 from singletask import SingletonTask
 from singletask.conf.settings import DEFAULTS, MAX_COUNT, MAX_SECONDS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "configuration.rst"
 
 LITERAL = re.compile(r"``(.+?)``")

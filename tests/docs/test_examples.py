@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from .servers import unavailable
+from ..servers import unavailable
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ["feed_importer", "customer_sync", "periodic_sync", "prometheus_metrics"]
 REDIS_DB = 13  # a database no other test module uses
 

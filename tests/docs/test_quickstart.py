@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from .servers import RedisServer, redis_server_binary, unavailable
+from ..servers import RedisServer, redis_server_binary, unavailable
 
 pytestmark = pytest.mark.e2e
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture

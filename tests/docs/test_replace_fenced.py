@@ -20,9 +20,9 @@ import pytest
 
 from singletask import Skipped
 
-from .servers import SQL_URLS, sql_test_table
+from ..servers import SQL_URLS, sql_test_table
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_example() -> ModuleType:

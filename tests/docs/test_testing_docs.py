@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from .servers import unavailable
+from ..servers import unavailable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROJECT = ROOT / "examples" / "testing"
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from .servers import unavailable
+from ..servers import unavailable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # With the pool tests (`-m pools`): each test starts an interpreter that imports Celery and
 # gevent or eventlet.

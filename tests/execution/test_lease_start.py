@@ -21,7 +21,7 @@ from singletask import LockLost, SingletonTask
 from singletask.backends import backend_from_url
 from singletask.lease import drift_margin
 
-from .faultproxy import FaultProxy
+from ..faultproxy import FaultProxy
 
 LEASE = 2.0
 HELD_BACK = 1.5  # the reply held back: most of the lease

@@ -33,9 +33,9 @@ from singletask.ops.exporter import (
 from singletask.protocol.keys import escape_name
 from singletask.protocol.tokens import execution_token, reservation_token
 
-from .faultproxy import FaultProxy
-from .prometheus_text import exposed_names, names_in_examples, samples_of, scrape_text, value
-from .servers import free_port
+from ..faultproxy import FaultProxy
+from ..prometheus_text import exposed_names, names_in_examples, samples_of, scrape_text, value
+from ..servers import free_port
 
 PREFIX = "singletask:"
 #: Databases of the session's private Redis no other test module uses: the broker, the store.

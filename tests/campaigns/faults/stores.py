@@ -32,7 +32,7 @@ import redis
 
 from singletask.backends.memory import MemoryBackend
 
-from ..servers import (
+from ...servers import (
     SQL_URLS,
     RedisServer,
     redis_server_binary,
@@ -56,7 +56,7 @@ BLOCK_BOUND = 3 * TIMEOUT + 2.0
 
 def _proxies(url: str, count: int) -> tuple[list[Any], list[str]]:
     """``count`` started fault proxies to the server of ``url``, and ``url`` through each."""
-    from ..faultproxy import FaultProxy
+    from ...faultproxy import FaultProxy
 
     proxies, urls = [], []
     for _ in range(count):

@@ -1,5 +1,5 @@
 """The Celery app of the interaction campaign, on both sides (``celery -A
-tests.interactions.app worker`` and the test's producers), with one task per drawn
+tests.campaigns.interactions.app worker`` and the test's producers), with one task per drawn
 configuration.
 
 Every task runs :func:`body`, which records its start and its end in the probe (a list on a

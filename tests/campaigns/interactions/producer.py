@@ -1,11 +1,11 @@
 """A producer subprocess the campaign kills with SIGKILL at a random moment of its sends.
 
-``python -m tests.interactions.producer PLANS LEDGER``: makes the sends of PLANS (JSON) at their
-times and appends, for each, a line to LEDGER before the call (the send's intent: its task id)
-and one after (what the caller got). A send whose second line is missing was in flight when the
-producer was killed: between its store write and its publish, or around them. Each send goes
-through the app of its configuration's lock store (the environment names each store's
-configurations, URL and queue).
+``python -m tests.campaigns.interactions.producer PLANS LEDGER``: makes the sends of PLANS
+(JSON) at their times and appends, for each, a line to LEDGER before the call (the send's intent:
+its task id) and one after (what the caller got). A send whose second line is missing was in
+flight when the producer was killed: between its store write and its publish, or around them.
+Each send goes through the app of its configuration's lock store (the environment names each
+store's configurations, URL and queue).
 """
 
 from __future__ import annotations

@@ -48,8 +48,8 @@ from singletask.conf.runtime import app_state
 from singletask.exceptions import TaskLocked
 from singletask.result import Skipped
 
-from ..faultproxy import FaultProxy, address_of
-from ..servers import SQL_URLS, drop_sql_table, free_port
+from ...faultproxy import FaultProxy, address_of
+from ...servers import SQL_URLS, drop_sql_table, free_port
 from . import app as interactions_app
 from .checker import (
     Body,
@@ -67,7 +67,7 @@ from .space import STORES, Config, draw, find
 
 __all__ = ["SCENARIOS", "Settings", "run", "run_seed"]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SEED_VARIABLE = "SINGLETASK_INTERACTIONS_SEED"
 
 #: Named scenarios: a configuration the generator can draw (space.find checks it is in the
@@ -226,7 +226,7 @@ class Group:
 
 
 class WorkerProcess:
-    """``celery -A tests.interactions.app worker`` with the run's configurations."""
+    """``celery -A tests.campaigns.interactions.app worker`` with the run's configurations."""
 
     def __init__(self, env: dict[str, str], log: Path, app: Celery, concurrency: int) -> None:
         self.env, self.log, self.app, self.concurrency = env, log, app, concurrency
@@ -239,7 +239,7 @@ class WorkerProcess:
 
     def launch(self) -> None:
         command = [
-            sys.executable, "-m", "celery", "-A", "tests.interactions.app", "worker",
+            sys.executable, "-m", "celery", "-A", "tests.campaigns.interactions.app", "worker",
             "-P", "prefork", "-c", str(self.concurrency), "-n", self.nodename, "-l", "INFO",
             "--without-gossip", "--without-mingle", "--without-heartbeat",
             # Task events on: every configuration, ending and fault also runs singletask's event
@@ -457,7 +457,8 @@ def _killed_producer(
     plan_file.write_text(json.dumps({"plans": [p.to_json() for p in plans], "start": start,
                                      "run": run}))  # fmt: skip
     process = subprocess.Popen(
-        [sys.executable, "-m", "tests.interactions.producer", str(plan_file), str(ledger_file)],
+        [sys.executable, "-m", "tests.campaigns.interactions.producer", str(plan_file),
+         str(ledger_file)],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 

@@ -31,8 +31,8 @@ from singletask import SingletonTask
 from singletask.conf.options import ATTRIBUTE_CHECKS
 from singletask.exceptions import ConfigurationError
 
-from ..e2e.conftest import CLIENT_GARBAGE
-from ..servers import CI, sql_problem, unavailable
+from ...e2e.conftest import CLIENT_GARBAGE
+from ...servers import CI, sql_problem, unavailable
 from .checker import REJECT_STORED, Body, Fault, History, Outcome, Report, Residue, Send, check
 from .runner import SCENARIOS, Servers, Settings, campaign_seed, run
 from .space import FIXED, NOT_DRAWN, OPTIONS, STORES, Config, draw, find, product, space, valid
@@ -567,7 +567,7 @@ def test_the_idle_store_listing_reads_every_store_alike(
 
     from singletask.backends import backend_from_url
 
-    from ..servers import drop_sql_table
+    from ...servers import drop_sql_table
     from .runner import Group, _residues, _store_url
 
     if store in ("postgresql", "mysql") and (problem := sql_problem(store)):

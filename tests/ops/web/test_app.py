@@ -20,7 +20,7 @@ from singletask.backends.base import LockBackend
 from singletask.exceptions import ConfigurationError
 from singletask.ops.web import LockPage
 
-from ..servers import free_port
+from ...servers import free_port
 from .helpers import TOKEN, call, hold, release
 
 

@@ -22,7 +22,7 @@ from singletask.cli import singletask
 
 from .helpers import hold
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def invoke(*args: str, **env: str) -> Any:

@@ -22,7 +22,7 @@ from singletask.ops.web import TOKEN_HEADER, LockPage, asgi, mount
 
 from .helpers import TOKEN, call, hold, run_asgi
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_mounted_under_a_path_of_another_wsgi_site(
