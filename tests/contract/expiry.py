@@ -6,7 +6,7 @@ left without an expiry (see ``test_contract.py``), through the ``backend_records
 param. To plug a new store into that check, add one function to :data:`INSPECTORS` that lists
 the records the store holds whose key contains ``match``: ``{record name: seconds left}``, with
 ``None`` for a record that never expires. Read the store as directly as you can (its server, its
-tables), not through the backend under test. See ``tests/backends/README.md``.
+tables), not through the backend under test. See ``tests/contract/README.md``.
 """
 
 from __future__ import annotations

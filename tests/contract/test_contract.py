@@ -9,7 +9,7 @@ its own clock.
 After every backend operation of every test, and at the end of each test, the suite checks that
 no record of the test's keys is left without an expiry (``every_record_expires`` below). It reads
 the store through the ``backend_records`` fixture (``tests/conftest.py``, one inspector per store
-in ``tests/backends/expiry.py``; see ``tests/backends/README.md``).
+in ``tests/contract/expiry.py``; see ``tests/contract/README.md``).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def every_record_expires(
     a fence record is kept) from now.
 
     ``backend_records(match)`` lists the store's records whose key contains ``match``, with the
-    seconds each has left (None: never expires); see tests/backends/README.md.
+    seconds each has left (None: never expires); see tests/contract/README.md.
     """
 
     def check(after: str) -> None:

@@ -8,7 +8,7 @@ takes. :meth:`LockBackend.debounce` names the latest send of a key's debounce wi
 :meth:`LockBackend.debounce_undo` takes a send whose message was never published back out of
 the window, and only while the window still names it. A store without them
 (``supports_rate`` / ``supports_debounce`` False) refuses at once with UnsupportedOperation,
-and task definitions on it are refused when they are bound (tests/test_rate.py).
+and task definitions on it are refused when they are bound (tests/execution/test_rate.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 newer execution in one atomic step, with a fencing token greater than the preempted holder's;
 the preempted holder's renewals and release then fail, which is how it learns. A store that
 cannot (``supports_replace`` False: memcached, the Django caches) refuses at once, and task
-definitions on it are refused when they are bound (tests/test_replace.py).
+definitions on it are refused when they are bound (tests/execution/test_replace.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 slot is a store key of its own (:mod:`singletask.protocol.slots`) that renews, releases and lists
 like any lock, and shares the key's fence record. A store without slots (``supports_limit`` False)
 refuses at once with UnsupportedOperation, and task definitions on it are refused at worker
-start (tests/test_limit.py).
+start (tests/execution/test_limit.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The table of endings and the policy registry, as the lifecycle module states them.
 
 The behaviour behind each row is tested end to end (tests/e2e/test_endings.py) and in process
-(tests/test_task_inprocess.py); these tests pin the table itself to docs/lifecycle.rst.
+(tests/execution/test_task_inprocess.py); these tests pin the table itself to docs/lifecycle.rst.
 """
 
 from __future__ import annotations

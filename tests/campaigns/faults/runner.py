@@ -1,5 +1,5 @@
 """One campaign run: start the workers (threads and processes), inject the seeded faults while
-they work, collect their histories and judge them (tests/campaign/history.py).
+they work, collect their histories and judge them (tests/campaigns/faults/history.py).
 
 On a store with holder slots (``supports_limit``), a share of the holds take keys of their own
 with ``acquire_slot`` (limits :data:`SLOT_LIMITS`) instead of the singleton keys, under the same

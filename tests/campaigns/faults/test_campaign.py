@@ -3,7 +3,7 @@
 Workers (threads, and processes where the store is shared across processes) take, renew,
 check and release random keys while a seeded schedule delays, stalls and cuts their links,
 pauses their processes, restarts the servers the tests own and fails Redis over. Then the
-checker (tests/campaign/history.py) asserts, over every worker's history: no two believed
+checker (tests/campaigns/faults/history.py) asserts, over every worker's history: no two believed
 holding intervals of one key overlap (no more than N of a key taken with ``acquire_slot`` and a
 limit of N, on the stores that keep holder slots), fences strictly increase between successive
 holders (across all the slots of a key),

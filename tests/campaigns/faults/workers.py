@@ -1,6 +1,6 @@
 """A campaign worker: takes, renews, checks and releases random keys, and writes down what it
-believed (tests/campaign/history.py). It runs as a thread of the test process or as a process of
-its own (:func:`process_main`, started with the ``spawn`` method).
+believed (tests/campaigns/faults/history.py). It runs as a thread of the test process or as a
+process of its own (:func:`process_main`, started with the ``spawn`` method).
 
 Each hold is built as the task path builds it (singletask/execution/lifecycle.py): a
 :class:`~singletask.lease.LockHandle` whose deadline counts from just before the acquire was sent

@@ -3,9 +3,10 @@
 :data:`OPTIONS` lists every task option the campaign varies and the values it draws;
 :data:`FIXED` the options it sets to one value for every configuration (timings that keep a
 round short); :data:`NOT_DRAWN` the ones a task's key needs. Together they name every option of
-:data:`singletask.conf.options.ATTRIBUTE_CHECKS`, and tests/interactions/test_interactions.py fails
-when an option joins ``SingletonTask`` without joining this table (the project's rule: every
-option added later joins the campaign's space).
+:data:`singletask.conf.options.ATTRIBUTE_CHECKS`, and
+tests/campaigns/interactions/test_interactions.py fails when an option joins ``SingletonTask``
+without joining this table (the project's rule: every option added later joins the campaign's
+space).
 
 :func:`valid` is the campaign's own statement of which combinations a task accepts; the same
 test checks it, combination by combination, against what ``SingletonTask`` accepts when the
