@@ -5,7 +5,7 @@ lock over at once, with a larger fencing token. The table keeps the token of its
 ``fence`` column and every UPDATE is conditional on it, so a preempted sync that keeps running
 (it has not reached its next ``self.lock.check()``) cannot overwrite the newer one's prices.
 
-``define(app, engine_url, table)`` registers the task on ``app``; tests/test_replace_fenced.py
+``define(app, engine_url, table)`` registers the task on ``app``; tests/docs/test_replace_fenced.py
 runs it against a real PostgreSQL. The table::
 
     CREATE TABLE prices (sku TEXT PRIMARY KEY, price NUMERIC NOT NULL, fence BIGINT NOT NULL)

@@ -19,7 +19,7 @@ from singletask.backends.memory import MemoryBackend
 from singletask.backends.redis import RedisBackend
 from singletask.backends.sql.sqlite import SQLiteBackend
 
-from .backends.expiry import INSPECTORS, close_connections
+from .contract.expiry import INSPECTORS, close_connections
 from .deployments import (
     ClusterDeployment,
     SentinelDeployment,
@@ -46,7 +46,7 @@ DEPLOYMENT_FIXTURES = frozenset(
 DEPLOYMENT_BACKENDS = frozenset({"redis-cluster", "redis-sentinel", "rediss", "rediss-cluster"})
 
 #: The ``backend`` params whose stores keep no holder slots, rate records or debounce windows
-#: (tests/backends/test_contract_slots.py and test_contract_rates.py check that they refuse
+#: (tests/contract/test_contract_slots.py and test_contract_rates.py check that they refuse
 #: them), and the fixtures of the contract tests that need those records: such a test is not
 #: collected for such a store.
 ONE_HOLDER_BACKENDS = frozenset({"memcached", "django-memcached", "django-redis"})
@@ -346,7 +346,7 @@ def backend(request: pytest.FixtureRequest) -> Iterator[LockBackend]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _inspection_connections() -> Iterator[None]:
-    """Close the connections the expiry inspections keep (tests/backends/expiry.py)."""
+    """Close the connections the expiry inspections keep (tests/contract/expiry.py)."""
     yield
     close_connections()
 
@@ -358,7 +358,7 @@ def backend_records(
     """``records(match)``: what the ``backend`` under test stores for keys containing ``match``,
     read from the store itself, as ``{record: seconds left}`` (``None``: no expiry).
 
-    A new store adds its inspector to ``tests/backends/expiry.py`` under its ``backend`` param.
+    A new store adds its inspector to ``tests/contract/expiry.py`` under its ``backend`` param.
     """
     inspect = INSPECTORS[request.node.callspec.params["backend"]]
     return lambda match: inspect(backend, request, match)
@@ -370,7 +370,8 @@ def eager_store_app(
 ) -> Iterator[Any]:
     """An eager Celery app whose locks live in the in-process store, the session's private
     Redis or a SQLite file: a store of each kind that keeps holder slots, rate records and
-    debounce windows (tests/test_limit.py, test_rate.py, test_debounce.py)."""
+    debounce windows (tests/execution/test_limit.py and test_rate.py,
+    tests/send/test_debounce.py)."""
     import celery
 
     if request.param == "memory":

@@ -1,5 +1,5 @@
 """Reading what an exporter serves, and the metric names the examples' dashboard and alert rules
-use (tests/test_exporter.py, tests/visibility/test_exporter.py)."""
+use (tests/ops/test_exporter.py, tests/visibility/test_exporter.py)."""
 
 from __future__ import annotations
 

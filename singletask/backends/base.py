@@ -28,7 +28,7 @@ Policy (which key, which token, what to do when a lock is held, when to release)
   store's bookkeeping (follow-ups, debounce windows, rate records) can be listed the same way.
 
 A new backend subclasses :class:`LockBackend`, implements the abstract methods, passes
-``tests/backends/test_contract.py``, and registers a URL scheme (see :mod:`singletask.backends`).
+``tests/contract/test_contract.py``, and registers a URL scheme (see :mod:`singletask.backends`).
 """
 
 from __future__ import annotations

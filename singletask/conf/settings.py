@@ -4,7 +4,8 @@ Every setting is optional. Each ``singletask_lock_*`` setting is the app-wide de
 task attribute of the same name without the prefix; a task attribute always wins.
 
 The settings, their defaults and bounds are listed once, in the configuration reference
-(docs/configuration.rst), which ``tests/test_docs_reference.py`` checks against :data:`DEFAULTS`.
+(docs/configuration.rst), which ``tests/docs/test_docs_reference.py`` checks against
+:data:`DEFAULTS`.
 
 Settings are looked up with ``app.conf.get``, so Django's ``CELERY_`` namespace works
 (``CELERY_SINGLETASK_BACKEND_URL``), and so do old-style upper-case names

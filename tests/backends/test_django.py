@@ -1,8 +1,8 @@
 """django:// specifics: which caches are accepted, which refused and why, and what is shared.
 
-The shared behaviour is in test_contract.py (the ``django-memcached`` and ``django-redis``
-params). The ``django_caches`` fixture configures Django in this process with one alias per
-kind of cache.
+The shared behaviour is in tests/contract/test_contract.py (the ``django-memcached`` and
+``django-redis`` params). The ``django_caches`` fixture configures Django in this process with one
+alias per kind of cache.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """memcached-only behaviour: URLs, the 30-day expiry limit, eviction, restarts, outages, servers.
 
-The shared behaviour is in test_contract.py (the ``memcached`` param). These tests start their
-own memcached servers where they stop, restart or starve one.
+The shared behaviour is in tests/contract/test_contract.py (the ``memcached`` param). These
+tests start their own memcached servers where they stop, restart or starve one.
 """
 
 from __future__ import annotations

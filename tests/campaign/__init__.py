@@ -1,3 +1,0 @@
-"""The fault campaign: workers take, renew and release random keys of a real lock store while a
-seeded schedule injects faults between them and the store; a checker then reads their histories
-(tests/campaign/history.py). See tests/campaign/test_campaign.py and docs/guarantees.rst."""
