@@ -67,7 +67,7 @@ from ..base import (
     check_table,
 )
 from ..urls import check_port
-from . import replaced, state
+from . import bookkeeping, replaced
 
 # TABLE_SCHEMES, check_table: the ``table`` option's rules, from singletask.backends.base (the
 # settings check the option there, without importing a store family).
@@ -281,7 +281,7 @@ class SQLBackend(LockBackend):
         for row in pages(fetch, prefix, max(1, page_size), lambda r: decode(r[0]) or "",
                          self._key_bytes):  # fmt: skip
             if (decode(row[1]) or "").startswith(prefix):
-                yield from state.records(row, decode)
+                yield from bookkeeping.records(row, decode)
 
     def _decode(self, value: Any) -> str | None:
         """A text column's value as the driver returns it, as text."""

@@ -47,29 +47,29 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from ...exceptions import (
+from ....exceptions import (
     BackendError,
     BackendTimeout,
     BackendUnavailable,
     ConfigurationError,
     LockKeyError,
 )  # fmt: skip
-from ...protocol.slots import base_key, slot_index
-from ..base import AcquireResult, Holder, check_lease
-from ..urls import mask_url
-from . import core, pool, slots
-from . import postgres_queries as Q
-from . import postgres_windows as W
-from . import replaced as R
-from . import state as S
-from .postgres_queries import KEY_BYTES
-from .watchdog import WATCHDOG
+from ....protocol.slots import base_key, slot_index
+from ...base import AcquireResult, Holder, check_lease
+from ...urls import mask_url
+from .. import bookkeeping as S
+from .. import core, pool, slots
+from .. import replaced as R
+from ..watchdog import WATCHDOG
+from . import queries as Q
+from . import windows as W
+from .queries import KEY_BYTES
 
 __all__ = ["PostgresBackend"]
 
 T = TypeVar("T")
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("singletask.backends.sql.postgres")  # its name before 0.4.0
 
 
 class PostgresBackend(core.SQLBackend):

@@ -9,7 +9,7 @@ A window lives on its key's own row: ``debounce_latest`` (its latest send),
 
 from __future__ import annotations
 
-from .postgres_queries import SLOT_LOCK_KEY
+from .queries import SLOT_LOCK_KEY
 
 __all__ = ["DEBOUNCE", "DEBOUNCE_TAKE", "DEBOUNCE_UNDO"]
 

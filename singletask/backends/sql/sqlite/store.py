@@ -26,14 +26,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ...exceptions import BackendError, BackendTimeout, ConfigurationError
-from ...protocol.slots import base_key, choose_slot, slot_keys
-from ..base import AcquireResult, Holder, LockBackend, StoreState, check_lease
-from . import replaced
-from . import sqlite_reads as reads
-from . import sqlite_windows as windows
-from .core import FENCE_RETENTION, load_holder, stored_key
-from .sqlite_files import (
+from ....exceptions import BackendError, BackendTimeout, ConfigurationError
+from ....protocol.slots import base_key, choose_slot, slot_keys
+from ...base import AcquireResult, Holder, LockBackend, StoreState, check_lease
+from .. import replaced
+from ..core import FENCE_RETENTION, load_holder, stored_key
+from . import reads, windows
+from .files import (
     LIMITS,
     NETWORK_FILESYSTEMS,
     SCHEMA,
@@ -41,7 +40,7 @@ from .sqlite_files import (
     path_from_url,
     timeout_from_url,
 )
-from .sqlite_fork import guard
+from .fork import guard
 
 __all__ = ["SQLiteBackend"]
 
