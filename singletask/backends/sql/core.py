@@ -1,6 +1,6 @@
 """What the PostgreSQL and MySQL lock stores share: the table layout, URL options.
 
-The SQL itself lives in each store's module (:mod:`~singletask.backends.sql.postgres`,
+The SQL itself lives in each store's package (:mod:`~singletask.backends.sql.postgres`,
 :mod:`~singletask.backends.sql.mysql`); this module holds only what is the same for both. Their
 connection pool is :mod:`~singletask.backends.sql.pool`.
 
@@ -275,7 +275,7 @@ class SQLBackend(LockBackend):
 
     def iter_state(self, prefix: str, *, page_size: int = 500) -> Iterator[StoreState]:
         """Pages of ``page_size`` rows in key order, read as :meth:`iter_locks` reads (a key's
-        records are columns of its own row: :mod:`.state`)."""
+        records are columns of its own row: :mod:`.bookkeeping`)."""
         fetch = functools.partial(self._select, "list state", prefix, "state")
         decode = self._decode
         for row in pages(fetch, prefix, max(1, page_size), lambda r: decode(r[0]) or "",

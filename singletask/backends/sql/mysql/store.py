@@ -258,7 +258,7 @@ class MySQLBackend(core.SQLBackend):
         meta: Mapping[str, str] | None, takeover_prefix: str | None,
         interval: float | None = None,
     ) -> AcquireResult:  # fmt: skip
-        """One transaction: ``mysql_queries.ACQUIRE_SLOT``."""
+        """One transaction: ``queries.ACQUIRE_SLOT``."""
         ttl = check_lease(ttl, "acquire")
         args = slots.slot_args(_keys, key, names, token, meta, takeover_prefix)
         args.update(lease_us=_us(ttl), row_us=_us(ttl + core.FENCE_RETENTION))

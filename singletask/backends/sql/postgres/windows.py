@@ -1,6 +1,6 @@
 """The SQL of the debounce windows (``lock_debounce``) of the PostgreSQL lock store
 (:mod:`singletask.backends.sql.postgres`), beside the rest of its SQL in
-:mod:`singletask.backends.sql.postgres_queries`.
+:mod:`singletask.backends.sql.postgres.queries`.
 
 A window lives on its key's own row: ``debounce_latest`` (its latest send),
 ``debounce_opened`` (when it opened; NULL once it is closed, the latest send kept) and
