@@ -80,13 +80,14 @@ def test_a_missing_driver_names_the_extra_to_install(
     sql_store: SqlStore, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without its driver, a store fails at once with the pip command that installs it."""
-    # Given the driver cannot be imported (and the store's module is not loaded yet)
-    driver, module, extra = {
+    # Given the driver cannot be imported (and the store's package is not loaded yet)
+    driver, package, extra = {
         "postgresql": ("psycopg", "singletask.backends.sql.postgres", "postgres"),
         "mysql": ("pymysql", "singletask.backends.sql.mysql", "mysql"),
     }[kind]
     monkeypatch.setitem(sys.modules, driver, None)
-    monkeypatch.delitem(sys.modules, module)
+    for module in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+        monkeypatch.delitem(sys.modules, module)
 
     # When a backend is built / Then the error names the extra
     with pytest.raises(ConfigurationError, match=rf"pip install 'singletask\[{extra}\]'"):

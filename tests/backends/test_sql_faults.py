@@ -259,8 +259,8 @@ def test_a_key_written_like_a_stored_long_key_is_another_lock(
     """A long key is stored in a fixed-size form; a user key whose text is exactly that form
     is still a different lock (no key a user can write maps onto another lock's row)."""
     from singletask.backends.sql import core
-    from singletask.backends.sql.mysql import KEY_BYTES as MYSQL_BYTES
-    from singletask.backends.sql.postgres import KEY_BYTES as POSTGRES_BYTES
+    from singletask.backends.sql.mysql.queries import KEY_BYTES as MYSQL_BYTES
+    from singletask.backends.sql.postgres.queries import KEY_BYTES as POSTGRES_BYTES
 
     long_key = _long_key(3000, 3)
     stored, _ = core.stored_key(long_key, POSTGRES_BYTES if kind == "postgresql" else MYSQL_BYTES)
@@ -424,7 +424,8 @@ def test_a_table_made_by_an_earlier_version_gains_full_key_and_keeps_its_locks(
 ) -> None:
     """A table without the full_key column (made by an earlier version) is upgraded on first
     use: its held locks stay held, and long keys work."""
-    from singletask.backends.sql import mysql_queries, postgres_queries
+    from singletask.backends.sql.mysql import queries as mysql_queries
+    from singletask.backends.sql.postgres import queries as postgres_queries
 
     url, table = sql_store
     # Given the table as an earlier version made it, with a held lock in it

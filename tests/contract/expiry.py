@@ -22,7 +22,7 @@ import redis
 
 from singletask.backends.base import MAX_LEASE, LockBackend
 from singletask.backends.memory import MemoryBackend
-from singletask.backends.sql.sqlite import FENCE_RETENTION as SQLITE_FENCE_RETENTION
+from singletask.backends.sql.core import FENCE_RETENTION as SQLITE_FENCE_RETENTION
 from singletask.backends.sql.sqlite import SQLiteBackend
 
 from ..backends.memcached_records import inspect_memcached

@@ -233,9 +233,12 @@ def _fact_sentences() -> list[tuple[str, str]]:
     from singletask.backends.memcached.store import MemcachedBackend
     from singletask.backends.redis import store as redis_store
     from singletask.backends.redis.options import MAX_RETENTION, ReplicaWait
-    from singletask.backends.sql import core, mysql_queries, postgres_queries, sqlite
+    from singletask.backends.sql import core
     from singletask.backends.sql.mysql import MySQLBackend
+    from singletask.backends.sql.mysql import queries as mysql_queries
     from singletask.backends.sql.postgres import PostgresBackend
+    from singletask.backends.sql.postgres import queries as postgres_queries
+    from singletask.backends.sql.sqlite import store as sqlite
     from singletask.conf.settings import MIN_RATE_INTERVAL
     from singletask.execution import outcomes
     from singletask.execution.acquire import RATE_WAIT

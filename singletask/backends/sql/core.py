@@ -1,6 +1,6 @@
 """What the PostgreSQL and MySQL lock stores share: the table layout, URL options.
 
-The SQL itself lives in each store's module (:mod:`~singletask.backends.sql.postgres`,
+The SQL itself lives in each store's package (:mod:`~singletask.backends.sql.postgres`,
 :mod:`~singletask.backends.sql.mysql`); this module holds only what is the same for both. Their
 connection pool is :mod:`~singletask.backends.sql.pool`.
 
@@ -67,7 +67,7 @@ from ..base import (
     check_table,
 )
 from ..urls import check_port
-from . import replaced, state
+from . import bookkeeping, replaced
 
 # TABLE_SCHEMES, check_table: the ``table`` option's rules, from singletask.backends.base (the
 # settings check the option there, without importing a store family).
@@ -275,13 +275,13 @@ class SQLBackend(LockBackend):
 
     def iter_state(self, prefix: str, *, page_size: int = 500) -> Iterator[StoreState]:
         """Pages of ``page_size`` rows in key order, read as :meth:`iter_locks` reads (a key's
-        records are columns of its own row: :mod:`.state`)."""
+        records are columns of its own row: :mod:`.bookkeeping`)."""
         fetch = functools.partial(self._select, "list state", prefix, "state")
         decode = self._decode
         for row in pages(fetch, prefix, max(1, page_size), lambda r: decode(r[0]) or "",
                          self._key_bytes):  # fmt: skip
             if (decode(row[1]) or "").startswith(prefix):
-                yield from state.records(row, decode)
+                yield from bookkeeping.records(row, decode)
 
     def _decode(self, value: Any) -> str | None:
         """A text column's value as the driver returns it, as text."""

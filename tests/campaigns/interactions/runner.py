@@ -43,7 +43,7 @@ from celery import Celery
 
 from singletask.backends import backend_from_url
 from singletask.backends.base import LockBackend
-from singletask.backends.sql.sqlite_windows import CLOSED
+from singletask.backends.sql.sqlite.windows import CLOSED
 from singletask.conf.runtime import app_state
 from singletask.exceptions import TaskLocked
 from singletask.result import Skipped
@@ -631,7 +631,7 @@ def _sql_rows(kind: str, query: str) -> list[tuple[Any, ...]]:
 
 def _sqlite_records(group: Group, prefix: str) -> list[Residue]:
     """The live rows of the SQLite store's follow-up claims (``singletask_fences``), debounce
-    windows and rate records (singletask/backends/sql/sqlite_windows.py)."""
+    windows and rate records (singletask/backends/sql/sqlite/windows.py)."""
     queries = (
         ("follow-up claim", "SELECT key, next, next_until FROM singletask_fences "
          "WHERE next IS NOT NULL AND next_until > ?"),

@@ -7,7 +7,7 @@ serialised by SQLite's file lock; the database runs in WAL mode with a busy time
 worker processes wait for each other instead of failing. Holder slots (``lock_limit``) are rows
 of their own, sharing their key's row in the fence table; one transaction takes a free one.
 Rate records (``lock_rate``) and debounce windows (``lock_debounce``) are rows of tables of their
-own (:mod:`.sqlite_windows`), read and written in the same kind of transaction.
+own (:mod:`.windows`), read and written in the same kind of transaction.
 
 Limits: every process using the file must run on the same host (SQLite's locking does not work
 across machines, and is unreliable on network filesystems such as NFS or SMB, which this backend
@@ -26,14 +26,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ...exceptions import BackendError, BackendTimeout, ConfigurationError
-from ...protocol.slots import base_key, choose_slot, slot_keys
-from ..base import AcquireResult, Holder, LockBackend, StoreState, check_lease
-from . import replaced
-from . import sqlite_reads as reads
-from . import sqlite_windows as windows
-from .core import FENCE_RETENTION, load_holder, stored_key
-from .sqlite_files import (
+from ....exceptions import BackendError, BackendTimeout, ConfigurationError
+from ....protocol.slots import base_key, choose_slot, slot_keys
+from ...base import AcquireResult, Holder, LockBackend, StoreState, check_lease
+from .. import replaced
+from ..core import FENCE_RETENTION, load_holder, stored_key
+from . import reads, windows
+from .files import (
     LIMITS,
     NETWORK_FILESYSTEMS,
     SCHEMA,
@@ -41,7 +40,7 @@ from .sqlite_files import (
     path_from_url,
     timeout_from_url,
 )
-from .sqlite_fork import guard
+from .fork import guard
 
 __all__ = ["SQLiteBackend"]
 
@@ -91,7 +90,7 @@ class SQLiteBackend(LockBackend):
         self._mutex = threading.Lock()
         self._conn: sqlite3.Connection | None = None
         self._pid: int | None = None
-        guard(self)  # no fork() in the middle of one of its transactions (see sqlite_fork)
+        guard(self)  # no fork() in the middle of one of its transactions (see fork.py)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> SQLiteBackend:
@@ -320,7 +319,7 @@ class SQLiteBackend(LockBackend):
         self, operation: str, key: str, work: Callable[[sqlite3.Connection], T], absent: T
     ) -> T:
         """``work`` on this process's connection if it has one (its tables exist), else on a
-        read-only one (:mod:`.sqlite_reads`): ``absent`` when there is no file or table yet."""
+        read-only one (:mod:`.reads`): ``absent`` when there is no file or table yet."""
         with self._mutex:
             try:
                 if self._conn is not None and self._pid == os.getpid():

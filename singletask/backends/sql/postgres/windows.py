@@ -1,6 +1,6 @@
 """The SQL of the debounce windows (``lock_debounce``) of the PostgreSQL lock store
 (:mod:`singletask.backends.sql.postgres`), beside the rest of its SQL in
-:mod:`singletask.backends.sql.postgres_queries`.
+:mod:`singletask.backends.sql.postgres.queries`.
 
 A window lives on its key's own row: ``debounce_latest`` (its latest send),
 ``debounce_opened`` (when it opened; NULL once it is closed, the latest send kept) and
@@ -9,7 +9,7 @@ A window lives on its key's own row: ``debounce_latest`` (its latest send),
 
 from __future__ import annotations
 
-from .postgres_queries import SLOT_LOCK_KEY
+from .queries import SLOT_LOCK_KEY
 
 __all__ = ["DEBOUNCE", "DEBOUNCE_TAKE", "DEBOUNCE_UNDO"]
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...exceptions import ConfigurationError
-from ..urls import mask_url, query_options
-from . import replaced
-from . import sqlite_windows as windows
+from ....exceptions import ConfigurationError
+from ...urls import mask_url, query_options
+from .. import replaced
+from . import windows
 
 __all__ = [
     "LIMITS", "NETWORK_FILESYSTEMS", "SCHEMA", "filesystem_type", "path_from_url",

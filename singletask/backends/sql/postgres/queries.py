@@ -17,7 +17,7 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import psycopg
 
-from ...exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
+from ....exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
 
 #: Created on first use. ``key`` sorts bytewise (COLLATE "C") so prefix scans use its index.
 SCHEMA = """

@@ -16,10 +16,10 @@ from functools import partial
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from ...protocol.slots import base_key
-from ..base import Holder, StoreState
-from .core import load_holder
-from .sqlite_windows import CLOSED
+from ....protocol.slots import base_key
+from ...base import Holder, StoreState
+from ..core import load_holder
+from .windows import CLOSED
 
 __all__ = ["MISSING", "Reader", "holder_row", "locks", "open_reader", "states"]
 

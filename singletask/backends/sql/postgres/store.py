@@ -8,8 +8,8 @@ and singletask's own: ``table`` (default ``singletask_locks``), ``pool_size`` (4
 Needs ``pip install "singletask[postgres]"`` (psycopg 3).
 
 How it holds its guarantees (the table layout is in :mod:`singletask.backends.sql.core`, the SQL
-in :mod:`singletask.backends.sql.postgres_queries`, that of debounce windows in
-:mod:`singletask.backends.sql.postgres_windows`):
+in :mod:`singletask.backends.sql.postgres.queries`, that of debounce windows in
+:mod:`singletask.backends.sql.postgres.windows`):
 
 * Each new connection sets its session's isolation (READ COMMITTED) and server-side time limits
   (``statement_timeout``, ``lock_timeout``: the store's ``timeout``) with one statement, never
@@ -24,7 +24,7 @@ in :mod:`singletask.backends.sql.postgres_queries`, that of debounce windows in
 * Waits are bounded on the client too: ``connect_timeout``, TCP keepalives and
   ``tcp_user_timeout``, and a deadline (``timeout`` + 1 s) after which the connection's socket
   is shut down, so a stalled server or link gives BackendTimeout instead of blocking.
-* Errors are classified (``postgres_queries.error_class``): a serialization failure or deadlock
+* Errors are classified (``queries.error_class``): a serialization failure or deadlock
   committed nothing and is sent again (3 attempts in all); a key PostgreSQL cannot store (NUL)
   is a LockKeyError before anything is sent. Keys over ``KEY_BYTES`` (2,000) UTF-8 bytes are
   stored in a fixed-size form (``core.stored_key``).
@@ -47,29 +47,29 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from ...exceptions import (
+from ....exceptions import (
     BackendError,
     BackendTimeout,
     BackendUnavailable,
     ConfigurationError,
     LockKeyError,
 )  # fmt: skip
-from ...protocol.slots import base_key, slot_index
-from ..base import AcquireResult, Holder, check_lease
-from ..urls import mask_url
-from . import core, pool, slots
-from . import postgres_queries as Q
-from . import postgres_windows as W
-from . import replaced as R
-from . import state as S
-from .postgres_queries import KEY_BYTES
-from .watchdog import WATCHDOG
+from ....protocol.slots import base_key, slot_index
+from ...base import AcquireResult, Holder, check_lease
+from ...urls import mask_url
+from .. import bookkeeping as S
+from .. import core, pool, slots
+from .. import replaced as R
+from ..watchdog import WATCHDOG
+from . import queries as Q
+from . import windows as W
+from .queries import KEY_BYTES
 
 __all__ = ["PostgresBackend"]
 
 T = TypeVar("T")
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("singletask.backends.sql.postgres")  # its name before 0.4.0
 
 
 class PostgresBackend(core.SQLBackend):
@@ -249,7 +249,7 @@ class PostgresBackend(core.SQLBackend):
         self, conn: psycopg.Connection[Any], name: str, args: Mapping[str, Any]
     ) -> psycopg.Cursor[Any]:
         """Send the operation ``name`` (with ``transaction_pooling``, wrapped in
-        ``postgres_queries.SCRIPT``); the cursor is left on the result of its statement."""
+        ``queries.SCRIPT``); the cursor is left on the result of its statement."""
         skip = Q.SKIPPED.get(name)
         pooled = self.transaction_pooling or skip is not None
         cursor = psycopg.ClientCursor(conn) if pooled else conn.cursor()
@@ -300,7 +300,7 @@ class PostgresBackend(core.SQLBackend):
         meta: Mapping[str, str] | None, takeover_prefix: str | None,
         interval: float | None = None,
     ) -> AcquireResult:  # fmt: skip
-        """One transaction: ``postgres_queries.SLOT_SCRIPT``."""
+        """One transaction: ``queries.SLOT_SCRIPT``."""
         args = slots.slot_args(self._keys, key, names, token, meta, takeover_prefix)
         args.update(ttl=check_lease(ttl, "acquire"), keep=core.FENCE_RETENTION, interval=interval)
         rows = self._run("acquire", names[0], "acquire_slot", args, lambda c: c.fetchall())

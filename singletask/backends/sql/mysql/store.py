@@ -39,23 +39,23 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import pymysql
 from pymysql.constants import CLIENT
 
-from ...exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
-from ...protocol.slots import base_key, slot_index
-from ..base import AcquireResult, Holder, check_lease
-from ..urls import mask_url
-from . import core, pool, slots
-from . import mysql_queries as Q
-from . import replaced as R
-from . import state as S
-from .mysql_queries import KEY_BYTES
-from .mysql_queries import as_text as _text
-from .mysql_queries import run_script as _script
+from ....exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
+from ....protocol.slots import base_key, slot_index
+from ...base import AcquireResult, Holder, check_lease
+from ...urls import mask_url
+from .. import bookkeeping as S
+from .. import core, pool, slots
+from .. import replaced as R
+from . import queries as Q
+from .queries import KEY_BYTES
+from .queries import as_text as _text
+from .queries import run_script as _script
 
 __all__ = ["MySQLBackend"]
 
 T = TypeVar("T")
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("singletask.backends.sql.mysql")  # its name before 0.4.0
 
 #: Server error codes: deadlock victim (retried), waits that timed out, no such table (a read
 #: before the first write: no lock).
@@ -258,7 +258,7 @@ class MySQLBackend(core.SQLBackend):
         meta: Mapping[str, str] | None, takeover_prefix: str | None,
         interval: float | None = None,
     ) -> AcquireResult:  # fmt: skip
-        """One transaction: ``mysql_queries.ACQUIRE_SLOT``."""
+        """One transaction: ``queries.ACQUIRE_SLOT``."""
         ttl = check_lease(ttl, "acquire")
         args = slots.slot_args(_keys, key, names, token, meta, takeover_prefix)
         args.update(lease_us=_us(ttl), row_us=_us(ttl + core.FENCE_RETENTION))

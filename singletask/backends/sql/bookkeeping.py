@@ -5,7 +5,7 @@ On PostgreSQL and MySQL they are columns of a key's own row (see :mod:`.core`): 
 follow-up (``next_task`` until ``next_expires``), its debounce window (``debounce_*``), its rate
 record (``rate_next``). :data:`POSTGRES_STATE` and :data:`MYSQL_STATE` read one page of the
 rows under a prefix that hold one of them live, judged by the database's clock, in the columns
-:func:`records` takes (SQLite keeps them in tables of their own: :mod:`.sqlite_reads`). Nothing
+:func:`records` takes (SQLite keeps them in tables of their own: :mod:`.sqlite.reads`). Nothing
 here writes.
 """
 
