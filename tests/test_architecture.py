@@ -150,3 +150,113 @@ def test_a_store_family_imports_no_other_family(family: str) -> None:
     others = [f"singletask.backends.{other}" for other in FAMILIES if other != family]
     for name in [name for name in MODULES if name == prefix or name.startswith(prefix + ".")]:
         assert [t for t in GRAPH[name] if t.startswith(tuple(others))] == [], name
+
+
+#: The modules at the top of the package: the public surface (what a user imports) and the
+#: moved-paths finder. Everything else lives in a package named for how it works.
+TOP_LEVEL = {
+    "__init__", "__main__", "_moved", "exceptions", "lease", "policies", "result", "signals",
+    "task",
+}  # fmt: skip
+#: The packages of the package, each answering one "how does it work".
+PACKAGES = {
+    "backends", "cli", "conf", "demo", "execution", "observe", "ops", "protocol", "send",
+    "testing",
+}  # fmt: skip
+
+
+def test_the_top_level_is_the_public_surface_and_one_package_per_question() -> None:
+    """At most ten loose modules at the top (the face: the task class, policies, the lease
+    handle, the result, exceptions, signals); send, execution, settings, formats, observation,
+    operations and the command line are packages."""
+    loose = {path.stem for path in PACKAGE.glob("*.py")}
+    packages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    assert loose == TOP_LEVEL
+    assert len(loose) <= 10
+    assert packages == PACKAGES
+
+
+def test_no_name_prefix_family_outside_a_folder() -> None:
+    """A family of modules (``cli_*``, ``postgres_*``) is a folder of its own, whose modules lose
+    the prefix: no module's name is another's of the same folder followed by ``_``."""
+    for folder in {path.parent for path in MODULES.values()}:
+        stems = {path.stem for path in folder.glob("*.py") if not path.stem.startswith("_")}
+        prefixed = sorted(s for s in stems for p in stems if s != p and s.startswith(p + "_"))
+        assert prefixed == [], f"{folder.relative_to(PACKAGE.parent)}: {prefixed}"
+
+
+#: The store families below the contract (a URL scheme chooses one through the registry).
+STORE_FAMILIES = tuple(
+    f"singletask.backends.{name}" for name in ("redis", "sql", "memcached", "memory", "django")
+)
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if not n.startswith("singletask.backends")])
+def test_policy_above_the_stores_never_imports_a_store_family(name: str) -> None:
+    """Only the registry (``singletask.backends``) maps a URL scheme to a store class: nothing
+    above the contract names a family, so policy never reaches below it."""
+    families = [
+        target
+        for target in GRAPH[name]
+        if any(target == family or target.startswith(family + ".") for family in STORE_FAMILIES)
+    ]
+    assert families == []
+
+
+def test_send_never_imports_execution() -> None:
+    """The two paths share formats and records, but a send never depends on how an execution
+    runs: the one arrow between them points from execution/ to send/records.py."""
+    sending = [name for name in MODULES if name.startswith("singletask.send")]
+    for name in sending:
+        assert [t for t in GRAPH[name] if t.startswith("singletask.execution")] == [], name
+
+
+def private_imports(path: Path) -> list[str]:
+    """The underscore names ``path`` imports from another module (dunders and ``_moved``'s
+    module aside)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            found += [
+                f"{node.module or '.'}.{alias.name}"
+                for alias in node.names
+                if alias.name.startswith("_") and not alias.name.startswith("__")
+            ]
+    return found
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_no_module_imports_another_modules_private_names(name: str) -> None:
+    """An underscore marks what is private to its module; what another module needs has a
+    public name."""
+    assert private_imports(MODULES[name]) == []
+
+
+#: The longest function outside the demo (whose scenes are scripts), in lines.
+LONGEST_FUNCTION = 80
+
+
+def test_no_function_is_longer_than_a_screen() -> None:
+    """The main paths read as ladders of short steps (``execution.lifecycle.execute``): no
+    function outside the demo is over 80 lines."""
+    long = [
+        f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for name, path in MODULES.items()
+        if not name.startswith("singletask.demo")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and (node.end_lineno or node.lineno) - node.lineno + 1 > LONGEST_FUNCTION
+    ]
+    assert long == []
+
+
+def test_the_tests_mirror_the_package() -> None:
+    """tests/ keeps at most a dozen loose modules (its conftest, the servers the suites share,
+    whole-package tests); the rest sit in folders named after the package's (send/,
+    execution/, backends/...), with the contract suite and the campaigns in folders of their
+    own."""
+    tests = Path(__file__).parent
+    loose = sorted(path.name for path in tests.glob("*.py"))
+    assert len(loose) <= 12, loose
+    folders = {path.parent.name for path in tests.glob("*/__init__.py")}
+    assert {"send", "execution", "backends", "contract", "campaigns", "ops", "cli"} <= folders
