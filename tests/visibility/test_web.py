@@ -201,13 +201,13 @@ def test_a_key_s_page_shows_every_holder_with_its_fields(
 
     # Then its page names the key and its holder, field by field, and offers no release
     wait_until(lambda: browser.find_element("id", "detail-key").text == key, "the key's page")
-    block = wait_until(lambda: browser.find_elements("css selector", "#holders dl.holder"),
-                       "the holder's fields")  # fmt: skip
-    fields = browser.execute_script(
-        "return Object.fromEntries(Array.from(arguments[0].querySelectorAll('dt'))"
-        ".map(dt => [dt.textContent, dt.nextElementSibling.textContent]))",
-        block[0],
-    )
+    # (found and read in one script: the page re-renders the block at each read of the store,
+    # so an element found by one call may be gone by the next)
+    fields = wait_until(lambda: browser.execute_script(
+        "const block = document.querySelector('#holders dl.holder');"
+        "return block && Object.fromEntries(Array.from(block.querySelectorAll('dt'))"
+        ".map(dt => [dt.textContent, dt.nextElementSibling.textContent]))"
+    ), "the holder's fields")  # fmt: skip
     assert fields["State"] == "running"
     assert fields["Holder task id"] == result.id
     assert fields["Host"] == worker_hostname(cluster)
