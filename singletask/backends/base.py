@@ -35,19 +35,19 @@ from __future__ import annotations
 
 import abc
 import logging
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from ..exceptions import BackendError, ConfigurationError, UnsupportedOperation
 from .holders import MAX_LEASE as _MAX_LEASE
 from .holders import STATE_KINDS, AcquireResult, Holder, StoreState, check_lease
+from .urls import TABLE_SCHEMES
 
 # Holder, AcquireResult, StoreState, MAX_LEASE, check_lease: from singletask.backends.holders;
 # stores import them here.
 __all__ = [
-    "MAX_LEASE", "STATE_KINDS", "TABLE_SCHEMES", "AcquireResult", "Holder", "LockBackend",
-    "StoreState", "check_lease", "check_table",
+    "MAX_LEASE", "STATE_KINDS", "AcquireResult", "Holder", "LockBackend", "StoreState",
+    "check_lease",
 ]  # fmt: skip
 
 logger = logging.getLogger("singletask")
@@ -56,30 +56,6 @@ logger = logging.getLogger("singletask")
 #: the task options allow (each at most 30 days; a queue reservation adds the message's
 #: countdown, and is capped here), and far below what the stores can represent.
 MAX_LEASE = _MAX_LEASE
-
-#: URL schemes of the stores that keep locks in a table (setting ``singletask_backend_table``).
-TABLE_SCHEMES = frozenset(
-    {"postgresql", "postgres", "postgresql+psycopg", "mysql", "mariadb", "mysql+pymysql"}
-)
-
-_TABLE_NAME = re.compile(r"(?:[a-z_][a-z0-9_]{0,47}\.)?[a-z_][a-z0-9_]{0,47}")
-
-
-def check_table(name: object, where: str = "option table") -> str:
-    """Return ``name`` if it is a usable table name (``table`` or ``schema.table``).
-
-    Lower-case letters, digits and underscores only (at most 48 of them per part), so the name
-    means the same unquoted in PostgreSQL and MySQL, on every filesystem.
-
-    Raises:
-        ConfigurationError: It is not.
-    """
-    if not isinstance(name, str) or not _TABLE_NAME.fullmatch(name):
-        raise ConfigurationError(
-            f"{where}: expected a table name such as 'singletask_locks' or 'myschema.locks' "
-            f"(lower-case letters, digits and '_', at most 48 per part), got {name!r}"
-        )
-    return name
 
 
 def _unsupported(message: str) -> Iterator[StoreState]:

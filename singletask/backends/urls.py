@@ -1,4 +1,5 @@
-"""Lock store URLs: the one helper that masks their secrets, and strict checks of their parts.
+"""Lock store URLs: the one helper that masks their secrets, and strict checks of their parts
+(the port, the query options, the SQL stores' ``table``).
 
 Every message, log line and exception text singletask writes that contains a URL passes it
 through :func:`mask_url` first, so a password never leaves the process in an error. The checks
@@ -16,7 +17,9 @@ from urllib.parse import parse_qsl, urlsplit
 
 from ..exceptions import ConfigurationError
 
-__all__ = ["check_port", "mask_url", "query_options"]
+__all__ = [
+    "TABLE_NAME", "TABLE_SCHEMES", "check_port", "check_table", "mask_url", "query_options",
+]  # fmt: skip
 
 #: Query options whose value is a secret, masked like a password.
 SECRET_OPTIONS = frozenset(
@@ -95,3 +98,29 @@ def query_options(url: str, known: frozenset[str] | set[str]) -> dict[str, str]:
             raise ConfigurationError(f"{mask_url(url)!r}: query option {name!r} has no value")
         options[name] = value
     return options
+
+
+#: URL schemes of the stores that keep locks in a table (setting ``singletask_backend_table``).
+TABLE_SCHEMES = frozenset(
+    {"postgresql", "postgres", "postgresql+psycopg", "mysql", "mariadb", "mysql+pymysql"}
+)
+
+#: What a table name may be: ``table`` or ``schema.table``, each part as :func:`check_table` says.
+TABLE_NAME = re.compile(r"(?:[a-z_][a-z0-9_]{0,47}\.)?[a-z_][a-z0-9_]{0,47}")
+
+
+def check_table(name: object, where: str = "option table") -> str:
+    """Return ``name`` if it is a usable table name (``table`` or ``schema.table``).
+
+    Lower-case letters, digits and underscores only (at most 48 of them per part), so the name
+    means the same unquoted in PostgreSQL and MySQL, on every filesystem.
+
+    Raises:
+        ConfigurationError: It is not.
+    """
+    if not isinstance(name, str) or not TABLE_NAME.fullmatch(name):
+        raise ConfigurationError(
+            f"{where}: expected a table name such as 'singletask_locks' or 'myschema.locks' "
+            f"(lower-case letters, digits and '_', at most 48 per part), got {name!r}"
+        )
+    return name

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from ..backends import backend_class, check_url
-from ..backends.base import check_table
-from ..backends.urls import mask_url
+from ..backends.urls import check_table, mask_url
 from ..exceptions import ConfigurationError
 from ..protocol.slots import check_limit
 

@@ -226,7 +226,7 @@ def _fact_sentences() -> list[tuple[str, str]]:
     import inspect
 
     from singletask import policies
-    from singletask.backends import base, memory
+    from singletask.backends import memory, urls
     from singletask.backends.django import DjangoCacheBackend
     from singletask.backends.holders import MAX_LEASE
     from singletask.backends.memcached import items
@@ -263,7 +263,7 @@ def _fact_sentences() -> list[tuple[str, str]]:
     ttl = DEFAULTS["singletask_lock_ttl"]
     assert DjangoCacheBackend.max_lease == MemcachedBackend.max_lease
     # The longest part of a SQL table name, from the pattern that checks it.
-    table_part = int(re.search(r"\{0,(\d+)\}", base._TABLE_NAME.pattern).group(1)) + 1  # type: ignore[union-attr]
+    table_part = int(re.search(r"\{0,(\d+)\}", urls.TABLE_NAME.pattern).group(1)) + 1  # type: ignore[union-attr]
 
     return [
         # configuration.rst: bounds of every duration and count, the stores' leases, backoff

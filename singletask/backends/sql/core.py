@@ -57,19 +57,11 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from ...exceptions import ConfigurationError, LockKeyError
 from ...protocol.slots import base_key, slot_index, slot_keys
-from ..base import (
-    TABLE_SCHEMES,
-    AcquireResult,
-    Holder,
-    LockBackend,
-    StoreState,
-    check_lease,
-    check_table,
-)
-from ..urls import check_port
+from ..base import AcquireResult, Holder, LockBackend, StoreState, check_lease
+from ..urls import TABLE_SCHEMES, check_port, check_table
 from . import bookkeeping, replaced
 
-# TABLE_SCHEMES, check_table: the ``table`` option's rules, from singletask.backends.base (the
+# TABLE_SCHEMES, check_table: the ``table`` option's rules, from singletask.backends.urls (the
 # settings check the option there, without importing a store family).
 
 __all__ = [
