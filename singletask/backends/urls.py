@@ -48,7 +48,7 @@ MASK = "**"
 
 def mask_url(url: object) -> str:
     """``url`` as text with its password, and the value of every secret query option (see
-    :data:`SECRET_OPTIONS`), replaced by ``**``.
+    ``SECRET_OPTIONS`` and ``SECRET_WORDS``), replaced by ``**``.
 
     Works on anything, never raises: a malformed URL (no ``://``, a bad port) is masked too, and
     so is each of several URLs separated by ``;`` (Sentinel's).
