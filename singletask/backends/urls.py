@@ -13,29 +13,42 @@ This module sits at the bottom of the import graph: it imports only :mod:`single
 from __future__ import annotations
 
 import re
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ..exceptions import ConfigurationError
 
 __all__ = [
-    "TABLE_NAME", "TABLE_SCHEMES", "check_port", "check_table", "mask_url", "query_options",
+    "MASK", "SECRET_OPTIONS", "SECRET_WORDS", "TABLE_NAME", "TABLE_SCHEMES", "check_port",
+    "check_table", "is_secret_option", "mask_url", "query_options",
 ]  # fmt: skip
 
-#: Query options whose value is a secret, masked like a password.
+#: Query options whose value is a secret, masked like a password: those of the drivers of every
+#: store family (libpq's ``password``, ``sslpassword``, ``oauth_client_secret`` and its SCRAM
+#: keys; PyMySQL's ``password``, ``passwd``, ``ssl_key_password``; redis-py's ``password``,
+#: ``ssl_password``; the Sentinel connections' ``sentinel_password``) and the usual others. An
+#: option is compared by its name percent-decoded and in lower case (``SSL%70assword`` is
+#: ``sslpassword``), and any name containing one of :data:`SECRET_WORDS` is masked too.
 SECRET_OPTIONS = frozenset(
-    {"password", "passwd", "pwd", "secret", "token", "ssl_password", "sentinel_password"}
-)
+    {
+        "password", "passwd", "pwd", "pass", "secret", "token", "auth", "apikey", "api_key",
+        "sslpassword", "ssl_password", "ssl_key_password", "sentinel_password",
+        "oauth_client_secret", "scram_client_key", "scram_server_key",
+    }
+)  # fmt: skip
+#: Words that make any query option whose (decoded, lower-case) name contains them a secret.
+SECRET_WORDS = ("password", "passwd", "passphrase", "secret", "token", "credential")
 
-_SECRET_QUERY = re.compile(
-    r"(?P<name>[?&;](?:" + "|".join(sorted(SECRET_OPTIONS)) + r")=)[^&;#]*", re.IGNORECASE
-)
+#: A query option's name and its ``=``: after ``?`` or ``&`` (or ``;``, which older parsers took
+#: for ``&``).
+_OPTION = re.compile(r"[?&;](?P<name>[^=&;?#\s]+)=")
 
 #: What a masked secret is replaced with.
 MASK = "**"
 
 
 def mask_url(url: object) -> str:
-    """``url`` as text with its password, and secret query values, replaced by ``**``.
+    """``url`` as text with its password, and the value of every secret query option (see
+    ``SECRET_OPTIONS`` and ``SECRET_WORDS``), replaced by ``**``.
 
     Works on anything, never raises: a malformed URL (no ``://``, a bad port) is masked too, and
     so is each of several URLs separated by ``;`` (Sentinel's).
@@ -59,7 +72,28 @@ def mask_url(url: object) -> str:
             text = f"{text[:start]}{user}{MASK}{text[at:]}"
         else:
             text = f"{text[:start]}{user + ':' if colon else ''}{MASK}{text[at:]}"
-    return _SECRET_QUERY.sub(lambda m: f"{m.group('name')}{MASK}", text)
+    return _mask_options(text)
+
+
+def is_secret_option(name: str) -> bool:
+    """Whether the query option ``name`` (as written in a URL) has a secret value: by its name
+    percent-decoded, in lower case (see :data:`SECRET_OPTIONS`)."""
+    decoded = unquote(name).strip().lower()
+    return decoded in SECRET_OPTIONS or any(word in decoded for word in SECRET_WORDS)
+
+
+def _mask_options(text: str) -> str:
+    """``text`` with the value of every secret query option replaced by :data:`MASK`: up to the
+    next ``&`` (a driver such as libpq reads ``;`` and ``#`` as part of the value), or the end."""
+    out: list[str] = []
+    done = 0
+    for match in _OPTION.finditer(text):
+        if match.start() < done or not is_secret_option(match.group("name")):
+            continue  # inside a value masked already, or no secret
+        end = text.find("&", match.end())
+        out += (text[done : match.end()], MASK)
+        done = len(text) if end == -1 else end
+    return "".join(out) + text[done:]
 
 
 def check_port(url: str) -> int | None:

@@ -65,6 +65,7 @@ from .wire import (
     ACQUIRE_KEEPING,
     RESTORE,
     Script,
+    as_text,
     drop_idle,
     holder_from_reply,
     not_run,
@@ -466,7 +467,7 @@ class RedisClusterBackend(_Deployed):
                     raw = next(scan, None)
                 if raw is None:
                     break
-                key = raw.decode() if isinstance(raw, bytes) else raw
+                key = as_text(raw)  # a name that is not UTF-8: escaped, found nowhere
                 if not listed(key, prefix):
                     continue
                 holder = self.holder(key)

@@ -124,8 +124,10 @@ RESTORE = Script(RESTORE_SCRIPT)
 
 
 def as_text(value: bytes | str) -> str:
-    """A reply's ``value`` as text (bytes decoded as UTF-8)."""
-    return value.decode() if isinstance(value, bytes) else value
+    """A reply's ``value`` as text: bytes decoded as UTF-8, any byte that is not UTF-8 written
+    as a backslash escape (``b"a\\xff"`` is ``"a\\\\xff"``), so that another application's key
+    or field is shown, never fails a listing; singletask's own are always UTF-8."""
+    return value.decode(errors="backslashreplace") if isinstance(value, bytes) else value
 
 
 # The held record's compact fields (see scripts.py): what an execution's metadata says that the

@@ -270,14 +270,21 @@ class SQLBackend(LockBackend):
         records are columns of its own row: :mod:`.bookkeeping`)."""
         fetch = functools.partial(self._select, "list state", prefix, "state")
         decode = self._decode
-        for row in pages(fetch, prefix, max(1, page_size), lambda r: decode(r[0]) or "",
-                         self._key_bytes):  # fmt: skip
+        for row in pages(fetch, prefix, max(1, page_size), self._page_key, self._key_bytes):
             if (decode(row[1]) or "").startswith(prefix):
                 yield from bookkeeping.records(row, decode)
 
     def _decode(self, value: Any) -> str | None:
-        """A text column's value as the driver returns it, as text."""
+        """A text column's value as the driver returns it, as text (bytes as UTF-8, any byte
+        that is not UTF-8 written as a backslash escape)."""
+        if isinstance(value, bytes):
+            return value.decode(errors="backslashreplace")
         return None if value is None else str(value)
+
+    def _page_key(self, row: Sequence[Any]) -> str | bytes:
+        """The stored key of a listing's row, to read the next page after: as the driver
+        returns it, so that it compares as stored."""
+        return self._decode(row[0]) or ""
 
     @abc.abstractmethod
     def _select(
@@ -311,7 +318,7 @@ def pages(
     fetch: Callable[[dict[str, object]], Sequence[R]],
     prefix: str,
     page_size: int,
-    key_of: Callable[[R], str],
+    key_of: Callable[[R], str | bytes],
     limit: int,
 ) -> Iterator[R]:
     """The rows of the lock table's listing query under ``prefix``, in stored-key order, fetched
@@ -319,10 +326,15 @@ def pages(
     pattern on the stored key: its index finds every candidate, see :func:`stored_key` whose
     ``limit`` is given), ``pattern`` (on the full key), ``after`` (the last stored key of the
     page before) and ``limit``; ``key_of`` reads a row's stored key."""
-    after = ""
+    after: str | bytes = ""
     scan = like_prefix(_head(prefix.encode(errors="surrogatepass"), limit - 4))
     while True:
-        args = {"scan": scan, "pattern": like_prefix(prefix), "after": after, "limit": page_size}
+        args: dict[str, object] = {
+            "scan": scan,
+            "pattern": like_prefix(prefix),
+            "after": after,
+            "limit": page_size,
+        }
         rows = fetch(args)
         yield from rows
         if len(rows) < page_size:

@@ -11,7 +11,8 @@ Routes, relative to where the application is mounted:
   id).
 
 Everything the page shows is read through :mod:`singletask.ops.inventory`; the lock store's
-client is made on the first request in each process (so a forking server gets one per child).
+client is made on the first request in each process (so a forking server gets one per child),
+and shared by the requests, which read the store concurrently.
 """
 
 from __future__ import annotations
@@ -162,11 +163,17 @@ class LockPage:
     # The store -----------------------------------------------------------------------------
 
     def _store(self) -> LockBackend:
-        """The store's client of this process (made on first use, again after a fork)."""
-        if self._backend is None or self._pid != os.getpid():
-            self._backend = backend_from_url(self.url, **self.backend_options)
-            self._pid = os.getpid()
-        return self._backend
+        """The store's client of this process (made on first use, again after a fork).
+
+        Only making it is serialised: the requests then read the store at once, each bounded by
+        the store's own timeout, never queued behind another's read (every store's client is
+        safe to share between threads: a pool of connections, or one serialised connection).
+        """
+        with self._guard:
+            if self._backend is None or self._pid != os.getpid():
+                self._backend = backend_from_url(self.url, **self.backend_options)
+                self._pid = os.getpid()
+            return self._backend
 
     def close(self) -> None:
         """Close the store's client (a later request makes a new one)."""
@@ -217,10 +224,9 @@ class LockPage:
         task, key = query.get("task", "").strip(), query.get("key", "").strip()
         body: dict[str, Any] = self._about()
         try:
-            with self._guard:
-                store = self._store()
-                body.update(self._list_locks(store, task, key))
-                body.update(state_records(store, self.prefix, task=task, key=key, limit=self.limit))
+            store = self._store()
+            body.update(self._list_locks(store, task, key))
+            body.update(state_records(store, self.prefix, task=task, key=key, limit=self.limit))
         except BackendError as exc:
             return _json(start_response, 503, {**body, "error": _first_line(exc)})
         return _json(start_response, 200, body)
@@ -243,10 +249,9 @@ class LockPage:
             return _json(start_response, 400, {"error": "give the lock key: ?key=KEY"})
         body = self._about()
         try:
-            with self._guard:
-                store = self._store()
-                holders = [record.as_json() for record in holders_of(store, key)]
-                state = state_records(store, self.prefix, exact=key, limit=self.limit)
+            store = self._store()
+            holders = [record.as_json() for record in holders_of(store, key)]
+            state = state_records(store, self.prefix, exact=key, limit=self.limit)
         except BackendError as exc:
             return _json(start_response, 503, {**body, "error": _first_line(exc)})
         return _json(start_response, 200, {**body, "key": key, "holders": holders, **state})
@@ -283,10 +288,9 @@ class LockPage:
             return _json(start_response, 400, {"error": str(exc)})
         key, holder, slot = request
         try:
-            with self._guard:
-                store = self._store()
-                released = release_lock(store, key, holder=holder, slot=slot)
-                after = [] if released else holders_of(store, key)
+            store = self._store()
+            released = release_lock(store, key, holder=holder, slot=slot)
+            after = [] if released else holders_of(store, key)
         except BackendError as exc:
             logger.warning("lock page: release of %r asked by %s failed: %s", key, who, exc)
             return _json(start_response, 503, {"error": _first_line(exc)})

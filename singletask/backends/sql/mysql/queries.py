@@ -273,8 +273,9 @@ DELETE FROM {table} WHERE expires_at < UTC_TIMESTAMP(6) ORDER BY expires_at LIMI
 
 
 def as_text(value: bytes | str | None) -> str | None:
-    """A VARBINARY value as text."""
-    return value.decode() if isinstance(value, bytes) else value
+    """A VARBINARY value as text: UTF-8, any byte that is not UTF-8 written as a backslash
+    escape (a row another program wrote is shown, never fails a listing)."""
+    return value.decode(errors="backslashreplace") if isinstance(value, bytes) else value
 
 
 def run_script(cursor: pymysql.cursors.Cursor, text: str, args: Mapping[str, Any]) -> list[Any]:

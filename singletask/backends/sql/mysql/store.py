@@ -353,6 +353,9 @@ class MySQLBackend(core.SQLBackend):
     def _decode(self, value: Any) -> str | None:
         return _text(value)
 
+    def _page_key(self, row: Sequence[Any]) -> str | bytes:
+        return row[0] or b""  # the stored key as stored (see iter_locks)
+
     def _select(
         self, operation: str, key: str, query: str, args: Mapping[str, object]
     ) -> Sequence[Sequence[Any]]:
@@ -377,7 +380,9 @@ class MySQLBackend(core.SQLBackend):
         order (each page one primary-key range scan)."""
         fetch = functools.partial(self._select, "list", prefix, "iter")
         for scan in core.listed_prefixes(prefix):  # the keys, then slots named {<key>}:slot:<i>
-            for row in core.pages(fetch, scan, page_size, lambda r: _text(r[0]) or "", KEY_BYTES):
+            # The next page starts after the stored key as stored (bytes): read back as text, a
+            # key that is not UTF-8 would be escaped and sort before itself.
+            for row in core.pages(fetch, scan, page_size, lambda r: r[0] or b"", KEY_BYTES):
                 key = _text(row[1]) or ""
                 if core.is_listed(key, prefix):
                     yield key, _holder(row[2:])
