@@ -320,3 +320,49 @@ def test_mysql_rows_whose_key_is_not_utf8_are_listed_escaped_page_after_page(
         (f"{key_prefix}proj.sync:\\xff", "tok\\xff"),
     ]
     assert state == []
+
+
+@pytest.mark.parametrize("reader", ["the writing process", "a read-only process"])
+def test_sqlite_rows_whose_key_is_not_utf8_are_listed_escaped_page_after_page(
+    key_prefix: str, tmp_path: Path, reader: str
+) -> None:
+    """Text another program wrote into the database file (SQLite stores what it is given): each
+    row listed once, escaped, page after page, its records too; the listing never fails."""
+    import sqlite3
+
+    path = tmp_path / "locks.db"
+    url = f"sqlite:///{path}"
+    key = f"{key_prefix}proj.sync:a"
+    token = execution_token(str(uuid.uuid4()), 0)
+    writer = backend_from_url(url)
+    try:
+        assert writer.acquire(key, token, 60, meta={"task": "proj.sync"}).acquired
+        with contextlib.closing(sqlite3.connect(path)) as other:
+            later = time.time() + 60
+            for tail in (b"\xfe", b"\xff"):
+                name = key_prefix.encode() + b"proj.sync:" + tail
+                other.execute(
+                    "INSERT INTO singletask_locks (key, token, expires_at, meta, fence) "
+                    "VALUES (CAST(? AS TEXT), CAST(? AS TEXT), ?, '{}', 1)",
+                    (name, b"tok" + tail, later),
+                )
+                other.execute(
+                    "INSERT INTO singletask_debounce (key, latest, opened, until) "
+                    "VALUES (CAST(? AS TEXT), CAST(? AS TEXT), ?, ?)",
+                    (name, b"send" + tail, time.time(), later),
+                )
+            other.commit()
+        backend = writer if reader == "the writing process" else backend_from_url(url)
+        listed = [(name, held.token) for name, held in backend.iter_locks(key_prefix, page_size=1)]
+        windows = [(s.key, s.task_id) for s in backend.iter_state(key_prefix, page_size=1)]
+    finally:
+        writer.close()
+    assert listed == [
+        (key, token),
+        (f"{key_prefix}proj.sync:\\xfe", "tok\\xfe"),
+        (f"{key_prefix}proj.sync:\\xff", "tok\\xff"),
+    ]
+    assert windows == [
+        (f"{key_prefix}proj.sync:\\xfe", "send\\xfe"),
+        (f"{key_prefix}proj.sync:\\xff", "send\\xff"),
+    ]

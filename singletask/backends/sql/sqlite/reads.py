@@ -21,11 +21,13 @@ from ...base import Holder, StoreState
 from ..core import load_holder
 from .windows import CLOSED
 
-__all__ = ["MISSING", "Reader", "holder_row", "locks", "open_reader", "states"]
+__all__ = ["MISSING", "Reader", "as_text", "holder_row", "locks", "open_reader", "states"]
 
 T = TypeVar("T")
 
-Page = tuple[list[T], str | None]
+#: A page of rows and the stored key (its raw bytes: a key another program wrote may not be
+#: UTF-8) to read the next page after (None: done).
+Page = tuple[list[T], bytes | None]
 
 #: What an OperationalError says when the database has no such table (yet).
 MISSING = "no such table"
@@ -45,7 +47,7 @@ def locks(read: Reader, prefix: str, page_size: int) -> Iterator[tuple[str, Hold
     (the other slots), unless the first range holds them already (a prefix of only ``{``)."""
     starts = [prefix] if ("{" + prefix).startswith(prefix) else [prefix, "{" + prefix]
     for start in starts:
-        after: str | None = None
+        after: bytes | None = None
         while True:
             empty: Page[tuple[str, Holder]] = ([], None)
             work = partial(_lock_page, start=start, after=after, size=page_size, now=time.time())
@@ -57,7 +59,7 @@ def locks(read: Reader, prefix: str, page_size: int) -> Iterator[tuple[str, Hold
 
 def states(read: Reader, prefix: str, page_size: int) -> Iterator[StoreState]:
     """The live bookkeeping records of the keys under ``prefix``, a page of keys at a time."""
-    after: str | None = None
+    after: bytes | None = None
     while True:
         empty: Page[StoreState] = ([], None)
         work = partial(_state_page, prefix=prefix, after=after, size=page_size, now=time.time())
@@ -71,9 +73,17 @@ def open_reader(path: Path, timeout: float) -> sqlite3.Connection | None:
     """A read-only connection to the database at ``path``; None when there is no file."""
     if not path.exists():
         return None
-    return sqlite3.connect(
+    conn = sqlite3.connect(
         f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=timeout, check_same_thread=False
     )
+    conn.text_factory = as_text
+    return conn
+
+
+def as_text(stored: bytes) -> str:
+    """A text value as read: UTF-8, each byte that is not shown as a backslash escape (another
+    program may have written such text into the file); a listing never fails on it."""
+    return stored.decode("utf-8", "backslashreplace")
 
 
 def holder_row(conn: sqlite3.Connection, key: str, now: float) -> Holder | None:
@@ -87,31 +97,32 @@ def holder_row(conn: sqlite3.Connection, key: str, now: float) -> Holder | None:
 
 
 def _lock_page(
-    conn: sqlite3.Connection, start: str, after: str | None, size: int, now: float
+    conn: sqlite3.Connection, start: str, after: bytes | None, size: int, now: float
 ) -> Page[tuple[str, Holder]]:
     """The live locks among the ``size`` first rows whose key starts with ``start``
     (after ``after``), in key order, and the key to read the next page after (None: done)."""
-    # Keys with the prefix are contiguous in key order (BINARY collation).
-    rows: list[tuple[str, str, float, str, int]] = conn.execute(
-        "SELECT key, token, expires_at, meta, fence FROM singletask_locks "
-        f"WHERE key {'>=' if after is None else '>'} ? ORDER BY key LIMIT ?",
-        (start if after is None else after, size),
+    # Keys with the prefix are contiguous in key order (BINARY collation: the raw bytes, which
+    # a key's raw bytes cast back to text compare as).
+    rows: list[tuple[str, bytes, str, float, str, int]] = conn.execute(
+        "SELECT key, CAST(key AS BLOB), token, expires_at, meta, fence FROM singletask_locks "
+        f"WHERE key {'>=' if after is None else '>'} CAST(? AS TEXT) ORDER BY key LIMIT ?",
+        (start.encode() if after is None else after, size),
     ).fetchall()
     found: list[tuple[str, Holder]] = []
-    for key, token, expires_at, stored, fence in rows:
+    for key, _raw, token, expires_at, stored, fence in rows:
         if not key.startswith(start):
             return found, None
         if expires_at > now:
             found.append((key, load_holder(token, stored, expires_at - now, fence)))
-    return found, (rows[-1][0] if len(rows) == size else None)
+    return found, (rows[-1][1] if len(rows) == size else None)
 
 
 def _state_page(
-    conn: sqlite3.Connection, prefix: str, after: str | None, size: int, now: float
+    conn: sqlite3.Connection, prefix: str, after: bytes | None, size: int, now: float
 ) -> Page[StoreState]:
     """The records of the ``size`` first keys under ``prefix`` (after ``after``, in key
     order) with a live follow-up, window or rate record, and the last of them (None: done)."""
-    bound = f"key {'>=' if after is None else '>'} :from"
+    bound = f"key {'>=' if after is None else '>'} CAST(:from AS TEXT)"
     tables = (
         ("singletask_fences", "next IS NOT NULL AND next_until > :now"),
         ("singletask_debounce", "until > :now"),
@@ -122,29 +133,31 @@ def _state_page(
         "ORDER BY key LIMIT :limit)"
         for table, live in tables
     )
-    rows = conn.execute(
-        f"{union} ORDER BY key LIMIT :limit",
-        {"from": prefix if after is None else after, "now": now, "limit": size},
+    rows: list[tuple[str, bytes]] = conn.execute(
+        f"SELECT key, CAST(key AS BLOB) FROM ({union}) ORDER BY key LIMIT :limit",
+        {"from": prefix.encode() if after is None else after, "now": now, "limit": size},
     ).fetchall()
     found: list[StoreState] = []
-    for (key,) in rows:
+    for key, raw in rows:
         if not key.startswith(prefix):
             return found, None
-        found.extend(_records(conn, key, now))
-    return found, (rows[-1][0] if len(rows) == size else None)
+        found.extend(_records(conn, key, raw, now))
+    return found, (rows[-1][1] if len(rows) == size else None)
 
 
-def _records(conn: sqlite3.Connection, key: str, now: float) -> Iterator[StoreState]:
+def _records(conn: sqlite3.Connection, key: str, raw: bytes, now: float) -> Iterator[StoreState]:
+    """The live records of the stored key ``raw``, shown as ``key``."""
     follow = conn.execute(
-        "SELECT next, next_until FROM singletask_fences WHERE key = ? AND next IS NOT NULL "
-        "AND next_until > ?",
-        (key, now),
+        "SELECT next, next_until FROM singletask_fences WHERE key = CAST(? AS TEXT) "
+        "AND next IS NOT NULL AND next_until > ?",
+        (raw, now),
     ).fetchone()
     if follow is not None:
         yield StoreState("follow_up", key, follow[0], follow[1] - now)
     window = conn.execute(
-        "SELECT latest, opened, until FROM singletask_debounce WHERE key = ? AND until > ?",
-        (key, now),
+        "SELECT latest, opened, until FROM singletask_debounce "
+        "WHERE key = CAST(? AS TEXT) AND until > ?",
+        (raw, now),
     ).fetchone()
     if window is not None:
         latest, opened, until = window
@@ -152,7 +165,8 @@ def _records(conn: sqlite3.Connection, key: str, now: float) -> Iterator[StoreSt
         detail = {"open": is_open, "age": max(0.0, now - opened) if is_open else None}
         yield StoreState("window", key, latest, until - now, detail)
     rate = conn.execute(
-        "SELECT allowed FROM singletask_rates WHERE key = ? AND allowed > ?", (key, now)
+        "SELECT allowed FROM singletask_rates WHERE key = CAST(? AS TEXT) AND allowed > ?",
+        (raw, now),
     ).fetchone()
     if rate is not None:
         yield StoreState("rate", key, None, rate[0] - now, {"next_start_in": rate[0] - now})

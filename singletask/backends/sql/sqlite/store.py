@@ -110,6 +110,7 @@ class SQLiteBackend(LockBackend):
             conn = sqlite3.connect(
                 self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False
             )
+            conn.text_factory = reads.as_text
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             for statement in SCHEMA:
