@@ -745,3 +745,27 @@ def test_a_forked_process_builds_its_own_client(request: pytest.FixtureRequest, 
     assert reply == (True, True)
     assert backend.holder(key) is not None
     backend.close()
+
+
+def test_a_cluster_lists_a_lock_whose_name_is_not_utf8_escaped(
+    redis_cluster: ClusterDeployment,
+) -> None:
+    """A lock-shaped hash under the prefix whose name is not UTF-8 (another program's) is read by
+    its bytes and listed with backslash escapes, as the single server lists it; the listing
+    never fails on it."""
+    prefix = f"singletask:{uuid.uuid4().hex[:8]}:"
+    odd = prefix.encode() + b"tasks.report:\xff"
+    client = redis_cluster.client()
+    try:
+        client.hset(odd, mapping={b"token": b"tok\xfe", b"_note\xff": b"\xff"})
+        client.expire(odd, 60)
+        with backend_from_url(redis_cluster.url) as backend:
+            assert backend.acquire(f"{prefix}tasks.report:1", "t", LEASE).acquired
+            listed = sorted((key, held.token) for key, held in backend.iter_locks(prefix))
+        assert listed == [
+            (f"{prefix}tasks.report:1", "t"),
+            (f"{prefix}tasks.report:\\xff", "tok\\xfe"),
+        ]
+    finally:
+        client.delete(odd)
+        client.close()

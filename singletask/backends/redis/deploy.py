@@ -440,6 +440,15 @@ class RedisClusterBackend(_Deployed):
         fields, pttl = self._call("inspect", _HOLDER, (key,), ())
         return holder_from_reply(key, dict(zip(fields[::2], fields[1::2], strict=True)), int(pttl))
 
+    def _holder_at(self, stored: bytes | str, key: str) -> Holder | None:
+        """:meth:`holder` of the store key ``stored`` as SCAN gave it, shown as ``key``: a name
+        that is not UTF-8 is read by its bytes (its escaped text names no key)."""
+        if isinstance(stored, str) or key.encode() == stored:
+            return self.holder(key)
+        with self._translate("inspect", key):
+            fields, pttl = self.cluster.eval(_HOLDER.text, 1, stored)
+        return holder_from_reply(key, dict(zip(fields[::2], fields[1::2], strict=True)), int(pttl))
+
     def iter_state(self, prefix: str, *, page_size: int = 500) -> Iterator[StoreState]:
         """Every master in turn, as :meth:`iter_locks`; each page read from its own node."""
         cluster = self.cluster
@@ -467,9 +476,9 @@ class RedisClusterBackend(_Deployed):
                     raw = next(scan, None)
                 if raw is None:
                     break
-                key = as_text(raw)  # a name that is not UTF-8: escaped, found nowhere
+                key = as_text(raw)  # a name that is not UTF-8: shown escaped
                 if not listed(key, prefix):
                     continue
-                holder = self.holder(key)
+                holder = self._holder_at(raw, key)
                 if holder is not None and holder.token:  # a released record has no token
                     yield key, holder
