@@ -34,7 +34,7 @@ from .conf.options import TaskOptions
 from .conf.runtime import app_state, check_lease_options, lock_options
 from .exceptions import ConfigurationError, TaskLocked
 from .execution import lifecycle, outcomes, recovery
-from .execution.bootstep import CheckLockStore
+from .execution.bootstep import CheckLockStore, ServeWorker
 from .observe import report
 from .protocol import headers
 from .send import debounce, dedup
@@ -116,6 +116,7 @@ class SingletonTask(_TaskBase):
         store accepts."""
         super().on_bound(app)
         app.steps["worker"].add(CheckLockStore)
+        app.steps["worker"].add(ServeWorker)
         # Definition time: binding has read the app's configuration, so a lease option longer
         # than the configured store accepts is refused now, naming the task and the store.
         check_lease_options(app, cls.name, cls._singletask_options)
