@@ -213,7 +213,7 @@ class Renewer:
         connect: Callable[[], LockBackend] | None = None,
         linger: bool = False,
     ) -> None:
-        #: A worker's renewer: with nothing to renew, the thread waits for the next lease.
+        # A worker's renewer: with nothing to renew, the thread waits for the next lease.
         self.linger = linger
         self._backend = backend
         self._connect = connect
@@ -258,7 +258,7 @@ class Renewer:
         """Stop renewing ``handle``; call it before releasing (no renewal starts after it).
 
         The last lease of a renewer that does not ``linger`` ends the thread: this waits for it
-        (up to :data:`STOP_WAIT`, and no longer once another lease arrives)."""
+        (up to ``STOP_WAIT`` seconds, and no longer once another lease arrives)."""
         with self._mutex:
             self._leases.pop(handle.token, None)
             if self._leases:

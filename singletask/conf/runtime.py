@@ -139,7 +139,7 @@ class AppState:
 
     def serve_worker(self, serving: bool) -> None:
         """A worker of the app starts (True) or shuts down (False) in this process: while it
-        runs, the renewers' threads wait :data:`~singletask.lease.IDLE_EXIT` seconds for the
+        runs, the renewers' threads wait ``singletask.lease.IDLE_EXIT`` seconds for the
         next lease (back-to-back executions share one); once it is down they end with the last
         lease, and those with nothing to renew end now."""
         with self._mutex:
