@@ -185,7 +185,7 @@ class Renewer:
 
     One renewer serves every lock its backend holds in the process; it starts its thread on the
     first lease it is given. Outside a worker the thread ends with the last lease it renews:
-    :meth:`remove` of that lease waits (up to :data:`STOP_WAIT`) for it to end, so no thread
+    :meth:`remove` of that lease waits (up to ``STOP_WAIT`` seconds) for it to end, so no thread
     outlives an eager execution or a direct call. In a worker process (``linger``, set when the
     worker starts) the thread waits :data:`IDLE_EXIT` seconds (a third of the shortest lease,
     if less) for the next lease, so that back-to-back executions share one thread, and ends at

@@ -183,7 +183,7 @@ class SingletonTask(_TaskBase):
 
         The other options reach Celery as given too, unless a feature of this send needs a
         header of singletask's: the first send's time where its wait is measured
-        (:func:`singletask.observe.report.reports_wait`), the mark of ``lock_coalesce``
+        (``singletask.observe.report.reports_wait``), the mark of ``lock_coalesce``
         "latest". ``headers`` that are not a mapping are left to Celery; "latest" refuses them
         with ``TypeError`` before anything is reserved.
         """
