@@ -31,8 +31,9 @@ logger = logging.getLogger("singletask")
 #: Seconds between renewal attempts while the backend is failing (bounded by a third of the lease).
 RETRY_INTERVAL = 1.0
 
-#: Seconds the renewer thread waits with nothing to renew before it ends (less with leases
-#: shorter than three times this: a third of the shortest). The next lease starts a new thread.
+#: Seconds the renewer thread of a worker process waits with nothing to renew before it ends
+#: (less with leases shorter than three times this: a third of the shortest), so that a busy
+#: worker's executions share one thread. Outside a worker it ends with its last lease.
 IDLE_EXIT = 10.0
 
 #: Seconds :meth:`Renewer.stop` waits for an idle thread to end.
@@ -183,10 +184,14 @@ class Renewer:
     """Extends the leases of one process, in one round trip per interval, from a daemon thread.
 
     One renewer serves every lock its backend holds in the process; it starts its thread on the
-    first lease it is given, and the thread ends once it has had nothing to renew for
-    :data:`IDLE_EXIT` seconds (a third of the shortest lease, if less), or at once on
-    :meth:`stop` (when the app is closed or collected): the next lease starts a new one. A
-    forked child gets a new renewer, since threads do not survive ``fork()``.
+    first lease it is given. Outside a worker the thread ends with the last lease it renews:
+    :meth:`remove` of that lease waits (up to ``STOP_WAIT`` seconds) for it to end, so no thread
+    outlives an eager execution or a direct call. In a worker process (``linger``, set when the
+    worker starts) the thread waits :data:`IDLE_EXIT` seconds (a third of the shortest lease,
+    if less) for the next lease, so that back-to-back executions share one thread, and ends at
+    once when the worker shuts down. Either way it ends on :meth:`stop` (when the app is closed
+    or collected), and the next lease starts a new one. A forked child gets a new renewer,
+    since threads do not survive ``fork()``.
 
     Under gevent or eventlet (monkey-patched threading), given ``connect``, the thread is an OS
     thread that renews through a backend of its own, built by ``connect`` in that thread (a
@@ -202,8 +207,14 @@ class Renewer:
     """
 
     def __init__(
-        self, backend: LockBackend, *, connect: Callable[[], LockBackend] | None = None
+        self,
+        backend: LockBackend,
+        *,
+        connect: Callable[[], LockBackend] | None = None,
+        linger: bool = False,
     ) -> None:
+        # A worker's renewer: with nothing to renew, the thread waits for the next lease.
+        self.linger = linger
         self._backend = backend
         self._connect = connect
         self._native = native_threads() if connect is not None else None
@@ -244,11 +255,36 @@ class Renewer:
                 self._ring()  # its first renewal is due before the thread would wake
 
     def remove(self, handle: LockHandle) -> None:
-        """Stop renewing ``handle``; call it before releasing (no renewal starts after it)."""
+        """Stop renewing ``handle``; call it before releasing (no renewal starts after it).
+
+        The last lease of a renewer that does not ``linger`` ends the thread: this waits for it
+        (up to ``STOP_WAIT`` seconds, and no longer once another lease arrives)."""
         with self._mutex:
             self._leases.pop(handle.token, None)
-            if self._ending and not self._leases:
-                self._ring()  # stopped meanwhile: the thread ends now
+            if self._leases:
+                return
+            if not self.linger:
+                self._ending = True
+            if not self._ending:
+                return
+            self._ring()  # stopped meanwhile, or not a worker's: the thread ends now
+            thread = self._thread
+        if not self.linger:
+            self._join(thread, STOP_WAIT)
+
+    def _join(self, thread: threading.Thread | None, timeout: float) -> None:
+        """Wait for an ending ``thread`` to end, at most ``timeout`` seconds, and no longer
+        than it is ending (an add() meanwhile keeps it)."""
+        if thread is None or thread is threading.current_thread():
+            return
+        deadline = time.monotonic() + timeout
+        # Ending until it has returned (it then drops itself as the thread), unless an add()
+        # meanwhile kept it (still the thread, no longer ending).
+        while thread.is_alive() and (self._ending or self._thread is not thread):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            thread.join(min(left, 0.05))
 
     def stop(self, timeout: float = STOP_WAIT) -> None:
         """End the thread as soon as it has nothing to renew: at once if it has nothing now

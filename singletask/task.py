@@ -23,7 +23,6 @@ attributes;
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -35,7 +34,8 @@ from .conf.options import TaskOptions
 from .conf.runtime import app_state, check_lease_options, lock_options
 from .exceptions import ConfigurationError, TaskLocked
 from .execution import lifecycle, outcomes, recovery
-from .execution.bootstep import CheckLockStore
+from .execution.bootstep import CheckLockStore, ServeWorker
+from .observe import report
 from .protocol import headers
 from .send import debounce, dedup
 
@@ -116,6 +116,7 @@ class SingletonTask(_TaskBase):
         store accepts."""
         super().on_bound(app)
         app.steps["worker"].add(CheckLockStore)
+        app.steps["worker"].add(ServeWorker)
         # Definition time: binding has read the app's configuration, so a lease option longer
         # than the configured store accepts is refused now, naming the task and the store.
         check_lease_options(app, cls.name, cls._singletask_options)
@@ -179,11 +180,17 @@ class SingletonTask(_TaskBase):
         ``str`` missing its comma, a dict) raise ``TypeError``. Where the key is built at send
         time (deduplication, ``lock_debounce``), such arguments raise
         :class:`~singletask.LockKeyError`, a ``TypeError`` too, before anything is reserved.
+
+        The other options reach Celery as given too, unless a feature of this send needs a
+        header of singletask's: the first send's time where its wait is measured
+        (``singletask.observe.report.reports_wait``), the mark of ``lock_coalesce``
+        "latest". ``headers`` that are not a mapping are left to Celery; "latest" refuses them
+        with ``TypeError`` before anything is reserved.
         """
 
-        given = options.get("headers") or {}
-        if headers.SENT_AT_HEADER not in given:  # its first send: the wait counts from it
-            options = {**options, "headers": {**given, headers.SENT_AT_HEADER: time.time()}}
+        lock = lock_options(self)
+        if report.reports_wait(self.app, lock):  # else the options reach Celery as given
+            options = dict(headers.with_sent_at(options))
 
         def publish(task_id: str | None, send: Mapping[str, Any] = options) -> AsyncResult[Any]:
             # As given: Celery checks them (a str is not a tuple), and sends a list as a list.
@@ -199,7 +206,6 @@ class SingletonTask(_TaskBase):
                 **send,
             )
 
-        lock = lock_options(self)
         if lock.debounce is not None:
             return debounce.send(
                 self, lock, publish, task_id, args, kwargs,

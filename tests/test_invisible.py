@@ -22,6 +22,7 @@ import pytest
 from celery.signals import before_task_publish
 
 from singletask import ConfigurationError, SingletonTask
+from singletask.conf.runtime import app_state
 
 #: What a send gave: ``("sent", args, kwargs)`` as Celery was about to serialize them (their
 #: types shown by their repr), or ``("raised", exception type)``.
@@ -167,10 +168,12 @@ def alive_threads() -> set[threading.Thread]:
     return {thread for thread in threading.enumerate() if thread.is_alive()}
 
 
-def run_on_new_app(number: int, **lock_options: Any) -> celery.Celery:
-    """A new eager app (in-process store) that has run a singleton task once."""
+def run_on_new_app(number: int, *, serving: bool = False, **lock_options: Any) -> celery.Celery:
+    """A new eager app (in-process store) that has run a singleton task once (``serving``: as
+    in a worker's process, where the renewer thread waits for the next lease)."""
     app = celery.Celery(f"invisible-{number}", set_as_current=False)
     app.conf.update(task_always_eager=True, singletask_backend_url="memory://")
+    app_state(app).serve_worker(serving)
     task = app.task(
         name="invisible.once", base=SingletonTask, shared=False, lazy=False, **lock_options
     )(any_arguments)
@@ -185,9 +188,10 @@ def test_apps_that_ran_a_singleton_task_leave_no_thread_behind(ending: str) -> N
     Celery's own fixtures build an app per test, close it, and fail a test that leaves a thread
     alive: the renewer thread each app started must be gone by then.
     """
-    # Given many apps, each of which has run a singleton task (and so started a renewer)
+    # Given many apps, each of which has run a singleton task as a worker's process does (so its
+    # renewer thread waits for the next lease)
     before = alive_threads()
-    apps = [run_on_new_app(number) for number in range(APPS)]
+    apps = [run_on_new_app(number, serving=True) for number in range(APPS)]
     started = {t for t in alive_threads() - before if t.name == "singletask-renewer"}
     assert started  # renewal was running for them
 
@@ -206,11 +210,11 @@ def test_apps_that_ran_a_singleton_task_leave_no_thread_behind(ending: str) -> N
 
 
 def test_the_renewer_ends_with_nothing_to_renew_and_starts_again_for_a_new_lease() -> None:
-    """The renewer thread ends once it has had nothing to renew for a third of the shortest
-    lease, and a later execution starts a new one that renews its lease as before."""
-    # Given an app that has run a task with a 0.6 s lease, and is not closed
+    """A worker's renewer thread ends once it has had nothing to renew for a third of the
+    shortest lease, and a later execution starts a new one that renews its lease as before."""
+    # Given an app that has run a task with a 0.6 s lease in a worker's process, and is not closed
     lease = 0.6
-    app = run_on_new_app(0, lock_ttl=lease)
+    app = run_on_new_app(0, serving=True, lock_ttl=lease)
     renewers = [t for t in threading.enumerate() if t.name == "singletask-renewer"]
 
     # When it has nothing to renew for a while

@@ -60,6 +60,9 @@ class AppState:
         # Every renewer made for the app: their threads end when the app is closed or
         # collected (see watch()). The list refers to neither the app nor this state.
         self._renewers: list[Renewer] = []
+        # Set while a worker of the app runs in this process (or its parent, for a forked pool
+        # process): its renewers' threads wait for the next lease instead of ending with the last.
+        self._serving = False
 
     def watch(self) -> None:
         """Stop the renewers' threads when the app is closed or garbage-collected.
@@ -131,7 +134,21 @@ class AppState:
         still ends by itself once it has nothing to renew)."""
         if instead_of is not None and instead_of in self._renewers:
             self._renewers.remove(instead_of)
+        renewer.linger = self._serving
         self._renewers.append(renewer)
+
+    def serve_worker(self, serving: bool) -> None:
+        """A worker of the app starts (True) or shuts down (False) in this process: while it
+        runs, the renewers' threads wait ``singletask.lease.IDLE_EXIT`` seconds for the
+        next lease (back-to-back executions share one); once it is down they end with the last
+        lease, and those with nothing to renew end now."""
+        with self._mutex:
+            self._serving = serving
+            renewers = list(self._renewers)
+            for renewer in renewers:
+                renewer.linger = serving
+        if not serving:
+            stop_renewers(renewers)
 
     @property
     def renewer(self) -> Renewer:

@@ -8,6 +8,9 @@ example ``django://`` naming a process-local Django cache, which would give no e
 between the worker's processes, or a singleton task whose ``lock_ttl`` (or ``lock_queue_ttl``)
 is longer than the store's ``max_lease``. Settings that cannot be read, or a URL of no known
 scheme, are left to the first execution (which fails with the same error).
+
+It adds :class:`ServeWorker` too, which ends the app's lease renewer threads when the worker
+stops.
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ from typing import Any
 from celery import bootsteps
 
 from ..backends import backend_class
-from ..conf.runtime import check_lease_options, is_singleton
+from ..conf.runtime import app_state, check_lease_options, is_singleton
 from ..conf.settings import Settings
 from ..exceptions import ConfigurationError
 
-__all__ = ["CheckLockStore"]
+__all__ = ["CheckLockStore", "ServeWorker"]
 
 
 class CheckLockStore(bootsteps.Step):
@@ -51,3 +54,18 @@ class CheckLockStore(bootsteps.Step):
             raise ConfigurationError(refused[0])
         if refused:
             raise ConfigurationError(f"{len(refused)} tasks: " + "; ".join(refused))
+
+
+class ServeWorker(bootsteps.StartStopStep):
+    """Worker bootstep: once the worker stops (warm or cold), the app's lease renewer threads in
+    this process end with their last lease, and now if they have none. (From ``worker_init``
+    on they waited for the next lease, so that back-to-back executions share one thread.) An
+    in-process worker of a test suite leaves no renewer thread behind."""
+
+    name = "singletask.ServeWorker"
+
+    def stop(self, parent: Any) -> None:
+        app_state(parent.app).serve_worker(False)
+
+    def terminate(self, parent: Any) -> None:
+        app_state(parent.app).serve_worker(False)

@@ -13,7 +13,10 @@ When a worker is ready (Celery's ``worker_ready`` signal) and its app has single
 
 Two more hooks serve singletask's Celery events (:mod:`singletask.observe.report`): when a worker is
 made (``worker_init``), its processes learn whether it sends task events (``-E``); when a pool
-process or the worker ends, the events it still has queued are sent first, briefly.
+process or the worker ends, the events it still has queued are sent first, briefly. From
+``worker_init`` until the worker stops (:class:`~singletask.execution.bootstep.ServeWorker`),
+its lease renewer threads wait for the next lease instead of ending with the last
+(:class:`~singletask.lease.Renewer`).
 
 Nothing here raises: a check that fails is logged.
 """
@@ -26,7 +29,7 @@ from typing import Any
 from celery import current_app, signals
 
 from ..backends import backend_class
-from ..conf.runtime import is_singleton
+from ..conf.runtime import app_state, is_singleton
 from ..conf.settings import Settings
 from ..exceptions import ConfigurationError
 from ..observe import events, report
@@ -123,6 +126,7 @@ def _on_worker_init(sender: Any = None, **kwargs: Any) -> None:
         if app is not None:
             events = getattr(sender, "task_events", None)
             report.worker_started(app, bool(events), getattr(sender, "hostname", None))
+            app_state(app).serve_worker(True)
     except Exception:
         logger.exception("singletask: could not read whether the worker sends task events")
 

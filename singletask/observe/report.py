@@ -32,6 +32,7 @@ from . import events, spans
 if TYPE_CHECKING:
     from celery import Celery, Task
 
+    from ..conf.options import LockOptions
     from ..lease import LockHandle
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "emit",
     "first_sent",
     "lease_lost",
+    "reports_wait",
     "sends_events",
     "worker_started",
 ]
@@ -97,6 +99,31 @@ def sends_events(app: Celery, *, producer: bool = False) -> bool:
         return bool(app.conf.get("task_send_sent_event"))
     worker = app.__dict__.get(_WORKER)
     return bool(worker and worker[0])
+
+
+def reports_wait(app: Celery, options: LockOptions) -> bool:
+    """Whether a send of a task with ``options`` carries the first send's time
+    (:data:`~singletask.protocol.headers.SENT_AT_HEADER`), whose one consumer is the ``wait`` of
+    the ``acquired`` outcome (an event field and a span attribute).
+
+    True when singletask itself may make the execution wait for its lock (``lock_policy``
+    "retry", ``lock_scope`` "coalesce", ``lock_debounce``), and otherwise when the producer can
+    tell that the wait is reported: ``singletask_send_events`` is True, or unset with
+    ``worker_send_task_events`` (what ``-E`` turns on) in the configuration, or OpenTelemetry's
+    Celery instrumentation is active in this process (it instruments the workers too). A worker
+    given ``-E`` on its command line alone is not known to the producer.
+    """
+    if options.policy == "retry" or options.scope == "coalesce" or options.debounce is not None:
+        return True
+    if spans.instrumented():
+        return True
+    try:
+        forced = app_state(app).settings.send_events
+    except Exception:
+        forced = None
+    if forced is not None:
+        return forced
+    return bool(app.conf.get("worker_send_task_events"))
 
 
 def first_sent(request: Any) -> float | None:

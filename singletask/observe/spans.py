@@ -16,7 +16,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["add_event", "annotate", "current"]
+__all__ = ["add_event", "annotate", "current", "instrumented"]
 
 logger = logging.getLogger("singletask")
 
@@ -39,6 +39,17 @@ def current() -> Any | None:
     except Exception:
         logger.debug("singletask: could not read the current span", exc_info=True)
         return None
+
+
+def instrumented() -> bool:
+    """Whether OpenTelemetry's Celery instrumentation is active in this process (imported and
+    instrumented); nothing is imported here."""
+    module = sys.modules.get("opentelemetry.instrumentation.celery")
+    instrumentor = getattr(module, "CeleryInstrumentor", None)
+    try:
+        return bool(instrumentor is not None and instrumentor().is_instrumented_by_opentelemetry)
+    except Exception:
+        return False
 
 
 def annotate(span: Any | None, attributes: Mapping[str, object]) -> None:

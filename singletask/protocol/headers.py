@@ -8,6 +8,7 @@ never touched.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -28,8 +29,11 @@ __all__ = [
     "header_count",
     "header_value",
     "is_redelivery",
+    "message_headers",
     "republish",
     "seconds_until",
+    "with_header",
+    "with_sent_at",
 ]
 
 #: Message header counting the lock retries of a task id (the task's own ``retries`` stays
@@ -53,24 +57,56 @@ PREVIOUS_WAITS_HEADER = "singletask_previous_waits"
 
 
 #: Message header with the time (``time.time()``) a task id was first sent, set by
-#: ``SingletonTask.apply_async`` and carried by every message sent again for it (lock retries,
-#: the body's retries), so that an execution knows how long it waited for its lock.
+#: ``SingletonTask.apply_async`` when the wait it measures is reported (see
+#: :func:`singletask.observe.report.reports_wait`) and carried by every message sent again for
+#: it (lock retries, the body's retries), so that an execution knows how long it waited.
 SENT_AT_HEADER = "singletask_sent_at"
+
+
+def message_headers(request: Any) -> Mapping[str, Any]:
+    """The headers of the request being executed, or ``{}`` when it has none or they are not a
+    mapping (Celery keeps whatever ``apply(headers=...)`` was given, an int included)."""
+    given = getattr(request, "headers", None)
+    return given if isinstance(given, Mapping) else {}
+
+
+def with_header(options: Mapping[str, Any], header: str, value: Any) -> dict[str, Any] | None:
+    """The send ``options`` with ``header`` set to ``value`` in their ``headers``.
+
+    Empty ``headers`` (None, ``{}``, ``0``...), which Celery ignores, become ``{header: value}``.
+    Returns None when the given ``headers`` are not a mapping: singletask cannot add to them,
+    and leaves them for Celery (a publish then fails in ``dict.update`` as Celery's own does;
+    ``apply()`` keeps them as ``request.headers``).
+    """
+    given = options.get("headers")
+    if not given:
+        return {**options, "headers": {header: value}}
+    if not isinstance(given, Mapping):
+        return None
+    return {**options, "headers": {**given, header: value}}
+
+
+def with_sent_at(options: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``options`` with :data:`SENT_AT_HEADER` set to now, unless it is set (a message sent
+    again keeps its first send's time) or the given ``headers`` are not a mapping (then as
+    given: the wait of that execution is not known)."""
+    given = options.get("headers")
+    if isinstance(given, Mapping) and SENT_AT_HEADER in given:
+        return options
+    return with_header(options, SENT_AT_HEADER, time.time()) or options
 
 
 def header_value(request: Any, header: str) -> Any:
     """A header of the message being executed (None when absent)."""
     value = getattr(request, header, None)
     if value is None:
-        value = (getattr(request, "headers", None) or {}).get(header)
+        value = message_headers(request).get(header)
     return value
 
 
 def header_count(request: Any, header: str) -> int:
     """A counter this library keeps in the message headers (0 when absent)."""
-    value = getattr(request, header, None)
-    if value is None:
-        value = (getattr(request, "headers", None) or {}).get(header)
+    value = header_value(request, header)
     try:
         return int(value or 0)
     except (TypeError, ValueError):
@@ -80,9 +116,7 @@ def header_count(request: Any, header: str) -> int:
 def attempt_count(request: Any, header: str) -> int:
     """A counter kept as ``"<retries>:<count>"`` in the message headers: the count if it was
     kept by this attempt (same ``retries``), else 0."""
-    value = getattr(request, header, None)
-    if value is None:
-        value = (getattr(request, "headers", None) or {}).get(header)
+    value = header_value(request, header)
     retries, _, count = str(value or "").partition(":")
     try:
         return int(count) if int(retries) == int(request.retries or 0) else 0
@@ -112,7 +146,7 @@ def republish(
     ``Reject``, as ``Task.retry()`` does.
     """
     request = task.request
-    merged = {**(request.headers or {}), **headers}
+    merged = {**message_headers(request), **headers}
     signature = task.signature_from_request(request, countdown=countdown, headers=merged)
     try:
         signature.apply_async()

@@ -25,7 +25,7 @@ from ..conf.runtime import app_state
 from ..exceptions import BackendError, LockKeyError, TaskLocked
 from ..observe import report
 from ..policies import POLICIES
-from ..protocol.headers import LATEST_HEADER, seconds_until
+from ..protocol.headers import LATEST_HEADER, seconds_until, with_header
 from ..protocol.tokens import reservation_token
 from ..signals import lock_conflict
 from .records import Written, claim_follow_up, enter_window, publish_or_undo, reserve, together
@@ -138,6 +138,8 @@ def send(
     if options.scope == "execution" or not deduplicates(options, task.app, linked, send_options):
         return publish(task_id)  # the common case first: no lookup in the app's settings
     key_args, key_kwargs = call_arguments(args, kwargs)
+    if options.scope == "coalesce" and options.coalesce == "latest":
+        latest_headers(task, send_options)  # refused before anything is reserved
     task_id = task_id or uuid()
     try:
         backend = app_state(task.app).backend
@@ -259,9 +261,25 @@ def send_latest(
             task.name, task_id, key, f" (it supersedes {previous})" if previous else "",
         )  # fmt: skip
     written = window if reservation is None else together(reservation, window)
-    headers = {**(send_options.get("headers") or {}), LATEST_HEADER: 1}
-    message = partial(publish, task_id, {**send_options, "headers": headers})
+    message = partial(publish, task_id, latest_headers(task, send_options))
     return publish_or_undo(task, task_id, message, written)
+
+
+def latest_headers(task: Task[Any, Any], send_options: Mapping[str, Any]) -> dict[str, Any]:
+    """``send_options`` with :data:`~singletask.protocol.headers.LATEST_HEADER` in its headers.
+
+    Raises:
+        TypeError: The given ``headers`` are not a mapping, so the header that makes the send
+            its key's latest cannot be added (a publish of such headers fails in Celery too).
+    """
+    stamped = with_header(send_options, LATEST_HEADER, 1)
+    if stamped is None:
+        given = type(send_options.get("headers")).__name__
+        raise TypeError(
+            f"{task.name}: headers must be a mapping (a dict) for lock_coalesce 'latest', "
+            f"which sends its header {LATEST_HEADER!r} with each message; got {given}"
+        )
+    return stamped
 
 
 def queue_lease(queue_ttl: float, options: Mapping[str, Any]) -> float:

@@ -337,8 +337,7 @@ def _fact_sentences() -> list[tuple[str, str]]:
         # lifecycle.rst: the renewer
         (
             "lifecycle.rst",
-            f"once it has had nothing to renew for {IDLE_EXIT:g} seconds (a third of the "
-            "shortest lease, if less)",
+            f"nothing to renew for {IDLE_EXIT:g} seconds (a third of the shortest lease, if less)",
         ),
         (
             "lifecycle.rst",
