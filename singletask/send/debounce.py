@@ -2,8 +2,12 @@
 
 ``SingletonTask.apply_async`` hands a debounced task's messages to :func:`send`. Each send
 becomes the latest of its key's *debounce window* in the lock store (one round trip,
-:meth:`~singletask.backends.base.LockBackend.debounce`) and is published with a countdown of
-``lock_debounce`` seconds: a later send of the key within that time supersedes it. When a
+:meth:`~singletask.backends.base.LockBackend.debounce`), *pending* while it is published with a
+countdown of ``lock_debounce`` seconds, and is then marked published (a second round trip,
+:meth:`~singletask.backends.base.LockBackend.debounce_published`): a later send of the key
+within that time supersedes it. An earlier message that starts while the latest send is pending
+waits for it to be published or taken back (at most :func:`publish_time`) instead of ending
+superseded by a send that may never be published. When a
 message starts, only the window's latest send runs its body, which closes the window (a closed
 window still names it until its record expires, for the earlier sends a worker starts late);
 every earlier one ends as a :class:`~singletask.Skipped` naming the send that superseded it (see
@@ -28,17 +32,45 @@ from celery.utils.time import maybe_iso8601
 from ..conf.runtime import app_state
 from ..exceptions import BackendError
 from .dedup import call_arguments, published_as_is, send_delay
-from .records import enter_window, publish_or_undo
+from .records import enter_window, publish_or_undo, window_published
 
 if TYPE_CHECKING:
-    from celery import Task
+    from celery import Celery, Task
     from celery.result import AsyncResult
 
     from ..conf.options import LockOptions
 
-__all__ = ["send", "wait"]
+__all__ = ["MAX_PENDING", "publish_time", "send", "wait"]
 
 logger = logging.getLogger("singletask")
+
+#: The longest a send stays pending in its window (seconds), whatever its publish retry policy
+#: allows (``max_retries`` None: for ever).
+MAX_PENDING = 60.0
+#: Seconds added to the publish time the retry policy allows, for the store round trips.
+_PENDING_MARGIN = 1.0
+
+
+def publish_time(app: Celery, send_options: Mapping[str, Any]) -> float:
+    """Seconds a publish of ``app`` may take before it fails, at most :data:`MAX_PENDING`: a
+    connection attempt (``broker_connection_timeout``) for each try kombu's publish retry policy
+    makes (``retry``, ``retry_policy``, or the settings ``task_publish_retry`` and
+    ``task_publish_retry_policy``), the waits between them, and a margin."""
+    conf = app.conf
+    connect = float(conf.get("broker_connection_timeout") or 4.0)
+    retry = send_options.get("retry", conf.get("task_publish_retry", True))
+    policy = {
+        **(conf.get("task_publish_retry_policy") or {}),
+        **(send_options.get("retry_policy") or {}),
+    }
+    retries = policy.get("max_retries") if retry else 0  # kombu's ensure: None is for ever
+    if retries is None:
+        return MAX_PENDING
+    start = float(policy.get("interval_start", 1))
+    step = float(policy.get("interval_step", 1))
+    longest = float(policy.get("interval_max", 1))
+    waits = sum(min(start + step * n, longest) for n in range(int(retries)))
+    return min(MAX_PENDING, (int(retries) + 1) * connect + waits + _PENDING_MARGIN)
 
 
 def wait(options: LockOptions, age: float) -> float:
@@ -80,7 +112,10 @@ def send(
         # The window outlives its latest message's countdown by lock_queue_ttl, the time a
         # queued message is given to start: an earlier send that starts late still finds it.
         ttl = delay + float(options.debounce or 0) + options.queue_ttl
-        previous, age, window = enter_window(backend, key, task_id, min(ttl, backend.max_lease))
+        previous, age, window = enter_window(
+            backend, key, task_id, min(ttl, backend.max_lease),
+            pending=publish_time(task.app, send_options),
+        )  # fmt: skip
     except BackendError as exc:
         logger.warning(
             "Task %s[%s] sent without debounce: the lock store is unreachable (%s); it runs "
@@ -104,5 +139,8 @@ def send(
             published["expires"] = moment + timedelta(seconds=waited)
     # Unpublished, the send would stay the window's latest: the burst's published sends would
     # all end superseded by it, and no body would run. Taken back, the window is as before.
+    # Until then it is pending: an earlier message that starts meanwhile waits for the outcome.
     message = partial(publish, task_id, {**published, "countdown": countdown})
-    return publish_or_undo(task, task_id, message, window)
+    result = publish_or_undo(task, task_id, message, window)
+    window_published(task, backend, key, task_id)
+    return result

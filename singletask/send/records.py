@@ -17,9 +17,11 @@ is and how to take it back.
 
 :func:`publish_or_undo` publishes, and if the publish raises (the broker is down, the serializer
 refuses an argument), takes the record back in one atomic step before the error reaches the
-caller: a send whose publish fails leaves the store as it was. A published send costs nothing
-more. A producer that dies between the write and the publish leaves the record until it expires
-(``docs/guarantees.rst`` bounds it).
+caller: a send whose publish fails leaves the store as it was. A published reservation or
+follow-up claim costs nothing more; a published debounced send tells the store that its window
+entry, pending until then, was published (:func:`window_published`, one more round trip). A
+producer that dies between the write and the publish leaves the record until it expires (a
+pending window entry: until its publish deadline), ``docs/guarantees.rst`` bounds it.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ __all__ = [
     "reserve",
     "take_back",
     "together",
+    "window_published",
 ]
 
 logger = logging.getLogger("singletask")
@@ -99,13 +102,30 @@ def claim_follow_up(
 
 
 def enter_window(
-    backend: LockBackend, key: str, task_id: str, ttl: float
+    backend: LockBackend, key: str, task_id: str, ttl: float, *, pending: float = 0.0
 ) -> tuple[str | None, float, Written]:
-    """Make ``task_id`` the latest send of the debounce window of ``key``; return the send it
+    """Make ``task_id`` the latest send of the debounce window of ``key``, pending ``pending``
+    seconds unless :func:`window_published` says it was published; return the send it
     superseded (None when it opened the window) and the window's age in seconds."""
-    previous, age, closed = backend.debounce(key, task_id, ttl)
+    previous, age, closed = backend.debounce(key, task_id, ttl, pending=pending)
     undo = partial(backend.debounce_undo, key, task_id, previous, closed=closed)
     return previous, age, Written("debounce window", undo)
+
+
+def window_published(task: Task[Any, Any], backend: LockBackend, key: str, task_id: str) -> None:
+    """The message of ``task_id``, a pending latest send of the window of ``key``, was
+    published: the earlier sends of the window that start now end superseded by it, without
+    waiting for its publish. Never raises: if the store fails, a WARNING says so, and the send
+    stays pending until its deadline, when it is treated as taken back (one of the window's
+    sends still runs, maybe an earlier one)."""
+    try:
+        backend.debounce_published(key, task_id)
+    except BackendError as exc:
+        logger.warning(
+            "Task %s[%s] was published, but the lock store could not be told (%s): the "
+            "earlier sends of its debounce window wait for it until its publish deadline",
+            task.name, task_id, exc,
+        )  # fmt: skip
 
 
 def together(*written: Written) -> Written:

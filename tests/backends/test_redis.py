@@ -501,14 +501,14 @@ def test_a_take_closes_the_window_keeping_its_record_and_expiry(
     # Given a window whose latest send takes it
     assert redis_backend.debounce(key, "send-1", 40) == (None, 0.0, None)
     assert redis_backend.debounce(key, "send-2", 40)[0] == "send-1"
-    assert redis_backend.debounce_take(key, "send-2") == "send-2"
+    assert redis_backend.debounce_take(key, "send-2") == ("send-2", 0.0)
 
     # Then the record stays, closed (no o), naming send-2, its expiry unchanged
     assert redis_client.hgetall(window) == {b"l": b"send-2"}
     assert 39_000 < redis_client.pttl(window) <= 40_000
     # And a take on it returns its latest, changing nothing
-    assert redis_backend.debounce_take(key, "send-1") == "send-2"
-    assert redis_backend.debounce_take(key, "send-2") == "send-2"
+    assert redis_backend.debounce_take(key, "send-1") == ("send-2", 0.0)
+    assert redis_backend.debounce_take(key, "send-2") == ("send-2", 0.0)
     assert redis_client.hgetall(window) == {b"l": b"send-2"}
     # When a send comes, it opens a new window, keeping the record's longer expiry: send-1,
     # which asked for 40 s, may still start and must find a window naming its successor
@@ -522,7 +522,7 @@ def test_a_take_closes_the_window_keeping_its_record_and_expiry(
     assert 59_000 < redis_client.pttl(window) <= 60_000
     # And with no record a take returns None
     redis_client.delete(window)
-    assert redis_backend.debounce_take(key, "send-3") is None
+    assert redis_backend.debounce_take(key, "send-3") == (None, 0.0)
 
 
 def test_a_rate_record_never_lets_a_start_come_a_rounding_early(

@@ -50,7 +50,7 @@ def test_only_the_latest_send_of_a_window_runs_and_its_run_closes_the_window(
     assert "superseded" in str(earlier)
     assert latest == 2
     assert ran == [2]
-    assert backend.debounce_take(key, "send-1") == "send-2"
+    assert backend.debounce_take(key, "send-1") == ("send-2", 0.0)
 
 
 def test_an_earlier_send_that_starts_after_the_latest_ran_is_still_superseded(
@@ -179,7 +179,7 @@ def test_a_send_waits_its_debounce_on_top_of_its_countdown_and_its_expires_moves
         ("send-1", {"countdown": 3.5, "expires": 2.5}),
         ("send-2", {"countdown": 1.5}),
     ]
-    assert rebuild.lock_backend.debounce_take(rebuild.lock_key_for(), "send-1") == "send-2"
+    assert rebuild.lock_backend.debounce_take(rebuild.lock_key_for(), "send-1") == ("send-2", 0.0)
     app.close()
 
 

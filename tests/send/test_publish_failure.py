@@ -60,7 +60,7 @@ def test_a_debounced_send_that_cannot_be_published_leaves_the_last_published_sen
     # Given a first send of a burst whose publish fails: nothing is left in the store
     with pytest.raises(EncodeError):
         rebuild.delay("k", Unserializable())
-    assert backend.debounce_take(key, "any-send") is None
+    assert backend.debounce_take(key, "any-send") == (None, 0.0)
 
     # And a send that is published
     published = rebuild.delay("k", 1)
@@ -71,7 +71,7 @@ def test_a_debounced_send_that_cannot_be_published_leaves_the_last_published_sen
 
     # Then the published send is still the window's latest: when it starts, it runs (it is not
     # skipped as superseded by "never-sent", which no worker will ever run)
-    assert backend.debounce_take(key, published.id) == published.id
+    assert backend.debounce_take(key, published.id) == (published.id, 0.0)
 
 
 def test_a_debounced_send_that_cannot_be_published_after_a_run_began_keeps_that_burst_superseded(
