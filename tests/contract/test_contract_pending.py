@@ -88,7 +88,7 @@ def test_a_pending_send_taken_back_lets_the_send_before_it_run(
     debounced: LockBackend, key: str
 ) -> None:
     # Given send-2's publish fails while send-1 is waiting for it
-    _, _, window = debounced.debounce(key, "send-1", LEASE)
+    debounced.debounce(key, "send-1", LEASE)
     previous, _, closed = debounced.debounce(key, "send-2", LEASE, pending=PUBLISHING)
     assert debounced.debounce_take(key, "send-1")[1] > 0
 
@@ -109,7 +109,8 @@ def test_a_pending_send_past_its_deadline_is_treated_as_taken_back(
     # When its deadline has passed
     deadline = time.monotonic() + EXPIRY_WAIT
     while (taken := debounced.debounce_take(key, "send-1")) != ("send-1", 0.0):
-        assert taken[0] == "send-2" and taken[1] > 0, taken
+        assert taken[0] == "send-2", taken
+        assert taken[1] > 0, taken
         assert time.monotonic() < deadline, "the pending send never ran out"
         time.sleep(0.05)
 
@@ -156,7 +157,8 @@ def test_taking_back_a_send_puts_back_whether_the_send_it_superseded_was_pending
     previous, _, _ = debounced.debounce(key, "send-2", LEASE, pending=PUBLISHING)
     assert debounced.debounce_undo(key, "send-2", previous) is True
     latest, left = debounced.debounce_take(key, "send-0")
-    assert latest == "send-1" and 0 < left <= PUBLISHING
+    assert latest == "send-1"
+    assert 0 < left <= PUBLISHING
 
     # A published send superseded by a pending send taken back: published again
     other = f"{key}:other"
