@@ -46,8 +46,7 @@ from ..policies import Conflict
 from ..protocol.headers import LATEST_HEADER, header_count, is_redelivery
 from ..protocol.slots import base_key
 from ..protocol.tokens import direct_token, execution_token, reservation_token
-from ..send.debounce import MAX_PENDING
-from ..send.records import clear_follow_up
+from ..send.records import MAX_PENDING, clear_follow_up
 from ..signals import lock_acquired
 from . import replace
 from .acquire import gone_holder, take, twin_of, waits_for_rate

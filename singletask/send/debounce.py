@@ -32,45 +32,18 @@ from celery.utils.time import maybe_iso8601
 from ..conf.runtime import app_state
 from ..exceptions import BackendError
 from .dedup import call_arguments, published_as_is, send_delay
-from .records import enter_window, publish_or_undo, window_published
+from .records import MAX_PENDING, enter_window, publish_or_undo, publish_time, window_published
 
 if TYPE_CHECKING:
-    from celery import Celery, Task
+    from celery import Task
     from celery.result import AsyncResult
 
     from ..conf.options import LockOptions
 
+# MAX_PENDING and publish_time: from singletask.send.records (lock_coalesce "latest" uses them too)
 __all__ = ["MAX_PENDING", "publish_time", "send", "wait"]
 
 logger = logging.getLogger("singletask")
-
-#: The longest a send stays pending in its window (seconds), whatever its publish retry policy
-#: allows (``max_retries`` None: for ever).
-MAX_PENDING = 60.0
-#: Seconds added to the publish time the retry policy allows, for the store round trips.
-_PENDING_MARGIN = 1.0
-
-
-def publish_time(app: Celery, send_options: Mapping[str, Any]) -> float:
-    """Seconds a publish of ``app`` may take before it fails, at most :data:`MAX_PENDING`: a
-    connection attempt (``broker_connection_timeout``) for each try kombu's publish retry policy
-    makes (``retry``, ``retry_policy``, or the settings ``task_publish_retry`` and
-    ``task_publish_retry_policy``), the waits between them, and a margin."""
-    conf = app.conf
-    connect = float(conf.get("broker_connection_timeout") or 4.0)
-    retry = send_options.get("retry", conf.get("task_publish_retry", True))
-    policy = {
-        **(conf.get("task_publish_retry_policy") or {}),
-        **(send_options.get("retry_policy") or {}),
-    }
-    retries = policy.get("max_retries") if retry else 0  # kombu's ensure: None is for ever
-    if retries is None:
-        return MAX_PENDING
-    start = float(policy.get("interval_start", 1))
-    step = float(policy.get("interval_step", 1))
-    longest = float(policy.get("interval_max", 1))
-    waits = sum(min(start + step * n, longest) for n in range(int(retries)))
-    return min(MAX_PENDING, (int(retries) + 1) * connect + waits + _PENDING_MARGIN)
 
 
 def wait(options: LockOptions, age: float) -> float:
