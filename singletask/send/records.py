@@ -19,7 +19,7 @@ is and how to take it back.
 refuses an argument), takes the record back in one atomic step before the error reaches the
 caller: a send whose publish fails leaves the store as it was. A published reservation or
 follow-up claim costs nothing more; a published debounced send tells the store that its window
-entry, pending until then, was published (:func:`window_published`, one more round trip). A
+entry, pending until then, was published (``window_published``, one more round trip). A
 producer that dies between the write and the publish leaves the record until it expires (a
 pending window entry: until its publish deadline), ``docs/guarantees.rst`` bounds it.
 """
@@ -136,7 +136,7 @@ def enter_window(
     backend: LockBackend, key: str, task_id: str, ttl: float, *, pending: float = 0.0
 ) -> tuple[str | None, float, Written]:
     """Make ``task_id`` the latest send of the debounce window of ``key``, pending ``pending``
-    seconds unless :func:`window_published` says it was published; return the send it
+    seconds unless ``window_published`` says it was published; return the send it
     superseded (None when it opened the window) and the window's age in seconds."""
     previous, age, closed = backend.debounce(key, task_id, ttl, pending=pending)
     undo = partial(backend.debounce_undo, key, task_id, previous, closed=closed)
