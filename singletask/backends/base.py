@@ -18,8 +18,9 @@ Policy (which key, which token, what to do when a lock is held, when to release)
 * ``lock_rate``: :meth:`LockBackend.acquire_slot` can also space the starts of a key by an
   interval, checked and recorded in the same atomic step (a *rate record* per key);
 * ``lock_debounce``: a key can have one open *debounce window* naming its latest send
-  (:meth:`LockBackend.debounce`, :meth:`LockBackend.debounce_take`), and a send whose message
-  was never published can be taken back out of it (:meth:`LockBackend.debounce_undo`);
+  (:meth:`LockBackend.debounce`, :meth:`LockBackend.debounce_take`), pending while its
+  message is being published (:meth:`LockBackend.debounce_published`), and a send whose
+  message was never published can be taken back out of it (:meth:`LockBackend.debounce_undo`);
 * ``lock_policy = "replace"``: a newer execution can take a named holder's key or slot over,
   with a larger fence, in one atomic step (:meth:`LockBackend.preempt`), leaving a *preemption
   record* from which the preempted holder learns who did (:meth:`LockBackend.replaced_by`);
@@ -249,7 +250,9 @@ class LockBackend(abc.ABC):
             return None
         return holder.task_id or ""
 
-    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float, str | None]:
+    def debounce(
+        self, key: str, task_id: str, ttl: float, *, pending: float = 0.0
+    ) -> tuple[str | None, float, str | None]:
         """Make ``task_id`` the latest send of the debounce window of ``key``, in one step.
 
         Opens the window if none is open (no record, a record that ran out, or a closed one).
@@ -257,6 +260,13 @@ class LockBackend(abc.ABC):
         send's call asked for longer: a send never shortens it, so an earlier send with a
         longer countdown of its own still finds the window (naming its successor) when it
         starts.
+        With ``pending`` (seconds, > 0) the new latest send is *pending* for that long: its
+        message is being published. It stops being pending when :meth:`debounce_published`
+        says its message was published, or when it is taken back (:meth:`debounce_undo`);
+        still pending after ``pending`` seconds, it is treated as taken back by
+        :meth:`debounce_take` (its producer died before it could publish or take it back).
+        Without, it is published at once. The pending deadline of the send it superseded is
+        kept with it, for :meth:`debounce_undo` to put back.
         Returns the previous latest send (None when this call opened the window), the seconds
         since the window was opened, by the store's clock (0 when this call opened it), and,
         when this call opened the window over a closed one (its record not run out), the send
@@ -268,10 +278,27 @@ class LockBackend(abc.ABC):
         """
         raise UnsupportedOperation(f"{self!r} cannot keep debounce windows")
 
-    def debounce_take(self, key: str, task_id: str) -> str | None:
+    def debounce_published(self, key: str, task_id: str) -> bool:
+        """The message of ``task_id``, a pending latest send (:meth:`debounce`), was published:
+        if the open window of ``key`` still names it as its latest send, it is pending no
+        more (even past its pending deadline). One atomic step. Returns whether the window
+        changed.
+
+        Raises:
+            UnsupportedOperation: The store has no debounce windows (:attr:`supports_debounce`).
+            BackendError: The store failed.
+        """
+        raise UnsupportedOperation(f"{self!r} cannot keep debounce windows")
+
+    def debounce_take(self, key: str, task_id: str) -> tuple[str | None, float]:
         """If ``task_id`` is the latest send of the open window of ``key``, close the window
-        and return ``task_id``; else return the window's latest send and change nothing; None
-        when the key has no window record. One atomic step.
+        and return ``(task_id, 0.0)``. If the latest is another send that is pending (its
+        message being published), change nothing and return it with the seconds it stays
+        pending at most: the caller waits for it to be published or taken back, then asks
+        again. If that send is still pending past its deadline, it is treated as taken back:
+        the window is closed naming ``task_id``, as if ``task_id`` were the latest, and
+        ``(task_id, 0.0)`` returned. Else return the window's latest send and ``0.0`` and
+        change nothing; ``(None, 0.0)`` when the key has no window record. One atomic step.
 
         A closed window keeps its record, naming the send that closed it, until the record
         expires: an earlier send that starts late (after the run of the latest began) still
@@ -292,14 +319,15 @@ class LockBackend(abc.ABC):
         previous latest send and as the send that closed the window it replaced.
 
         Only if the open window of ``key`` still names ``task_id`` as its latest send: with
-        ``previous``, ``previous`` is the latest again (the window keeps when it opened, and
-        the expiry ``task_id``'s call gave its record); without (``task_id``'s call opened the
-        window), the window is removed, as if it had never been opened, or, with ``closed``
-        (it was opened over a closed window), the closed window is back: closed, naming
-        ``closed``, its record keeping the expiry ``task_id``'s call gave it. Otherwise (a
-        later send superseded ``task_id``, the window was closed or ran out) nothing changes.
-        Returns whether the window changed. Called only when a publish fails, never on the way
-        of a send that is published.
+        ``previous``, ``previous`` is the latest again (the window keeps when it opened, the
+        expiry ``task_id``'s call gave its record, and ``previous``'s pending deadline if it
+        was pending when ``task_id``'s call superseded it); without (``task_id``'s call opened
+        the window), the window is removed, as if it had never been opened, or, with
+        ``closed`` (it was opened over a closed window), the closed window is back: closed,
+        naming ``closed``, its record keeping the expiry ``task_id``'s call gave it. Otherwise
+        (a later send superseded ``task_id``, the window was closed or ran out) nothing
+        changes. Returns whether the window changed. Called only when a publish fails, never
+        on the way of a send that is published.
 
         Raises:
             UnsupportedOperation: The store has no debounce windows (:attr:`supports_debounce`).

@@ -39,6 +39,19 @@ class _Entry:
 
 
 @dataclass
+class _Window:
+    """A key's debounce window: its latest send, when it opened (None once closed), when the
+    record ends, until when the latest is pending (None: published), and the pending deadline
+    of the send it superseded (kept while it is pending, for an undo to put back)."""
+
+    latest: str
+    opened: float | None
+    until: float
+    pending: float | None = None
+    before: float | None = None
+
+
+@dataclass
 class _Fence:
     """A key's last fencing token, completion marker and pending follow-up."""
 
@@ -62,8 +75,7 @@ class MemoryBackend(LockBackend):
         self._entries: dict[str, _Entry] = {}
         self._fences: dict[str, _Fence] = {}
         self._rates: dict[str, float] = {}  # key -> monotonic time its next start is allowed
-        # key -> latest send, when the window opened (None once closed), when the record ends
-        self._windows: dict[str, tuple[str, float | None, float]] = {}
+        self._windows: dict[str, _Window] = {}
         # (key, preempted token) -> the preemptor's task id, when the record ends
         self._replaced: dict[tuple[str, str], tuple[str, float]] = {}
         self._writes = 0
@@ -178,48 +190,79 @@ class MemoryBackend(LockBackend):
         self._writes += 1
         if self._writes % 1024 == 0:
             self._rates = {k: at for k, at in self._rates.items() if at > now}
-            self._windows = {k: w for k, w in self._windows.items() if w[2] > now}
+            self._windows = {k: w for k, w in self._windows.items() if w.until > now}
             self._replaced = {k: r for k, r in self._replaced.items() if r[1] > now}
 
-    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float, str | None]:
+    def debounce(
+        self, key: str, task_id: str, ttl: float, *, pending: float = 0.0
+    ) -> tuple[str | None, float, str | None]:
         ttl = check_lease(ttl, "debounce")
         now = time.monotonic()
         with self._mutex:
-            latest, opened, until = self._windows.get(key, (None, now, now))
-            closed = latest if until > now and opened is None else None
-            if until <= now or opened is None:  # no window, it ran out, or it is closed
-                latest, opened = None, now
+            window = self._windows.get(key)
+            if window is None or window.until <= now or window.opened is None:
+                # no window, it ran out, or it is closed: this send opens one
+                closed = window.latest if window and window.until > now else None
+                latest, opened, until, before = None, now, now, None
+            else:
+                closed, latest, opened, until = None, window.latest, window.opened, window.until
+                before = window.pending
             # Never shorter than an earlier send asked: it may start later than this one.
-            self._windows[key] = (task_id, opened, max(until, now + ttl))
+            mark = now + pending if pending > 0 else None
+            self._windows[key] = _Window(
+                task_id, opened, max(until, now + ttl), mark, before if mark else None
+            )
             self._prune(now)
             return latest, now - opened, closed
 
-    def debounce_take(self, key: str, task_id: str) -> str | None:
+    def debounce_published(self, key: str, task_id: str) -> bool:
+        now = time.monotonic()
+        with self._mutex:
+            window = self._open_window(key, now)
+            if window is None or window.latest != task_id or window.pending is None:
+                return False
+            window.pending = window.before = None
+            return True
+
+    def debounce_take(self, key: str, task_id: str) -> tuple[str | None, float]:
         now = time.monotonic()
         with self._mutex:
             window = self._windows.get(key)
-            if window is None or window[2] <= now:
+            if window is None or window.until <= now:
                 self._windows.pop(key, None)
-                return None
-            if window[0] == task_id and window[1] is not None:
-                self._windows[key] = (task_id, None, window[2])  # closed: opened is None
-            return window[0]
+                return None, 0.0
+            if window.opened is None:
+                return window.latest, 0.0
+            if window.latest != task_id and window.pending is not None:
+                if window.pending > now:
+                    return window.latest, window.pending - now
+                window.latest = task_id  # pending past its deadline: taken back
+            if window.latest == task_id:  # closed: opened is None
+                window.opened = window.pending = window.before = None
+            return window.latest, 0.0
 
     def debounce_undo(
         self, key: str, task_id: str, previous: str | None, *, closed: str | None = None
     ) -> bool:
         now = time.monotonic()
         with self._mutex:
-            window = self._windows.get(key)
-            if window is None or window[0] != task_id or window[1] is None or window[2] <= now:
+            window = self._open_window(key, now)
+            if window is None or window.latest != task_id:
                 return False
             if previous is not None:
-                self._windows[key] = (previous, window[1], window[2])
+                self._windows[key] = _Window(previous, window.opened, window.until, window.before)
             elif closed is not None:  # task_id opened it over this closed one: closed again
-                self._windows[key] = (closed, None, window[2])
+                self._windows[key] = _Window(closed, None, window.until)
             else:
                 del self._windows[key]  # task_id opened it
             return True
+
+    def _open_window(self, key: str, now: float) -> _Window | None:
+        """The open debounce window of ``key``, if any; the mutex is held."""
+        window = self._windows.get(key)
+        if window is None or window.opened is None or window.until <= now:
+            return None
+        return window
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         with self._mutex:
@@ -341,11 +384,10 @@ class MemoryBackend(LockBackend):
         if record is not None and record.next is not None and record.next_until > now:
             found.append(StoreState("follow_up", key, record.next, record.next_until - now))
         window = self._windows.get(key)
-        if window is not None and window[2] > now:
-            latest, opened, until = window
-            age = None if opened is None else now - opened
-            detail = {"open": opened is not None, "age": age}
-            found.append(StoreState("window", key, latest, until - now, detail))
+        if window is not None and window.until > now:
+            age = None if window.opened is None else now - window.opened
+            detail = {"open": window.opened is not None, "age": age}
+            found.append(StoreState("window", key, window.latest, window.until - now, detail))
         allowed = self._rates.get(key)
         if allowed is not None and allowed > now:
             found.append(

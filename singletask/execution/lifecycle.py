@@ -46,7 +46,7 @@ from ..policies import Conflict
 from ..protocol.headers import LATEST_HEADER, header_count, is_redelivery
 from ..protocol.slots import base_key
 from ..protocol.tokens import direct_token, execution_token, reservation_token
-from ..send.records import clear_follow_up
+from ..send.records import MAX_PENDING, clear_follow_up
 from ..signals import lock_acquired
 from . import replace
 from .acquire import gone_holder, take, twin_of, waits_for_rate
@@ -63,6 +63,9 @@ if TYPE_CHECKING:
 __all__ = ["Ended", "current_lock", "execute"]
 
 logger = logging.getLogger("singletask")
+
+#: Seconds between two looks at a pending latest send of a debounce window (``_take_window``).
+_PENDING_POLL = 0.25
 
 
 class _Frame(NamedTuple):
@@ -237,12 +240,32 @@ def _window(run: _Run) -> Ended | None:
     windowed = run.options.debounce is not None or header_count(run.request, LATEST_HEADER)
     if not windowed or run.attempt is None:
         return None
-    run.latest = run.backend.debounce_take(run.key, str(run.task_id))
+    run.latest = _take_window(run)
     if run.latest is None or run.latest == run.task_id:
         return None
     reserved = run.retries > 0 or run.options.scope == "coalesce"
     reservation = str(run.takeover) if reserved else None
     return Ended(superseded(run.task, run.options, run.backend, run.key, run.latest, reservation))
+
+
+def _take_window(run: _Run) -> str | None:
+    """The window's latest send, the window closed if it is this one. While the latest is a
+    later send whose message is still being published (pending), this waits for it, polling
+    the store, at most until its publish deadline (the store's answer, at most MAX_PENDING):
+    published, it supersedes this send; taken back, or never published by its deadline, it
+    does not."""
+    deadline = time.monotonic() + MAX_PENDING
+    latest, left = run.backend.debounce_take(run.key, str(run.task_id))
+    if left > 0:
+        logger.info(
+            "Task %s[%s] waits up to %.1fs for the publish of %s, the latest send of its "
+            "debounce window",
+            run.task.name, run.task_id, left, latest,
+        )  # fmt: skip
+    while left > 0 and time.monotonic() < deadline:
+        time.sleep(min(left, _PENDING_POLL, max(0.0, deadline - time.monotonic())))
+        latest, left = run.backend.debounce_take(run.key, str(run.task_id))
+    return latest
 
 
 def _take_over(run: _Run, result: AcquireResult) -> AcquireResult:

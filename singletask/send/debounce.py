@@ -2,8 +2,12 @@
 
 ``SingletonTask.apply_async`` hands a debounced task's messages to :func:`send`. Each send
 becomes the latest of its key's *debounce window* in the lock store (one round trip,
-:meth:`~singletask.backends.base.LockBackend.debounce`) and is published with a countdown of
-``lock_debounce`` seconds: a later send of the key within that time supersedes it. When a
+:meth:`~singletask.backends.base.LockBackend.debounce`), *pending* while it is published with a
+countdown of ``lock_debounce`` seconds, and is then marked published (a second round trip,
+:meth:`~singletask.backends.base.LockBackend.debounce_published`): a later send of the key
+within that time supersedes it. An earlier message that starts while the latest send is pending
+waits for it to be published or taken back (at most :func:`publish_time`) instead of ending
+superseded by a send that may never be published. When a
 message starts, only the window's latest send runs its body, which closes the window (a closed
 window still names it until its record expires, for the earlier sends a worker starts late);
 every earlier one ends as a :class:`~singletask.Skipped` naming the send that superseded it (see
@@ -28,7 +32,7 @@ from celery.utils.time import maybe_iso8601
 from ..conf.runtime import app_state
 from ..exceptions import BackendError
 from .dedup import call_arguments, published_as_is, send_delay
-from .records import enter_window, publish_or_undo
+from .records import MAX_PENDING, enter_window, publish_or_undo, publish_time, window_published
 
 if TYPE_CHECKING:
     from celery import Task
@@ -36,7 +40,8 @@ if TYPE_CHECKING:
 
     from ..conf.options import LockOptions
 
-__all__ = ["send", "wait"]
+# MAX_PENDING and publish_time: from singletask.send.records (lock_coalesce "latest" uses them too)
+__all__ = ["MAX_PENDING", "publish_time", "send", "wait"]
 
 logger = logging.getLogger("singletask")
 
@@ -80,7 +85,10 @@ def send(
         # The window outlives its latest message's countdown by lock_queue_ttl, the time a
         # queued message is given to start: an earlier send that starts late still finds it.
         ttl = delay + float(options.debounce or 0) + options.queue_ttl
-        previous, age, window = enter_window(backend, key, task_id, min(ttl, backend.max_lease))
+        previous, age, window = enter_window(
+            backend, key, task_id, min(ttl, backend.max_lease),
+            pending=publish_time(task.app, send_options),
+        )  # fmt: skip
     except BackendError as exc:
         logger.warning(
             "Task %s[%s] sent without debounce: the lock store is unreachable (%s); it runs "
@@ -104,5 +112,8 @@ def send(
             published["expires"] = moment + timedelta(seconds=waited)
     # Unpublished, the send would stay the window's latest: the burst's published sends would
     # all end superseded by it, and no body would run. Taken back, the window is as before.
+    # Until then it is pending: an earlier message that starts meanwhile waits for the outcome.
     message = partial(publish, task_id, {**published, "countdown": countdown})
-    return publish_or_undo(task, task_id, message, window)
+    result = publish_or_undo(task, task_id, message, window)
+    window_published(task, backend, key, task_id)
+    return result

@@ -28,7 +28,16 @@ from ..policies import POLICIES
 from ..protocol.headers import LATEST_HEADER, seconds_until, with_header
 from ..protocol.tokens import reservation_token
 from ..signals import lock_conflict
-from .records import Written, claim_follow_up, enter_window, publish_or_undo, reserve, together
+from .records import (
+    Written,
+    claim_follow_up,
+    enter_window,
+    publish_or_undo,
+    publish_time,
+    reserve,
+    together,
+    window_published,
+)
 
 if TYPE_CHECKING:
     from celery import Celery, Task
@@ -248,8 +257,10 @@ def send_latest(
     ends as a :class:`~singletask.Skipped` naming it when a worker starts it
     (:func:`singletask.execution.lifecycle.execute`). ``reservation``: the key's reservation this
     send made (the key was free), ``running``: the task id of the run in progress (this send is its
-    follow-up). A failed publish takes both the window's entry and the reservation back."""
-    previous, _, window = enter_window(backend, key, task_id, ttl)
+    follow-up). A failed publish takes both the window's entry and the reservation back; the
+    entry is pending until the publish ends, as a debounced send's is."""
+    pending = publish_time(task.app, send_options)
+    previous, _, window = enter_window(backend, key, task_id, ttl, pending=pending)
     action = "follow" if running is not None and previous is None else "supersede"
     if running is not None or previous is not None:
         lock_conflict.send(
@@ -262,7 +273,9 @@ def send_latest(
         )  # fmt: skip
     written = window if reservation is None else together(reservation, window)
     message = partial(publish, task_id, latest_headers(task, send_options))
-    return publish_or_undo(task, task_id, message, written)
+    result = publish_or_undo(task, task_id, message, written)
+    window_published(task, backend, key, task_id)
+    return result
 
 
 def latest_headers(task: Task[Any, Any], send_options: Mapping[str, Any]) -> dict[str, Any]:

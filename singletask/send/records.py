@@ -17,9 +17,11 @@ is and how to take it back.
 
 :func:`publish_or_undo` publishes, and if the publish raises (the broker is down, the serializer
 refuses an argument), takes the record back in one atomic step before the error reaches the
-caller: a send whose publish fails leaves the store as it was. A published send costs nothing
-more. A producer that dies between the write and the publish leaves the record until it expires
-(``docs/guarantees.rst`` bounds it).
+caller: a send whose publish fails leaves the store as it was. A published reservation or
+follow-up claim costs nothing more; a published debounced send tells the store that its window
+entry, pending until then, was published (``window_published``, one more round trip). A
+producer that dies between the write and the publish leaves the record until it expires (a
+pending window entry: until its publish deadline), ``docs/guarantees.rst`` bounds it.
 """
 
 from __future__ import annotations
@@ -35,22 +37,54 @@ from celery import states
 from ..exceptions import BackendError, SingletaskError
 
 if TYPE_CHECKING:
-    from celery import Task
+    from celery import Celery, Task
 
     from ..backends.base import AcquireResult, LockBackend
 
 __all__ = [
+    "MAX_PENDING",
     "Written",
     "claim_follow_up",
     "clear_follow_up",
     "enter_window",
     "publish_or_undo",
+    "publish_time",
     "reserve",
     "take_back",
     "together",
+    "window_published",
 ]
 
 logger = logging.getLogger("singletask")
+
+#: The longest a send stays pending in its window (seconds), whatever its publish retry policy
+#: allows (``max_retries`` None: for ever).
+MAX_PENDING = 60.0
+#: Seconds added to the publish time the retry policy allows, for the store round trips.
+_PENDING_MARGIN = 1.0
+
+
+def publish_time(app: Celery, send_options: Mapping[str, Any]) -> float:
+    """Seconds a publish of ``app`` may take before it fails, at most :data:`MAX_PENDING`: a
+    connection attempt (``broker_connection_timeout``) for each try kombu's publish retry policy
+    makes (``retry``, ``retry_policy``, or the settings ``task_publish_retry`` and
+    ``task_publish_retry_policy``), the waits between them, and a margin."""
+    conf = app.conf
+    connect = float(conf.get("broker_connection_timeout") or 4.0)
+    retry = send_options.get("retry", conf.get("task_publish_retry", True))
+    policy = {
+        **(conf.get("task_publish_retry_policy") or {}),
+        **(send_options.get("retry_policy") or {}),
+    }
+    retries = policy.get("max_retries") if retry else 0  # kombu's ensure: None is for ever
+    if retries is None:
+        return MAX_PENDING
+    start = float(policy.get("interval_start", 1))
+    step = float(policy.get("interval_step", 1))
+    longest = float(policy.get("interval_max", 1))
+    waits = sum(min(start + step * n, longest) for n in range(int(retries)))
+    return min(MAX_PENDING, (int(retries) + 1) * connect + waits + _PENDING_MARGIN)
+
 
 T = TypeVar("T")
 
@@ -99,13 +133,30 @@ def claim_follow_up(
 
 
 def enter_window(
-    backend: LockBackend, key: str, task_id: str, ttl: float
+    backend: LockBackend, key: str, task_id: str, ttl: float, *, pending: float = 0.0
 ) -> tuple[str | None, float, Written]:
-    """Make ``task_id`` the latest send of the debounce window of ``key``; return the send it
+    """Make ``task_id`` the latest send of the debounce window of ``key``, pending ``pending``
+    seconds unless ``window_published`` says it was published; return the send it
     superseded (None when it opened the window) and the window's age in seconds."""
-    previous, age, closed = backend.debounce(key, task_id, ttl)
+    previous, age, closed = backend.debounce(key, task_id, ttl, pending=pending)
     undo = partial(backend.debounce_undo, key, task_id, previous, closed=closed)
     return previous, age, Written("debounce window", undo)
+
+
+def window_published(task: Task[Any, Any], backend: LockBackend, key: str, task_id: str) -> None:
+    """The message of ``task_id``, a pending latest send of the window of ``key``, was
+    published: the earlier sends of the window that start now end superseded by it, without
+    waiting for its publish. Never raises: if the store fails, a WARNING says so, and the send
+    stays pending until its deadline, when it is treated as taken back (one of the window's
+    sends still runs, maybe an earlier one)."""
+    try:
+        backend.debounce_published(key, task_id)
+    except BackendError as exc:
+        logger.warning(
+            "Task %s[%s] was published, but the lock store could not be told (%s): the "
+            "earlier sends of its debounce window wait for it until its publish deadline",
+            task.name, task_id, exc,
+        )  # fmt: skip
 
 
 def together(*written: Written) -> Written:

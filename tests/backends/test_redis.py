@@ -435,16 +435,18 @@ def test_a_rated_slot_acquisition_and_a_debounce_cost_one_round_trip_each(
 ) -> None:
     """acquire_slot with an interval checks and records the rate in the script that takes the
     slot: one request, whether it starts, is refused by the rate, or re-acquires its own slot;
-    debounce and debounce_take are one request each."""
+    debounce (pending or not), debounce_published and debounce_take are one request each."""
     # Given a backend that has already connected and cached its scripts
     assert redis_backend.acquire_slot(f"{key}:warm", 2, "token-0", LEASE, interval=60).acquired
-    redis_backend.debounce(f"{key}:warm", "send-0", LEASE)
+    redis_backend.debounce(f"{key}:warm", "send-0", LEASE, pending=LEASE)
+    redis_backend.debounce_published(f"{key}:warm", "send-0")
     redis_backend.debounce_take(f"{key}:warm", "send-0")
     calls: list[Callable[[], Any]] = [
         lambda: redis_backend.acquire_slot(key, 2, "token-1", LEASE, interval=60),
         lambda: redis_backend.acquire_slot(key, 2, "token-2", LEASE, interval=60),
         lambda: redis_backend.acquire_slot(key, 2, "token-1", LEASE, interval=60),
-        lambda: redis_backend.debounce(key, "send-1", LEASE),
+        lambda: redis_backend.debounce(key, "send-1", LEASE, pending=LEASE),
+        lambda: redis_backend.debounce_published(key, "send-1"),
         lambda: redis_backend.debounce_take(key, "send-1"),
     ]
     outcomes: list[Any] = []
@@ -454,14 +456,15 @@ def test_a_rated_slot_acquisition_and_a_debounce_cost_one_round_trip_each(
         after = redis_client.info("stats")["total_reads_processed"]
         # Then the server read one request (and the INFO that reads the count)
         assert after - before - 1 == 1
-    started, refused, again, opened, taken = outcomes
+    started, refused, again, opened, published, taken = outcomes
     assert started.acquired
     assert again.acquired
     assert again.fence == started.fence
     assert not refused.acquired
     assert refused.retry_after is not None
     assert opened == (None, 0.0, None)
-    assert taken == "send-1"
+    assert published is True
+    assert taken == ("send-1", 0.0)
 
 
 def test_a_rate_record_and_a_debounce_window_are_companions_of_the_key(
@@ -501,14 +504,14 @@ def test_a_take_closes_the_window_keeping_its_record_and_expiry(
     # Given a window whose latest send takes it
     assert redis_backend.debounce(key, "send-1", 40) == (None, 0.0, None)
     assert redis_backend.debounce(key, "send-2", 40)[0] == "send-1"
-    assert redis_backend.debounce_take(key, "send-2") == "send-2"
+    assert redis_backend.debounce_take(key, "send-2") == ("send-2", 0.0)
 
     # Then the record stays, closed (no o), naming send-2, its expiry unchanged
     assert redis_client.hgetall(window) == {b"l": b"send-2"}
     assert 39_000 < redis_client.pttl(window) <= 40_000
     # And a take on it returns its latest, changing nothing
-    assert redis_backend.debounce_take(key, "send-1") == "send-2"
-    assert redis_backend.debounce_take(key, "send-2") == "send-2"
+    assert redis_backend.debounce_take(key, "send-1") == ("send-2", 0.0)
+    assert redis_backend.debounce_take(key, "send-2") == ("send-2", 0.0)
     assert redis_client.hgetall(window) == {b"l": b"send-2"}
     # When a send comes, it opens a new window, keeping the record's longer expiry: send-1,
     # which asked for 40 s, may still start and must find a window naming its successor
@@ -522,7 +525,7 @@ def test_a_take_closes_the_window_keeping_its_record_and_expiry(
     assert 59_000 < redis_client.pttl(window) <= 60_000
     # And with no record a take returns None
     redis_client.delete(window)
-    assert redis_backend.debounce_take(key, "send-3") is None
+    assert redis_backend.debounce_take(key, "send-3") == (None, 0.0)
 
 
 def test_a_rate_record_never_lets_a_start_come_a_rounding_early(

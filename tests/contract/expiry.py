@@ -66,9 +66,9 @@ def _memory(
         for key, allowed in backend._rates.items():
             if match in key and allowed > now:
                 found[f"rate {key}"] = allowed - now
-        for key, (_, _, until) in backend._windows.items():
-            if match in key and until > now:
-                found[f"debounce {key}"] = until - now
+        for key, window in backend._windows.items():
+            if match in key and window.until > now:
+                found[f"debounce {key}"] = window.until - now
     return found
 
 

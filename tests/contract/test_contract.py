@@ -64,6 +64,7 @@ OPERATIONS = (
     "acquire_slot",
     "debounce",
     "debounce_take",
+    "debounce_published",
     "debounce_undo",
     "release",
     "extend",

@@ -213,29 +213,29 @@ def test_only_the_latest_send_closes_the_window(debounced: LockBackend, key: str
     debounced.debounce(key, "send-2", LEASE)
 
     # An earlier send learns its successor and changes nothing
-    assert debounced.debounce_take(key, "send-1") == "send-2"
-    assert debounced.debounce_take(key, "send-1") == "send-2"
+    assert debounced.debounce_take(key, "send-1") == ("send-2", 0.0)
+    assert debounced.debounce_take(key, "send-1") == ("send-2", 0.0)
     # The latest closes the window; the closed window still names it, to the latest itself
     # (its message sent again) and to an earlier send that starts only now
-    assert debounced.debounce_take(key, "send-2") == "send-2"
-    assert debounced.debounce_take(key, "send-2") == "send-2"
-    assert debounced.debounce_take(key, "send-1") == "send-2"
+    assert debounced.debounce_take(key, "send-2") == ("send-2", 0.0)
+    assert debounced.debounce_take(key, "send-2") == ("send-2", 0.0)
+    assert debounced.debounce_take(key, "send-1") == ("send-2", 0.0)
 
 
 def test_a_send_after_the_window_closed_opens_a_new_one(debounced: LockBackend, key: str) -> None:
     debounced.debounce(key, "send-1", LEASE)
     time.sleep(0.2)
-    assert debounced.debounce_take(key, "send-1") == "send-1"
+    assert debounced.debounce_take(key, "send-1") == ("send-1", 0.0)
     assert debounced.debounce(key, "send-2", LEASE) == (None, 0.0, "send-1")
     # The new window is open: the first send is superseded, the new one takes it
-    assert debounced.debounce_take(key, "send-1") == "send-2"
-    assert debounced.debounce_take(key, "send-2") == "send-2"
+    assert debounced.debounce_take(key, "send-1") == ("send-2", 0.0)
+    assert debounced.debounce_take(key, "send-2") == ("send-2", 0.0)
 
 
 def test_a_window_runs_out_by_itself(debounced: LockBackend, key: str) -> None:
     debounced.debounce(key, "send-1", SHORT)
     deadline = time.monotonic() + 10
-    while debounced.debounce_take(key, "send-0") is not None:
+    while debounced.debounce_take(key, "send-0") != (None, 0.0):
         assert time.monotonic() < deadline, "the window did not run out"
         time.sleep(0.05)
     assert debounced.debounce(key, "send-2", LEASE) == (None, 0.0, None)
@@ -256,19 +256,19 @@ def test_a_later_send_with_a_shorter_wait_never_shortens_the_window(
     # When send-2's wait has long passed (it starts and closes the window), and send-1 starts
     # only then
     time.sleep(SHORT + 0.3)
-    assert debounced.debounce_take(key, "send-2") == "send-2"
+    assert debounced.debounce_take(key, "send-2") == ("send-2", 0.0)
     time.sleep(SHORT + 0.3)
 
     # Then send-1 still finds the window naming send-2: it is superseded
-    assert debounced.debounce_take(key, "send-1") == "send-2"
+    assert debounced.debounce_take(key, "send-1") == ("send-2", 0.0)
 
     # And the same holds for a window that is still open when send-1 starts
     other = f"{key}:open"
     debounced.debounce(other, "send-1", LEASE)
     debounced.debounce(other, "send-2", SHORT)
     time.sleep(SHORT + 0.3)
-    assert debounced.debounce_take(other, "send-1") == "send-2"
-    assert debounced.debounce_take(other, "send-2") == "send-2"
+    assert debounced.debounce_take(other, "send-1") == ("send-2", 0.0)
+    assert debounced.debounce_take(other, "send-2") == ("send-2", 0.0)
 
 
 def test_racing_sends_each_supersede_exactly_one_other(debounced: LockBackend, key: str) -> None:
@@ -312,8 +312,8 @@ def test_an_unpublished_send_taken_back_makes_the_send_before_it_the_latest_agai
     assert closed is None
     # And once that one is taken back too, send-1 is the send that runs and closes the window
     assert debounced.debounce_undo(key, "send-3", "send-1") is True
-    assert debounced.debounce_take(key, "send-1") == "send-1"
-    assert debounced.debounce_take(key, "send-2") == "send-1"
+    assert debounced.debounce_take(key, "send-1") == ("send-1", 0.0)
+    assert debounced.debounce_take(key, "send-2") == ("send-1", 0.0)
 
 
 def test_an_unpublished_send_that_opened_the_window_takes_the_window_away(
@@ -326,9 +326,9 @@ def test_an_unpublished_send_that_opened_the_window_takes_the_window_away(
     assert debounced.debounce_undo(key, "send-1", None) is True
 
     # Then the key has no window: a message that starts finds none, the next send opens one
-    assert debounced.debounce_take(key, "send-0") is None
+    assert debounced.debounce_take(key, "send-0") == (None, 0.0)
     assert debounced.debounce(key, "send-2", LEASE) == (None, 0.0, None)
-    assert debounced.debounce_take(key, "send-2") == "send-2"
+    assert debounced.debounce_take(key, "send-2") == ("send-2", 0.0)
 
 
 def test_a_send_that_opens_a_window_over_a_closed_one_is_told_the_send_that_closed_it(
@@ -338,7 +338,7 @@ def test_a_send_that_opens_a_window_over_a_closed_one_is_told_the_send_that_clos
     take-back puts back); None over an open window, no window, or one that ran out."""
     # Given a window closed by send-1 (it ran)
     debounced.debounce(key, "send-1", LEASE)
-    assert debounced.debounce_take(key, "send-1") == "send-1"
+    assert debounced.debounce_take(key, "send-1") == ("send-1", 0.0)
 
     # When send-2 opens a new window over it / Then it is told send-1 closed the one it replaced
     assert debounced.debounce(key, "send-2", LEASE) == (None, 0.0, "send-1")
@@ -348,9 +348,9 @@ def test_a_send_that_opens_a_window_over_a_closed_one_is_told_the_send_that_clos
     # And a closed window that ran out is no window: nothing to put back
     other = f"{key}:short"
     debounced.debounce(other, "send-1", SHORT)
-    assert debounced.debounce_take(other, "send-1") == "send-1"
+    assert debounced.debounce_take(other, "send-1") == ("send-1", 0.0)
     deadline = time.monotonic() + 10
-    while debounced.debounce_take(other, "send-0") is not None:
+    while debounced.debounce_take(other, "send-0") != (None, 0.0):
         assert time.monotonic() < deadline, "the closed window did not run out"
         time.sleep(0.05)
     assert debounced.debounce(other, "send-2", LEASE) == (None, 0.0, None)
@@ -366,7 +366,7 @@ def test_an_unpublished_send_that_opened_a_window_over_a_closed_one_puts_the_clo
     # Given a burst of send-1, send-2 whose latest, send-2, ran and closed the window
     debounced.debounce(key, "send-1", LEASE)
     debounced.debounce(key, "send-2", LEASE)
-    assert debounced.debounce_take(key, "send-2") == "send-2"
+    assert debounced.debounce_take(key, "send-2") == ("send-2", 0.0)
     # And send-3, whose publish failed, which opened a new window over the closed one
     assert debounced.debounce(key, "send-3", LEASE) == (None, 0.0, "send-2")
 
@@ -375,12 +375,12 @@ def test_an_unpublished_send_that_opened_a_window_over_a_closed_one_puts_the_clo
 
     # Then the window is closed again, naming send-2: send-1, started late, is superseded by
     # send-2, and send-2 (its message sent again) gets its own id back
-    assert debounced.debounce_take(key, "send-1") == "send-2"
-    assert debounced.debounce_take(key, "send-2") == "send-2"
+    assert debounced.debounce_take(key, "send-1") == ("send-2", 0.0)
+    assert debounced.debounce_take(key, "send-2") == ("send-2", 0.0)
     # And it stays closed: the next send opens a new window, told send-2 closed the one before
     assert debounced.debounce(key, "send-4", LEASE) == (None, 0.0, "send-2")
-    assert debounced.debounce_take(key, "send-1") == "send-4"
-    assert debounced.debounce_take(key, "send-4") == "send-4"
+    assert debounced.debounce_take(key, "send-1") == ("send-4", 0.0)
+    assert debounced.debounce_take(key, "send-4") == ("send-4", 0.0)
 
 
 def test_unpublished_sends_over_a_closed_window_taken_back_in_turn_put_it_back(
@@ -390,7 +390,7 @@ def test_unpublished_sends_over_a_closed_window_taken_back_in_turn_put_it_back(
     again, then the closed window is back."""
     # Given a window closed by send-1, then send-2 (over it) and send-3, both unpublished
     debounced.debounce(key, "send-1", LEASE)
-    assert debounced.debounce_take(key, "send-1") == "send-1"
+    assert debounced.debounce_take(key, "send-1") == ("send-1", 0.0)
     assert debounced.debounce(key, "send-2", LEASE) == (None, 0.0, "send-1")
     assert debounced.debounce(key, "send-3", LEASE)[::2] == ("send-2", None)
 
@@ -399,7 +399,7 @@ def test_unpublished_sends_over_a_closed_window_taken_back_in_turn_put_it_back(
     assert debounced.debounce_undo(key, "send-2", None, closed="send-1") is True
 
     # Then the closed window names send-1 again
-    assert debounced.debounce_take(key, "send-0") == "send-1"
+    assert debounced.debounce_take(key, "send-0") == ("send-1", 0.0)
     assert debounced.debounce(key, "send-4", LEASE) == (None, 0.0, "send-1")
 
 
@@ -414,18 +414,18 @@ def test_taking_back_a_send_the_window_no_longer_names_changes_nothing(
 
     # When send-1 (superseded) is taken back / Then send-2 stays the latest
     assert debounced.debounce_undo(key, "send-1", None) is False
-    assert debounced.debounce_take(key, "send-1") == "send-2"
+    assert debounced.debounce_take(key, "send-1") == ("send-2", 0.0)
 
     # When send-2 closed the window (it ran) and is then taken back / Then the closed window
     # still names it
-    assert debounced.debounce_take(key, "send-2") == "send-2"
+    assert debounced.debounce_take(key, "send-2") == ("send-2", 0.0)
     assert debounced.debounce_undo(key, "send-2", "send-1") is False
-    assert debounced.debounce_take(key, "send-1") == "send-2"
-    assert debounced.debounce_take(key, "send-2") == "send-2"
+    assert debounced.debounce_take(key, "send-1") == ("send-2", 0.0)
+    assert debounced.debounce_take(key, "send-2") == ("send-2", 0.0)
 
     # And a key without a window stays without one
     assert debounced.debounce_undo(f"{key}:other", "send-1", None) is False
-    assert debounced.debounce_take(f"{key}:other", "send-1") is None
+    assert debounced.debounce_take(f"{key}:other", "send-1") == (None, 0.0)
 
 
 def test_a_take_back_racing_a_later_send_never_loses_the_later_send(
@@ -452,5 +452,5 @@ def test_a_take_back_racing_a_later_send_never_loses_the_later_send(
         with ThreadPoolExecutor(max_workers=2) as pool:
             undoing, sending = pool.submit(undo), pool.submit(later)
             undone, (previous, _, _) = undoing.result(), sending.result()
-        assert debounced.debounce_take(name, "send-1") == "send-3"
+        assert debounced.debounce_take(name, "send-1") == ("send-3", 0.0)
         assert previous == ("send-1" if undone else "send-2")

@@ -83,7 +83,7 @@ def test_iter_state_lists_follow_ups_windows_and_rate_records_under_their_lock_k
         backend.debounce(window, "send-1", LEASE)
         backend.debounce(window, "send-2", LEASE)
         backend.debounce(closed, "send-c", LEASE)
-        assert backend.debounce_take(closed, "send-c") == "send-c"
+        assert backend.debounce_take(closed, "send-c") == ("send-c", 0.0)
     if backend.supports_rate:
         assert backend.acquire_slot(rated, 2, "token-r", LEASE, interval=INTERVAL).acquired
     backend.claim_next(f"other-{key_prefix}app.t:f", "elsewhere", LEASE)

@@ -7,16 +7,22 @@ The rate a fleet actually reaches is measured in bench/, not asserted here.
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 from kombu.exceptions import OperationalError
 
 from singletask import Skipped
 
+from ..faultproxy import FaultProxy
+from .app import LOCK_OPTIONS_ENV, make_app
 from .conftest import ON_REDIS_BROKER, Cluster
 from .tasks_limits import PREFIX
-from .test_scopes import without_broker
+from .test_scopes import log_offset, log_since, without_broker
 
 # On the Redis broker only: rates and debounce live in the lock store, and the other e2e
 # modules already cover RabbitMQ; this keeps the suite short.
@@ -107,6 +113,66 @@ def test_a_send_that_cannot_be_published_leaves_the_burst_to_its_last_published_
     # Then the published send runs its body, once; nothing ran the lost one
     assert published.get(timeout=BOUND) == 1
     assert [s["version"] for s in cluster.probe.starts(label)] == [1]
+
+
+@contextmanager
+def through_proxy(cluster: Cluster, name: str) -> Iterator[tuple[Any, FaultProxy]]:
+    """Task ``name`` of a producer that reaches the cluster's broker through a TCP proxy the
+    test can stop, and the proxy. Its publish retry policy gives a publish to a stopped broker
+    a few seconds before it fails (interval 1 s, 3 retries), as kombu's default policy does
+    with a broker that times out: longer than the task's debounce wait."""
+    env = cluster.worker.env
+    proxy, broker = FaultProxy.for_url(str(cluster.app.conf.broker_url))
+    producer = make_app(
+        broker=broker,
+        results=env["SINGLETASK_E2E_RESULTS"],
+        locks=env["SINGLETASK_E2E_LOCKS"],
+        queue=env["SINGLETASK_E2E_QUEUE"],
+        lock_options=json.loads(env.get(LOCK_OPTIONS_ENV) or "{}"),
+    )
+    producer.conf.update(
+        broker_connection_timeout=1.0,
+        task_publish_retry_policy={
+            "max_retries": 3, "interval_start": 1.0, "interval_step": 0.5, "interval_max": 1.0,
+        },
+        broker_transport_options={**producer.conf.broker_transport_options, "max_retries": 0},
+    )  # fmt: skip
+    task = producer.tasks[name]
+    try:
+        with proxy:
+            yield task, proxy
+    finally:
+        task.lock_backend.close()
+        producer.close()
+
+
+def test_a_later_send_that_fails_slowly_leaves_the_burst_to_its_latest_published_send(
+    cluster: Cluster, label: str
+) -> None:
+    """Issue 37: the second send of a burst is written to the window, then its publish fails
+    slowly (the producer's broker went down; kombu retries for seconds). Meanwhile the first
+    message's wait ends: it finds the second send pending, waits for it instead of ending
+    superseded by it, and runs when the second send is taken back."""
+    # Given a task debounced by 1.5 s per label, sent by a producer whose broker link works
+    with through_proxy(cluster, PREFIX + "rebuild_slow") as (task, proxy):
+        offset = log_offset(cluster)
+        published = task.delay(label, 1)
+
+        # When its broker goes down for the second send of the burst
+        proxy.stop()
+        began = time.monotonic()
+        with pytest.raises(OperationalError):
+            task.apply_async((label, 2), task_id=f"lost-{label}")
+        failing = time.monotonic() - began
+
+        # Then the caller of the second send got its error, after the first message's wait
+        # ended (the case of the issue: the first message started while the publish failed);
+        # the first message waited for it, and runs its body, once
+        assert failing > 1.5, f"the publish failed within {failing:.1f}s: no race to test"
+        assert published.get(timeout=BOUND) == 1
+    assert [s["version"] for s in cluster.probe.starts(label)] == [1]
+    waited = [line for line in log_since(cluster, offset) if "waits up to" in line]
+    assert any(published.id in line and f"lost-{label}" in line for line in waited), waited
 
 
 def test_a_steady_stream_still_runs_within_debounce_max(cluster: Cluster, label: str) -> None:

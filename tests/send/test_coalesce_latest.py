@@ -99,8 +99,8 @@ def test_calls_during_a_run_each_become_the_latest_follow_up(app: celery.Celery)
     # And the first followed the run, each later one superseded the one before
     assert actions == [("follow", "running"), ("supersede", "call-0"), ("supersede", "call-1")]
     # And only the last is still the window's latest
-    assert backend.debounce_take(key, "call-0") == "call-2"
-    assert backend.debounce_take(key, "call-2") == "call-2"
+    assert backend.debounce_take(key, "call-0") == ("call-2", 0.0)
+    assert backend.debounce_take(key, "call-2") == ("call-2", 0.0)
 
 
 def test_a_call_that_finds_the_key_free_supersedes_a_follow_up_on_its_way(
@@ -122,7 +122,7 @@ def test_a_call_that_finds_the_key_free_supersedes_a_follow_up_on_its_way(
     holder = backend.holder(key)
     assert holder is not None
     assert holder.task_id == "newer"  # its reservation
-    assert backend.debounce_take(key, "follow-up") == "newer"
+    assert backend.debounce_take(key, "follow-up") == ("newer", 0.0)
 
 
 def test_a_call_whose_publish_fails_is_taken_back(app: celery.Celery) -> None:
@@ -136,7 +136,7 @@ def test_a_call_whose_publish_fails_is_taken_back(app: celery.Celery) -> None:
     with pytest.raises(OSError, match="broker is down"):
         send(rebuild, Sent(rebuild, fail=True), "unsent", "edit 2")
 
-    assert backend.debounce_take(key, "follow-up") == "follow-up"
+    assert backend.debounce_take(key, "follow-up") == ("follow-up", 0.0)
 
 
 def test_a_call_that_reserved_the_free_key_and_whose_publish_fails_takes_both_back(
@@ -155,7 +155,7 @@ def test_a_call_that_reserved_the_free_key_and_whose_publish_fails_takes_both_ba
         send(rebuild, Sent(rebuild, fail=True), "unsent", "edit 2")
 
     assert backend.holder(key) is None
-    assert backend.debounce_take(key, "follow-up") == "follow-up"
+    assert backend.debounce_take(key, "follow-up") == ("follow-up", 0.0)
 
 
 def test_a_superseded_follow_up_ends_naming_the_later_call_and_the_latest_runs(

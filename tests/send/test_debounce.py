@@ -8,6 +8,8 @@ window), the countdown arithmetic, and what definition time refuses.
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import celery
@@ -15,7 +17,7 @@ import pytest
 
 from singletask import ConfigurationError, SingletonTask, Skipped
 from singletask.conf.runtime import lock_options
-from singletask.send.debounce import wait
+from singletask.send.debounce import MAX_PENDING, publish_time, wait
 
 
 @pytest.fixture
@@ -50,7 +52,7 @@ def test_only_the_latest_send_of_a_window_runs_and_its_run_closes_the_window(
     assert "superseded" in str(earlier)
     assert latest == 2
     assert ran == [2]
-    assert backend.debounce_take(key, "send-1") == "send-2"
+    assert backend.debounce_take(key, "send-1") == ("send-2", 0.0)
 
 
 def test_an_earlier_send_that_starts_after_the_latest_ran_is_still_superseded(
@@ -179,7 +181,7 @@ def test_a_send_waits_its_debounce_on_top_of_its_countdown_and_its_expires_moves
         ("send-1", {"countdown": 3.5, "expires": 2.5}),
         ("send-2", {"countdown": 1.5}),
     ]
-    assert rebuild.lock_backend.debounce_take(rebuild.lock_key_for(), "send-1") == "send-2"
+    assert rebuild.lock_backend.debounce_take(rebuild.lock_key_for(), "send-1") == ("send-2", 0.0)
     app.close()
 
 
@@ -245,3 +247,67 @@ def test_an_earlier_send_with_a_longer_countdown_of_its_own_never_runs_its_older
         assert ran == [2]
     finally:
         app.close()
+
+
+def test_an_earlier_message_waits_for_a_pending_latest_send_and_runs_if_it_is_taken_back(
+    app: celery.Celery,
+) -> None:
+    """Issue 37: the latest send's publish is still failing when the earlier message starts."""
+    ran: list[int] = []
+
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_debounce=5)
+    def rebuild(version: int) -> int:
+        ran.append(version)
+        return version
+
+    backend, key = rebuild.lock_backend, rebuild.lock_key_for((1,))
+    backend.debounce(key, "send-1", 60)
+    previous, _, closed = backend.debounce(key, "send-2", 60, pending=60)
+
+    # When the earlier message starts while send-2 is pending, and send-2 is then taken back
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        earlier = pool.submit(lambda: rebuild.apply((1,), task_id="send-1").get())
+        time.sleep(0.5)
+        assert not earlier.done()  # it waits
+        backend.debounce_undo(key, "send-2", previous, closed=closed)
+        outcome = earlier.result(timeout=30)
+
+    # Then it ran its body: the latest published send of the burst
+    assert outcome == 1
+    assert ran == [1]
+
+
+def test_an_earlier_message_waits_for_a_pending_latest_send_and_is_superseded_once_published(
+    app: celery.Celery,
+) -> None:
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_debounce=5)
+    def rebuild(version: int) -> int:
+        raise AssertionError("only send-2 runs")
+
+    backend, key = rebuild.lock_backend, rebuild.lock_key_for((1,))
+    backend.debounce(key, "send-1", 60)
+    backend.debounce(key, "send-2", 60, pending=60)
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        earlier = pool.submit(lambda: rebuild.apply((1,), task_id="send-1").get())
+        time.sleep(0.5)
+        backend.debounce_published(key, "send-2")
+        outcome = earlier.result(timeout=30)
+
+    assert isinstance(outcome, Skipped)
+    assert outcome.reason == "debounced"
+    assert outcome.holder == "send-2"
+
+
+def test_a_send_is_pending_for_as_long_as_its_producers_publish_may_take() -> None:
+    """Every try of kombu's publish retry policy may take a connection timeout, plus the waits
+    between tries and a margin; a policy without a bound is capped."""
+    app = celery.Celery("publish-time", set_as_current=False)
+    # celery's defaults: 4 tries of 4 s, waits of 0, 0.2 and 0.4 s, a margin of 1 s
+    assert publish_time(app, {}) == pytest.approx(4 * 4.0 + 0.6 + 1.0)
+    assert publish_time(app, {"retry": False}) == pytest.approx(4.0 + 1.0)
+    policy = {"max_retries": 1, "interval_start": 2, "interval_step": 1, "interval_max": 5}
+    assert publish_time(app, {"retry_policy": policy}) == pytest.approx(2 * 4.0 + 2.0 + 1.0)
+    assert publish_time(app, {"retry_policy": {"max_retries": None}}) == MAX_PENDING
+    app.conf.broker_connection_timeout = 1.0
+    assert publish_time(app, {"retry": False}) == pytest.approx(2.0)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import celery
 import pytest
+from celery.signals import before_task_publish
 from kombu.exceptions import EncodeError
 
 from singletask import SingletonTask, Skipped
@@ -60,7 +61,7 @@ def test_a_debounced_send_that_cannot_be_published_leaves_the_last_published_sen
     # Given a first send of a burst whose publish fails: nothing is left in the store
     with pytest.raises(EncodeError):
         rebuild.delay("k", Unserializable())
-    assert backend.debounce_take(key, "any-send") is None
+    assert backend.debounce_take(key, "any-send") == (None, 0.0)
 
     # And a send that is published
     published = rebuild.delay("k", 1)
@@ -71,7 +72,7 @@ def test_a_debounced_send_that_cannot_be_published_leaves_the_last_published_sen
 
     # Then the published send is still the window's latest: when it starts, it runs (it is not
     # skipped as superseded by "never-sent", which no worker will ever run)
-    assert backend.debounce_take(key, published.id) == published.id
+    assert backend.debounce_take(key, published.id) == (published.id, 0.0)
 
 
 def test_a_debounced_send_that_cannot_be_published_after_a_run_began_keeps_that_burst_superseded(
@@ -170,3 +171,35 @@ def test_a_call_that_joined_a_send_whose_publish_then_fails_gets_its_failure(
     assert [result.id for result in joined] == ["never-sent"]
     assert joined[0].state == "FAILURE"
     assert isinstance(joined[0].result, EncodeError)
+
+
+def test_a_debounced_send_is_pending_while_it_is_published_and_published_after(
+    app: celery.Celery,
+) -> None:
+    """While its message is being published, a send is pending: an earlier message that starts
+    then is told to wait for it. Once published, the earlier ones are superseded at once."""
+
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_debounce=5, lock_args=("key",))
+    def rebuild(key: str, version: object) -> None:
+        raise AssertionError("no worker runs this")
+
+    backend, key = rebuild.lock_backend, rebuild.lock_key_for(("k", 0))
+    first = rebuild.delay("k", 1)
+    seen: list[tuple[str | None, float]] = []
+
+    def during_publish(sender: str | None = None, **_: object) -> None:
+        if sender == rebuild.name:
+            seen.append(backend.debounce_take(key, first.id))
+
+    before_task_publish.connect(during_publish, weak=False)
+    try:
+        second = rebuild.delay("k", 2)
+    finally:
+        before_task_publish.disconnect(during_publish)
+
+    # During the publish, the first message would have waited for the second send
+    assert len(seen) == 1
+    assert seen[0][0] == second.id
+    assert seen[0][1] > 0
+    # After it, the second send is published: the first message ends superseded at once
+    assert backend.debounce_take(key, first.id) == (second.id, 0.0)

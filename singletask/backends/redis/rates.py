@@ -12,9 +12,10 @@ has a hash tag or no ``}`` at all:
   the script that takes the slot, so it must share the slots' cluster slot (the Cluster store
   refuses a key whose rate record would not);
 * ``}:debounce`` — the debounce window: a hash ``{l: latest task id, o: server ms it opened}``,
-  kept ``ttl`` from each send. A window closed by its latest send's take has no ``o``: it keeps
-  naming that send until it expires, and the next send opens a new window. Its scripts touch
-  it alone.
+  with ``p`` (server ms until which the latest is pending: its message being published) and
+  ``b`` (the superseded send's ``p``, while the latest is pending), kept ``ttl`` from each
+  send. A window closed by its latest send's take has no ``o``: it keeps naming that send until
+  it expires, and the next send opens a new window. Its scripts touch it alone.
 
 A lock key built by singletask never ends in one of :data:`COMPANION_ENDS` (a ``}`` in its text
 is escaped, :mod:`singletask.protocol.keys`); a raw key that does is refused (:func:`check_key`),
@@ -32,6 +33,7 @@ from ..base import check_lease
 from .scripts import (
     ACQUIRE_SLOT_RATED_KEEPING_SCRIPT,
     ACQUIRE_SLOT_RATED_SCRIPT,
+    DEBOUNCE_PUBLISHED_SCRIPT,
     DEBOUNCE_SCRIPT,
     DEBOUNCE_TAKE_SCRIPT,
     DEBOUNCE_UNDO_SCRIPT,
@@ -44,6 +46,7 @@ __all__ = [
     "ACQUIRE_SLOT_RATED_KEEPING",
     "COMPANION_ENDS",
     "DEBOUNCE",
+    "DEBOUNCE_PUBLISHED",
     "DEBOUNCE_TAKE",
     "DEBOUNCE_UNDO",
     "check_key",
@@ -99,6 +102,7 @@ ACQUIRE_SLOT_RATED = Script(ACQUIRE_SLOT_RATED_SCRIPT)
 ACQUIRE_SLOT_RATED_KEEPING = Script(ACQUIRE_SLOT_RATED_KEEPING_SCRIPT)
 
 DEBOUNCE = Script(DEBOUNCE_SCRIPT)
+DEBOUNCE_PUBLISHED = Script(DEBOUNCE_PUBLISHED_SCRIPT)
 DEBOUNCE_TAKE = Script(DEBOUNCE_TAKE_SCRIPT)
 DEBOUNCE_UNDO = Script(DEBOUNCE_UNDO_SCRIPT)
 
@@ -130,9 +134,9 @@ def slot_request(
     return ACQUIRE_SLOT_RATED, [*keys, rate_key(key)], args
 
 
-def debounce_args(task_id: str, ttl: float) -> tuple[str, int]:
-    """DEBOUNCE_SCRIPT's arguments (the lease checked)."""
-    return task_id, lease_ms(ttl, "debounce")
+def debounce_args(task_id: str, ttl: float, pending: float) -> tuple[str, int, int]:
+    """DEBOUNCE_SCRIPT's arguments (the lease checked; a pending time of at least 1 ms)."""
+    return task_id, lease_ms(ttl, "debounce"), max(1, round(pending * 1000)) if pending > 0 else 0
 
 
 def debounce_result(reply: Sequence[Any]) -> tuple[str | None, float, str | None]:

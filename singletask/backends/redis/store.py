@@ -41,6 +41,7 @@ from .connections import send
 from .options import connection_options, parse_redis_url, retentions
 from .rates import (
     DEBOUNCE,
+    DEBOUNCE_PUBLISHED,
     DEBOUNCE_TAKE,
     DEBOUNCE_UNDO,
     check_key,
@@ -286,15 +287,22 @@ class RedisBackend(LockBackend):
         self._check_slots(keys)
         return slot_result(keys[:limit], self._call("acquire", script, keys, args))
 
-    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float, str | None]:
+    def debounce(
+        self, key: str, task_id: str, ttl: float, *, pending: float = 0.0
+    ) -> tuple[str | None, float, str | None]:
         self._check_key(key, "debounce")
-        args = debounce_args(task_id, ttl)
+        args = debounce_args(task_id, ttl, pending)
         return debounce_result(self._call("debounce", DEBOUNCE, (window_key(key),), args))
 
-    def debounce_take(self, key: str, task_id: str) -> str | None:
+    def debounce_published(self, key: str, task_id: str) -> bool:
         self._check_key(key, "debounce")
-        latest = self._call("debounce", DEBOUNCE_TAKE, (window_key(key),), (task_id,))
-        return as_text(latest) if latest else None
+        args = (task_id,)
+        return bool(self._call("debounce", DEBOUNCE_PUBLISHED, (window_key(key),), args))
+
+    def debounce_take(self, key: str, task_id: str) -> tuple[str | None, float]:
+        self._check_key(key, "debounce")
+        latest, left = self._call("debounce", DEBOUNCE_TAKE, (window_key(key),), (task_id,))
+        return (as_text(latest) if latest else None), int(left) / 1000
 
     def debounce_undo(
         self, key: str, task_id: str, previous: str | None, *, closed: str | None = None

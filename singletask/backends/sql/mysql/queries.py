@@ -31,6 +31,8 @@ CREATE TABLE IF NOT EXISTS {table} (
     debounce_latest VARBINARY(255) NULL,
     debounce_opened DATETIME(6) NULL,
     debounce_until DATETIME(6) NULL,
+    debounce_pending DATETIME(6) NULL,
+    debounce_before DATETIME(6) NULL,
     INDEX {index} (expires_at)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"""
 
@@ -39,7 +41,8 @@ CREATE TABLE IF NOT EXISTS {table} (
 ADDED_COLUMNS = {
     "full_key": "MEDIUMBLOB NULL", "slot_fence": "BIGINT NULL", "rate_next": "DATETIME(6) NULL",
     "debounce_latest": "VARBINARY(255) NULL", "debounce_opened": "DATETIME(6) NULL",
-    "debounce_until": "DATETIME(6) NULL",
+    "debounce_until": "DATETIME(6) NULL", "debounce_pending": "DATETIME(6) NULL",
+    "debounce_before": "DATETIME(6) NULL",
 }  # fmt: skip
 ADD_COLUMN = "ALTER TABLE {table} ADD COLUMN {column} {kind}"
 #: The table's columns among ``key`` and ADDED_COLUMNS (none: there is no table yet).
@@ -222,7 +225,9 @@ COMMIT"""
 # ``debounce_opened`` NULL), and the latest send of an unexpired closed window (NULL unless
 # the window is closed: what DEBOUNCE_UNDO puts back), and the window is given the new latest
 # send, opened now unless it was open (assigned before debounce_until changes), and kept until
-# ``ttl_us`` from now or, if an earlier send asked for longer, until then (never shortened).
+# ``ttl_us`` from now or, if an earlier send asked for longer, until then (never shortened),
+# pending ``pending_us`` from now (with ``pending_us`` > 0; assigned after debounce_before
+# keeps the superseded send's pending deadline: MySQL assigns left to right).
 DEBOUNCE = f"""{LOCK_ROW}
 SET @st_open = COALESCE(
     (SELECT debounce_until > @st_now AND debounce_opened IS NOT NULL FROM {{table}}
@@ -232,6 +237,8 @@ SELECT IF(@st_open, debounce_latest, NULL),
     IF(NOT @st_open AND debounce_until > @st_now, debounce_latest, NULL)
 FROM {{table}} WHERE `key` = %(key)s;
 UPDATE {{table}} SET
+    debounce_before = IF(%(pending_us)s > 0 AND @st_open, debounce_pending, NULL),
+    debounce_pending = IF(%(pending_us)s > 0, @st_now + INTERVAL %(pending_us)s MICROSECOND, NULL),
     debounce_opened = IF(@st_open, debounce_opened, @st_now),
     debounce_latest = %(task_id)s,
     debounce_until = GREATEST(COALESCE(debounce_until, @st_now),
@@ -240,29 +247,47 @@ UPDATE {{table}} SET
 WHERE `key` = %(key)s;
 COMMIT"""
 
-# The window's latest send, the row locked first (so a send that supersedes it commits before,
-# or after this): the open window is closed (``debounce_opened`` NULL; its latest send and
-# ``debounce_until`` kept) when that send is the caller's; NULL when no window is unexpired.
+# The pending latest send of the open window was published: it is pending no more, if the
+# window still names it. One statement in autocommit.
+DEBOUNCE_PUBLISHED = """
+UPDATE {table} SET debounce_pending = NULL, debounce_before = NULL
+WHERE `key` = %(key)s AND debounce_latest = %(task_id)s AND debounce_opened IS NOT NULL
+    AND debounce_pending IS NOT NULL AND debounce_until > UTC_TIMESTAMP(6)"""
+
+# The window's latest send and the microseconds it stays pending (0 unless it is another send,
+# pending), the row locked first (so a send that supersedes it commits before, or after this).
+# In an open window, another latest send still pending past its deadline is taken back: the
+# caller's send becomes the latest. The open window is then closed (``debounce_opened`` and the
+# pending columns NULL; its latest send and ``debounce_until`` kept) when that send is the
+# caller's; no row when no window is unexpired.
 DEBOUNCE_TAKE = """
 START TRANSACTION;
 SELECT `key` FROM {table} WHERE `key` = %(key)s FOR UPDATE;
 SET @st_now = UTC_TIMESTAMP(6);
-UPDATE {table} SET debounce_opened = NULL
+UPDATE {table} SET debounce_latest = %(task_id)s
+WHERE `key` = %(key)s AND debounce_latest <> %(task_id)s AND debounce_opened IS NOT NULL
+    AND debounce_pending <= @st_now AND debounce_until > @st_now;
+UPDATE {table} SET debounce_opened = NULL, debounce_pending = NULL, debounce_before = NULL
 WHERE `key` = %(key)s AND debounce_latest = %(task_id)s AND debounce_opened IS NOT NULL
     AND debounce_until > @st_now;
-SELECT debounce_latest FROM {table}
-WHERE `key` = %(key)s AND debounce_until > @st_now FOR UPDATE;
+SELECT debounce_latest, IF(debounce_opened IS NOT NULL AND debounce_pending > @st_now,
+        TIMESTAMPDIFF(MICROSECOND, @st_now, debounce_pending), 0)
+FROM {table} WHERE `key` = %(key)s AND debounce_until > @st_now FOR UPDATE;
 COMMIT"""
 
 # Takes back a send whose message was never published, if the open window still names it: the
 # send it superseded is the latest again; or without one (it opened the window), the closed
 # window it opened a new one over is back (``debounce_opened`` NULL, the latest ``closed``,
 # ``debounce_until`` kept: the longer expiry), or without that the window is gone (the row
-# stays, for its other records). One statement in autocommit: the row lock is its atomicity.
-# (MySQL assigns left to right: debounce_latest, which the others do not read, last.)
+# stays, for its other records); the restored send pending again until ``debounce_before``
+# if it was. One statement in autocommit: the row lock is its atomicity. (MySQL assigns left
+# to right: debounce_pending before debounce_before, debounce_latest, which the others do not
+# read, last.)
 DEBOUNCE_UNDO = """
 UPDATE {table} SET
     debounce_opened = IF(%(previous)s IS NULL, NULL, debounce_opened),
+    debounce_pending = IF(%(previous)s IS NULL, NULL, debounce_before),
+    debounce_before = NULL,
     debounce_until = IF(COALESCE(%(previous)s, %(closed)s) IS NULL, NULL, debounce_until),
     debounce_latest = COALESCE(%(previous)s, %(closed)s)
 WHERE `key` = %(key)s AND debounce_latest = %(task_id)s AND debounce_opened IS NOT NULL

@@ -139,6 +139,7 @@ class MySQLBackend(core.SQLBackend):
                 "acquire_slot": Q.ACQUIRE_SLOT, "release_slot": Q.RELEASE_SLOT,
                 "debounce": Q.DEBOUNCE, "debounce_take": Q.DEBOUNCE_TAKE,
                 "debounce_undo": Q.DEBOUNCE_UNDO, "state": S.MYSQL_STATE,
+                "debounce_published": Q.DEBOUNCE_PUBLISHED,
             }.items()
         }  # fmt: skip
         self._pool: pool.Pool[pymysql.connections.Connection[Any]] = pool.Pool(
@@ -276,18 +277,26 @@ class MySQLBackend(core.SQLBackend):
              for n, holder, meta_now, fence, left, done in rows],
         )  # fmt: skip
 
-    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float, str | None]:
-        args = {**_keys(key), "task_id": task_id, "ttl_us": _us(check_lease(ttl, "debounce"))}
+    def debounce(
+        self, key: str, task_id: str, ttl: float, *, pending: float = 0.0
+    ) -> tuple[str | None, float, str | None]:
+        args = {**_keys(key), "task_id": task_id, "ttl_us": _us(check_lease(ttl, "debounce")),
+                "pending_us": _us(pending) if pending > 0 else 0}  # fmt: skip
         rows = self._run("debounce", key, lambda c: _script(c, self._q["debounce"], args)[4])
         latest, age_us, closed = rows[0]
         return _text(latest), max(0.0, int(age_us) / 1e6), _text(closed)
 
-    def debounce_take(self, key: str, task_id: str) -> str | None:
+    def debounce_published(self, key: str, task_id: str) -> bool:
+        args = {**_keys(key), "task_id": task_id}
+        text = self._q["debounce_published"]
+        return self._run("debounce_published", key, lambda c: c.execute(text, args) > 0)
+
+    def debounce_take(self, key: str, task_id: str) -> tuple[str | None, float]:
         args = {**_keys(key), "task_id": task_id}
         rows = self._run(
-            "debounce_take", key, lambda c: _script(c, self._q["debounce_take"], args)[4]
+            "debounce_take", key, lambda c: _script(c, self._q["debounce_take"], args)[5]
         )
-        return _text(rows[0][0]) if rows else None
+        return (_text(rows[0][0]), max(0, int(rows[0][1])) / 1e6) if rows else (None, 0.0)
 
     def debounce_undo(
         self, key: str, task_id: str, previous: str | None, *, closed: str | None = None

@@ -37,7 +37,9 @@ CREATE TABLE IF NOT EXISTS {table} (
     rate_next timestamptz,
     debounce_latest text,
     debounce_opened timestamptz,
-    debounce_until timestamptz
+    debounce_until timestamptz,
+    debounce_pending timestamptz,
+    debounce_before timestamptz
 )"""
 INDEX = "CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at)"
 #: The columns later versions added, with their types: a table made by an older version gains
@@ -45,6 +47,7 @@ INDEX = "CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_at)"
 ADDED_COLUMNS = {
     "full_key": "text", "slot_fence": "bigint", "rate_next": "timestamptz",
     "debounce_latest": "text", "debounce_opened": "timestamptz", "debounce_until": "timestamptz",
+    "debounce_pending": "timestamptz", "debounce_before": "timestamptz",
 }  # fmt: skip
 ADD_COLUMNS = "ALTER TABLE {table} " + ", ".join(
     f"ADD COLUMN IF NOT EXISTS {name} {kind}" for name, kind in ADDED_COLUMNS.items()

@@ -145,7 +145,7 @@ class PostgresBackend(core.SQLBackend):
                 "acquire": Q.ACQUIRE, "release": Q.RELEASE, "extend": Q.EXTEND,
                 "extend_many": Q.EXTEND_MANY, "claim_next": Q.CLAIM_NEXT,
                 "clear_next": Q.CLEAR_NEXT, "debounce_take": W.DEBOUNCE_TAKE,
-                "debounce_undo": W.DEBOUNCE_UNDO,
+                "debounce_undo": W.DEBOUNCE_UNDO, "debounce_published": W.DEBOUNCE_PUBLISHED,
                 "holder": Q.HOLDER, "iter": Q.ITER, "release_holder": Q.RELEASE_HOLDER,
                 "reclaim": Q.RECLAIM, "state": S.POSTGRES_STATE,
                 "leave_replaced": R.POSTGRES_LEAVE, "replaced_by": R.POSTGRES_READ,
@@ -306,18 +306,26 @@ class PostgresBackend(core.SQLBackend):
         rows = self._run("acquire", names[0], "acquire_slot", args, lambda c: c.fetchall())
         return slots.slot_outcome(names, token, rows)
 
-    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float, str | None]:
+    def debounce(
+        self, key: str, task_id: str, ttl: float, *, pending: float = 0.0
+    ) -> tuple[str | None, float, str | None]:
         stored = self._keys(key)
         args = {"base": stored["key"], "base_full": stored["full_key"], "task_id": task_id,
-                "ttl": check_lease(ttl, "debounce")}  # fmt: skip
+                "ttl": check_lease(ttl, "debounce"), "pending": float(pending)}  # fmt: skip
         row = self._run("debounce", key, "debounce", args, lambda c: c.fetchone())
         assert row is not None  # the row was inserted if missing
         return row[0], max(0.0, row[1]), row[2]
 
-    def debounce_take(self, key: str, task_id: str) -> str | None:
+    def debounce_published(self, key: str, task_id: str) -> bool:
+        args = {**self._keys(key), "task_id": task_id}
+        return self._run(
+            "debounce_published", key, "debounce_published", args, lambda c: c.rowcount > 0
+        )
+
+    def debounce_take(self, key: str, task_id: str) -> tuple[str | None, float]:
         args = {**self._keys(key), "task_id": task_id}
         row = self._run("debounce_take", key, "debounce_take", args, lambda c: c.fetchone())
-        return None if row is None else str(row[0])
+        return (None, 0.0) if row is None else (str(row[0]), max(0.0, float(row[1])))
 
     def debounce_undo(
         self, key: str, task_id: str, previous: str | None, *, closed: str | None = None

@@ -238,12 +238,18 @@ class SQLiteBackend(LockBackend):
         )
         return AcquireResult(True, fence=fence, completed=last[1] if last else None, key=name)
 
-    def debounce(self, key: str, task_id: str, ttl: float) -> tuple[str | None, float, str | None]:
+    def debounce(
+        self, key: str, task_id: str, ttl: float, *, pending: float = 0.0
+    ) -> tuple[str | None, float, str | None]:
         ttl = check_lease(ttl, "debounce")
         with self._transaction("debounce", key) as conn:
-            return windows.debounce(conn, key, task_id, ttl, time.time())
+            return windows.debounce(conn, key, task_id, ttl, time.time(), pending)
 
-    def debounce_take(self, key: str, task_id: str) -> str | None:
+    def debounce_published(self, key: str, task_id: str) -> bool:
+        with self._transaction("debounce_published", key) as conn:
+            return windows.debounce_published(conn, key, task_id, time.time())
+
+    def debounce_take(self, key: str, task_id: str) -> tuple[str | None, float]:
         with self._transaction("debounce_take", key) as conn:
             return windows.debounce_take(conn, key, task_id, time.time())
 
