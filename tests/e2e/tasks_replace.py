@@ -85,6 +85,14 @@ def rebuild(
     return version
 
 
+def brief(self: SingletonTask, label: str, n: int) -> int:
+    """A short replace body for storms: works briefly, checking its lock, and returns ``n``."""
+    for _ in range(5):
+        time.sleep(0.01)
+        self.lock.check()
+    return n
+
+
 def coalesced(self: SingletonTask, label: str, tag: str = "", hold: bool = False) -> str:
     """One run plus one follow-up per label, the follow-up with the latest call's ``tag``."""
     with probe().running(label, self.request.id, tag=tag):
@@ -97,6 +105,7 @@ TASKS: list[tuple[str, Any, dict[str, Any]]] = [
     ("rebuild", rebuild, {"lock_policy": "replace"}),
     ("rebuild_long", rebuild, {"lock_policy": "replace", "lock_ttl": LONG_TTL}),
     ("rebuild_slots", rebuild, {"lock_policy": "replace", "lock_limit": 2}),
+    ("storm", brief, {"lock_policy": "replace"}),
     ("rebuild_terminate", rebuild, {"lock_policy": "replace", "lock_replace_terminate": True}),
     (
         "coalesced_latest", coalesced,

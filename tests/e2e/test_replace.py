@@ -229,3 +229,24 @@ def test_coalesce_latest_runs_the_latest_arguments_on_threads(threads: Cluster) 
         coalesce_latest(threads, label)
     finally:
         threads.probe.client.rpush(gate_key(label), *["open"] * 10)
+
+
+def test_a_storm_of_replace_sends_never_fails(cluster: Cluster, label: str) -> None:
+    """Issue 37: 40 replace sends of one key at once, seven bursts. Every send runs, or ends as
+    a ``Skipped`` "replaced" naming another send of the burst (preempted by a newer one, or
+    superseded: a later send held the key): none ends FAILURE with TaskLocked."""
+    storm = cluster.task(PREFIX + "storm")
+    for burst in range(7):
+        # When 40 sends of one key are sent at once
+        results = [storm.delay(f"{label}-{burst}", n) for n in range(40)]
+        ids = {r.id for r in results}
+
+        # Then each one ran or ended replaced, naming another send of the burst
+        for n, result in enumerate(results):
+            value = result.get(timeout=BOUND, propagate=False)
+            assert result.state == "SUCCESS", (burst, n, result.state, value)
+            if isinstance(value, Skipped):
+                assert value.reason == "replaced", (burst, n, value)
+                assert value.holder in ids - {result.id}, (burst, n, value)
+            else:
+                assert value == n
