@@ -19,7 +19,7 @@ execution that has ended by then is named), and the handle reports the loss as a
 Who never preempts: another delivery or attempt of the holder's own message, an execution
 that is itself a retried attempt or a redelivered copy (its message is older than the holder,
 which started after it first did), and an execution whose holders are all *later sends* (by
-the send-time header each holder keeps in its metadata, :data:`SENT`): it is superseded. So a
+the send-time header each holder keeps in its metadata, field ``sent``): it is superseded. So a
 replace send never fails for being locked: it runs, or ends as a ``Skipped`` "replaced" naming
 the newer execution that preempted it or holds the key. :func:`preempt` leaves them to
 :func:`singletask.execution.outcomes.refused`, as every refused execution: the former is deferred or
