@@ -21,7 +21,7 @@ from singletask.protocol.slots import slot_keys
 from .conftest import Cluster, start_cluster
 from .probe import Probe
 from .tasks_policies import gate_key
-from .tasks_replace import LONG_TTL, PREFIX, TTL, resource_key
+from .tasks_replace import LONG_TTL, MAX_HOLD, MAX_HOLD_TTL, PREFIX, TTL, resource_key
 
 pytestmark = pytest.mark.e2e
 
@@ -114,6 +114,40 @@ def test_a_run_whose_successor_has_already_ended_still_ends_replaced(
     """The newer execution ends before the older one's next renewal (see above)."""
     successor_ends_first(cluster.task(PREFIX + "rebuild_long"), cluster.probe, label)
     cluster.wait_free(f"singletask:{PREFIX}rebuild_long:{label}")
+
+
+def test_a_body_past_lock_max_hold_still_learns_its_preemption_in_time(
+    cluster: Cluster, label: str
+) -> None:
+    """lock_max_hold stops the renewal, not the watch for a preemption: a body preempted after
+    its renewal stopped learns it within a third of its lease, as ``LockPreempted`` naming the
+    newer execution, not as a plain ``LockLost`` when its last lease runs out."""
+    task = cluster.task(PREFIX + "rebuild_max_hold")
+    older = task.delay(label, 1)
+    first = cluster.probe.wait_for(label, "start", timeout=BOUND)[0]
+    # Sent just after the renewal stopped: renewed at a third and two thirds of its lease, the
+    # older one's round at one lease found it held past MAX_HOLD; its last lease runs on until
+    # one lease after its renewal at two thirds (10 s after it acquired)
+    assert MAX_HOLD_TTL * 2 / 3 < MAX_HOLD < MAX_HOLD_TTL
+    time.sleep(max(0.0, first["t"] + MAX_HOLD_TTL + 0.4 - time.time()))
+
+    # When a newer execution of the key is sent
+    newer = task.delay(label, 2)
+
+    # Then it runs at once
+    starts = cluster.probe.wait_for(label, "start", count=2, timeout=BOUND)
+    second = next(s for s in starts if s["task_id"] == newer.id)
+    # And the older one learns that it was preempted, and by whom, within one renewal interval
+    learned = cluster.probe.wait_for(label, "learned", timeout=BOUND)[0]
+    assert (learned["task_id"], learned["kind"]) == (older.id, "LockPreempted"), learned
+    assert learned["successor"] == newer.id
+    assert learned["t"] - second["t"] < MAX_HOLD_TTL / 3 + SLACK
+    # And it ends as replaced, naming the newer one
+    value = older.get(timeout=BOUND)
+    assert isinstance(value, Skipped), value
+    assert (value.reason, value.holder) == ("replaced", newer.id)
+    cluster.probe.client.rpush(gate_key(label), "open")
+    assert newer.get(timeout=BOUND) == 2
 
 
 def test_with_every_slot_full_the_oldest_holder_is_preempted(cluster: Cluster, label: str) -> None:
