@@ -134,6 +134,10 @@ TASKS: list[tuple[str, Any, dict[str, Any]]] = [
     ("storm", brief, {"lock_policy": "replace"}),
     ("rebuild_terminate", rebuild, {"lock_policy": "replace", "lock_replace_terminate": True}),
     (
+        "rebuild_terminate_long", rebuild,
+        {"lock_policy": "replace", "lock_replace_terminate": True, "lock_ttl": LONG_TTL},
+    ),
+    (
         "rebuild_max_hold", outlast,
         {"lock_policy": "replace", "lock_ttl": MAX_HOLD_TTL, "lock_max_hold": MAX_HOLD},
     ),

@@ -219,6 +219,41 @@ def test_a_newer_execution_preempts_the_running_one_on_threads(threads: Cluster)
         threads.probe.client.rpush(gate_key(label), *["open"] * 10)
 
 
+@pytest.mark.pools
+def test_terminate_sends_no_revoke_to_a_body_on_threads(threads: Cluster) -> None:
+    """lock_replace_terminate where the pool cannot terminate a task (threads): the preempted
+    send is not revoked, so its caller never sees REVOKED while its body still runs; the body
+    stops at its next check of its lock, and the caller gets the Skipped "replaced" naming the
+    newer send, which runs."""
+    label, probe = threads.label(), threads.probe
+    rebuild = threads.task(PREFIX + "rebuild_terminate_long")
+    try:
+        older = rebuild.delay(label, 1)
+        first = probe.wait_for(label, "start", timeout=BOUND)[0]
+        # Sent just after the older one's first renewal: its body runs on for most of an
+        # interval (2 s) before it learns, the time a revoke would have shown as REVOKED
+        time.sleep(max(0.0, first["t"] + LONG_TTL / 3 + 0.3 - time.time()))
+
+        # When a newer execution of the key is sent
+        newer = rebuild.delay(label, 2)
+
+        # Then the older one's caller gets a Skipped "replaced" naming it (not TaskRevokedError)
+        value = older.get(timeout=BOUND)
+        assert isinstance(value, Skipped), value
+        assert (value.reason, value.holder) == ("replaced", newer.id)
+        assert older.state == "SUCCESS"
+        # And its body stopped itself, at a check of its lock that named the newer one
+        preempted = probe.wait_for(label, "preempted", timeout=BOUND)[0]
+        assert (preempted["task_id"], preempted["successor"]) == (older.id, newer.id)
+        # And the newer one ran, and ends with its value when let go
+        starts = probe.wait_for(label, "start", count=2, timeout=BOUND)
+        assert newer.id in {s["task_id"] for s in starts}
+        probe.client.rpush(gate_key(label), "open")
+        assert newer.get(timeout=BOUND) == 2
+    finally:
+        probe.client.rpush(gate_key(label), *["open"] * 10)
+
+
 def coalesce_latest(cluster: Cluster, label: str) -> None:
     """Given a coalescing run in progress, when a burst of calls arrives, then every call is
     sent, only the latest one runs after the run (with its arguments), and every earlier one
