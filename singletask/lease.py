@@ -220,6 +220,9 @@ class Renewer:
         self._native = native_threads() if connect is not None else None
         allocate = self._native[1] if self._native is not None else threading.Lock
         self._leases: dict[str, LockHandle] = {}
+        # Preemptible handles past their lock_max_hold: no longer renewed, but their preemption
+        # record is read every third of their lease until it ends (token -> handle, next read).
+        self._watched: dict[str, tuple[LockHandle, float]] = {}
         # Both are OS locks under gevent/eventlet with ``connect``: held only briefly, never
         # across I/O. The bell is released (by add()) to wake the thread before its time.
         self._mutex = allocate()
@@ -261,7 +264,8 @@ class Renewer:
         (up to ``STOP_WAIT`` seconds, and no longer once another lease arrives)."""
         with self._mutex:
             self._leases.pop(handle.token, None)
-            if self._leases:
+            self._watched.pop(handle.token, None)
+            if self._leases or self._watched:
                 return
             if not self.linger:
                 self._ending = True
@@ -300,7 +304,8 @@ class Renewer:
         self._ending = True
         self._ring()
         thread = self._thread
-        if thread is not None and not self._leases and thread is not threading.current_thread():
+        busy = self._leases or self._watched
+        if thread is not None and not busy and thread is not threading.current_thread():
             thread.join(timeout)
 
     def _ring(self) -> None:
@@ -310,10 +315,13 @@ class Renewer:
                 self._bell.release()
 
     def _due(self, now: float) -> float:
-        """Seconds until the next renewal round (there is something to renew)."""
+        """Seconds until the next round (there is something to renew or watch)."""
+        watch = min((at for _, at in self._watched.values()), default=math.inf)
+        if not self._leases:
+            return watch - now
         interval = min(handle.ttl for handle in self._leases.values()) / 3
         oldest = min(handle._expires - handle.ttl for handle in self._leases.values())
-        return max(oldest + interval, self._retry_at) - now
+        return min(max(oldest + interval, self._retry_at), watch) - now
 
     def _run(self) -> None:
         ended = False
@@ -349,7 +357,7 @@ class Renewer:
         while True:
             with self._mutex:
                 now = time.monotonic()
-                if self._leases:
+                if self._leases or self._watched:
                     self._idle_since = None
                     wait = self._due(now)
                 else:
@@ -379,9 +387,16 @@ class Renewer:
                             handle.max_hold,
                             handle.ttl,
                         )
+                        if handle.preemptible:  # it still learns of a preemption in time
+                            self._watched[handle.token] = (handle, now)
                 batch = [handle for handle in batch if handle.token in self._leases]
-            if batch:
+                watch = [h for h, at in self._watched.values() if at <= now]
+                for handle in watch:
+                    self._watched[handle.token] = (handle, now + handle.ttl / 3)
+            if batch and time.monotonic() >= self._retry_at:
                 self._renew(batch)
+            for handle in watch:
+                self._watch(handle)
 
     def _renew(self, batch: list[LockHandle]) -> None:
         sent = time.monotonic()
@@ -407,6 +422,27 @@ class Renewer:
                 self._drop(handle, handle.lost_reason or "its lease ran out")
             else:
                 self._drop(handle, self._why_gone(handle))
+
+    def _watch(self, handle: LockHandle) -> None:
+        """One read of the preemption record of ``handle``, a preemptible lease past its
+        ``lock_max_hold`` (renewed no more): a preemption is reported as a renewal would have
+        found it, within a third of the lease; the watch ends with the lease (the handle then
+        reports its loss itself) or at the first read that names a successor."""
+        if handle.lost:  # its lease has ended: nothing left to learn
+            with self._mutex:
+                self._watched.pop(handle.token, None)
+            return
+        try:
+            successor = self._backend.replaced_by(handle.key, handle.token)
+        except Exception:  # read again at the next round
+            logger.warning("could not read the preemption record of lock %r", handle.key)
+            return
+        if successor is None:
+            return
+        with self._mutex:
+            if self._watched.pop(handle.token, None) is None:
+                return  # released meanwhile: not a loss
+        handle.lose(handle.preempt(successor or None))
 
     def _why_gone(self, handle: LockHandle) -> str:
         """Why a renewal found ``handle``'s lock gone: for a preemptible one, one read of the

@@ -233,15 +233,16 @@ class Retry(Policy):
 
 class Replace(Policy):
     """Preempt the holder (:func:`singletask.execution.replace.preempt` does, before this); here
-    only an execution that may not (retried, redelivered: older than the holder) stands aside."""
+    only an execution that may not (retried, redelivered, or every holder a later send: older
+    than the holder) stands aside, a ``Skipped`` "replaced" naming the holder."""
 
     name = "replace"
 
     def apply(self, conflict: Conflict) -> Skipped:
         conflict.report("replaced")
         logger.info(
-            "Task %s[%s] skipped: lock %r is held by %s, newer than this retried or redelivered "
-            "message (lock_policy 'replace')",
+            "Task %s[%s] skipped: lock %r is held by %s, newer than this message (a later send, "
+            "or this one is retried or redelivered) (lock_policy 'replace')",
             conflict.task.name, conflict.task.request.id, conflict.key, conflict.who,
         )  # fmt: skip
         return Skipped(conflict.key, conflict.holder_id, conflict.ttl, reason="replaced")

@@ -39,7 +39,7 @@ import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
-from ..exceptions import BackendError, ConfigurationError, UnsupportedOperation
+from ..exceptions import ConfigurationError, UnsupportedOperation
 from .holders import MAX_LEASE as _MAX_LEASE
 from .holders import STATE_KINDS, AcquireResult, Holder, StoreState, check_lease
 from .urls import TABLE_SCHEMES
@@ -204,14 +204,21 @@ class LockBackend(abc.ABC):
         meta: Mapping[str, str] | None = None,
     ) -> AcquireResult:
         """Take ``key`` (``limit`` 1), or the holder slot the owner token ``victim`` holds (or a
-        slot free now), for ``token`` in one atomic step: :meth:`acquire` or :meth:`acquire_slot`
-        with ``takeover_prefix=victim`` (no token of singletask's is the start of another), so
-        its fence is greater than the victim's and the victim's next :meth:`extend` and
+        slot free now), for ``token``: :meth:`acquire` or :meth:`acquire_slot` with
+        ``takeover_prefix=victim`` (no token of singletask's is the start of another), so its
+        fence is greater than the victim's and the victim's next :meth:`extend` and
         :meth:`release` return False. If ``victim`` holds nothing and no slot is free, nothing
         changes and the result names the holders. ``meta`` names the victim's token
-        (``replaces``). A takeover then leaves a preemption record (``_leave_replaced``, a
-        second step) that :meth:`replaced_by` reads for ``ttl`` seconds, whenever the new holder
-        ends.
+        (``replaces``) and the preemptor's task id (``task_id``).
+
+        **One atomic step, record included**: when the key or slot taken was the victim's, the
+        same step leaves a *preemption record* that :meth:`replaced_by` reads for ``ttl``
+        seconds, whenever the new holder ends, so the victim, whose renewal fails the moment
+        this returns, always learns who preempted it (the built-in stores: one Lua script, one
+        transaction, one hold of the mutex). The default, for a store that sets
+        :attr:`supports_replace` without overriding this, is the takeover alone: its record is
+        the new holder's own metadata (``replaces``), written with it, which the default
+        :meth:`replaced_by` reads while that holder holds.
 
         Raises:
             UnsupportedOperation: The store cannot preempt (:attr:`supports_replace`).
@@ -220,27 +227,15 @@ class LockBackend(abc.ABC):
         if not self.supports_replace:
             raise UnsupportedOperation(f"{self!r} cannot preempt a holder (lock_policy 'replace')")
         if limit == 1:
-            taken = self.acquire(key, token, ttl, meta=meta, takeover_prefix=victim)
-        else:
-            taken = self.acquire_slot(key, limit, token, ttl, meta=meta, takeover_prefix=victim)
-        if taken.acquired:
-            successor = (meta or {}).get("task_id") or ""
-            try:
-                self._leave_replaced(taken.key or key, victim, successor, ttl)
-            except BackendError as exc:  # the key is taken: the victim reads the holder then
-                logger.warning("%r: no preemption record for %r: %s", self, key, exc)
-        return taken
-
-    def _leave_replaced(self, key: str, victim: str, successor: str, ttl: float) -> None:  # noqa: B027
-        """Record for ``ttl`` seconds that ``successor`` (``meta``'s ``task_id``, ``""`` without
-        one) took the store key ``key`` over from ``victim``. A failure is logged, not raised
-        (the victim reads the holder then). The default records nothing."""
+            return self.acquire(key, token, ttl, meta=meta, takeover_prefix=victim)
+        return self.acquire_slot(key, limit, token, ttl, meta=meta, takeover_prefix=victim)
 
     def replaced_by(self, key: str, token: str) -> str | None:
         """The task id of the execution that took ``key`` (a key or slot) over from the owner
         token ``token`` (``""`` for one without a task id), or None when the store has no record
-        of it (another loss, or the record ran out). The default reads :meth:`holder`: it names
-        only a preemptor that still holds the key; the built-in stores read their record first.
+        of it (another loss, or the record ran out). The record is readable from the moment
+        :meth:`preempt` returns. The default reads :meth:`holder`: it names only a preemptor
+        that still holds the key; the built-in stores read their record first.
 
         Raises:
             BackendError: The store failed.

@@ -79,7 +79,7 @@ class MemoryBackend(LockBackend):
         # (key, preempted token) -> the preemptor's task id, when the record ends
         self._replaced: dict[tuple[str, str], tuple[str, float]] = {}
         self._writes = 0
-        self._mutex = threading.Lock()
+        self._mutex = threading.RLock()  # preempt() takes the key and leaves its record at once
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MemoryBackend:
@@ -307,19 +307,40 @@ class MemoryBackend(LockBackend):
             record.next = None
             return record.next_until > now
 
-    def _leave_replaced(self, key: str, victim: str, successor: str, ttl: float) -> None:
+    def preempt(
+        self,
+        key: str,
+        limit: int,
+        token: str,
+        ttl: float,
+        victim: str,
+        *,
+        meta: Mapping[str, str] | None = None,
+    ) -> AcquireResult:
+        """The takeover and its preemption record under one hold of the mutex."""
+        check_lease(ttl, "preempt")
         now = time.monotonic()
         with self._mutex:
-            self._replaced[key, victim] = (successor, now + ttl)
-            self._prune(now)
+            names = [key] if limit == 1 else slot_keys(key, limit)
+            held = {name: entry.token for name in names if (entry := self._live(name, now))}
+            if limit == 1:
+                taken = self.acquire(key, token, ttl, meta=meta, takeover_prefix=victim)
+            else:
+                taken = self.acquire_slot(key, limit, token, ttl, meta=meta, takeover_prefix=victim)
+            cur = held.get(taken.key or key) if taken.acquired else None
+            if cur is not None and cur != token and cur.startswith(victim):
+                successor = (meta or {}).get("task_id") or ""
+                self._replaced[base_key(key), victim] = (successor, now + ttl)
+                self._prune(now)
+        return taken
 
     def replaced_by(self, key: str, token: str) -> str | None:
         now = time.monotonic()
         with self._mutex:
-            record = self._replaced.get((key, token))
+            record = self._replaced.get((base_key(key), token))
         if record is not None and record[1] > now:
             return record[0]
-        return super().replaced_by(key, token)  # a preemption whose record is not written yet
+        return super().replaced_by(key, token)  # no record: a preemptor that still holds, if any
 
     def holder(self, key: str) -> Holder | None:
         now = time.monotonic()

@@ -305,6 +305,12 @@ class TaskOptions:
         """
         scope = settings.lock_scope if self.scope is None else self.scope
         policy = settings.lock_policy if self.policy is None else self.policy
+        if self.replace_terminate and policy != "replace":
+            raise ConfigurationError(
+                f"task {name!r} attribute lock_replace_terminate: applies to lock_policy = "
+                f"'replace', and the task's lock_policy is {policy!r} (from the app's setting "
+                "singletask_lock_policy); set lock_policy = 'replace' or drop it"
+            )
         if self.policy is None and policy == "replace":
             resolved = TaskOptions(**{**self.__dict__, "policy": policy})
             resolved._check_replace(f"task {name!r} (setting singletask_lock_policy)", scope)

@@ -185,6 +185,8 @@ class _Run:
         }
         if attempt is not None:
             meta["task_id"] = str(task_id)
+        if options.policy == "replace":  # newer or older, and whether its pool can terminate it
+            meta.update(replace.holder_fields(request, meta["since"]))
         state = app_state(task.app)
         return cls(task, options, body, args, kwargs, request, frames, task_id, direct, key,
                    state, state.backend, retries, token, takeover, meta, attempt)  # fmt: skip
@@ -302,6 +304,8 @@ def _preempt_or_refuse(run: _Run, result: AcquireResult) -> AcquireResult | Ende
         taken = replace.preempt(conflict, run.token, run.meta)
         if taken is None:
             return Ended(refused(conflict))
+        if isinstance(taken, Conflict):  # superseded: every holder is a later send
+            return Ended(refused(taken))
     except (BackendUnavailable, BackendTimeout) as exc:
         # The preemption, or a coalescing follow-up's claim: as for the acquire itself.
         return run.unreachable(exc)

@@ -240,3 +240,59 @@ def test_the_preemption_record_lasts_the_preemptor_s_lease(
 
     # Then nothing is left to name the preemptor
     assert replaceable.replaced_by(key, "token-old") is None
+
+
+@pytest.mark.parametrize("limit", [1, LIMIT])
+def test_a_preemption_s_record_is_readable_the_instant_preempt_returns(
+    replaceable: LockBackend, key: str, limit: int
+) -> None:
+    """The takeover and its record are one atomic step: the moment :meth:`preempt` returns,
+    the victim's renewal fails and :meth:`replaced_by` names the preemptor, even when that
+    preemptor is preempted in turn at once (a storm of replace sends), so the victim never
+    mistakes its preemption for a plain loss. Many rounds, with a reader racing each one."""
+    for n in range(20):
+        # Given a holder (with every slot full, the oldest), and a reader watching its record
+        victim = f"token-v{n}"
+        taken = replaceable.acquire_slot(key, limit, victim, LEASE)
+        assert taken.acquired
+        for m in range(1, limit):
+            replaceable.acquire_slot(key, limit, f"token-f{n}-{m}", LEASE)
+        slot = taken.key or key
+        seen: list[str | None] = []
+        started = threading.Event()
+
+        def read(
+            slot: str = slot,
+            victim: str = victim,
+            seen: list[str | None] = seen,
+            started: threading.Event = started,
+        ) -> None:
+            started.set()
+            deadline = time.monotonic() + 5
+            while replaceable.extend(slot, victim, LEASE) and time.monotonic() < deadline:
+                time.sleep(0.001)  # renewing, as the victim's renewer does, until it is gone
+            seen.append(replaceable.replaced_by(slot, victim))
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        started.wait()
+        # When a newer execution preempts it, and a newer one still preempts that one at once
+        first = replaceable.preempt(
+            key, limit, f"token-a{n}", LEASE, victim, meta={"task_id": f"a{n}"}
+        )
+        second = replaceable.preempt(
+            key, limit, f"token-b{n}", LEASE, f"token-a{n}", meta={"task_id": f"b{n}"}
+        )
+        reader.join(10)
+
+        # Then the victim read its preemptor the first time it found its lock gone
+        assert first.acquired
+        assert second.acquired
+        assert seen == [f"a{n}"]
+        assert replaceable.replaced_by(slot, victim) == f"a{n}"
+        assert replaceable.replaced_by(second.key or key, f"token-a{n}") == f"b{n}"
+        replaceable.release(second.key or key, f"token-b{n}")
+        for m in range(1, limit):
+            for name in slot_keys(key, limit):
+                replaceable.release(name, f"token-f{n}-{m}")
+        replaceable.release(slot, victim)  # nothing: it holds nothing

@@ -15,7 +15,7 @@ from typing import Any
 from celery import Celery
 from celery._state import _get_active_apps, connect_on_app_finalize
 
-from singletask import LockPreempted, SingletonTask
+from singletask import LockLost, LockPreempted, SingletonTask
 from singletask.backends import backend_class
 
 from .probe import probe
@@ -29,6 +29,11 @@ TTL = 1.5
 #: The longer lease of ``rebuild_long``: renewed every 2 s, so a newer execution sent just after
 #: one of its renewals has time to run and end before the next one.
 LONG_TTL = 6.0
+
+#: The lease and the renewal cap of ``rebuild_max_hold``: renewed at 2 s and 4 s, no more from
+#: the round at 6 s (past 4.5 s); the lease renewed at 4 s runs until 10 s.
+MAX_HOLD_TTL = 6.0
+MAX_HOLD = 4.5
 
 #: How long a body works at most before it gives up waiting for its gate.
 WORK = 30.0
@@ -85,6 +90,35 @@ def rebuild(
     return version
 
 
+def outlast(self: SingletonTask, label: str, version: int) -> int:
+    """Work until the gate opens, checking the lock; on learning it is lost, record when and
+    as what (``LockPreempted`` naming the successor, or a plain ``LockLost``), and raise it."""
+    lock = self.lock
+    with probe().running(label, self.request.id, version=version):
+        deadline = time.monotonic() + WORK
+        while time.monotonic() < deadline:
+            try:
+                lock.check()
+            except LockLost as exc:
+                probe().mark(
+                    label, "learned", self.request.id, kind=type(exc).__name__,
+                    successor=getattr(exc, "successor", None),
+                )  # fmt: skip
+                raise
+            if probe().client.lpop(gate_key(label)) is not None:
+                return version
+            time.sleep(0.02)
+    return version
+
+
+def brief(self: SingletonTask, label: str, n: int) -> int:
+    """A short replace body for storms: works briefly, checking its lock, and returns ``n``."""
+    for _ in range(5):
+        time.sleep(0.01)
+        self.lock.check()
+    return n
+
+
 def coalesced(self: SingletonTask, label: str, tag: str = "", hold: bool = False) -> str:
     """One run plus one follow-up per label, the follow-up with the latest call's ``tag``."""
     with probe().running(label, self.request.id, tag=tag):
@@ -97,7 +131,16 @@ TASKS: list[tuple[str, Any, dict[str, Any]]] = [
     ("rebuild", rebuild, {"lock_policy": "replace"}),
     ("rebuild_long", rebuild, {"lock_policy": "replace", "lock_ttl": LONG_TTL}),
     ("rebuild_slots", rebuild, {"lock_policy": "replace", "lock_limit": 2}),
+    ("storm", brief, {"lock_policy": "replace"}),
     ("rebuild_terminate", rebuild, {"lock_policy": "replace", "lock_replace_terminate": True}),
+    (
+        "rebuild_terminate_long", rebuild,
+        {"lock_policy": "replace", "lock_replace_terminate": True, "lock_ttl": LONG_TTL},
+    ),
+    (
+        "rebuild_max_hold", outlast,
+        {"lock_policy": "replace", "lock_ttl": MAX_HOLD_TTL, "lock_max_hold": MAX_HOLD},
+    ),
     (
         "coalesced_latest", coalesced,
         {"lock_scope": "coalesce", "lock_coalesce": "latest", "lock_retry_countdown": 0.2},

@@ -21,7 +21,7 @@ from singletask.protocol.slots import slot_keys
 from .conftest import Cluster, start_cluster
 from .probe import Probe
 from .tasks_policies import gate_key
-from .tasks_replace import LONG_TTL, PREFIX, TTL, resource_key
+from .tasks_replace import LONG_TTL, MAX_HOLD, MAX_HOLD_TTL, PREFIX, TTL, resource_key
 
 pytestmark = pytest.mark.e2e
 
@@ -116,6 +116,40 @@ def test_a_run_whose_successor_has_already_ended_still_ends_replaced(
     cluster.wait_free(f"singletask:{PREFIX}rebuild_long:{label}")
 
 
+def test_a_body_past_lock_max_hold_still_learns_its_preemption_in_time(
+    cluster: Cluster, label: str
+) -> None:
+    """lock_max_hold stops the renewal, not the watch for a preemption: a body preempted after
+    its renewal stopped learns it within a third of its lease, as ``LockPreempted`` naming the
+    newer execution, not as a plain ``LockLost`` when its last lease runs out."""
+    task = cluster.task(PREFIX + "rebuild_max_hold")
+    older = task.delay(label, 1)
+    first = cluster.probe.wait_for(label, "start", timeout=BOUND)[0]
+    # Sent just after the renewal stopped: renewed at a third and two thirds of its lease, the
+    # older one's round at one lease found it held past MAX_HOLD; its last lease runs on until
+    # one lease after its renewal at two thirds (10 s after it acquired)
+    assert MAX_HOLD_TTL * 2 / 3 < MAX_HOLD < MAX_HOLD_TTL
+    time.sleep(max(0.0, first["t"] + MAX_HOLD_TTL + 0.4 - time.time()))
+
+    # When a newer execution of the key is sent
+    newer = task.delay(label, 2)
+
+    # Then it runs at once
+    starts = cluster.probe.wait_for(label, "start", count=2, timeout=BOUND)
+    second = next(s for s in starts if s["task_id"] == newer.id)
+    # And the older one learns that it was preempted, and by whom, within one renewal interval
+    learned = cluster.probe.wait_for(label, "learned", timeout=BOUND)[0]
+    assert (learned["task_id"], learned["kind"]) == (older.id, "LockPreempted"), learned
+    assert learned["successor"] == newer.id
+    assert learned["t"] - second["t"] < MAX_HOLD_TTL / 3 + SLACK
+    # And it ends as replaced, naming the newer one
+    value = older.get(timeout=BOUND)
+    assert isinstance(value, Skipped), value
+    assert (value.reason, value.holder) == ("replaced", newer.id)
+    cluster.probe.client.rpush(gate_key(label), "open")
+    assert newer.get(timeout=BOUND) == 2
+
+
 def test_with_every_slot_full_the_oldest_holder_is_preempted(cluster: Cluster, label: str) -> None:
     """lock_limit = 2: the test process holds one slot first (the oldest, as another host
     would), a worker execution the other; a newer execution takes the oldest's slot, and the
@@ -185,6 +219,41 @@ def test_a_newer_execution_preempts_the_running_one_on_threads(threads: Cluster)
         threads.probe.client.rpush(gate_key(label), *["open"] * 10)
 
 
+@pytest.mark.pools
+def test_terminate_sends_no_revoke_to_a_body_on_threads(threads: Cluster) -> None:
+    """lock_replace_terminate where the pool cannot terminate a task (threads): the preempted
+    send is not revoked, so its caller never sees REVOKED while its body still runs; the body
+    stops at its next check of its lock, and the caller gets the Skipped "replaced" naming the
+    newer send, which runs."""
+    label, probe = threads.label(), threads.probe
+    rebuild = threads.task(PREFIX + "rebuild_terminate_long")
+    try:
+        older = rebuild.delay(label, 1)
+        first = probe.wait_for(label, "start", timeout=BOUND)[0]
+        # Sent just after the older one's first renewal: its body runs on for most of an
+        # interval (2 s) before it learns, the time a revoke would have shown as REVOKED
+        time.sleep(max(0.0, first["t"] + LONG_TTL / 3 + 0.3 - time.time()))
+
+        # When a newer execution of the key is sent
+        newer = rebuild.delay(label, 2)
+
+        # Then the older one's caller gets a Skipped "replaced" naming it (not TaskRevokedError)
+        value = older.get(timeout=BOUND)
+        assert isinstance(value, Skipped), value
+        assert (value.reason, value.holder) == ("replaced", newer.id)
+        assert older.state == "SUCCESS"
+        # And its body stopped itself, at a check of its lock that named the newer one
+        preempted = probe.wait_for(label, "preempted", timeout=BOUND)[0]
+        assert (preempted["task_id"], preempted["successor"]) == (older.id, newer.id)
+        # And the newer one ran, and ends with its value when let go
+        starts = probe.wait_for(label, "start", count=2, timeout=BOUND)
+        assert newer.id in {s["task_id"] for s in starts}
+        probe.client.rpush(gate_key(label), "open")
+        assert newer.get(timeout=BOUND) == 2
+    finally:
+        probe.client.rpush(gate_key(label), *["open"] * 10)
+
+
 def coalesce_latest(cluster: Cluster, label: str) -> None:
     """Given a coalescing run in progress, when a burst of calls arrives, then every call is
     sent, only the latest one runs after the run (with its arguments), and every earlier one
@@ -229,3 +298,24 @@ def test_coalesce_latest_runs_the_latest_arguments_on_threads(threads: Cluster) 
         coalesce_latest(threads, label)
     finally:
         threads.probe.client.rpush(gate_key(label), *["open"] * 10)
+
+
+def test_a_storm_of_replace_sends_never_fails(cluster: Cluster, label: str) -> None:
+    """Issue 37: 40 replace sends of one key at once, seven bursts. Every send runs, or ends as
+    a ``Skipped`` "replaced" naming another send of the burst (preempted by a newer one, or
+    superseded: a later send held the key): none ends FAILURE with TaskLocked."""
+    storm = cluster.task(PREFIX + "storm")
+    for burst in range(7):
+        # When 40 sends of one key are sent at once
+        results = [storm.delay(f"{label}-{burst}", n) for n in range(40)]
+        ids = {r.id for r in results}
+
+        # Then each one ran or ended replaced, naming another send of the burst
+        for n, result in enumerate(results):
+            value = result.get(timeout=BOUND, propagate=False)
+            assert result.state == "SUCCESS", (burst, n, result.state, value)
+            if isinstance(value, Skipped):
+                assert value.reason == "replaced", (burst, n, value)
+                assert value.holder in ids - {result.id}, (burst, n, value)
+            else:
+                assert value == n

@@ -18,6 +18,7 @@ import pytest
 
 from singletask import ConfigurationError, LockPreempted, SingletonTask, Skipped
 from singletask.backends.base import LockBackend
+from singletask.conf.runtime import lock_options
 from singletask.protocol.slots import slot_keys
 from singletask.signals import lock_conflict, lock_lost
 
@@ -255,6 +256,33 @@ def test_terminate_without_replace_is_refused() -> None:
             lock_replace_terminate=True,
         )  # fmt: skip
         def bad() -> None: ...
+
+
+def test_terminate_with_the_app_s_default_policy_other_than_replace_is_refused_when_bound() -> None:
+    """lock_replace_terminate on a task whose policy comes from the app's setting: refused
+    when the task is bound (the earliest the setting is known) unless that policy is
+    "replace", naming the task, the attribute and the setting; with "replace" it is kept."""
+    app = celery.Celery("replace-terminate-app", set_as_current=False)
+    app.conf.update(singletask_backend_url="memory://", singletask_lock_policy="skip")
+    with pytest.raises(
+        ConfigurationError,
+        match=r"'r\.t' attribute lock_replace_terminate.*'skip'.*singletask_lock_policy",
+    ):
+
+        @app.task(base=SingletonTask, shared=False, lazy=False, name="r.t",
+                  lock_replace_terminate=True)  # fmt: skip
+        def bad() -> None: ...
+
+    replacing = celery.Celery("replace-terminate-ok", set_as_current=False)
+    replacing.conf.update(singletask_backend_url="memory://", singletask_lock_policy="replace")
+
+    @replacing.task(base=SingletonTask, shared=False, lazy=False, name="r.ok",
+                    lock_replace_terminate=True)  # fmt: skip
+    def ok() -> None: ...
+
+    resolved = lock_options(ok)
+    assert resolved.replace_terminate
+    assert resolved.policy == "replace"
 
 
 def test_an_app_wide_replace_policy_with_a_queueing_task_is_refused_when_bound() -> None:

@@ -57,6 +57,7 @@ from .options import (
     url_query,
 )
 from .rates import ACQUIRE_SLOT_RATED, ACQUIRE_SLOT_RATED_KEEPING
+from .replaced import PREEMPT, PREEMPT_KEEPING, PREEMPT_SLOT, PREEMPT_SLOT_KEEPING
 from .scripts import HOLDER_SCRIPT
 from .slots import ACQUIRE_SLOT, ACQUIRE_SLOT_KEEPING, listed, scan_pattern
 from .store import DRIVER_ERRORS, FENCE_RETENTION, MARKER_RETENTION, RedisBackend
@@ -81,6 +82,8 @@ _KEEPING = {
     ACQUIRE: ACQUIRE_KEEPING,
     ACQUIRE_SLOT: ACQUIRE_SLOT_KEEPING,
     ACQUIRE_SLOT_RATED: ACQUIRE_SLOT_RATED_KEEPING,
+    PREEMPT: PREEMPT_KEEPING,
+    PREEMPT_SLOT: PREEMPT_SLOT_KEEPING,
 }
 
 #: Options a URL's query string may carry (the transport options may carry them too).
@@ -202,7 +205,7 @@ class _Deployed(RedisBackend):
         # The keeping scripts add what the key was before last; a slot's reply names the slot.
         # A rated acquisition's start stays spent: only the slot is put back.
         fence, before = reply[1], reply[-1]
-        taken = keys[int(reply[3])] if script is not ACQUIRE else keys[0]
+        taken = keys[int(reply[3])] if script not in (ACQUIRE, PREEMPT) else keys[0]
         try:
             undone = super()._call("acquire", RESTORE, (taken,), (args[0], fence, *before))
             outcome = "the key was put back as it was" if undone else "the key has changed since"

@@ -1,5 +1,5 @@
 """The Redis lock store: one hash per lock, every operation one round trip (a takeover of
-``lock_policy = "replace"`` two: then it leaves its record, :mod:`.replaced`).
+``lock_policy = "replace"`` too: it leaves its record in the same script, :mod:`.replaced`).
 
 A lock is one Redis hash at the lock key: owner token, fencing token and compact holder
 metadata (:mod:`~singletask.backends.redis.wire`); its lease is the key's expiry. A release
@@ -51,7 +51,7 @@ from .rates import (
     slot_request,
     window_key,
 )
-from .replaced import LEAVE_REPLACED, REPLACED_BY, record_key
+from .replaced import PREEMPT, REPLACED_BY, preempt_request, record_key
 from .slots import scan_locks, slot_result
 from .wire import (
     ACQUIRE,
@@ -365,9 +365,29 @@ class RedisBackend(LockBackend):
     def clear_next(self, key: str, task_id: str) -> bool:
         return bool(self._call("clear_next", CLEAR_NEXT, (fence_key(key),), (task_id,)))
 
-    def _leave_replaced(self, key: str, victim: str, successor: str, ttl: float) -> None:
-        args = (successor, lease_ms(ttl, "preempt"))
-        self._call("preempt", LEAVE_REPLACED, (record_key(key, victim),), args)
+    def preempt(
+        self,
+        key: str,
+        limit: int,
+        token: str,
+        ttl: float,
+        victim: str,
+        *,
+        meta: Mapping[str, str] | None = None,
+    ) -> AcquireResult:
+        """The takeover and its preemption record in one script (:mod:`.replaced`)."""
+        self._check_key(key, "preempt")
+        script, keys, args = preempt_request(key, limit, token, ttl, victim, meta)
+        self._check_slots(keys)
+        reply = self._call("preempt", script, keys, args)
+        if script is not PREEMPT:
+            return slot_result(keys[:limit], reply)
+        if reply[0] == 1:
+            _, fence, completed = reply[:3]
+            return AcquireResult(
+                True, fence=int(fence), completed=as_text(completed) if completed else None
+            )
+        return AcquireResult(False, conflict_holder(*reply[1:]))
 
     def replaced_by(self, key: str, token: str) -> str | None:
         found = self._call("inspect", REPLACED_BY, (record_key(key, token),), ())

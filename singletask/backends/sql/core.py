@@ -263,7 +263,7 @@ class SQLBackend(LockBackend):
         rows = self._select("inspect", key, "replaced_by", self._record_args(key, token))
         if rows:
             return self._decode(rows[0][0]) or ""
-        return super().replaced_by(key, token)  # a preemption whose record is not written yet
+        return super().replaced_by(key, token)  # no record: a preemptor that still holds, if any
 
     def iter_state(self, prefix: str, *, page_size: int = 500) -> Iterator[StoreState]:
         """Pages of ``page_size`` rows in key order, read as :meth:`iter_locks` reads (a key's

@@ -1,8 +1,11 @@
 """The SQL stores' preemption records (``lock_policy = "replace"``).
 
 A preemption leaves a record naming the preemptor's task id under the preempted owner token,
-kept for the preemptor's first lease; the preempted holder reads it once, after its renewal or
-release failed (:meth:`~singletask.backends.base.LockBackend.replaced_by`).
+kept for the preemptor's first lease, in the transaction of the takeover itself (PostgreSQL and
+MySQL: the statement :data:`POSTGRES_RECORD` or :data:`MYSQL_RECORD` before its ``COMMIT``;
+SQLite: :func:`sqlite_leave`); the preempted holder reads it once, after its renewal or release
+failed (:meth:`~singletask.backends.base.LockBackend.replaced_by`). The record of a token is
+the first one written while it lasts: a token is preempted once.
 
 PostgreSQL and MySQL keep it as a row of the lock table under the store key
 :func:`record_key` (the companion naming of :mod:`singletask.protocol.slots`): no ``token`` (so it
@@ -16,37 +19,55 @@ from __future__ import annotations
 import sqlite3
 from typing import Final
 
-from ...protocol.slots import companion_key
+from ...protocol.slots import base_key, companion_key
 
 __all__ = [
-    "MYSQL_LEAVE", "MYSQL_READ", "POSTGRES_LEAVE", "POSTGRES_READ", "SQLITE_SCHEMA",
-    "record_key", "sqlite_leave", "sqlite_read",
+    "MYSQL_READ", "MYSQL_RECORD", "POSTGRES_READ", "POSTGRES_RECORD", "SQLITE_SCHEMA",
+    "record_key", "sqlite_leave", "sqlite_read", "with_record",
 ]  # fmt: skip
 
 
 def record_key(key: str, token: str) -> str:
-    """The store key of the record of ``token``'s preemption on ``key`` (a key or a slot)."""
-    return companion_key(key, f"replaced:{token}")
+    """The store key of the record of ``token``'s preemption on ``key`` (a key or one of its
+    slots: the record is the lock key's companion either way, known before the slot is)."""
+    return companion_key(base_key(key), f"replaced:{token}")
 
 
-#: Arguments: key, full_key (of record_key), task_id, ttl (seconds).
-POSTGRES_LEAVE: Final = """
+def with_record(script: str, record: str) -> str:
+    """The transaction ``script`` (ending in ``COMMIT``) with the statement ``record`` just
+    before its ``COMMIT``: the takeover and its record commit together."""
+    head, mark, tail = script.rpartition("COMMIT")
+    assert mark, "a transaction script ends in COMMIT"
+    assert not tail.strip(), "a transaction script ends in COMMIT"
+    return f"{head.rstrip().rstrip(';')};\n{record.strip()};\nCOMMIT"
+
+
+#: Inside the takeover's transaction, after it. Arguments: record, record_full (of record_key),
+#: successor (the preemptor's task id, '' for none), ttl (seconds), token (the preemptor's) and
+#: taken (the stored keys it may have taken). Written only when ``token`` holds one of them now,
+#: and only over a record that ran out.
+POSTGRES_RECORD: Final = """
 INSERT INTO {table} AS l (key, full_key, task_id, lease_expires, fence, expires_at)
-VALUES (%(key)s, %(full_key)s, %(task_id)s, statement_timestamp(), 0,
-        statement_timestamp() + %(ttl)s * interval '1 second')
-ON CONFLICT (key) DO UPDATE SET task_id = EXCLUDED.task_id, expires_at = EXCLUDED.expires_at"""
+SELECT %(record)s, %(record_full)s, %(successor)s, statement_timestamp(), 0,
+    statement_timestamp() + %(ttl)s * interval '1 second'
+WHERE EXISTS (SELECT FROM {table} WHERE key = ANY(%(taken)s::text[]) AND token = %(token)s)
+ON CONFLICT (key) DO UPDATE SET task_id = EXCLUDED.task_id, expires_at = EXCLUDED.expires_at
+WHERE l.expires_at <= statement_timestamp()"""
 
 #: Arguments: key (of record_key). One row, the preemptor's task id, while the record lasts.
 POSTGRES_READ: Final = """
 SELECT task_id FROM {table}
 WHERE key = %(key)s AND token IS NULL AND expires_at > statement_timestamp()"""
 
-#: Arguments: key, full_key (of record_key), task_id, ttl_us (microseconds).
-MYSQL_LEAVE: Final = """
+#: As POSTGRES_RECORD; ttl_us (microseconds) for ttl, taken a list of stored keys.
+MYSQL_RECORD: Final = """
 INSERT INTO {table} (`key`, full_key, task_id, lease_expires, fence, expires_at)
-VALUES (%(key)s, %(full_key)s, %(task_id)s, UTC_TIMESTAMP(6), 0,
-        UTC_TIMESTAMP(6) + INTERVAL %(ttl_us)s MICROSECOND)
-ON DUPLICATE KEY UPDATE task_id = VALUES(task_id), expires_at = VALUES(expires_at)"""
+SELECT %(record)s, %(record_full)s, %(successor)s, UTC_TIMESTAMP(6), 0,
+    UTC_TIMESTAMP(6) + INTERVAL %(ttl_us)s MICROSECOND
+FROM DUAL WHERE EXISTS (SELECT 1 FROM {table} WHERE `key` IN %(taken)s AND token = %(token)s)
+ON DUPLICATE KEY UPDATE
+    task_id = IF(expires_at > UTC_TIMESTAMP(6), task_id, VALUES(task_id)),
+    expires_at = IF(expires_at > UTC_TIMESTAMP(6), expires_at, VALUES(expires_at))"""
 
 #: Arguments: key (of record_key).
 MYSQL_READ: Final = """

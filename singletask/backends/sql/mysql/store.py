@@ -40,7 +40,7 @@ import pymysql
 from pymysql.constants import CLIENT
 
 from ....exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
-from ....protocol.slots import base_key, slot_index
+from ....protocol.slots import base_key, slot_index, slot_keys
 from ...base import AcquireResult, Holder, check_lease
 from ...urls import mask_url
 from .. import bookkeeping as S
@@ -135,7 +135,7 @@ class MySQLBackend(core.SQLBackend):
                 "release": Q.RELEASE, "extend": Q.EXTEND,
                 "claim_next": Q.CLAIM_NEXT, "clear_next": Q.CLEAR_NEXT, "holder": Q.HOLDER,
                 "iter": Q.ITER, "release_holder": Q.RELEASE_HOLDER, "reclaim": Q.RECLAIM,
-                "leave_replaced": R.MYSQL_LEAVE, "replaced_by": R.MYSQL_READ,
+                "record": R.MYSQL_RECORD, "replaced_by": R.MYSQL_READ,
                 "acquire_slot": Q.ACQUIRE_SLOT, "release_slot": Q.RELEASE_SLOT,
                 "debounce": Q.DEBOUNCE, "debounce_take": Q.DEBOUNCE_TAKE,
                 "debounce_undo": Q.DEBOUNCE_UNDO, "state": S.MYSQL_STATE,
@@ -257,9 +257,10 @@ class MySQLBackend(core.SQLBackend):
     def _take_slot(
         self, key: str, names: list[str], token: str, ttl: float,
         meta: Mapping[str, str] | None, takeover_prefix: str | None,
-        interval: float | None = None,
+        interval: float | None = None, record: dict[str, Any] | None = None,
     ) -> AcquireResult:  # fmt: skip
-        """One transaction: ``queries.ACQUIRE_SLOT``."""
+        """One transaction: ``queries.ACQUIRE_SLOT`` (with ``record``, the arguments of a
+        preemption's record, and that record)."""
         ttl = check_lease(ttl, "acquire")
         args = slots.slot_args(_keys, key, names, token, meta, takeover_prefix)
         args.update(lease_us=_us(ttl), row_us=_us(ttl + core.FENCE_RETENTION))
@@ -270,7 +271,11 @@ class MySQLBackend(core.SQLBackend):
             args[f"k{n}"], args[f"f{n}"] = stored, full
         selects = " UNION ALL ".join(Q.SLOT.format(n=n) for n in range(1, len(names) + 1))
         text = self._q["acquire_slot"].format(slots=selects)
-        rows = self._run("acquire", names[0], lambda c: _script(c, text, args)[-2])
+        if record is not None:  # a preemption: its record in the same transaction
+            args.update(record)
+            text = R.with_record(text, self._q["record"])
+        read = -3 if record is not None else -2
+        rows = self._run("acquire", names[0], lambda c: _script(c, text, args)[read])
         return slots.slot_outcome(
             names, token,
             [(n, _text(holder), meta_now, fence, None if left is None else left / 1e6, done)
@@ -349,9 +354,33 @@ class MySQLBackend(core.SQLBackend):
         rows = self._run("claim_next", key, lambda c: _script(c, self._q["claim_next"], args)[4])
         return _text(rows[0][0]) or task_id
 
-    def _leave_replaced(self, key: str, victim: str, successor: str, ttl: float) -> None:
-        args = {**self._record_args(key, victim), "task_id": successor, "ttl_us": _us(ttl)}
-        self._run("preempt", key, lambda c: c.execute(self._q["leave_replaced"], args))
+    def preempt(
+        self, key: str, limit: int, token: str, ttl: float, victim: str, *,
+        meta: Mapping[str, str] | None = None,
+    ) -> AcquireResult:  # fmt: skip
+        """The takeover and its preemption record in one transaction (:mod:`..replaced`)."""
+        ttl = check_lease(ttl, "preempt")
+        names = [key] if limit == 1 else slot_keys(key, limit)
+        stored_record = self._record_args(key, victim)
+        record: dict[str, Any] = {
+            "record": stored_record["key"], "record_full": stored_record["full_key"],
+            "successor": (meta or {}).get("task_id") or "", "ttl_us": _us(ttl),
+            "taken": [_keys(name)["key"] for name in names],
+        }  # fmt: skip
+        if limit > 1:
+            return self._take_slot(key, names, token, ttl, meta, victim, record=record)
+        stored, task_id = core.dump_meta(meta)
+        args = {
+            **_keys(key), "token": token, "task_id": task_id, "meta": stored,
+            "lease_us": _us(ttl), "row_us": _us(ttl + core.FENCE_RETENTION),
+            "prefix": victim, **record,
+        }  # fmt: skip
+        text = R.with_record(self._q["acquire"], self._q["record"])
+        rows = self._run("preempt", key, lambda c: _script(c, text, args)[4])
+        token_now, meta_now, fence, done, left_us = rows[0]
+        if _text(token_now) == token:
+            return AcquireResult(True, fence=fence, completed=done, key=key)
+        return AcquireResult(False, _holder((token_now, meta_now, fence, left_us)))
 
     def clear_next(self, key: str, task_id: str) -> bool:
         args = {**_keys(key), "task_id": task_id}

@@ -283,7 +283,10 @@ COMMIT"""
 
 #: The scripts of several statements (sent as one message in every mode), and how many results
 #: come before the one the operation reads.
-SKIPPED = {"acquire_slot": PREAMBLE + 2, "release_slot": PREAMBLE + 1, "debounce": PREAMBLE + 1}
+SKIPPED = {
+    "acquire_slot": PREAMBLE + 2, "release_slot": PREAMBLE + 1, "debounce": PREAMBLE + 1,
+    "preempt": PREAMBLE, "preempt_slot": PREAMBLE + 2,
+}  # fmt: skip
 
 RECLAIM = """
 DELETE FROM {table} WHERE key IN (

@@ -54,7 +54,7 @@ from ....exceptions import (
     ConfigurationError,
     LockKeyError,
 )  # fmt: skip
-from ....protocol.slots import base_key, slot_index
+from ....protocol.slots import base_key, slot_index, slot_keys
 from ...base import AcquireResult, Holder, check_lease
 from ...urls import mask_url
 from .. import bookkeeping as S
@@ -136,6 +136,11 @@ class PostgresBackend(core.SQLBackend):
                 # Scripts of several statements: always one transaction, one message.
                 "acquire_slot": Q.SLOT_SCRIPT, "release_slot": Q.RELEASE_SLOT,
                 "debounce": W.DEBOUNCE,
+                # lock_policy "replace": the takeover and its record, one transaction.
+                "preempt": R.with_record(
+                    Q.SCRIPT.replace("{statement}", Q.ACQUIRE), R.POSTGRES_RECORD
+                ),
+                "preempt_slot": R.with_record(Q.SLOT_SCRIPT, R.POSTGRES_RECORD),
             }.items()
         }  # fmt: skip
         wrap = sql.SQL(Q.SCRIPT if transaction_pooling else "{statement}")
@@ -148,7 +153,7 @@ class PostgresBackend(core.SQLBackend):
                 "debounce_undo": W.DEBOUNCE_UNDO, "debounce_published": W.DEBOUNCE_PUBLISHED,
                 "holder": Q.HOLDER, "iter": Q.ITER, "release_holder": Q.RELEASE_HOLDER,
                 "reclaim": Q.RECLAIM, "state": S.POSTGRES_STATE,
-                "leave_replaced": R.POSTGRES_LEAVE, "replaced_by": R.POSTGRES_READ,
+                "replaced_by": R.POSTGRES_READ,
             }.items()
         )  # fmt: skip
         self._pool: pool.Pool[psycopg.Connection[Any]] = pool.Pool(
@@ -369,9 +374,36 @@ class PostgresBackend(core.SQLBackend):
         assert row is not None
         return str(row[0])
 
-    def _leave_replaced(self, key: str, victim: str, successor: str, ttl: float) -> None:
-        args = {**self._record_args(key, victim), "task_id": successor, "ttl": ttl}
-        self._run("preempt", key, "leave_replaced", args, lambda c: None)
+    def preempt(
+        self, key: str, limit: int, token: str, ttl: float, victim: str, *,
+        meta: Mapping[str, str] | None = None,
+    ) -> AcquireResult:  # fmt: skip
+        """The takeover (``acquire`` or ``acquire_slot``'s statements) and its preemption record
+        in one transaction (:mod:`..replaced`)."""
+        ttl = check_lease(ttl, "preempt")
+        names = [key] if limit == 1 else slot_keys(key, limit)
+        record = {
+            "record": self._record_args(key, victim)["key"],
+            "record_full": self._record_args(key, victim)["full_key"],
+            "successor": (meta or {}).get("task_id") or "", "token": token,
+            "taken": [self._keys(name)["key"] for name in names],
+        }  # fmt: skip
+        if limit == 1:
+            stored, task_id = core.dump_meta(meta)
+            args = {
+                **self._keys(key), "token": token, "task_id": task_id, "meta": stored,
+                "ttl": ttl, "keep": core.FENCE_RETENTION, "prefix": victim, **record,
+            }  # fmt: skip
+            row = self._run("preempt", key, "preempt", args, lambda c: c.fetchone())
+            assert row is not None  # an upsert always returns its row
+            holder, meta_text, fence, done, left = row
+            if holder == token:
+                return AcquireResult(True, fence=fence, completed=done, key=key)
+            return AcquireResult(False, core.load_holder(holder, meta_text, left, fence))
+        args = slots.slot_args(self._keys, key, names, token, meta, victim)
+        args.update(ttl=ttl, keep=core.FENCE_RETENTION, interval=None, **record)
+        rows = self._run("preempt", names[0], "preempt_slot", args, lambda c: c.fetchall())
+        return slots.slot_outcome(names, token, rows)
 
     def clear_next(self, key: str, task_id: str) -> bool:
         args = {**self._keys(key), "task_id": task_id}

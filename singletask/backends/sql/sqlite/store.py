@@ -171,11 +171,17 @@ class SQLiteBackend(LockBackend):
     ) -> AcquireResult:
         ttl = check_lease(ttl, "acquire")
         with self._transaction("acquire", key) as conn:
-            now = time.time()
-            row = self._row(conn, key, now)
-            if row is not None and row[0] != token and not _takes_over(row, takeover_prefix):
-                return AcquireResult(False, _brief(row, now))
-            return self._take(conn, key, row, token, ttl, meta, now)
+            return self._acquire_in(conn, key, token, ttl, meta, takeover_prefix, time.time())
+
+    def _acquire_in(
+        self, conn: sqlite3.Connection, key: str, token: str, ttl: float,
+        meta: Mapping[str, str] | None, takeover_prefix: str | None, now: float,
+    ) -> AcquireResult:  # fmt: skip
+        """:meth:`acquire` inside the caller's transaction."""
+        row = self._row(conn, key, now)
+        if row is not None and row[0] != token and not _takes_over(row, takeover_prefix):
+            return AcquireResult(False, _brief(row, now))
+        return self._take(conn, key, row, token, ttl, meta, now)
 
     def acquire_slot(
         self,
@@ -193,17 +199,51 @@ class SQLiteBackend(LockBackend):
             interval = check_lease(interval, "acquire_slot interval")
         with self._transaction("acquire", key) as conn:
             now = time.time()
-            slots = [(name, self._row(conn, name, now)) for name in slot_keys(key, limit)]
-            chosen = choose_slot([r[0] if r else None for _, r in slots], token, takeover_prefix)
-            if chosen is None:
-                holders = tuple(_brief(row, now) for _, row in slots if row is not None)
-                return AcquireResult(False, holders[0], holders=holders)
-            name, row = slots[chosen]
-            if interval is not None and (row is None or row[0] != token):
-                wait = windows.start(conn, key, interval, now)  # a start
-                if wait is not None:
-                    return AcquireResult(False, retry_after=wait)
-            return self._take(conn, name, row, token, ttl, meta, now)
+            return self._slot_in(conn, key, limit, token, ttl, meta, takeover_prefix, interval, now)
+
+    def _slot_in(
+        self, conn: sqlite3.Connection, key: str, limit: int, token: str, ttl: float,
+        meta: Mapping[str, str] | None, takeover_prefix: str | None, interval: float | None,
+        now: float,
+    ) -> AcquireResult:  # fmt: skip
+        """:meth:`acquire_slot` inside the caller's transaction."""
+        slots = [(name, self._row(conn, name, now)) for name in slot_keys(key, limit)]
+        chosen = choose_slot([r[0] if r else None for _, r in slots], token, takeover_prefix)
+        if chosen is None:
+            holders = tuple(_brief(row, now) for _, row in slots if row is not None)
+            return AcquireResult(False, holders[0], holders=holders)
+        name, row = slots[chosen]
+        if interval is not None and (row is None or row[0] != token):
+            wait = windows.start(conn, key, interval, now)  # a start
+            if wait is not None:
+                return AcquireResult(False, retry_after=wait)
+        return self._take(conn, name, row, token, ttl, meta, now)
+
+    def preempt(
+        self,
+        key: str,
+        limit: int,
+        token: str,
+        ttl: float,
+        victim: str,
+        *,
+        meta: Mapping[str, str] | None = None,
+    ) -> AcquireResult:
+        """The takeover and its preemption record in one transaction."""
+        ttl = check_lease(ttl, "preempt")
+        with self._transaction("preempt", key) as conn:
+            now = time.time()
+            names = [key] if limit == 1 else slot_keys(key, limit)
+            held = {name: row[0] for name in names if (row := self._row(conn, name, now))}
+            if limit == 1:
+                taken = self._acquire_in(conn, key, token, ttl, meta, victim, now)
+            else:
+                taken = self._slot_in(conn, key, limit, token, ttl, meta, victim, None, now)
+            cur = held.get(taken.key or key) if taken.acquired else None
+            if cur is not None and cur != token and cur.startswith(victim):
+                successor = (meta or {}).get("task_id") or ""
+                replaced.sqlite_leave(conn, base_key(key), victim, successor, now + ttl, now)
+        return taken
 
     @staticmethod
     def _take(
@@ -302,14 +342,12 @@ class SQLiteBackend(LockBackend):
             )
             return task_id
 
-    def _leave_replaced(self, key: str, victim: str, successor: str, ttl: float) -> None:
-        with self._transaction("preempt", key) as conn:
-            now = time.time()
-            replaced.sqlite_leave(conn, key, victim, successor, now + ttl, now)
-
     def replaced_by(self, key: str, token: str) -> str | None:
         found = self._read(
-            "inspect", key, lambda c: replaced.sqlite_read(c, key, token, time.time()), None
+            "inspect",
+            key,
+            lambda c: replaced.sqlite_read(c, base_key(key), token, time.time()),
+            None,
         )
         return found if found is not None else super().replaced_by(key, token)
 
