@@ -138,10 +138,11 @@ def test_a_body_past_lock_max_hold_still_learns_its_preemption_in_time(
     starts = cluster.probe.wait_for(label, "start", count=2, timeout=BOUND)
     second = next(s for s in starts if s["task_id"] == newer.id)
     # And the older one learns that it was preempted, and by whom, within one renewal interval
+    # (and a generous margin for a loaded machine: the kind is what tells the old behaviour)
     learned = cluster.probe.wait_for(label, "learned", timeout=BOUND)[0]
     assert (learned["task_id"], learned["kind"]) == (older.id, "LockPreempted"), learned
     assert learned["successor"] == newer.id
-    assert learned["t"] - second["t"] < MAX_HOLD_TTL / 3 + SLACK
+    assert learned["t"] - second["t"] < MAX_HOLD_TTL / 3 + 1.5 * SLACK
     # And it ends as replaced, naming the newer one
     value = older.get(timeout=BOUND)
     assert isinstance(value, Skipped), value
