@@ -27,6 +27,8 @@ def make_app(*, broker: str, locks: str, prefix: str, queue: str) -> Celery:
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=True,
         worker_redirect_stdouts=False,
+        # as visibility.rst asks: the producer then stamps each send's time, for the wait
+        worker_send_task_events=True,
     )
 
     @app.task(base=SingletonTask, name="exporter.hold", lock_key="{customer}", shared=False)
