@@ -183,13 +183,15 @@ class SingletonTask(_TaskBase):
 
         The other options reach Celery as given too, unless a feature of this send needs a
         header of singletask's: the first send's time where its wait is measured
-        (``singletask.observe.report.reports_wait``), the mark of ``lock_coalesce``
-        "latest". ``headers`` that are not a mapping are left to Celery; "latest" refuses them
-        with ``TypeError`` before anything is reserved.
+        (``singletask.observe.report.reports_wait``) and for ``lock_policy`` "replace" (which
+        tells the later send by it), the mark of ``lock_coalesce`` "latest". ``headers`` that
+        are not a mapping are left to Celery; "latest" refuses them with ``TypeError`` before
+        anything is reserved.
         """
 
         lock = lock_options(self)
-        if report.reports_wait(self.app, lock):  # else the options reach Celery as given
+        # "replace" orders its holders by send time; else the options reach Celery as given
+        if lock.policy == "replace" or report.reports_wait(self.app, lock):
             options = dict(headers.with_sent_at(options))
 
         def publish(task_id: str | None, send: Mapping[str, Any] = options) -> AsyncResult[Any]:

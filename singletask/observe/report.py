@@ -103,8 +103,9 @@ def sends_events(app: Celery, *, producer: bool = False) -> bool:
 
 def reports_wait(app: Celery, options: LockOptions) -> bool:
     """Whether a send of a task with ``options`` carries the first send's time
-    (:data:`~singletask.protocol.headers.SENT_AT_HEADER`), whose one consumer is the ``wait`` of
-    the ``acquired`` outcome (an event field and a span attribute).
+    (:data:`~singletask.protocol.headers.SENT_AT_HEADER`) for the ``wait`` of the ``acquired``
+    outcome (an event field and a span attribute). (``lock_policy`` "replace" also orders its
+    holders by it: ``SingletonTask.apply_async`` adds it for such a task whatever this says.)
 
     True when singletask itself may make the execution wait for its lock (``lock_policy``
     "retry", ``lock_scope`` "coalesce", ``lock_debounce``), and otherwise when the producer can

@@ -156,18 +156,20 @@ def test_non_mapping_headers_of_an_eager_execution_are_its_request_headers(
     [
         ({"lock_policy": "retry"}, {}),
         ({"lock_scope": "coalesce"}, {}),
+        ({"lock_policy": "replace"}, {}),
         ({}, {"worker_send_task_events": True}),
         ({}, {"singletask_send_events": True}),
     ],
-    ids=["retry", "coalesce", "worker_send_task_events", "singletask_send_events"],
+    ids=["retry", "coalesce", "replace", "worker_send_task_events", "singletask_send_events"],
 )
-def test_a_send_whose_wait_is_measured_carries_its_send_time(
+def test_a_send_whose_wait_is_measured_or_order_judged_carries_its_send_time(
     apps: list[celery.Celery],
     monkeypatch: pytest.MonkeyPatch,
     task_options: dict[str, Any],
     conf: dict[str, Any],
 ) -> None:
-    # Given a task that may wait for its lock, or an app whose workers report the wait
+    # Given a task that may wait for its lock, or whose holders are ordered by send time
+    # ("replace": the later send wins), or an app whose workers report the wait
     app = make_app(SingletonTask, **task_options)
     app.conf.update(conf)
     apps.append(app)
