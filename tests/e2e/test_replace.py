@@ -320,3 +320,28 @@ def test_a_storm_of_replace_sends_never_fails(cluster: Cluster, label: str) -> N
                 assert value.holder in ids - {result.id}, (burst, n, value)
             else:
                 assert value == n
+
+
+def test_an_earlier_send_that_starts_later_is_superseded_not_preempting(
+    cluster: Cluster, label: str
+) -> None:
+    """The latest is the send made last, not the execution started last: a send made before the
+    running one (its countdown held it back) ends replaced by it without running, and the
+    running body is left alone."""
+    rebuild = cluster.task(PREFIX + "rebuild")
+    # Given a first send held back by its countdown, and a second send made after it, running
+    earlier = rebuild.apply_async((label, 1), countdown=2)
+    later = rebuild.delay(label, 2)
+    cluster.probe.wait_for(label, "start", timeout=BOUND)
+
+    # When the earlier send's countdown ends while the later one still runs
+    value = earlier.get(timeout=BOUND)
+
+    # Then the earlier send ends replaced, naming the later one, without running its body
+    assert isinstance(value, Skipped)
+    assert (value.reason, value.holder) == ("replaced", later.id)
+    assert [s["version"] for s in cluster.probe.events(label, "start")] == [2]
+    # And the later one was never preempted: it finishes with its own value
+    cluster.probe.client.rpush(gate_key(label), "open")
+    assert later.get(timeout=BOUND) == 2
+    assert cluster.probe.events(label, "preempted") == []
