@@ -61,6 +61,7 @@ from ..protocol.tokens import parse_token, reservation_token
 from ..result import Skipped
 from ..send.records import claim_follow_up, take_back
 from ..signals import lock_conflict
+from .endings import persist
 
 if TYPE_CHECKING:
     from celery import Task
@@ -234,23 +235,29 @@ def give_back(
 ) -> None:
     """Release ``reservation`` (held in one of the slots of ``key``) and, coalescing, the
     follow-up claim of this task id: the execution ends without its body, and later sends must
-    not meet them. Owner-checked: what another task holds is left alone. Never raises."""
+    not meet them. Owner-checked: what another task holds is left alone. Sent again while the
+    store cannot be reached (:func:`~singletask.execution.endings.persist`). Never raises."""
     task_id = str(task.request.id)
-    try:
-        for slot in slot_keys(key, options.limit):
-            if backend.release(slot, reservation):
-                logger.info(
-                    "Task %s[%s] ends without its body: its reservation of lock %r is released",
-                    task.name, task_id, key,
-                )  # fmt: skip
-                break
+
+    def release() -> bool:
+        released = any(backend.release(slot, reservation) for slot in slot_keys(key, options.limit))
         if options.scope == "coalesce":
             backend.clear_next(key, task_id)
+        return released
+
+    try:
+        released, _ = persist(release, options.queue_ttl)
     except BackendError as exc:
         logger.warning(
             "Task %s[%s] ends without its body, and its reservation of lock %r could not be "
             "released (%s): it stays until its lease ends",
             task.name, task_id, key, exc,
+        )  # fmt: skip
+        return
+    if released:
+        logger.info(
+            "Task %s[%s] ends without its body: its reservation of lock %r is released",
+            task.name, task_id, key,
         )  # fmt: skip
 
 
