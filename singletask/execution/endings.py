@@ -29,8 +29,8 @@ message is acknowledged before its body starts, so no copy of it comes back once
 and its key keeps nothing after the release.
 
 The end of a hold goes through even when the lock store is briefly unreachable
-(:func:`persist`): the release (or the retry's reservation) is sent again for up to
-:data:`END_PERSISTENCE` seconds, before Celery stores the result. A hold whose end were given up
+(``persist``): the release (or the retry's reservation) is sent again for up to
+``END_PERSISTENCE`` seconds, before Celery stores the result. A hold whose end were given up
 at the first error would keep the key for the rest of its lease after the execution ended, and
 with ``lock_scope`` "queue" or "coalesce" a send meanwhile would be deduplicated onto an
 execution that has ended: it would get that result and never run.
@@ -111,7 +111,7 @@ def ending_of(exc: BaseException, *, worker: bool) -> str:
 def persist(operation: Callable[[], T], lease: float) -> tuple[T, int]:
     """Return ``operation()`` and how many tries failed first: while it raises
     ``BackendUnavailable`` or ``BackendTimeout``, it is tried again after a short wait (50 ms,
-    doubling up to 0.4 s), for :data:`END_PERSISTENCE` seconds at most and never longer than
+    doubling up to 0.4 s), for ``END_PERSISTENCE`` seconds at most and never longer than
     ``lease`` (the lock is gone by then anyway); then the last error is raised. Only for
     operations that are safe to repeat: an owner-checked release, a takeover by the same token.
     """
@@ -143,7 +143,7 @@ def release_or_reserve(
 
     The reservation is the lock under a token only the retried attempt (same task id,
     ``retries + 1``) takes over; it lasts the retry's countdown plus one lease. Either is sent
-    again while the store cannot be reached (:func:`persist`). Never raises. Returns False when
+    again while the store cannot be reached (``persist``). Never raises. Returns False when
     a release found the lock no longer held, else True.
     """
     try:

@@ -236,7 +236,7 @@ def give_back(
     """Release ``reservation`` (held in one of the slots of ``key``) and, coalescing, the
     follow-up claim of this task id: the execution ends without its body, and later sends must
     not meet them. Owner-checked: what another task holds is left alone. Sent again while the
-    store cannot be reached (:func:`~singletask.execution.endings.persist`). Never raises."""
+    store cannot be reached (``singletask.execution.endings.persist``). Never raises."""
     task_id = str(task.request.id)
 
     def release() -> bool:
