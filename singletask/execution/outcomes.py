@@ -199,18 +199,11 @@ def _rate_refused(conflict: Conflict) -> Any:
     retries = int(request.retries or 0)
     if conflict.direct:
         return POLICIES[options.policy].apply(conflict)  # nothing to keep or give back
-    reservation = (
-        None
-        if retries == 0 and options.scope == "execution"
-        else (reservation_token(str(request.id), retries))
-    )
+    reservation = None  # an execution-scope send reserved nothing; a body retry did
+    if retries > 0 or options.scope != "execution":
+        reservation = reservation_token(str(request.id), retries)
     spent = header_count(request, LOCK_RETRIES_HEADER)
-    if (
-        reservation is not None
-        and retries > 0
-        and not request.is_eager
-        and spent < options.retry_max
-    ):
+    if reservation and retries > 0 and not request.is_eager and spent < options.retry_max:
         # The body asked for this retry: it waits for the allowed start, reserved meanwhile.
         _keep(conflict, reservation, float(conflict.retry_after or 0) + options.ttl)
         POLICIES["retry"].apply(conflict)
@@ -288,7 +281,7 @@ def give_back(
     task_id = str(task.request.id)
 
     def release() -> bool:
-        released = any(backend.release(slot, reservation) for slot in slot_keys(key, options.limit))
+        released = _release_in_slots(backend, slot_keys(key, options.limit), reservation)
         if options.scope == "coalesce":
             backend.clear_next(key, task_id)
         return released
