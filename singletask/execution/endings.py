@@ -27,16 +27,25 @@ record the attempt as the key's completion marker, so a redelivered copy of a me
 to completion is dropped instead of running again; only for tasks with ``acks_late``: any other
 message is acknowledged before its body starts, so no copy of it comes back once it has run,
 and its key keeps nothing after the release.
+
+The end of a hold goes through even when the lock store is briefly unreachable
+(``persist``): the release (or the retry's reservation) is sent again for up to
+``END_PERSISTENCE`` seconds, before Celery stores the result. A hold whose end were given up
+at the first error would keep the key for the rest of its lease after the execution ended, and
+with ``lock_scope`` "queue" or "coalesce" a send meanwhile would be deduplicated onto an
+execution that has ended: it would get that result and never run.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
 from celery.exceptions import Ignore, Reject, Retry
 
+from ..exceptions import BackendTimeout, BackendUnavailable
 from ..protocol.headers import seconds_until
 from ..protocol.tokens import reservation_token
 
@@ -46,9 +55,20 @@ if TYPE_CHECKING:
     from ..backends.base import LockBackend
     from ..conf.options import LockOptions
 
-__all__ = ["ENDINGS", "Ending", "ending_of", "release_or_reserve"]
+__all__ = ["ENDINGS", "END_PERSISTENCE", "Ending", "ending_of", "persist", "release_or_reserve"]
 
 logger = logging.getLogger("singletask")
+
+T = TypeVar("T")
+
+#: The longest time, in seconds, the end of a hold (or of a reservation an execution gives
+#: back) keeps trying while the lock store cannot be reached, never longer than the lease itself:
+#: a store that is back within it (a restart, a failover, a dropped link) gets the release.
+END_PERSISTENCE: Final = 2.0
+
+#: The first wait between two tries, doubled after each, up to :data:`_LONGEST_WAIT`.
+_FIRST_WAIT = 0.05
+_LONGEST_WAIT = 0.4
 
 
 class Ending(NamedTuple):
@@ -88,6 +108,26 @@ def ending_of(exc: BaseException, *, worker: bool) -> str:
     return "stopped"
 
 
+def persist(operation: Callable[[], T], lease: float) -> tuple[T, int]:
+    """Return ``operation()`` and how many tries failed first: while it raises
+    ``BackendUnavailable`` or ``BackendTimeout``, it is tried again after a short wait (50 ms,
+    doubling up to 0.4 s), for ``END_PERSISTENCE`` seconds at most and never longer than
+    ``lease`` (the lock is gone by then anyway); then the last error is raised. Only for
+    operations that are safe to repeat: an owner-checked release, a takeover by the same token.
+    """
+    deadline = time.monotonic() + min(END_PERSISTENCE, max(0.0, lease))
+    wait, failed = _FIRST_WAIT, 0
+    while True:
+        try:
+            return operation(), failed
+        except (BackendUnavailable, BackendTimeout):
+            if time.monotonic() + wait > deadline:
+                raise
+        failed += 1
+        time.sleep(wait)
+        wait = min(wait * 2, _LONGEST_WAIT)
+
+
 def release_or_reserve(
     task: Task[Any, Any],
     options: LockOptions,
@@ -102,8 +142,9 @@ def release_or_reserve(
     """End the execution's hold: release, or turn it into a reservation for the body's retry.
 
     The reservation is the lock under a token only the retried attempt (same task id,
-    ``retries + 1``) takes over; it lasts the retry's countdown plus one lease. Never raises.
-    Returns False when a release found the lock no longer held, else True.
+    ``retries + 1``) takes over; it lasts the retry's countdown plus one lease. Either is sent
+    again while the store cannot be reached (``persist``). Never raises. Returns False when
+    a release found the lock no longer held, else True.
     """
     try:
         if retry is not None:
@@ -113,14 +154,29 @@ def release_or_reserve(
             reserve = min(backend.max_lease, delay + options.ttl)
             retries = int(request.retries or 0)
             retry_token = reservation_token(str(request.id), retries + 1)
-            reserved = backend.acquire(key, retry_token, reserve, meta=meta, takeover_prefix=token)
+            reserved, _ = persist(
+                lambda: backend.acquire(key, retry_token, reserve, meta=meta,
+                                        takeover_prefix=token),
+                options.ttl,
+            )  # fmt: skip
             if reserved.acquired:
                 logger.info(
                     "Task %s[%s] retries: lock %r stays reserved for the retry (%.0fs at most)",
                     task.name, request.id, key, reserve,
                 )  # fmt: skip
             return True
-        if not backend.release(key, token, completed=completed):
+        released, failed = persist(
+            lambda: backend.release(key, token, completed=completed), options.ttl
+        )
+        if not released and failed:
+            # A try whose reply was lost may have released it, or the lease ran out meanwhile.
+            logger.info(
+                "Task %s[%s]: lock %r was free after %d failed tries to release it (one of "
+                "them may have released it)",
+                task.name, task.request.id, key, failed,
+            )  # fmt: skip
+            return False
+        if not released:
             logger.warning(
                 "Task %s[%s]: lock %r was no longer held when the task ended (its lease "
                 "ran out, or the worker released it for this task)",

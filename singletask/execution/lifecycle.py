@@ -27,6 +27,7 @@ story for users):
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import logging
 import os
@@ -292,6 +293,10 @@ def _take_over(run: _Run, result: AcquireResult) -> AcquireResult:
                 "Task %s[%s] took over lock %r from %s, whose process is gone",
                 run.task.name, run.task_id, run.key, holder.task_id,
             )  # fmt: skip
+        elif result.retry_after is not None and not result.holders:
+            # The rate refused the takeover (it is a start): the refusal names the gone holder,
+            # which it releases if it was a delivery of this message and the message ends.
+            result = dataclasses.replace(result, holders=(holder,))
     return result
 
 

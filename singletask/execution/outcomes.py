@@ -35,6 +35,7 @@ is never deduplicated onto it, joined to it or locked out by it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -57,10 +58,11 @@ from ..protocol.headers import (
     republish,
 )
 from ..protocol.slots import slot_keys
-from ..protocol.tokens import parse_token, reservation_token
+from ..protocol.tokens import parse_token, process_state, reservation_token
 from ..result import Skipped
 from ..send.records import claim_follow_up, take_back
 from ..signals import lock_conflict
+from .endings import persist
 
 if TYPE_CHECKING:
     from celery import Task
@@ -193,26 +195,66 @@ def _store_error(
 
 def _rate_refused(conflict: Conflict) -> Any:
     """An execution whose start the ``lock_rate`` refused: its value, or raise to end it."""
-    task, options, request = conflict.task, conflict.options, conflict.task.request
+    options, request = conflict.options, conflict.task.request
     retries = int(request.retries or 0)
-    if conflict.direct or (retries == 0 and options.scope == "execution"):
-        # Nothing can be kept for it: no reservation (or claim) to keep or to give back.
-        return POLICIES[options.policy].apply(conflict)
-    reservation = reservation_token(str(request.id), retries)
+    if conflict.direct:
+        return POLICIES[options.policy].apply(conflict)  # nothing to keep or give back
+    reservation = None  # an execution-scope send reserved nothing; a body retry did
+    if retries > 0 or options.scope != "execution":
+        reservation = reservation_token(str(request.id), retries)
     spent = header_count(request, LOCK_RETRIES_HEADER)
-    if retries > 0 and not request.is_eager and spent < options.retry_max:
+    if reservation and retries > 0 and not request.is_eager and spent < options.retry_max:
         # The body asked for this retry: it waits for the allowed start, reserved meanwhile.
         _keep(conflict, reservation, float(conflict.retry_after or 0) + options.ttl)
         POLICIES["retry"].apply(conflict)
     try:
         value = POLICIES[options.policy].apply(conflict)
     except (CeleryRetry, Ignore):
-        raise  # sent again: it comes back for its reservation and claim
+        raise  # sent again: it comes back for its reservation, claim and killed delivery's hold
     except BaseException:
-        give_back(task, options, conflict.backend, conflict.key, reservation)
+        _give_back_all(conflict, reservation)
         raise
-    give_back(task, options, conflict.backend, conflict.key, reservation)
+    _give_back_all(conflict, reservation)
     return value
+
+
+def _give_back_all(conflict: Conflict, reservation: str | None) -> None:
+    """A message refused by the rate that ends here gives back what is kept for it: its
+    reservation (and claim), and the hold of a delivery of it whose process is gone."""
+    if reservation is not None:
+        give_back(conflict.task, conflict.options, conflict.backend, conflict.key, reservation)
+    _release_dead_delivery(conflict)
+
+
+def _release_dead_delivery(conflict: Conflict) -> None:
+    """Release the hold of an earlier delivery of this very message whose process is gone (a
+    killed pool process; with ``acks_late`` and ``reject_on_worker_lost`` the worker delivers the
+    message again and releases nothing). Its redelivered copy takes that hold over, unless the
+    rate refuses the takeover: it is a start. Ending here, the copy must not leave the key held
+    by a message that has ended for the rest of that lease (a send of ``lock_scope`` "queue"
+    would be deduplicated onto it). Owner-checked by the dead hold's token. Never raises."""
+    request_id = conflict.task.request.id
+    holders = conflict.holders or ((conflict.holder,) if conflict.holder else ())
+    for holder in holders:
+        if holder.task_id != request_id or process_state(holder.token) != "gone":
+            continue
+        slots = slot_keys(conflict.key, conflict.options.limit)
+        release = functools.partial(_release_in_slots, conflict.backend, slots, holder.token)
+        try:
+            released, _ = persist(release, conflict.options.ttl)
+        except BackendError as exc:
+            logger.warning(
+                "Task %s[%s]: could not release lock %r, held by a delivery of it whose "
+                "process is gone (%s): it stays until its lease ends",
+                conflict.task.name, request_id, conflict.key, exc,
+            )  # fmt: skip
+            continue
+        if released:
+            logger.warning(
+                "Task %s[%s]: lock %r, held by a delivery of it whose process is gone, "
+                "released as the message ends",
+                conflict.task.name, request_id, conflict.key,
+            )  # fmt: skip
 
 
 def _keep(conflict: Conflict, reservation: str, lease: float) -> None:
@@ -234,24 +276,35 @@ def give_back(
 ) -> None:
     """Release ``reservation`` (held in one of the slots of ``key``) and, coalescing, the
     follow-up claim of this task id: the execution ends without its body, and later sends must
-    not meet them. Owner-checked: what another task holds is left alone. Never raises."""
+    not meet them. Owner-checked: what another task holds is left alone. Sent again while the
+    store cannot be reached (``singletask.execution.endings.persist``). Never raises."""
     task_id = str(task.request.id)
-    try:
-        for slot in slot_keys(key, options.limit):
-            if backend.release(slot, reservation):
-                logger.info(
-                    "Task %s[%s] ends without its body: its reservation of lock %r is released",
-                    task.name, task_id, key,
-                )  # fmt: skip
-                break
+
+    def release() -> bool:
+        released = _release_in_slots(backend, slot_keys(key, options.limit), reservation)
         if options.scope == "coalesce":
             backend.clear_next(key, task_id)
+        return released
+
+    try:
+        released, _ = persist(release, options.queue_ttl)
     except BackendError as exc:
         logger.warning(
             "Task %s[%s] ends without its body, and its reservation of lock %r could not be "
             "released (%s): it stays until its lease ends",
             task.name, task_id, key, exc,
         )  # fmt: skip
+        return
+    if released:
+        logger.info(
+            "Task %s[%s] ends without its body: its reservation of lock %r is released",
+            task.name, task_id, key,
+        )  # fmt: skip
+
+
+def _release_in_slots(backend: LockBackend, slots: Sequence[str], token: str) -> bool:
+    """Release ``token`` in whichever of ``slots`` it holds (owner-checked)."""
+    return any(backend.release(slot, token) for slot in slots)
 
 
 def superseded_retry(result: AcquireResult, task_id: str) -> Holder | None:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from celery.exceptions import Ignore, Reject, Retry
+from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
 if TYPE_CHECKING:
     from celery import Task
@@ -143,13 +143,17 @@ def republish(
 
     Like ``Task.retry()`` but without touching ``retries``: it raises ``Retry`` (state
     RETRY), or with ``quietly`` ``Ignore`` (nothing stored). A failed publish raises
-    ``Reject``, as ``Task.retry()`` does.
+    ``Reject``, as ``Task.retry()`` does; a soft time limit that fires during the publish is
+    no failed publish: it ends the execution as it would have ended the body
+    (``SoftTimeLimitExceeded``, state FAILURE).
     """
     request = task.request
     merged = {**message_headers(request), **headers}
     signature = task.signature_from_request(request, countdown=countdown, headers=merged)
     try:
         signature.apply_async()
+    except SoftTimeLimitExceeded:
+        raise
     except Exception as exc:
         raise Reject(exc, requeue=False) from exc
     if quietly:

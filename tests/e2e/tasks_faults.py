@@ -181,6 +181,18 @@ def late(
     return _body(self, label, seconds, first_seconds)
 
 
+@_task(
+    "late_rated", lock_ttl=LONG_LEASE, acks_late=True, reject_on_worker_lost=True,
+    lock_scope="queue", lock_rate="1/m",
+)  # fmt: skip
+def late_rated(
+    self: SingletonTask, label: str, seconds: float = 0.0, first_seconds: float | None = None
+) -> dict[str, Any]:
+    """Requeued when its process is lost; one start a minute, so a redelivered copy's takeover
+    of its killed delivery's hold (a start) is refused by the rate."""
+    return _body(self, label, seconds, first_seconds)
+
+
 # -- lock store faults ---------------------------------------------------------------------
 
 #: ``lock_backend_retry_max`` of :func:`store_retry_short`.

@@ -316,6 +316,38 @@ def test_acks_late_message_of_a_killed_pool_process_runs_once_more(
     assert_exclusive_and_once(env, label, {message.id: 2})
 
 
+def test_a_redelivered_copy_refused_by_the_rate_releases_what_its_killed_delivery_held(
+    faults: Callable[..., FaultEnv],
+) -> None:
+    """Issue 37 (seed 103562083): the copy's takeover of the hold its killed delivery left is a
+    start, which the rate refused; the copy ended ``Skipped(reason="rate")`` and left that hold
+    for the rest of its lease, so sends of ``lock_scope = "queue"`` were deduplicated onto a
+    message that had ended, and never ran."""
+    # Given an acks_late + reject_on_worker_lost singleton with one start a minute, whose first
+    # delivery runs long
+    env = faults()
+    env.start_worker()
+    rated = task(env, "late_rated")
+    label = new_label()
+    message = rated.apply_async(kwargs={"label": label, "seconds": 0.2, "first_seconds": 30})
+    (first,) = env.wait_starts(label, 1)
+
+    # When the pool process running it is SIGKILLed (the worker requeues the message)
+    env.kill_process(first["pid"])
+
+    # Then the redelivered copy is refused by the rate: the body has started once this minute
+    skipped = message.get(timeout=BOUND)
+    assert isinstance(skipped, Skipped), skipped
+    assert skipped.reason == "rate", skipped
+    # And the message, ended, holds nothing: a later send is published, not deduplicated onto it
+    later = rated.apply_async(kwargs={"label": label, "seconds": 0.1})
+    assert later.id != message.id, env.explain()
+    refused = later.get(timeout=BOUND)
+    assert isinstance(refused, Skipped), refused
+    assert refused.reason == "rate", refused
+    assert [s["task_id"] for s in env.starts(label)] == [message.id]
+
+
 @needs_short_visibility
 def test_visibility_timeout_restores_the_message_of_a_killed_worker_and_it_runs_once_more(
     faults: Callable[..., FaultEnv],

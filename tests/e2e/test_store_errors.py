@@ -16,6 +16,7 @@ the session's private Redis, reached through a :class:`~tests.e2e.proxy.TcpProxy
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -124,3 +125,40 @@ def test_a_store_timeout_in_the_follow_up_claim_retries_with_backoff_then_runs(
     assert [s["task_id"] for s in env.probe.starts(label)] == [running.id, follow_up.id]
     assert env.probe.max_overlap(label) == 1
     assert backend_retries(env, follow_up.id) == 1, env.explain()
+
+
+#: How long the link stays down as a body ends: far below END_PERSISTENCE (2 s).
+BRIEF_OUTAGE = 0.5
+
+
+def test_a_release_that_meets_the_store_down_is_sent_again_so_no_later_send_joins_the_ended_run(
+    proxied: tuple[FaultEnv, TcpProxy],
+) -> None:
+    """``lock_scope = "queue"``: the lock store is unreachable for half a second as a body ends
+    (issue 37: the release was given up at once, the key stayed held for the rest of the lease,
+    and sends meanwhile were deduplicated onto the run that had ended, so they never ran). The
+    release is sent again until the store is back, before the result is stored: a send made
+    once the result is in finds the key free, is published, and runs."""
+    env, proxy = proxied
+    label = uuid.uuid4().hex[:12]
+    task = env.app.tasks[SCOPES + "queued"]
+
+    # Given a run in progress (its body waits on its gate)
+    running = task.apply_async(kwargs={"label": label, "hold": True, "note": "first"})
+    env.probe.wait_for(label, "start")
+    # And the lock store refusing connections as the body ends
+    proxy.stop()
+    env.probe.client.rpush(gate_key(label), "open")
+    env.probe.wait_for(label, "end")
+    time.sleep(BRIEF_OUTAGE)
+    proxy.start()
+
+    # When the run's result is in
+    assert running.get(timeout=BOUND)["note"] == "first", env.explain()
+    # And the key is sent again
+    later = task.apply_async(kwargs={"label": label, "note": "later"})
+
+    # Then that send is not deduplicated onto the ended run: it is published and runs
+    assert later.id != running.id, env.explain()
+    assert later.get(timeout=BOUND)["note"] == "later", env.explain()
+    assert [s["task_id"] for s in env.probe.starts(label)] == [running.id, later.id]

@@ -6,11 +6,14 @@ The behaviour behind each row is tested end to end (tests/e2e/test_endings.py) a
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from celery.exceptions import Ignore, Reject, Retry
 
 from singletask.conf.settings import POLICIES as POLICY_NAMES
-from singletask.execution.endings import ENDINGS, ending_of
+from singletask.exceptions import BackendError, BackendTimeout, BackendUnavailable
+from singletask.execution.endings import END_PERSISTENCE, ENDINGS, ending_of, persist
 from singletask.policies import POLICIES, Policy
 
 
@@ -99,3 +102,44 @@ def test_the_count_of_checks_belongs_to_one_attempt() -> None:
     assert attempt_count(request(2, "1:3"), PREVIOUS_WAITS_HEADER) == 0
     assert attempt_count(request(1, None), PREVIOUS_WAITS_HEADER) == 0
     assert attempt_count(request(1, "garbage"), PREVIOUS_WAITS_HEADER) == 0
+
+
+# -- the end of a hold while the store cannot be reached (issue 37) -------------------------
+
+
+class Flaky:
+    """An operation that fails ``failures`` times with ``error``, then returns True."""
+
+    def __init__(self, failures: int, error: Exception) -> None:
+        self.failures, self.error, self.calls = failures, error, 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise self.error
+        return True
+
+
+def test_the_end_of_a_hold_is_sent_again_while_the_store_cannot_be_reached() -> None:
+    flaky = Flaky(3, BackendUnavailable("connection refused"))
+    assert persist(flaky, lease=30.0) == (True, 3)
+    timeout = Flaky(1, BackendTimeout("timed out"))
+    assert persist(timeout, lease=30.0) == (True, 1)
+
+
+def test_the_end_of_a_hold_gives_up_after_its_bound_or_the_lease() -> None:
+    started = time.monotonic()
+    with pytest.raises(BackendUnavailable):
+        persist(Flaky(10**6, BackendUnavailable("down")), lease=0.3)
+    assert time.monotonic() - started < END_PERSISTENCE  # the lease (0.3 s) bounds it
+    started = time.monotonic()
+    with pytest.raises(BackendUnavailable):
+        persist(Flaky(10**6, BackendUnavailable("down")), lease=30.0)
+    assert END_PERSISTENCE - 0.5 < time.monotonic() - started < END_PERSISTENCE + 1.0
+
+
+def test_other_store_errors_are_not_sent_again() -> None:
+    flaky = Flaky(1, BackendError("WRONGTYPE"))
+    with pytest.raises(BackendError):
+        persist(flaky, lease=30.0)
+    assert flaky.calls == 1

@@ -54,7 +54,9 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
   violation.
 * ``fences``: a body's fence is larger than that of every holder of its key that started
   before it.
-* ``rate``: no two starts of a rated key closer than its interval.
+* ``rate``: no two starts of a rated key closer than its interval, by the lock store's clock
+  (docs/limits.rst): two bodies whose starts are closer are no violation if their fences, which
+  carry the store's clock at the acquire, are an interval apart (:func:`spaced_by_the_store`).
 * ``idle``: once the fleet is idle the store holds no live lock, reservation, open debounce
   window, pending follow-up claim or rate record of a key (records naming a send whose producer
   was killed in flight excepted, until they expire, and the claim of a follow-up still waiting
@@ -193,6 +195,19 @@ class Body:
         if self.end is not None:
             return self.end
         return self.start + (1.5 if self.ending == "hard" else 0.01)
+
+
+def spaced_by_the_store(earlier: Body, later: Body, interval: float) -> bool:
+    """Whether the lock store's clock spaced the acquisitions of two bodies by ``interval`` at
+    least, as docs/limits.rst promises ("by the lock store's clock"). A body's fence is
+    ``max(last + 1, the store's clock in microseconds)`` at its acquire (docs/guarantees.rst,
+    "Fencing tokens"), so a fence gap of ``interval`` or more can only be the clock's: the
+    bodies' own start times also count the requests between the acquire and the body (a
+    coalescing follow-up's claim cleared, a redelivered copy's twin check), which a stalled
+    link can hold back."""
+    if earlier.fence is None or later.fence is None:
+        return False
+    return later.fence - earlier.fence >= int(interval * 1_000_000) - 1
 
 
 def _passed_on(dead: Body, later: Body) -> bool:
@@ -833,7 +848,7 @@ class _Judge:
     def _rate(self, here: str, interval: float, bodies: Sequence[Body]) -> None:
         for earlier, later in itertools.pairwise(bodies):
             gap = later.start - earlier.start
-            if gap < interval - TIE:
+            if gap < interval - TIE and not spaced_by_the_store(earlier, later, interval):
                 self.violation(
                     "rate", here, self._sends([earlier, later]),
                     f"two starts {gap:.3f}s apart, closer than the rate's interval "

@@ -533,6 +533,20 @@ def test_starts_closer_than_the_rate_interval_are_a_violation() -> None:
     assert rules(judge([], close, {})) == ["rate"]
 
 
+def test_starts_the_store_clock_spaced_are_no_violation_when_a_stall_delayed_the_first_body() -> (
+    None
+):
+    """Issue 37 (seed 530434469, MySQL, coalescing with ``lock_rate = "2/s"``): a stalled link
+    held the first body back after its acquire, so the bodies started 0.319 s apart. The rate
+    is promised by the store's clock (docs/limits.rst), which the fences carry (microseconds)."""
+    clock = 1_800_000_000_000_000
+    delayed = [body("a", 0.181, 0.3, clock, LIMITED), body("b", 0.5, 0.6, clock + 500_000, LIMITED)]
+    assert judge([], delayed, {}).violations == []
+    # Closer by the store's clock too: a violation
+    close = [body("a", 0.181, 0.3, clock, LIMITED), body("b", 0.5, 0.6, clock + 319_000, LIMITED)]
+    assert rules(judge([], close, {})) == ["rate"]
+
+
 def test_what_the_idle_store_still_holds_is_a_violation_unless_a_killed_producer_left_it() -> None:
     residue = Residue("test:x:interactions.c0:k", "reservation", "a", "token a:0:-:0:reserved")
     report = judge([send(0, "a")], [body("a", 0, 0.1, 1)], {"a": done(0.1)}, [residue])
