@@ -29,10 +29,9 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
 * ``superseded``: a ``Skipped(reason="debounced")`` (``lock_debounce``) or
   ``Skipped(reason="superseded")`` (a coalescing follow-up of ``lock_coalesce = "latest"``)
   names a later send that was published and whose body ran (or that met a visible refusal of
-  its own); an execution that ended while the send it names was failing to publish, before that
-  send's undo, is documented (docs/limits.rst), not a violation, and so is one superseded by a
-  published send that itself ended so (the chain is judged at its last link: the undo put the
-  window back naming that published send, which had ended already).
+  its own), never a send whose publish failed: a message that starts while a later send's
+  publish is going on waits for it to be published or taken back (docs/limits.rst, "While a
+  send is being published"). A chain of such skips is judged at its last link.
 * ``last-runs``: of a debounced burst, or of a burst of ``lock_coalesce = "latest"``, the last
   send actually published runs its body (or meets a visible refusal: held, rate,
   ``TaskLocked``), never superseded by nothing.
@@ -77,10 +76,6 @@ from typing import Any
 from celery import VERSION as CELERY_VERSION
 
 from .space import FIXED, Config
-
-#: Seconds after a failed publish's reply within which its undo has reached the store (one
-#: round trip, and the result of a superseded execution being stored).
-UNDO_SLACK = 0.25
 
 __all__ = [
     "Body",
@@ -522,14 +517,6 @@ class _Judge:
                 f"ran: it ended {self.outcome(body.task_id).describe()}",
             )  # fmt: skip
 
-    @staticmethod
-    def _during_failed_publish(outcome: Outcome, failed: Send) -> bool:
-        """Whether an execution superseded by ``failed`` ended between ``failed``'s window write
-        and its undo (docs/limits.rst: a message a worker starts while a send's publish is
-        failing ends superseded by that send)."""
-        end = (failed.t_after or failed.t_before) + UNDO_SLACK
-        return outcome.date_done is not None and failed.t_before <= outcome.date_done <= end
-
     def _killed_within_lease(self, task_id: str | None) -> bool:
         """Whether a body of ``task_id`` was killed (it has no end: SIGKILL, a hard time limit)
         less than one lease before the idle store was read: nothing releases for a killed pool
@@ -541,39 +528,6 @@ class _Judge:
         config = self.h.configs.get(killed[0].config)
         lease = float(config.task_options()["lock_ttl"]) if config else FIXED["lock_ttl"]
         return any(self.h.observed - b.start < lease + SLACK for b in killed)
-
-    def _superseded_by_failing(self, task_id: str | None) -> str | None:
-        """The send whose publish was failing when ``task_id``, or the send that superseded it
-        and did not run (the chain is judged at its last link, as ``superseded`` judges it),
-        ended superseded by it, so that the window put back names a send that had ended; or
-        None."""
-        seen: set[str] = set()
-        current = task_id
-        while current is not None and current not in seen:
-            seen.add(current)
-            outcome = self.outcome(current)
-            holder = outcome.holder
-            if outcome.kind != "skipped" or outcome.reason not in SUPERSEDED or holder is None:
-                return None
-            failed = self.failed.get(holder)
-            if failed is not None:
-                during = self._during_failed_publish(outcome, failed)
-                return holder if during or self._restored_by_later_undo(failed) else None
-            if self.ran(holder):
-                return None
-            current = holder
-        return None
-
-    def _restored_by_later_undo(self, failed: Send) -> Send | None:
-        """A later send of ``failed``'s key whose publish failed too, made before ``failed``'s
-        undo: taken back after it, it put back the window naming ``failed`` (docs/limits.rst:
-        two sends failed at once and were taken back in the opposite order), or None."""
-        undone = (failed.t_after or failed.t_before) + UNDO_SLACK
-        for other in self.failed.values():
-            same = other.config == failed.config and other.key == failed.key
-            if same and other is not failed and failed.t_before < other.t_before <= undone:
-                return other
-        return None
 
     def superseded(self) -> None:
         for task_id, outcome in self.h.outcomes.items():
@@ -594,18 +548,6 @@ class _Judge:
             involved = [s for tid in chain for s in self.sends_of(tid)][:5]
             if last in self.killed:
                 self.report.documented.append(f"{here}: superseded by {last}, killed in flight")
-            elif last in self.failed and self._during_failed_publish(
-                self.outcome(chain[-2]) if len(chain) > 1 else outcome, self.failed[last]
-            ):
-                self.report.documented.append(
-                    f"{here}: superseded by {last} while that send's publish was failing, "
-                    "before its undo"
-                )
-            elif last in self.failed and self._restored_by_later_undo(self.failed[last]):
-                self.report.documented.append(
-                    f"{here}: superseded by {last}, put back in the window by the undo of a later "
-                    "send whose publish failed too"
-                )
             elif last in self.failed:
                 self.violation(
                     "superseded", here, involved,
@@ -640,13 +582,6 @@ class _Judge:
             if any(h in self.by_id and self._ran_or_refused(h) for h in holders if h):
                 continue  # a later send (made during a store fault, say) wrote the window
             if any(s.own in self.killed for s in last):
-                continue
-            failing = [self._superseded_by_failing(s.own) for s in last if s.own]
-            if failing and all(failing):
-                self.report.documented.append(
-                    f"{self.where(last[0])}: the burst's last published send ended superseded "
-                    f"by {', '.join(map(str, failing))} while its publish was failing"
-                )
                 continue
             later_kill = [s for s in self.killed.values() if s.key == _key and s.config == _config]
             if later_kill:
@@ -866,13 +801,6 @@ class _Judge:
                 self.report.documented.append(
                     f"{residue.key}: lock of {residue.task_id}, whose pool process was killed "
                     "less than one lease before the idle store was read"
-                )
-                continue
-            failing = self._superseded_by_failing(residue.task_id)
-            if residue.kind == "open window" and failing is not None:
-                self.report.documented.append(
-                    f"{residue.key}: open window of {residue.task_id}, put back by the undo of "
-                    f"{failing} after it ended superseded by that send"
                 )
                 continue
             waiting = [
