@@ -285,15 +285,19 @@ class LockBackend(abc.ABC):
         """
         raise UnsupportedOperation(f"{self!r} cannot keep debounce windows")
 
-    def debounce_take(self, key: str, task_id: str) -> tuple[str | None, float]:
+    def debounce_take(
+        self, key: str, task_id: str, *, overdue: bool = False
+    ) -> tuple[str | None, float]:
         """If ``task_id`` is the latest send of the open window of ``key``, close the window
         and return ``(task_id, 0.0)``. If the latest is another send that is pending (its
         message being published), change nothing and return it with the seconds it stays
         pending at most: the caller waits for it to be published or taken back, then asks
-        again. If that send is still pending past its deadline, it is treated as taken back:
-        the window is closed naming ``task_id``, as if ``task_id`` were the latest, and
-        ``(task_id, 0.0)`` returned. Else return the window's latest send and ``0.0`` and
-        change nothing; ``(None, 0.0)`` when the key has no window record. One atomic step.
+        again. If that send is still pending past its deadline, or with ``overdue`` (the
+        caller can wait no longer: its time limit is near) still pending at all, it is
+        treated as taken back: the window is closed naming ``task_id``, as if ``task_id``
+        were the latest, and ``(task_id, 0.0)`` returned. Else return the window's latest
+        send and ``0.0`` and change nothing; ``(None, 0.0)`` when the key has no window
+        record. One atomic step.
 
         A closed window keeps its record, naming the send that closed it, until the record
         expires: an earlier send that starts late (after the run of the latest began) still

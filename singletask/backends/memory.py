@@ -224,7 +224,9 @@ class MemoryBackend(LockBackend):
             window.pending = window.before = None
             return True
 
-    def debounce_take(self, key: str, task_id: str) -> tuple[str | None, float]:
+    def debounce_take(
+        self, key: str, task_id: str, *, overdue: bool = False
+    ) -> tuple[str | None, float]:
         now = time.monotonic()
         with self._mutex:
             window = self._windows.get(key)
@@ -234,9 +236,9 @@ class MemoryBackend(LockBackend):
             if window.opened is None:
                 return window.latest, 0.0
             if window.latest != task_id and window.pending is not None:
-                if window.pending > now:
+                if window.pending > now and not overdue:
                     return window.latest, window.pending - now
-                window.latest = task_id  # pending past its deadline: taken back
+                window.latest = task_id  # pending past its deadline (or overdue): taken back
             if window.latest == task_id:  # closed: opened is None
                 window.opened = window.pending = window.before = None
             return window.latest, 0.0

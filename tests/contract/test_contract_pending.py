@@ -118,6 +118,37 @@ def test_a_pending_send_past_its_deadline_is_treated_as_taken_back(
     assert debounced.debounce_take(key, "send-2") == ("send-1", 0.0)
 
 
+def test_a_send_that_can_wait_no_longer_takes_the_window_from_a_pending_send(
+    debounced: LockBackend, key: str
+) -> None:
+    """``overdue``: the message of send-1 cannot wait until send-2's deadline (its time limit
+    is near): send-2 is treated as a publish that outlasted its deadline."""
+    # Given send-2 still being published, its deadline far away
+    debounced.debounce(key, "send-1", LEASE)
+    debounced.debounce(key, "send-2", LEASE, pending=PUBLISHING)
+
+    # When send-1 takes the window overdue
+    taken = debounced.debounce_take(key, "send-1", overdue=True)
+
+    # Then it has the window, closed: send-2's publish, if it ends, changes nothing, its undo
+    # neither, and its message, if it starts, is told send-1 superseded it
+    assert taken == ("send-1", 0.0)
+    assert debounced.debounce_published(key, "send-2") is False
+    assert debounced.debounce_undo(key, "send-2", "send-1") is False
+    assert debounced.debounce_take(key, "send-2") == ("send-1", 0.0)
+
+
+def test_overdue_never_takes_the_window_from_a_published_later_send(
+    debounced: LockBackend, key: str
+) -> None:
+    debounced.debounce(key, "send-1", LEASE)
+    debounced.debounce(key, "send-2", LEASE, pending=PUBLISHING)
+    debounced.debounce_published(key, "send-2")
+
+    assert debounced.debounce_take(key, "send-1", overdue=True) == ("send-2", 0.0)
+    assert debounced.debounce_take(key, "send-2") == ("send-2", 0.0)
+
+
 def test_a_publish_that_succeeds_after_its_deadline_still_counts_if_nobody_took_the_window(
     debounced: LockBackend, key: str
 ) -> None:

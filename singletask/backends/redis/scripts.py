@@ -607,18 +607,19 @@ return 1
 
 # KEYS[1]  the key's debounce window
 # ARGV[1]  a task id
+# ARGV[2]  '1' when the caller can wait no longer (overdue), else '' or absent
 # Returns {the window's latest task id (field l; false when there is no window record), open
 # or closed; ms it stays pending (0 unless it is pending and not ARGV[1])}. When the window is
-# open (field o), its latest is another send, pending (field p) and past its deadline, that
-# send is taken back: l becomes ARGV[1]. When l is then ARGV[1] and the window is open, closes
-# it: deletes fields o, p and b, keeping the hash, its latest and its expiry (PTTL). A pending
-# latest before its deadline changes nothing.
+# open (field o), its latest is another send, pending (field p) and past its deadline (or
+# ARGV[2] is '1'), that send is taken back: l becomes ARGV[1]. When l is then ARGV[1] and the
+# window is open, closes it: deletes fields o, p and b, keeping the hash, its latest and its
+# expiry (PTTL). A pending latest before its deadline changes nothing (without ARGV[2]).
 DEBOUNCE_TAKE_SCRIPT = """
 local rec = redis.call('HMGET', KEYS[1], 'l', 'o', 'p')
 if rec[2] and rec[1] ~= ARGV[1] and rec[3] then
   local now = redis.call('TIME')
   local left = tonumber(rec[3]) - (tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
-  if left > 0 then
+  if left > 0 and ARGV[2] ~= '1' then
     return {rec[1], left}
   end
   rec[1] = ARGV[1]

@@ -299,9 +299,12 @@ class RedisBackend(LockBackend):
         args = (task_id,)
         return bool(self._call("debounce", DEBOUNCE_PUBLISHED, (window_key(key),), args))
 
-    def debounce_take(self, key: str, task_id: str) -> tuple[str | None, float]:
+    def debounce_take(
+        self, key: str, task_id: str, *, overdue: bool = False
+    ) -> tuple[str | None, float]:
         self._check_key(key, "debounce")
-        latest, left = self._call("debounce", DEBOUNCE_TAKE, (window_key(key),), (task_id,))
+        args = (task_id, "1" if overdue else "")
+        latest, left = self._call("debounce", DEBOUNCE_TAKE, (window_key(key),), args)
         return (as_text(latest) if latest else None), int(left) / 1000
 
     def debounce_undo(

@@ -266,7 +266,8 @@ SELECT `key` FROM {table} WHERE `key` = %(key)s FOR UPDATE;
 SET @st_now = UTC_TIMESTAMP(6);
 UPDATE {table} SET debounce_latest = %(task_id)s
 WHERE `key` = %(key)s AND debounce_latest <> %(task_id)s AND debounce_opened IS NOT NULL
-    AND debounce_pending <= @st_now AND debounce_until > @st_now;
+    AND (debounce_pending <= @st_now OR (%(overdue)s AND debounce_pending IS NOT NULL))
+    AND debounce_until > @st_now;
 UPDATE {table} SET debounce_opened = NULL, debounce_pending = NULL, debounce_before = NULL
 WHERE `key` = %(key)s AND debounce_latest = %(task_id)s AND debounce_opened IS NOT NULL
     AND debounce_until > @st_now;

@@ -296,8 +296,10 @@ class MySQLBackend(core.SQLBackend):
         text = self._q["debounce_published"]
         return self._run("debounce_published", key, lambda c: c.execute(text, args) > 0)
 
-    def debounce_take(self, key: str, task_id: str) -> tuple[str | None, float]:
-        args = {**_keys(key), "task_id": task_id}
+    def debounce_take(
+        self, key: str, task_id: str, *, overdue: bool = False
+    ) -> tuple[str | None, float]:
+        args = {**_keys(key), "task_id": task_id, "overdue": bool(overdue)}
         rows = self._run(
             "debounce_take", key, lambda c: _script(c, self._q["debounce_take"], args)[5]
         )

@@ -327,8 +327,10 @@ class PostgresBackend(core.SQLBackend):
             "debounce_published", key, "debounce_published", args, lambda c: c.rowcount > 0
         )
 
-    def debounce_take(self, key: str, task_id: str) -> tuple[str | None, float]:
-        args = {**self._keys(key), "task_id": task_id}
+    def debounce_take(
+        self, key: str, task_id: str, *, overdue: bool = False
+    ) -> tuple[str | None, float]:
+        args = {**self._keys(key), "task_id": task_id, "overdue": bool(overdue)}
         row = self._run("debounce_take", key, "debounce_take", args, lambda c: c.fetchone())
         return (None, 0.0) if row is None else (str(row[0]), max(0.0, float(row[1])))
 

@@ -55,17 +55,19 @@ WHERE key = %(key)s AND debounce_latest = %(task_id)s AND debounce_opened IS NOT
 
 # The unexpired window's latest send and the seconds it stays pending (0 unless it is another
 # send, pending), the row locked first (so a send that supersedes it commits before, or after
-# this). In an open window, another latest send still pending past its deadline is taken back:
-# the caller's send is the latest. The window is then closed (``debounce_opened`` and the
-# pending columns NULL, its latest send and ``debounce_until`` kept) when it is open and that
-# send is the caller's.
+# this). In an open window, another latest send still pending past its deadline (with
+# %(overdue)s, still pending at all) is taken back: the caller's send is the latest. The
+# window is then closed (``debounce_opened`` and the pending columns NULL, its latest send and
+# ``debounce_until`` kept) when it is open and that send is the caller's.
 DEBOUNCE_TAKE = """
 WITH o AS (SELECT debounce_latest AS latest, debounce_opened AS opened,
         debounce_pending AS pending, clock_timestamp() AS now FROM {table}
     WHERE key = %(key)s AND debounce_until > clock_timestamp() FOR UPDATE),
 s AS (SELECT opened, CASE WHEN opened IS NOT NULL AND latest <> %(task_id)s
-            AND pending <= now THEN %(task_id)s ELSE latest END AS latest,
+            AND (pending <= now OR (%(overdue)s AND pending IS NOT NULL))
+            THEN %(task_id)s ELSE latest END AS latest,
         CASE WHEN opened IS NOT NULL AND latest <> %(task_id)s AND pending > now
+            AND NOT %(overdue)s
             THEN extract(epoch FROM pending - now)::float8 ELSE 0 END AS left_s
     FROM o),
 d AS (UPDATE {table} AS l SET debounce_latest = s.latest, debounce_opened = NULL,

@@ -289,9 +289,11 @@ class SQLiteBackend(LockBackend):
         with self._transaction("debounce_published", key) as conn:
             return windows.debounce_published(conn, key, task_id, time.time())
 
-    def debounce_take(self, key: str, task_id: str) -> tuple[str | None, float]:
+    def debounce_take(
+        self, key: str, task_id: str, *, overdue: bool = False
+    ) -> tuple[str | None, float]:
         with self._transaction("debounce_take", key) as conn:
-            return windows.debounce_take(conn, key, task_id, time.time())
+            return windows.debounce_take(conn, key, task_id, time.time(), overdue=overdue)
 
     def debounce_undo(
         self, key: str, task_id: str, previous: str | None, *, closed: str | None = None

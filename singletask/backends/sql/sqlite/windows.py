@@ -166,13 +166,13 @@ def debounce_published(conn: sqlite3.Connection, key: str, task_id: str, now: fl
 
 
 def debounce_take(
-    conn: sqlite3.Connection, key: str, task_id: str, now: float
+    conn: sqlite3.Connection, key: str, task_id: str, now: float, *, overdue: bool = False
 ) -> tuple[str | None, float]:
     """Close the open window of ``key`` if ``task_id`` is its latest send (the row stays, with
     ``opened`` set to :data:`CLOSED`); return the window's latest send, also when it is already
     closed (None when there is no row or it ran out), and the seconds it stays pending (0
-    unless it is another send, pending). Another latest send pending past its deadline is
-    taken back first: ``task_id`` becomes the latest."""
+    unless it is another send, pending). Another latest send pending past its deadline (with
+    ``overdue``, pending at all) is taken back first: ``task_id`` becomes the latest."""
     row = conn.execute(
         "SELECT latest, opened, until FROM singletask_debounce WHERE key = ?", (key,)
     ).fetchone()
@@ -184,9 +184,9 @@ def debounce_take(
         return None, 0.0
     latest, is_open = str(row[0]), row[1] >= 0
     pending = _pending(conn, key) if is_open and latest != task_id else None
-    if pending is not None and pending[0] > now:
+    if pending is not None and pending[0] > now and not overdue:
         return latest, pending[0] - now
-    if pending is not None:  # past its deadline: taken back
+    if pending is not None:  # past its deadline (or overdue): taken back
         latest = task_id
     if latest == task_id and is_open:
         conn.execute(
