@@ -11,6 +11,7 @@ body sends itself SIGKILL, once per task id: a redelivered copy returns).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -183,3 +184,8 @@ def _from_env() -> Celery | None:
 
 #: Set in the worker subprocess (which gets the environment variables); None elsewhere.
 app = _from_env()
+if app is not None:
+    # SIGUSR2 makes each process of the worker (its pool processes inherit the handler) write
+    # every thread's stack into the log: the runner sends it before it stops the worker, so an
+    # execution that never ended shows where it stood. (Billiard's soft limit is SIGUSR1.)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)

@@ -274,6 +274,11 @@ class WorkerProcess:
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return
+        # Every process of the worker writes its threads' stacks into the log first (app.py):
+        # an execution still running at the end of the run shows where it stands.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGUSR2)
+        time.sleep(0.5)
         self.process.send_signal(signal.SIGTERM)
         try:
             self.process.wait(20)
