@@ -55,7 +55,15 @@ if TYPE_CHECKING:
     from ..backends.base import LockBackend
     from ..conf.options import LockOptions
 
-__all__ = ["ENDINGS", "END_PERSISTENCE", "Ending", "ending_of", "persist", "release_or_reserve"]
+__all__ = [
+    "ENDINGS",
+    "END_PERSISTENCE",
+    "Ending",
+    "ending_of",
+    "persist",
+    "release_or_reserve",
+    "reserve_for_retry",
+]
 
 logger = logging.getLogger("singletask")
 
@@ -146,25 +154,10 @@ def release_or_reserve(
     again while the store cannot be reached (``persist``). Never raises. Returns False when
     a release found the lock no longer held, else True.
     """
+    if retry is not None:
+        reserve_for_retry(task, options, backend, key, token, getattr(retry, "when", None), meta)
+        return True
     try:
-        if retry is not None:
-            request = task.request
-            # At most the store's longest lease: a retry delayed longer loses its reservation.
-            delay = seconds_until(getattr(retry, "when", None))
-            reserve = min(backend.max_lease, delay + options.ttl)
-            retries = int(request.retries or 0)
-            retry_token = reservation_token(str(request.id), retries + 1)
-            reserved, _ = persist(
-                lambda: backend.acquire(key, retry_token, reserve, meta=meta,
-                                        takeover_prefix=token),
-                options.ttl,
-            )  # fmt: skip
-            if reserved.acquired:
-                logger.info(
-                    "Task %s[%s] retries: lock %r stays reserved for the retry (%.0fs at most)",
-                    task.name, request.id, key, reserve,
-                )  # fmt: skip
-            return True
         released, failed = persist(
             lambda: backend.release(key, token, completed=completed), options.ttl
         )
@@ -190,3 +183,42 @@ def release_or_reserve(
             task.name, task.request.id, key, options.ttl,
         )  # fmt: skip
     return True
+
+
+def reserve_for_retry(
+    task: Task[Any, Any],
+    options: LockOptions,
+    backend: LockBackend,
+    key: str,
+    token: str,
+    when: object,
+    meta: Mapping[str, str] | None = None,
+) -> str | None:
+    """Turn the execution's hold (``token``) into the reservation for its retry, due ``when``
+    (a countdown in seconds, or an ETA): the lock under the token only the retried attempt
+    (same task id, ``retries + 1``) takes over, for the retry's delay plus one lease (at most
+    the store's longest). Sent again while the store cannot be reached (``persist``). Never
+    raises. Returns the reservation's token, or None if the lock was not reserved."""
+    request = task.request
+    retry_token = reservation_token(str(request.id), int(request.retries or 0) + 1)
+    # At most the store's longest lease: a retry delayed longer loses its reservation.
+    reserve = min(backend.max_lease, seconds_until(when) + options.ttl)
+    try:
+        reserved, _ = persist(
+            lambda: backend.acquire(key, retry_token, reserve, meta=meta, takeover_prefix=token),
+            options.ttl,
+        )
+        if reserved.acquired:
+            logger.info(
+                "Task %s[%s] retries: lock %r stays reserved for the retry (%.0fs at most)",
+                task.name, request.id, key, reserve,
+            )  # fmt: skip
+            return retry_token
+    except Exception:
+        # Never let the reservation break the task's outcome; the lease ends by itself.
+        logger.exception(
+            "Task %s[%s]: could not reserve lock %r for the retry; it expires by itself "
+            "within %.0fs",
+            task.name, request.id, key, options.ttl,
+        )  # fmt: skip
+    return None
