@@ -24,16 +24,18 @@ attributes;
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import celery
 from celery import Task
 from celery.app.task import Context
+from celery.exceptions import Retry
 
 from .conf.options import TaskOptions
 from .conf.runtime import app_state, check_lease_options, lock_options
 from .exceptions import ConfigurationError, TaskLocked
-from .execution import lifecycle, outcomes, recovery
+from .execution import lifecycle, outcomes, recovery, retrying
 from .execution.bootstep import CheckLockStore, ServeWorker
 from .observe import report
 from .protocol import headers
@@ -197,15 +199,21 @@ class SingletonTask(_TaskBase):
         def publish(task_id: str | None, send: Mapping[str, Any] = options) -> AsyncResult[Any]:
             # As given: Celery checks them (a str is not a tuple), and sends a list as a list.
             # (Celery's stubs say tuple and dict; it takes any list or tuple, and any mapping.)
-            return super(SingletonTask, self).apply_async(
-                args,  # type: ignore[arg-type]
-                kwargs,  # type: ignore[arg-type]
+            # The retry of the execution in progress (self.retry) reserves the lock first.
+            return retrying.published(
+                self,
                 task_id,
-                producer,
-                link,
-                link_error,
-                shadow,
-                **send,
+                send,
+                lambda: super(SingletonTask, self).apply_async(
+                    args,  # type: ignore[arg-type]
+                    kwargs,  # type: ignore[arg-type]
+                    task_id,
+                    producer,
+                    link,
+                    link_error,
+                    shadow,
+                    **send,
+                ),
             )
 
         if lock.debounce is not None:
@@ -217,6 +225,25 @@ class SingletonTask(_TaskBase):
             self, lock, publish, task_id, args, kwargs,
             linked=bool(link or link_error), send_options=options,
         )  # fmt: skip
+
+    def retry(
+        self,
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        exc: Exception | None = None,
+        throw: bool = True,
+        eta: datetime | None = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Retry:
+        """Celery's ``Task.retry``; in a worker execution, the lock becomes the reservation for
+        the retried attempt *before* the retry is published (see
+        :mod:`singletask.execution.retrying`), so that nothing of singletask's comes between
+        Celery's publish and its storing of RETRY. With ``throw=False`` the body goes on holding
+        its lock, and it is released when the body ends."""
+        with retrying.retrying(self, throw=throw):
+            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
 
     # -- execution -------------------------------------------------------------------------
 

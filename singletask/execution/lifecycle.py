@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from ..conf.options import LockOptions
     from ..conf.runtime import AppState
 
-__all__ = ["Ended", "current_lock", "execute"]
+__all__ = ["Ended", "current_execution", "current_lock", "execute"]
 
 logger = logging.getLogger("singletask")
 
@@ -75,6 +75,7 @@ class _Frame(NamedTuple):
     task: str
     request_id: str | None
     handle: LockHandle
+    run: _Run
 
 
 _frames: contextvars.ContextVar[tuple[_Frame, ...]] = contextvars.ContextVar(
@@ -87,6 +88,16 @@ def current_lock(task_name: str) -> LockHandle | None:
     for frame in reversed(_frames.get()):
         if frame.task == task_name:
             return frame.handle
+    return None
+
+
+def current_execution(task: Task[Any, Any]) -> tuple[_Run, LockHandle] | None:
+    """The innermost execution of ``task`` in this thread that runs the current request (a
+    worker or eager execution, not a direct call), with its hold; None outside one."""
+    for frame in reversed(_frames.get()):
+        if frame.task == task.name:
+            run = frame.run
+            return None if run.direct or run.task_id != task.request.id else (run, frame.handle)
     return None
 
 
@@ -145,6 +156,9 @@ class _Run:
     latest: str | None = None
     #: The lock key itself, where ``key`` became one of its holder slots (lock_limit).
     lock_key: str = ""
+    #: The hold became the reservation of the body's retry before Celery published the retry
+    #: (:mod:`singletask.execution.retrying`): the end of the hold leaves it as it is.
+    reserved: bool = False
 
     @classmethod
     def of(
@@ -387,7 +401,7 @@ def _run_body(run: _Run, handle: LockHandle, watch: report.Watch) -> Any:
     """4. Run the body, then end the hold exactly once, whatever the ending (:data:`ENDINGS`).
     A preempted body (lock_policy "replace") ends as replaced."""
     task_id = None if run.direct else run.task_id
-    reset = _frames.set((*run.frames, _Frame(run.task.name, task_id, handle)))
+    reset = _frames.set((*run.frames, _Frame(run.task.name, task_id, handle, run)))
     ending = "returned"
     raised: BaseException | None = None
     value: Any = None
@@ -418,6 +432,9 @@ def _end_hold(
     """Stop renewing, then release or reserve as the ending's row of :data:`ENDINGS` says."""
     handle.lost  # noqa: B018 - reports a lease that ran out unnoticed by the body
     run.state.renewer.remove(handle)  # before the release: no renewal starts after this
+    if run.reserved:  # already the reservation of the retry, which was published
+        report.released(run.task, watch, handle)
+        return True
     row = ENDINGS[ending]
     retry = raised if row.reserve else None
     completed = run.attempt if row.completed and run.task.acks_late else None
