@@ -199,7 +199,7 @@ class SingletonTask(_TaskBase):
         def publish(task_id: str | None, send: Mapping[str, Any] = options) -> AsyncResult[Any]:
             # As given: Celery checks them (a str is not a tuple), and sends a list as a list.
             # (Celery's stubs say tuple and dict; it takes any list or tuple, and any mapping.)
-            # The retry of the execution in progress (self.retry) reserves the lock first.
+            # The retry of the execution in progress (self.retry) waits for its hold's end.
             return retrying.published(
                 self,
                 task_id,
@@ -237,11 +237,12 @@ class SingletonTask(_TaskBase):
         max_retries: int | None = None,
         **options: Any,
     ) -> Retry:
-        """Celery's ``Task.retry``; in a worker execution, the lock becomes the reservation for
-        the retried attempt *before* the retry is published (see
-        :mod:`singletask.execution.retrying`), so that nothing of singletask's comes between
-        Celery's publish and its storing of RETRY. With ``throw=False`` the body goes on holding
-        its lock, and it is released when the body ends."""
+        """Celery's ``Task.retry``; in a worker execution, the retry is published as the body
+        ends, once the lock is the retried attempt's reservation (see
+        :mod:`singletask.execution.retrying`): nothing of singletask's comes between Celery's
+        publish and its storing of RETRY, and the retried attempt never runs beside the rest of
+        this one. With ``throw=False`` it is published at once, as by Celery, and the body goes
+        on holding its lock."""
         with retrying.retrying(self, throw=throw):
             return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
 

@@ -59,9 +59,11 @@ __all__ = [
     "ENDINGS",
     "END_PERSISTENCE",
     "Ending",
+    "PendingRetry",
     "ending_of",
     "persist",
     "release_or_reserve",
+    "reserve_and_publish",
     "reserve_for_retry",
 ]
 
@@ -100,6 +102,16 @@ ENDINGS: Final[Mapping[str, Ending]] = {
     "stopped": Ending(reserve=False, completed=False),
     "replaced": Ending(reserve=False, completed=False),
 }
+
+
+class PendingRetry(NamedTuple):
+    """The retry a body asked for with ``self.retry()``, whose publish waits for the end of the
+    hold (:mod:`singletask.execution.retrying`)."""
+
+    #: When it is due: its countdown in seconds, or its ETA.
+    when: object
+    #: Publishes it, as Celery's ``Task.retry`` would have.
+    publish: Callable[[], object]
 
 
 def ending_of(exc: BaseException, *, worker: bool) -> str:
@@ -222,3 +234,36 @@ def reserve_for_retry(
             task.name, request.id, key, options.ttl,
         )  # fmt: skip
     return None
+
+
+def reserve_and_publish(
+    task: Task[Any, Any],
+    options: LockOptions,
+    backend: LockBackend,
+    key: str,
+    token: str,
+    retry: PendingRetry,
+    *,
+    completed: str | None = None,
+    meta: Mapping[str, str] | None = None,
+) -> bool:
+    """End the hold of a body that asked for a retry: reserve the lock for the retry, then
+    publish the retry (Celery stores RETRY next, with nothing of singletask's in between).
+
+    A publish that fails leaves no reservation: it is released (``completed`` recorded as for a
+    rejected message), and ``Reject(exc, requeue=False)`` is raised, as Celery's
+    ``Task.retry`` raises it. Returns True.
+    """
+    retry_token = reserve_for_retry(task, options, backend, key, token, retry.when, meta)
+    try:
+        retry.publish()
+    except Exception as exc:
+        logger.warning(
+            "Task %s[%s]: its retry could not be published (%r); lock %r is released",
+            task.name, task.request.id, exc, key,
+        )  # fmt: skip
+        release_or_reserve(
+            task, options, backend, key, retry_token or token, None, completed=completed
+        )
+        raise Reject(exc, requeue=False) from exc
+    return True

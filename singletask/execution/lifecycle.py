@@ -51,7 +51,7 @@ from ..send.records import MAX_PENDING, clear_follow_up
 from ..signals import lock_acquired
 from . import replace
 from .acquire import gone_holder, take, twin_of, waits_for_rate
-from .endings import ENDINGS, ending_of, release_or_reserve
+from .endings import ENDINGS, PendingRetry, ending_of, release_or_reserve, reserve_and_publish
 from .outcomes import refused, store_unreachable, superseded, superseded_retry
 
 if TYPE_CHECKING:
@@ -91,13 +91,13 @@ def current_lock(task_name: str) -> LockHandle | None:
     return None
 
 
-def current_execution(task: Task[Any, Any]) -> tuple[_Run, LockHandle] | None:
-    """The innermost execution of ``task`` in this thread that runs the current request (a
-    worker or eager execution, not a direct call), with its hold; None outside one."""
+def current_execution(task: Task[Any, Any]) -> _Run | None:
+    """The innermost execution of ``task`` in this thread if it runs the current request (a
+    worker or eager execution, not a direct call); None outside one."""
     for frame in reversed(_frames.get()):
         if frame.task == task.name:
             run = frame.run
-            return None if run.direct or run.task_id != task.request.id else (run, frame.handle)
+            return None if run.direct or run.task_id != task.request.id else run
     return None
 
 
@@ -156,9 +156,9 @@ class _Run:
     latest: str | None = None
     #: The lock key itself, where ``key`` became one of its holder slots (lock_limit).
     lock_key: str = ""
-    #: The hold became the reservation of the body's retry before Celery published the retry
-    #: (:mod:`singletask.execution.retrying`): the end of the hold leaves it as it is.
-    reserved: bool = False
+    #: The retry the body asked for (``self.retry()``), published at the end of the hold, once
+    #: the lock is its reservation (:mod:`singletask.execution.retrying`).
+    retry: PendingRetry | None = None
 
     @classmethod
     def of(
@@ -429,12 +429,17 @@ def _run_body(run: _Run, handle: LockHandle, watch: report.Watch) -> Any:
 def _end_hold(
     run: _Run, handle: LockHandle, watch: report.Watch, ending: str, raised: BaseException | None
 ) -> bool:
-    """Stop renewing, then release or reserve as the ending's row of :data:`ENDINGS` says."""
+    """Stop renewing, then release or reserve as the ending's row of :data:`ENDINGS` says; a
+    retry the body asked for (``self.retry()``) is reserved for, then published."""
     handle.lost  # noqa: B018 - reports a lease that ran out unnoticed by the body
     run.state.renewer.remove(handle)  # before the release: no renewal starts after this
-    if run.reserved:  # already the reservation of the retry, which was published
-        report.released(run.task, watch, handle)
-        return True
+    if run.retry is not None:  # self.retry(): reserve for the retry, then publish it
+        completed = run.attempt if run.task.acks_late else None
+        try:
+            return reserve_and_publish(run.task, run.options, run.backend, run.key, run.token,
+                                       run.retry, completed=completed, meta=run.meta)  # fmt: skip
+        finally:
+            report.released(run.task, watch, handle)
     row = ENDINGS[ending]
     retry = raised if row.reserve else None
     completed = run.attempt if row.completed and run.task.acks_late else None

@@ -1,23 +1,27 @@
-"""A body's retry: its hold becomes the retry's reservation *before* Celery publishes the retry.
+"""A body's retry: published at the end of the hold, once the lock is the retry's reservation.
 
 Celery's ``Task.retry`` publishes the retry message (same task id, ``retries`` + 1), then raises
 ``Retry``; once the body has unwound, the worker stores RETRY. The retried attempt can start as
-soon as its countdown is over: whatever the ending attempt does between the publish and that
-store widens the time in which the retried attempt can end first, and Celery's result store
-keeps a SUCCESS only against the writes that read it (a RETRY read before and written after it
-replaces it for good: the task id then stays RETRY). So the end of the hold, a round trip to the
-lock store that is sent again for up to ``END_PERSISTENCE`` seconds while the store is
-unreachable, must not come in between: :meth:`SingletonTask.retry <singletask.SingletonTask>`
-calls Celery's inside :func:`retrying`, and the publish of the retry (through
-``SingletonTask.apply_async``, :func:`published`) first turns the hold into the reservation
-(:func:`singletask.execution.endings.reserve_for_retry`). The end of the hold then leaves it as
-it is: the same round trips, in another order.
+soon as its countdown is over, and Celery's result store keeps a SUCCESS only against the writes
+that read it: a RETRY read before the retried attempt's outcome and written after it replaces it
+for good (the task id then stays RETRY). Whatever comes between Celery's publish and its RETRY
+widens that window. The end of the hold, the round trip that turns the lock into the retry's
+reservation (sent again for up to ``END_PERSISTENCE`` seconds while the lock store is
+unreachable), used to come there (issue 37, interaction campaign seed 697186904).
 
-Only a publish Celery makes for the execution in progress does so: not in eager mode or a direct
-call (Celery publishes nothing: the hold is released as before), nor with ``throw=False`` (the body
-goes on after asking for its retry, so it keeps its lock until it ends, as before), nor for a
-``Retry`` the body raises itself. A publish that fails leaves the reservation to the end of the
-hold, which releases it as for any body ending that way (Celery raises ``Reject``).
+So :meth:`SingletonTask.retry <singletask.SingletonTask>` runs Celery's inside :func:`retrying`,
+and the publish of that retry (``SingletonTask.apply_async``, :func:`published`) is kept for the
+end of the hold: ``__call__``'s ``finally`` turns the hold into the reservation, then publishes
+(:func:`singletask.execution.endings.reserve_and_publish`), and Celery stores RETRY right after.
+The same round trips as before, in another order; and the retried attempt, published once the
+body has unwound (its ``finally`` blocks, or the rest of a body that caught the ``Retry``), never
+runs beside it. A publish that fails there releases the reservation and raises ``Reject``, as
+Celery's ``Task.retry`` does.
+
+Only a publish Celery makes for the execution in progress waits: not in eager mode or a direct
+call (Celery publishes nothing), nor with ``throw=False`` (the body asked for its retry to be
+sent now, and goes on holding its lock: the retried attempt waits for it, as for any holder),
+nor a second retry of the same attempt, nor a ``Retry`` the body raises itself.
 """
 
 from __future__ import annotations
@@ -25,17 +29,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from .endings import reserve_for_retry
+from .endings import PendingRetry
 from .lifecycle import current_execution
 
 if TYPE_CHECKING:
     from celery import Task
+    from celery.result import AsyncResult
 
 __all__ = ["published", "retrying"]
-
-T = TypeVar("T")
 
 #: The task id whose ``SingletonTask.retry`` is in progress in this thread, if any.
 _retrying: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -45,8 +48,8 @@ _retrying: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def retrying(task: Task[Any, Any], *, throw: bool) -> Iterator[None]:
-    """While Celery's ``Task.retry`` runs for the current request: its publish reserves first
-    (not with ``throw=False``: the body goes on holding its lock)."""
+    """While Celery's ``Task.retry`` runs for the current request: its publish waits for the
+    end of the hold (not with ``throw=False``)."""
     if not throw or task.request.id is None:
         yield
         return
@@ -58,26 +61,18 @@ def retrying(task: Task[Any, Any], *, throw: bool) -> Iterator[None]:
 
 
 def published(
-    task: Task[Any, Any], task_id: str | None, options: Mapping[str, Any], publish: Callable[[], T]
-) -> T:
-    """``publish()``; if it publishes the retry ``Task.retry`` is making for the execution in
-    progress, that execution's hold becomes the retry's reservation first. If the publish
-    fails, the end of the hold releases the reservation instead (as it would have released the
-    hold)."""
-    execution = current_execution(task) if task_id is not None else None
-    if execution is None or _retrying.get() != task_id:
+    task: Task[Any, Any],
+    task_id: str | None,
+    options: Mapping[str, Any],
+    publish: Callable[[], AsyncResult[Any]],
+) -> AsyncResult[Any]:
+    """``publish()``, unless it publishes the retry that ``Task.retry`` is making for the
+    execution in progress: that one is kept for the end of the hold, and its ``AsyncResult``
+    returned now."""
+    run = current_execution(task) if task_id and _retrying.get() == task_id else None
+    if not task_id or run is None or run.retry is not None:
         return publish()
-    run, handle = execution
-    if run.reserved or options.get("retries") != run.retries + 1:
+    if options.get("retries") != run.retries + 1:
         return publish()
-    handle.lost  # noqa: B018 - reports a lease that ran out unnoticed by the body
-    run.state.renewer.remove(handle)  # before the reservation: no renewal starts after this
-    when = options.get("eta") or options.get("countdown")
-    token = reserve_for_retry(task, run.options, run.backend, run.key, run.token, when, run.meta)
-    run.reserved = True
-    try:
-        return publish()
-    except BaseException:
-        # No retry will take the reservation over: the end of the hold ends it, as the hold.
-        run.reserved, run.token = False, token or run.token
-        raise
+    run.retry = PendingRetry(options.get("eta") or options.get("countdown"), publish)
+    return task.AsyncResult(task_id)
