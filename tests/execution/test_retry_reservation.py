@@ -1,5 +1,5 @@
-"""A body's retry on a worker: the lock becomes the retry's reservation *before* Celery publishes
-the retry (issue 37, interaction campaign seed 697186904), so nothing of singletask's comes
+"""A body's retry on a worker: published as the body ends, once the lock is the retry's
+reservation (issue 37, interaction campaign seed 697186904), so nothing of singletask's comes
 between that publish and Celery's storing of RETRY.
 
 Each test runs one execution as a worker runs it (Celery's tracer, not eager mode) in this
@@ -62,36 +62,42 @@ def holder_of(backend: LockBackend, key: str) -> Holder | None:
     return backend.holder(key)
 
 
-def test_the_lock_is_the_retrys_reservation_when_the_retry_is_published(
+def test_the_retry_is_published_once_the_body_has_unwound_and_the_lock_is_its_reservation(
     app: celery.Celery, published: list[dict[str, Any]]
 ) -> None:
-    # Given a body that retries itself, and a look at the lock when the retry is published
-    seen_at_publish: list[str | None] = []
+    # Given a body that retries itself and then runs a finally block
+    unwound: list[str] = []
 
     @app.task(base=SingletonTask, bind=True, shared=False, lazy=False, name="retrying.body")
     def body(self: Any) -> None:
-        backend = self.lock_backend
-
-        def look(sender: Any = None, **kwargs: Any) -> None:
-            holder = holder_of(backend, self.lock.key)
-            seen_at_publish.append(None if holder is None else holder.token)
-
-        before_task_publish.connect(look, weak=False)
         try:
             raise self.retry(countdown=5)
         finally:
-            before_task_publish.disconnect(look)
+            unwound.append("finally")
+
+    key = body.lock_key_for()
+    at_publish: list[tuple[str | None, list[str]]] = []
+
+    def look(sender: Any = None, **kwargs: Any) -> None:
+        holder = holder_of(body.lock_backend, key)
+        at_publish.append((None if holder is None else holder.token, list(unwound)))
 
     task_id = str(uuid.uuid4())
+    before_task_publish.connect(look, weak=False)
+    try:
+        # When it runs on a worker
+        result = run_on_worker(body, task_id)
+    finally:
+        before_task_publish.disconnect(look)
 
-    # When it runs on a worker
-    run_on_worker(body, task_id)
-
-    # Then the retry was published once, and by then the lock was its reservation already
+    # Then it ends as Celery's retry ends it
+    assert result.info.state == states.RETRY
+    # And the retry was published once, after the body's finally, when the lock was already
+    # its reservation
     assert [h["id"] for h in published] == [task_id]
-    assert seen_at_publish == [reservation_token(task_id, 1)]
-    # And it still is once the attempt has ended, for the retried attempt to take over
-    holder = holder_of(body.lock_backend, body.lock_key_for())
+    assert at_publish == [(reservation_token(task_id, 1), ["finally"])]
+    # And the lock stays reserved, for the retried attempt to take over
+    holder = holder_of(body.lock_backend, key)
     assert holder is not None
     assert holder.token == reservation_token(task_id, 1)
 
