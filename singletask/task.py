@@ -24,16 +24,18 @@ attributes;
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import celery
 from celery import Task
 from celery.app.task import Context
+from celery.exceptions import Retry
 
 from .conf.options import TaskOptions
 from .conf.runtime import app_state, check_lease_options, lock_options
 from .exceptions import ConfigurationError, TaskLocked
-from .execution import lifecycle, outcomes, recovery
+from .execution import lifecycle, outcomes, recovery, retrying
 from .execution.bootstep import CheckLockStore, ServeWorker
 from .observe import report
 from .protocol import headers
@@ -197,15 +199,21 @@ class SingletonTask(_TaskBase):
         def publish(task_id: str | None, send: Mapping[str, Any] = options) -> AsyncResult[Any]:
             # As given: Celery checks them (a str is not a tuple), and sends a list as a list.
             # (Celery's stubs say tuple and dict; it takes any list or tuple, and any mapping.)
-            return super(SingletonTask, self).apply_async(
-                args,  # type: ignore[arg-type]
-                kwargs,  # type: ignore[arg-type]
+            # The retry of the execution in progress (self.retry) waits for its hold's end.
+            return retrying.published(
+                self,
                 task_id,
-                producer,
-                link,
-                link_error,
-                shadow,
-                **send,
+                send,
+                lambda: super(SingletonTask, self).apply_async(
+                    args,  # type: ignore[arg-type]
+                    kwargs,  # type: ignore[arg-type]
+                    task_id,
+                    producer,
+                    link,
+                    link_error,
+                    shadow,
+                    **send,
+                ),
             )
 
         if lock.debounce is not None:
@@ -217,6 +225,26 @@ class SingletonTask(_TaskBase):
             self, lock, publish, task_id, args, kwargs,
             linked=bool(link or link_error), send_options=options,
         )  # fmt: skip
+
+    def retry(
+        self,
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        exc: Exception | None = None,
+        throw: bool = True,
+        eta: datetime | None = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Retry:
+        """Celery's ``Task.retry``; in a worker execution, the retry is published as the body
+        ends, once the lock is the retried attempt's reservation (see
+        :mod:`singletask.execution.retrying`): nothing of singletask's comes between Celery's
+        publish and its storing of RETRY, and the retried attempt never runs beside the rest of
+        this one. With ``throw=False`` it is published at once, as by Celery, and the body goes
+        on holding its lock."""
+        with retrying.retrying(self, throw=throw):
+            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
 
     # -- execution -------------------------------------------------------------------------
 

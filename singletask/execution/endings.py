@@ -55,7 +55,17 @@ if TYPE_CHECKING:
     from ..backends.base import LockBackend
     from ..conf.options import LockOptions
 
-__all__ = ["ENDINGS", "END_PERSISTENCE", "Ending", "ending_of", "persist", "release_or_reserve"]
+__all__ = [
+    "ENDINGS",
+    "END_PERSISTENCE",
+    "Ending",
+    "PendingRetry",
+    "ending_of",
+    "persist",
+    "release_or_reserve",
+    "reserve_and_publish",
+    "reserve_for_retry",
+]
 
 logger = logging.getLogger("singletask")
 
@@ -92,6 +102,16 @@ ENDINGS: Final[Mapping[str, Ending]] = {
     "stopped": Ending(reserve=False, completed=False),
     "replaced": Ending(reserve=False, completed=False),
 }
+
+
+class PendingRetry(NamedTuple):
+    """The retry a body asked for with ``self.retry()``, whose publish waits for the end of the
+    hold (:mod:`singletask.execution.retrying`)."""
+
+    #: When it is due: its countdown in seconds, or its ETA.
+    when: object
+    #: Publishes it, as Celery's ``Task.retry`` would have.
+    publish: Callable[[], object]
 
 
 def ending_of(exc: BaseException, *, worker: bool) -> str:
@@ -146,25 +166,10 @@ def release_or_reserve(
     again while the store cannot be reached (``persist``). Never raises. Returns False when
     a release found the lock no longer held, else True.
     """
+    if retry is not None:
+        reserve_for_retry(task, options, backend, key, token, getattr(retry, "when", None), meta)
+        return True
     try:
-        if retry is not None:
-            request = task.request
-            # At most the store's longest lease: a retry delayed longer loses its reservation.
-            delay = seconds_until(getattr(retry, "when", None))
-            reserve = min(backend.max_lease, delay + options.ttl)
-            retries = int(request.retries or 0)
-            retry_token = reservation_token(str(request.id), retries + 1)
-            reserved, _ = persist(
-                lambda: backend.acquire(key, retry_token, reserve, meta=meta,
-                                        takeover_prefix=token),
-                options.ttl,
-            )  # fmt: skip
-            if reserved.acquired:
-                logger.info(
-                    "Task %s[%s] retries: lock %r stays reserved for the retry (%.0fs at most)",
-                    task.name, request.id, key, reserve,
-                )  # fmt: skip
-            return True
         released, failed = persist(
             lambda: backend.release(key, token, completed=completed), options.ttl
         )
@@ -189,4 +194,76 @@ def release_or_reserve(
             "Task %s[%s]: could not release lock %r; it expires by itself within %.0fs",
             task.name, task.request.id, key, options.ttl,
         )  # fmt: skip
+    return True
+
+
+def reserve_for_retry(
+    task: Task[Any, Any],
+    options: LockOptions,
+    backend: LockBackend,
+    key: str,
+    token: str,
+    when: object,
+    meta: Mapping[str, str] | None = None,
+) -> str | None:
+    """Turn the execution's hold (``token``) into the reservation for its retry, due ``when``
+    (a countdown in seconds, or an ETA): the lock under the token only the retried attempt
+    (same task id, ``retries + 1``) takes over, for the retry's delay plus one lease (at most
+    the store's longest). Sent again while the store cannot be reached (``persist``). Never
+    raises. Returns the reservation's token, or None if the lock was not reserved."""
+    request = task.request
+    retry_token = reservation_token(str(request.id), int(request.retries or 0) + 1)
+    # At most the store's longest lease: a retry delayed longer loses its reservation.
+    reserve = min(backend.max_lease, seconds_until(when) + options.ttl)
+    try:
+        reserved, _ = persist(
+            lambda: backend.acquire(key, retry_token, reserve, meta=meta, takeover_prefix=token),
+            options.ttl,
+        )
+        if reserved.acquired:
+            logger.info(
+                "Task %s[%s] retries: lock %r stays reserved for the retry (%.0fs at most)",
+                task.name, request.id, key, reserve,
+            )  # fmt: skip
+            return retry_token
+    except Exception:
+        # Never let the reservation break the task's outcome; the lease ends by itself.
+        logger.exception(
+            "Task %s[%s]: could not reserve lock %r for the retry; it expires by itself "
+            "within %.0fs",
+            task.name, request.id, key, options.ttl,
+        )  # fmt: skip
+    return None
+
+
+def reserve_and_publish(
+    task: Task[Any, Any],
+    options: LockOptions,
+    backend: LockBackend,
+    key: str,
+    token: str,
+    retry: PendingRetry,
+    *,
+    completed: str | None = None,
+    meta: Mapping[str, str] | None = None,
+) -> bool:
+    """End the hold of a body that asked for a retry: reserve the lock for the retry, then
+    publish the retry (Celery stores RETRY next, with nothing of singletask's in between).
+
+    A publish that fails leaves no reservation: it is released (``completed`` recorded as for a
+    rejected message), and ``Reject(exc, requeue=False)`` is raised, as Celery's
+    ``Task.retry`` raises it. Returns True.
+    """
+    retry_token = reserve_for_retry(task, options, backend, key, token, retry.when, meta)
+    try:
+        retry.publish()
+    except Exception as exc:
+        logger.warning(
+            "Task %s[%s]: its retry could not be published (%r); lock %r is released",
+            task.name, task.request.id, exc, key,
+        )  # fmt: skip
+        release_or_reserve(
+            task, options, backend, key, retry_token or token, None, completed=completed
+        )
+        raise Reject(exc, requeue=False) from exc
     return True

@@ -51,7 +51,7 @@ from ..send.records import MAX_PENDING, clear_follow_up
 from ..signals import lock_acquired
 from . import replace
 from .acquire import gone_holder, take, twin_of, waits_for_rate
-from .endings import ENDINGS, ending_of, release_or_reserve
+from .endings import ENDINGS, PendingRetry, ending_of, release_or_reserve, reserve_and_publish
 from .outcomes import refused, store_unreachable, superseded, superseded_retry
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from ..conf.options import LockOptions
     from ..conf.runtime import AppState
 
-__all__ = ["Ended", "current_lock", "execute"]
+__all__ = ["Ended", "current_execution", "current_lock", "execute"]
 
 logger = logging.getLogger("singletask")
 
@@ -79,6 +79,7 @@ class _Frame(NamedTuple):
     task: str
     request_id: str | None
     handle: LockHandle
+    run: _Run
 
 
 _frames: contextvars.ContextVar[tuple[_Frame, ...]] = contextvars.ContextVar(
@@ -91,6 +92,16 @@ def current_lock(task_name: str) -> LockHandle | None:
     for frame in reversed(_frames.get()):
         if frame.task == task_name:
             return frame.handle
+    return None
+
+
+def current_execution(task: Task[Any, Any]) -> _Run | None:
+    """The innermost execution of ``task`` in this thread if it runs the current request (a
+    worker or eager execution, not a direct call); None outside one."""
+    for frame in reversed(_frames.get()):
+        if frame.task == task.name:
+            run = frame.run
+            return None if run.direct or run.task_id != task.request.id else run
     return None
 
 
@@ -151,6 +162,9 @@ class _Run:
     lock_key: str = ""
     #: When (``time.monotonic()``) this execution began: its time limits count from about then.
     started: float = dataclasses.field(default_factory=time.monotonic)
+    #: The retry the body asked for (``self.retry()``), published at the end of the hold, once
+    #: the lock is its reservation (:mod:`singletask.execution.retrying`).
+    retry: PendingRetry | None = None
 
     @classmethod
     def of(
@@ -453,7 +467,7 @@ def _run_body(run: _Run, handle: LockHandle, watch: report.Watch) -> Any:
     """4. Run the body, then end the hold exactly once, whatever the ending (:data:`ENDINGS`).
     A preempted body (lock_policy "replace") ends as replaced."""
     task_id = None if run.direct else run.task_id
-    reset = _frames.set((*run.frames, _Frame(run.task.name, task_id, handle)))
+    reset = _frames.set((*run.frames, _Frame(run.task.name, task_id, handle, run)))
     ending = "returned"
     raised: BaseException | None = None
     value: Any = None
@@ -481,9 +495,17 @@ def _run_body(run: _Run, handle: LockHandle, watch: report.Watch) -> Any:
 def _end_hold(
     run: _Run, handle: LockHandle, watch: report.Watch, ending: str, raised: BaseException | None
 ) -> bool:
-    """Stop renewing, then release or reserve as the ending's row of :data:`ENDINGS` says."""
+    """Stop renewing, then release or reserve as the ending's row of :data:`ENDINGS` says; a
+    retry the body asked for (``self.retry()``) is reserved for, then published."""
     handle.lost  # noqa: B018 - reports a lease that ran out unnoticed by the body
     run.state.renewer.remove(handle)  # before the release: no renewal starts after this
+    if run.retry is not None:  # self.retry(): reserve for the retry, then publish it
+        completed = run.attempt if run.task.acks_late else None
+        try:
+            return reserve_and_publish(run.task, run.options, run.backend, run.key, run.token,
+                                       run.retry, completed=completed, meta=run.meta)  # fmt: skip
+        finally:
+            report.released(run.task, watch, handle)
     row = ENDINGS[ending]
     retry = raised if row.reserve else None
     completed = run.attempt if row.completed and run.task.acks_late else None

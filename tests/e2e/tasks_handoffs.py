@@ -80,6 +80,11 @@ TASKS: list[tuple[Any, str, dict[str, Any]]] = [
          "name": PREFIX + "retrying_limited"},
     ),
     (versioned, "supports_debounce", {"lock_debounce": 1.0, "max_retries": 1}),
+    # A window longer than a slow store's reply plus a retry's countdown (test_store_errors.py)
+    (
+        versioned, "supports_debounce",
+        {"lock_debounce": 3.0, "max_retries": 1, "name": PREFIX + "versioned_long_window"},
+    ),
 ]  # fmt: skip
 
 

@@ -16,6 +16,7 @@ the session's private Redis, reached through a :class:`~tests.e2e.proxy.TcpProxy
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,14 +24,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
+from singletask import Skipped
 from singletask.backends import backend_from_url
 from singletask.backends.redis.wire import CLAIM_NEXT
 from singletask.protocol.headers import REDELIVERED_HEADER
 from singletask.protocol.slots import slot_keys
+from singletask.protocol.tokens import reservation_token
 
 from .faults import BOUND, FaultEnv
 from .proxy import TcpProxy
+from .tasks_handoffs import PREFIX
 from .tasks_limits import PREFIX as LIMITS
 from .tasks_scopes import PREFIX as SCOPES
 from .tasks_scopes import gate_key
@@ -162,3 +167,70 @@ def test_a_release_that_meets_the_store_down_is_sent_again_so_no_later_send_join
     assert later.id != running.id, env.explain()
     assert later.get(timeout=BOUND)["note"] == "later", env.explain()
     assert [s["task_id"] for s in env.probe.starts(label)] == [running.id, later.id]
+
+
+#: How late the lock store answers the retry's reservation: longer than the retry's countdown.
+SLOW_RESERVATION = 1.5
+
+
+class StoredStates:
+    """The states the result backend stores for one task id, in order (the Redis result
+    backend publishes each one on the result's key as it stores it)."""
+
+    def __init__(self, env: FaultEnv, task_id: str) -> None:
+        self._client = redis.Redis.from_url(env.settings["SINGLETASK_E2E_RESULTS"])
+        self._pubsub = self._client.pubsub()
+        self._pubsub.subscribe(f"celery-task-meta-{task_id}")
+        confirmation = self._pubsub.get_message(timeout=5)
+        assert confirmation is not None
+        assert confirmation["type"] == "subscribe"
+        self._seen: list[str] = []
+
+    def seen(self) -> list[str]:
+        while (message := self._pubsub.get_message(timeout=0.3)) is not None:
+            if message["type"] == "message":
+                self._seen.append(json.loads(message["data"])["status"])
+        return list(self._seen)
+
+    def close(self) -> None:
+        self._pubsub.close()
+        self._client.close()
+
+
+def test_a_retry_superseded_while_the_store_is_slow_ends_with_its_retried_attempts_outcome(
+    proxied: tuple[FaultEnv, TcpProxy],
+) -> None:
+    """Issue 37 (interaction campaign, seed 697186904): with ``lock_debounce``, a body that
+    retries itself and a later send that supersedes the retry. The lock store answers the
+    reservation for the retry late. The retried attempt ends superseded (SUCCESS, a Skipped),
+    and that must be the outcome its caller sees: the first attempt's RETRY is stored before the
+    retried attempt can end, never after it (Celery keeps a SUCCESS only against writes that
+    read it: a RETRY read before and written after replaced it for good)."""
+    env, proxy = proxied
+    label = uuid.uuid4().hex[:12]
+    task = env.app.tasks[PREFIX + "versioned_long_window"]
+    first_id = str(uuid.uuid4())
+    states = StoredStates(env, first_id)
+
+    # Given a body (version 1) that retries itself after 0.3 s, in a 3 s debounce window
+    # And the lock store answering the reservation it leaves for its retry 1.5 s late
+    proxy.delay_reply_to(reservation_token(first_id, 1).encode(), SLOW_RESERVATION)
+    first = task.apply_async((label, 1), {"countdown": 0.3}, task_id=first_id)
+    env.probe.wait_for(label, "retrying")
+
+    # When a later send (version 2) supersedes the retry
+    second = task.delay(label, 2)
+
+    # Then the retry ends as a Skipped naming it, and the later send runs
+    superseded = first.get(timeout=BOUND)
+    assert isinstance(superseded, Skipped), f"{superseded!r}\n{env.explain()}"
+    assert superseded.reason == "debounced"
+    assert superseded.holder == second.id
+    assert second.get(timeout=BOUND) == 2, env.explain()
+    # And once both attempts are over, the task's state is its retried attempt's outcome
+    env.wait_until(lambda: env.log_lines(first_id, "Retry in"), "the first attempt's end")
+    assert first.state == "SUCCESS", env.explain()
+    # because the first attempt's RETRY was stored before the retried attempt's outcome
+    seen = states.seen()
+    states.close()
+    assert seen == ["RETRY", "SUCCESS"], f"{seen}\n{env.explain()}"
