@@ -36,23 +36,23 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.nodenames import gethostname
 
 from ..conf.runtime import app_state
-from ..exceptions import BackendTimeout, BackendUnavailable, LockLost
+from ..exceptions import BackendTimeout, BackendUnavailable, LockLost, SingletaskError
 from ..lease import LockHandle
 from ..observe import report
 from ..policies import Conflict
 from ..protocol.headers import LATEST_HEADER, header_count, is_redelivery
-from ..protocol.slots import base_key
+from ..protocol.slots import base_key, slot_keys
 from ..protocol.tokens import direct_token, execution_token, reservation_token
 from ..send.records import MAX_PENDING, clear_follow_up
 from ..signals import lock_acquired
 from . import replace
 from .acquire import gone_holder, take, twin_of, waits_for_rate
 from .endings import ENDINGS, PendingRetry, ending_of, release_or_reserve, reserve_and_publish
-from .outcomes import refused, store_unreachable, superseded, superseded_retry
+from .outcomes import give_back, refused, store_unreachable, superseded, superseded_retry
 
 if TYPE_CHECKING:
     from celery import Task
@@ -117,11 +117,42 @@ def execute(
     if run is None:
         # Re-entrant: the body of the execution holding this key calls the task directly.
         return body(*args, **kwargs)
-    taken = _acquire(run)  # 2. acquire, or end without the body
+    try:
+        taken = _acquire(run)  # 2. acquire, or end without the body
+    except BaseException as exc:
+        if not isinstance(exc, OUTCOMES):
+            _abandon(run)  # a time limit or a shutdown cut the acquire short
+        raise
     if isinstance(taken, Ended):
         return taken.value
     handle, watch = _hold(run, taken)  # 3. hold: renewed, announced
     return _run_body(run, handle, watch)  # 4. run the body, end the hold once
+
+
+#: What an execution's steps raise as its outcome (a refusal by its policy, a republish): the
+#: store holds nothing more of it than that outcome leaves. Any other exception that cuts
+#: :func:`_acquire` short (a soft time limit, a shutdown) leaves the store to :func:`_abandon`.
+OUTCOMES = (SingletaskError, Retry, Ignore, Reject)
+
+
+def _abandon(run: _Run) -> None:
+    """Give back, best effort, what the store may hold for an execution whose acquire an
+    exception that is not an outcome cut short (a soft time limit firing during a round trip,
+    whose reply it never read): its own hold, if the acquire took effect, and the reservation
+    and follow-up claim its send made (:func:`~singletask.execution.outcomes.give_back`), so
+    that no later send meets them until they expire. Never raises."""
+    lock_key = run.lock_key or run.key
+    try:
+        for slot in slot_keys(lock_key, run.options.limit):
+            if run.backend.release(slot, run.token):
+                break
+    except Exception:  # the store's own lease ends it
+        logger.warning(
+            "Task %s[%s] was cut short while acquiring lock %r; what it may hold expires by "
+            "itself", run.task.name, run.task_id, lock_key, exc_info=True,
+        )  # fmt: skip
+    if run.takeover is not None:
+        give_back(run.task, run.options, run.backend, lock_key, run.takeover)
 
 
 class Ended(NamedTuple):
