@@ -21,10 +21,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import psutil
-from celery import shared_task
+from celery import Celery, shared_task
+from celery._state import _get_active_apps, connect_on_app_finalize
 
 import singletask.signals
 from singletask import SingletaskError, SingletonTask
+from singletask.backends import backend_class
 
 from .probe import PROBE_URL_ENV, Probe
 
@@ -181,16 +183,30 @@ def late(
     return _body(self, label, seconds, first_seconds)
 
 
-@_task(
-    "late_rated", lock_ttl=LONG_LEASE, acks_late=True, reject_on_worker_lost=True,
-    lock_scope="queue", lock_rate="1/m",
-)  # fmt: skip
 def late_rated(
     self: SingletonTask, label: str, seconds: float = 0.0, first_seconds: float | None = None
 ) -> dict[str, Any]:
     """Requeued when its process is lost; one start a minute, so a redelivered copy's takeover
     of its killed delivery's hold (a start) is refused by the rate."""
     return _body(self, label, seconds, first_seconds)
+
+
+@connect_on_app_finalize
+def _register_rated(app: Celery) -> None:
+    """``late_rated`` only on apps whose lock store keeps rates (as tasks_handoffs.py does):
+    binding it to a memcached store is refused, which would stop that store's workers."""
+    url = app.conf.get("singletask_backend_url")
+    if url and backend_class(url).supports_rate:
+        app.task(
+            base=SingletonTask, bind=True, shared=False, name=PREFIX + "late_rated",
+            lock_key="{label}", lock_ttl=LONG_LEASE, acks_late=True, reject_on_worker_lost=True,
+            lock_scope="queue", lock_rate="1/m",
+        )(late_rated)  # fmt: skip
+
+
+for _app in _get_active_apps():  # apps finalized before this module was imported (a worker's)
+    if _app.finalized:
+        _register_rated(_app)
 
 
 # -- lock store faults ---------------------------------------------------------------------
