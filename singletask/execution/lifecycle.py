@@ -47,12 +47,13 @@ from ..policies import Conflict
 from ..protocol.headers import LATEST_HEADER, header_count, is_redelivery
 from ..protocol.slots import base_key, slot_keys
 from ..protocol.tokens import direct_token, execution_token, reservation_token
-from ..send.records import MAX_PENDING, clear_follow_up
+from ..send.records import clear_follow_up
 from ..signals import lock_acquired
 from . import replace
 from .acquire import gone_holder, take, twin_of, waits_for_rate
 from .endings import ENDINGS, PendingRetry, ending_of, release_or_reserve, reserve_and_publish
 from .outcomes import give_back, refused, store_unreachable, superseded, superseded_retry
+from .pending import take_window
 
 if TYPE_CHECKING:
     from celery import Task
@@ -64,13 +65,6 @@ if TYPE_CHECKING:
 __all__ = ["Ended", "current_execution", "current_lock", "execute"]
 
 logger = logging.getLogger("singletask")
-
-#: Seconds between two looks at a pending latest send of a debounce window (``_take_window``).
-_PENDING_POLL = 0.25
-#: The wait for a pending send ends this share of the execution's time limit before it, at
-#: most _LIMIT_MARGIN seconds before it (``_wait_cutoff``).
-_LIMIT_SHARE = 0.25
-_LIMIT_MARGIN = 1.0
 
 
 class _Frame(NamedTuple):
@@ -294,92 +288,12 @@ def _window(run: _Run) -> Ended | None:
     windowed = run.options.debounce is not None or header_count(run.request, LATEST_HEADER)
     if not windowed or run.attempt is None:
         return None
-    run.latest = _take_window(run)
+    run.latest = take_window(run)
     if run.latest is None or run.latest == run.task_id:
         return None
     reserved = run.retries > 0 or run.options.scope == "coalesce"
     reservation = str(run.takeover) if reserved else None
     return Ended(superseded(run.task, run.options, run.backend, run.key, run.latest, reservation))
-
-
-def _take_window(run: _Run) -> str | None:
-    """The window's latest send, the window closed if it is this one. While the latest is a
-    later send whose message is still being published (pending), this waits for it, polling
-    the store, at most until its publish deadline (the store's answer, at most MAX_PENDING):
-    published, it supersedes this send; taken back, or never published by its deadline, it
-    does not. The wait also ends a little before this execution's time limit
-    (:func:`_wait_cutoff`): the pending send is then treated as one whose publish outlasted
-    its deadline, and this send takes the window. A wait that an exception other than a store
-    error ends (a time limit, SIGTERM) takes the window the same way first, so that a pending
-    send taken back later never leaves the window naming this message, which will not run."""
-    task_id = str(run.task_id)
-    latest, left = run.backend.debounce_take(run.key, task_id)
-    if left <= 0:
-        return latest
-    began = time.monotonic()
-    cutoff = min(began + MAX_PENDING, _wait_cutoff(run))
-    logger.info(
-        "Task %s[%s] waits up to %.1fs for the publish of %s, the latest send of its "
-        "debounce window",
-        run.task.name, run.task_id, min(left, max(0.0, cutoff - began)), latest,
-    )  # fmt: skip
-    try:
-        while left > 0 and time.monotonic() < cutoff:
-            time.sleep(min(left, _PENDING_POLL, max(0.0, cutoff - time.monotonic())))
-            latest, left = run.backend.debounce_take(run.key, task_id)
-        if left > 0:  # the time limit is near (or MAX_PENDING passed): wait no longer
-            pending = latest
-            latest, _ = run.backend.debounce_take(run.key, task_id, overdue=True)
-            logger.warning(
-                "Task %s[%s] waited %.1fs for the publish of %s and can wait no longer (its "
-                "time limit is near): it takes its debounce window, as after a late publish",
-                run.task.name, run.task_id, time.monotonic() - began, pending,
-            )  # fmt: skip
-    except (BackendUnavailable, BackendTimeout):
-        raise  # lock_on_backend_error decides; a retried message finds the window as it was
-    except BaseException:
-        _leave_window(run, task_id)
-        raise
-    return latest
-
-
-def _wait_cutoff(run: _Run) -> float:
-    """When (``time.monotonic()``) the wait for a pending publish must end: a margin before
-    the first time limit of this execution (Celery's soft and hard limits count from its
-    start in the pool process, just before ``__call__``): the message's, else the task's,
-    else the app's setting. Infinity without one, or outside a worker (eager mode enforces
-    none)."""
-    if run.request.is_eager:
-        return float("inf")
-    hard, soft = tuple(run.request.timelimit or (None, None))[:2]
-    conf = run.task.app.conf
-    limits = [
-        float(value)
-        for value in (
-            soft or run.task.soft_time_limit or conf.get("task_soft_time_limit"),
-            hard or run.task.time_limit or conf.get("task_time_limit"),
-        )
-        if value
-    ]
-    if not limits:
-        return float("inf")
-    limit = min(limits)
-    return run.started + limit - min(_LIMIT_MARGIN, limit * _LIMIT_SHARE)
-
-
-def _leave_window(run: _Run, task_id: str) -> None:
-    """A wait for a pending publish ended by an exception: take the window (closed, naming
-    this send) so that it never names this message again once the pending send is settled.
-    Best effort, never raises (the exception that ended the wait goes on)."""
-    try:
-        run.backend.debounce_take(run.key, task_id, overdue=True)
-    except Exception as exc:
-        logger.warning(
-            "Task %s[%s]: its wait for a pending publish ended, and its debounce window could "
-            "not be taken (%s): if that publish is taken back, the window names this message "
-            "until it expires",
-            run.task.name, run.task_id, exc,
-        )  # fmt: skip
 
 
 def _take_over(run: _Run, result: AcquireResult) -> AcquireResult:
