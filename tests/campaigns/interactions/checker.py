@@ -25,7 +25,9 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
   retried attempt found a newer execution holding the key and stood aside as
   ``Skipped(reason="replaced")`` (a retried attempt never preempts; ``replaced`` checks the
   holder it names), or ``lock_replace_terminate`` revoked its task id (REVOKED: Celery
-  discards every later message of a revoked id).
+  discards every later message of a revoked id), or the retried attempt met the lock store
+  unreachable through its whole ``lock_backend_retry_max`` budget (FAILURE
+  ``BackendUnavailable``, documented in docs/configuration.rst).
 * ``superseded``: a ``Skipped(reason="debounced")`` (``lock_debounce``) or
   ``Skipped(reason="superseded")`` (a coalescing follow-up of ``lock_coalesce = "latest"``)
   names a later send that was published and whose body ran (or that met a visible refusal of
@@ -511,6 +513,14 @@ class _Judge:
             if outcome.state == "REVOKED" and self._terminates(body.config):
                 continue  # revoked by the execution that replaced it
             send = self.by_seq.get(body.seq)
+            if outcome.state == "FAILURE" and outcome.exception == "BackendUnavailable":
+                # docs/configuration.rst, lock_backend_retry_max: the retried attempt met the
+                # lock store unreachable through its whole store-error budget, and failed so
+                self.report.documented.append(
+                    f"{self.where(send, body.key, body.config)}: the retry of {body.task_id} "
+                    "met the lock store unreachable through its store-error budget"
+                )
+                continue
             self.violation(
                 "retry-runs", self.where(send, body.key, body.config), [send] if send else [],
                 f"{body.describe()} called self.retry(), and its attempt {body.retries + 1} never "

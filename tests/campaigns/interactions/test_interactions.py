@@ -316,6 +316,21 @@ def test_a_body_retry_that_never_runs_is_a_violation() -> None:
     assert ran.violations == []
 
 
+def test_a_body_retry_that_met_the_store_down_through_its_budget_is_documented() -> None:
+    """docs/configuration.rst, lock_backend_retry_max: a retried attempt that finds the lock
+    store unreachable through its whole store-error budget fails with BackendUnavailable (seeds
+    1784892769 on MySQL and 619470770 on PostgreSQL, a store stopped for tens of seconds on a
+    loaded machine); another exception is still a violation."""
+    unreachable = Outcome("FAILURE", kind="exception", exception="BackendUnavailable", date_done=9)
+    report = judge([send(0, "a")], [body("a", 0, 0.1, 1, how="retry")], {"a": unreachable})
+    assert report.violations == []
+    assert any("store-error budget" in d for d in report.documented)
+    other = Outcome("FAILURE", kind="exception", exception="RuntimeError", date_done=9)
+    assert "retry-runs" in rules(
+        judge([send(0, "a")], [body("a", 0, 0.1, 1, how="retry")], {"a": other})
+    )
+
+
 def test_a_debounced_body_retry_superseded_by_a_later_send_that_ran_is_no_violation() -> None:
     """docs/lifecycle.rst: with lock_debounce, a later send of the key supersedes the retry and
     runs the latest arguments; the retry not running is then what was asked for."""
