@@ -50,7 +50,7 @@ DEPLOYMENT_BACKENDS = frozenset({"redis-cluster", "redis-sentinel", "rediss", "r
 #: them), and the fixtures of the contract tests that need those records: such a test is not
 #: collected for such a store.
 ONE_HOLDER_BACKENDS = frozenset({"memcached", "django-memcached", "django-redis"})
-BEYOND_ONE_FIXTURES = frozenset({"slotted", "rated", "debounced", "replaceable"})
+BEYOND_ONE_FIXTURES = frozenset({"slotted", "rated", "debounced", "replaceable", "limited"})
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -24,6 +24,10 @@ Policy (which key, which token, what to do when a lock is held, when to release)
 * ``lock_policy = "replace"``: a newer execution can take a named holder's key or slot over,
   with a larger fence, in one atomic step (:meth:`LockBackend.preempt`), leaving a *preemption
   record* from which the preempted holder learns who did (:meth:`LockBackend.replaced_by`);
+* named limits (``singletask_limits``, a task's ``lock_limits``): :meth:`LockBackend.take_units`
+  takes units from several limits at once, all or nothing, in one atomic step, and
+  :meth:`LockBackend.give_units` gives them back (a rate's: changes their number); see
+  :class:`~singletask.backends.holders.Units`;
 * for operators (``singletask locks / inspect / release``): the held locks can be listed by key
   prefix, in bounded pages, and a lock can be released by its holder's task id or by force; the
   store's bookkeeping (follow-ups, debounce windows, rate records) can be listed the same way.
@@ -41,14 +45,25 @@ from typing import Any, ClassVar
 
 from ..exceptions import ConfigurationError, UnsupportedOperation
 from .holders import MAX_LEASE as _MAX_LEASE
-from .holders import STATE_KINDS, AcquireResult, Holder, StoreState, check_lease
+from .holders import (
+    MAX_UNITS,
+    STATE_KINDS,
+    AcquireResult,
+    Holder,
+    StoreState,
+    Units,
+    UnitsResult,
+    check_lease,
+    check_taken,
+    check_units,
+)
 from .urls import TABLE_SCHEMES
 
 # Holder, AcquireResult, StoreState, MAX_LEASE, check_lease: from singletask.backends.holders;
 # stores import them here.
 __all__ = [
-    "MAX_LEASE", "STATE_KINDS", "AcquireResult", "Holder", "LockBackend", "StoreState",
-    "check_lease",
+    "MAX_LEASE", "MAX_UNITS", "STATE_KINDS", "AcquireResult", "Holder", "LockBackend",
+    "StoreState", "Units", "UnitsResult", "check_lease", "check_taken", "check_units",
 ]  # fmt: skip
 
 logger = logging.getLogger("singletask")
@@ -90,6 +105,10 @@ class LockBackend(abc.ABC):
     #: store whose fences can go back (memcached): only its older fence makes a preempted
     #: holder harmless.
     supports_replace: ClassVar[bool] = False
+
+    #: Whether the store implements :meth:`take_units` and :meth:`give_units` (named limits,
+    #: ``lock_limits``).
+    supports_units: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
@@ -334,6 +353,57 @@ class LockBackend(abc.ABC):
         """
         raise UnsupportedOperation(f"{self!r} cannot keep debounce windows")
 
+    def take_units(
+        self,
+        token: str,
+        ttl: float,
+        units: Sequence[Units],
+        *,
+        meta: Mapping[str, str] | None = None,
+    ) -> UnitsResult:
+        """Take ``units`` for ``token`` from every limit named, all or nothing, in one atomic
+        step, by the store's clock.
+
+        Each limit has room when:
+
+        * concurrency: the units held by other tokens (holds whose lease has not run out) plus
+          those asked are at most its size;
+        * rate: ``token`` has a start in its window already (a retried call: nothing more is
+          counted), or the units of the starts in the last ``period`` seconds plus those asked
+          are at most its size.
+
+        When every limit has room, each records the take: a concurrency limit holds the units
+        for ``token`` for ``ttl`` seconds (a hold ``token`` had is replaced: taking again is
+        how a holder renews its lease); a rate records a start of the units now, counted for
+        ``period`` seconds. ``meta`` (``task_id``, ``task``) is kept with each, for operators.
+        Otherwise nothing changes, and the result names the first limit without room, its
+        units in use and, for a rate, when it has room. A limit's record expires when its last
+        hold or start stops counting; every record has an expiry.
+
+        Raises:
+            ConfigurationError: ``ttl``, a ``period``, a ``size`` or ``units`` is out of range
+                (:func:`check_lease`, :func:`check_units`), or ``units`` is more than ``size``;
+                before anything is written.
+            UnsupportedOperation: The store keeps no limits (:attr:`supports_units`).
+            BackendError: The store failed.
+        """
+        raise UnsupportedOperation(f"{self!r} cannot keep named limits")
+
+    def give_units(self, token: str, units: Sequence[Units]) -> list[bool]:
+        """Give back what ``token`` took from each limit named, in one atomic step.
+
+        A concurrency limit drops ``token``'s hold (its ``units`` are not read). A rate keeps
+        ``token``'s start where it is and sets its units to ``units`` (the real cost, known
+        after the start; 0 removes the start); a start that stopped counting is left alone.
+        Returns, per limit in order, whether ``token`` had a hold or a counted start there.
+
+        Raises:
+            ConfigurationError: A ``units`` or ``size`` is out of range (0 allowed for a rate).
+            UnsupportedOperation: The store keeps no limits (:attr:`supports_units`).
+            BackendError: The store failed.
+        """
+        raise UnsupportedOperation(f"{self!r} cannot keep named limits")
+
     @abc.abstractmethod
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         """Delete ``key`` if ``token`` holds it. Returns whether it did.
@@ -420,7 +490,8 @@ class LockBackend(abc.ABC):
     def iter_state(self, prefix: str, *, page_size: int = 500) -> Iterator[StoreState]:
         """Yield the live bookkeeping records of the lock keys that start with ``prefix``: a
         pending follow-up claim (:meth:`claim_next`), a debounce window, open or closed
-        (:meth:`debounce`), a rate record (``acquire_slot`` with ``interval``); see
+        (:meth:`debounce`), a rate record (``acquire_slot`` with ``interval``), a limit's
+        record whose key starts with ``prefix`` (:meth:`take_units`); see
         :class:`~singletask.backends.holders.StoreState`. Paged and bounded as :meth:`iter_locks`,
         whose prefix rules it shares; read-only: it creates, renews and deletes nothing (a store
         whose table or file is missing yields nothing). Never on the execution path. A record

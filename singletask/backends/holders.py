@@ -10,13 +10,16 @@ the contract alone.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..exceptions import ConfigurationError
 
-__all__ = ["MAX_LEASE", "STATE_KINDS", "AcquireResult", "Holder", "StoreState", "check_lease"]
+__all__ = [
+    "MAX_LEASE", "MAX_SHOWN", "MAX_UNITS", "STATE_KINDS", "AcquireResult", "Holder", "StoreState", "Units",
+    "UnitsResult", "check_lease", "check_taken", "check_units",
+]  # fmt: skip
 
 #: The longest lease, in seconds, any backend accepts (366 days). It is far above every lease
 #: the task options allow (each at most 30 days; a queue reservation adds the message's
@@ -96,8 +99,105 @@ class AcquireResult:
 
 #: The kinds of bookkeeping record :meth:`LockBackend.iter_state
 #: <singletask.backends.base.LockBackend.iter_state>` yields: a pending follow-up claim
-#: (``claim_next``), a debounce window (``debounce``), a rate record (``lock_rate``).
-STATE_KINDS = ("follow_up", "window", "rate")
+#: (``claim_next``), a debounce window (``debounce``), a rate record (``lock_rate``), a
+#: limit's record (``take_units``: a named limit of ``singletask_limits``).
+STATE_KINDS = ("follow_up", "window", "rate", "limit")
+
+#: The most holds of one limit :class:`StoreState` lists (its ``used`` counts them all).
+MAX_SHOWN = 100
+
+#: The largest size of a limit, and the most units one take asks of it.
+MAX_UNITS = 1_000_000_000
+
+
+def check_units(value: object, operation: str, *, allow_zero: bool = False) -> int:
+    """Return ``value`` if it is a whole number of units from 1 (0 with ``allow_zero``) to
+    :data:`MAX_UNITS`.
+
+    Raises:
+        ConfigurationError: It is not; the message names the operation.
+    """
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_UNITS:
+        raise ConfigurationError(
+            f"{operation}: expected a whole number of units from {low} to {MAX_UNITS}, "
+            f"got {value!r}"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class Units:
+    """Units taken from one limit, or given back to it (:meth:`LockBackend.take_units
+    <singletask.backends.base.LockBackend.take_units>`).
+
+    A limit is one store record, named by ``key``
+    (:func:`singletask.protocol.limits.limit_key`), of one of two kinds:
+
+    * *concurrency* (``period`` None): at most ``size`` units held at once. A take holds its
+      units for a lease; they come back when given back or when the lease runs out;
+    * *rate* (``period`` in seconds): at most ``size`` units started in any window of
+      ``period`` seconds of the store's clock, a sliding log of starts: a take records a start
+      of its units, which count until ``period`` after it and are never given back (only
+      their number can change, :meth:`~singletask.backends.base.LockBackend.give_units`).
+
+    Attributes:
+        key: The limit's store key.
+        size: Units held at once (concurrency) or started per window (rate).
+        units: Units taken (from 1 to ``size``); given back to a rate: the start's real cost
+            (0 or more).
+        period: The rate's window in seconds, or None for a concurrency limit.
+    """
+
+    key: str
+    size: int
+    units: int
+    period: float | None = None
+
+
+def check_taken(units: Sequence[Units], operation: str, *, give: bool = False) -> None:
+    """Check every :class:`Units` a store is given before it writes anything: a size and
+    units in range (units at most the size for a take; a rate's given back from 0), a rate's
+    period a lease (:func:`check_lease`), no limit named twice.
+
+    Raises:
+        ConfigurationError: One is not; the message names the operation and the limit.
+    """
+    seen: set[str] = set()
+    for item in units:
+        where = f"{operation} {item.key!r}"
+        check_units(item.size, f"{where} size")
+        check_units(item.units, f"{where} units", allow_zero=give and item.period is not None)
+        if not give and item.units > item.size:
+            raise ConfigurationError(
+                f"{where}: {item.units} units can never fit a limit of {item.size}"
+            )
+        if item.period is not None:
+            check_lease(item.period, f"{where} period")
+        if item.key in seen:
+            raise ConfigurationError(f"{where}: the limit is named twice")
+        seen.add(item.key)
+
+
+@dataclass(frozen=True)
+class UnitsResult:
+    """The outcome of :meth:`LockBackend.take_units
+    <singletask.backends.base.LockBackend.take_units>`.
+
+    Attributes:
+        taken: True when every limit had room and the caller holds its units now.
+        limit: When not taken, the key of the first limit (in the order given) without room.
+        used: When not taken, the units that limit had in use (held, or started in the
+            window), the caller's own not counted.
+        retry_after: When a rate refused: seconds until it has room for the units asked, if
+            nothing else starts (exact, by the store's clock). None for a concurrency limit,
+            whose room comes back when a holder ends.
+    """
+
+    taken: bool
+    limit: str | None = None
+    used: int | None = None
+    retry_after: float | None = None
 
 
 @dataclass(frozen=True)
@@ -113,7 +213,14 @@ class StoreState:
             start is allowed), when the store says.
         detail: Kind-specific JSON values: window: ``open`` (bool: False once its latest
             send's run closed it) and ``age`` (seconds since it opened, by the store's clock;
-            None when closed); rate: ``next_start_in`` (seconds until a start is allowed).
+            None when closed); rate: ``next_start_in`` (seconds until a start is allowed);
+            limit (``key`` is the limit's store key, ``task_id`` None, ``ttl`` until its
+            last hold or start stops counting): ``size`` (as the last take gave it),
+            ``period`` (seconds, None for a concurrency limit), ``used`` (units held, or
+            started in the window) and ``holds``, the holds or counted starts, oldest first,
+            at most :data:`MAX_SHOWN`: each ``{"token", "units", "task_id", "task", "ttl"}``
+            (``ttl``: seconds until it stops counting; ``task_id`` and ``task`` from the
+            take's ``meta``, None when it gave none).
     """
 
     kind: str

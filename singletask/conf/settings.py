@@ -16,6 +16,7 @@ Settings are looked up with ``app.conf.get``, so Django's ``CELERY_`` namespace 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -167,31 +168,54 @@ def check_count(value: object, where: str, *, maximum: int = MAX_COUNT) -> int:
 
 
 #: The periods of a ``lock_rate`` ("N/s", "N/m", "N/h", as Celery's ``rate_limit`` writes them).
-RATE_PERIODS: Final = {"s": 1.0, "m": 60.0, "h": 3600.0}
+RATE_PERIODS: Final = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
-#: The shortest interval a ``lock_rate`` may set between two starts of one key (1000/s).
+#: A rate as written: a count, ``/``, an optional whole number of periods, and a period.
+_RATE = re.compile(r"\s*([^/\s]+)\s*/\s*([0-9]*)\s*([smhd])\s*")
+
+#: The shortest spacing a rate may give two starts.
 MIN_RATE_INTERVAL: Final = 0.001
 
 
-def check_rate(value: object, where: str) -> float:
-    """Return the seconds between two starts that ``value`` allows: ``"N/s"``, ``"N/m"`` or
-    ``"N/h"`` (N a number above 0), whose interval (period / N) is from 1 ms to 30 days.
+def parse_rate(value: object, where: str) -> tuple[float, float]:
+    """Return ``(count, period)`` of a rate written ``"N/m"``, ``"N/10s"``, ``"N/5m"``: a
+    number above 0, ``/``, an optional whole number of periods (above 0), and ``s``, ``m``,
+    ``h`` or ``d``. The period is in seconds, from 1 ms to 30 days.
 
     Raises:
         ConfigurationError: It is not such a rate; the message names ``where``.
     """
-    text = value.strip() if isinstance(value, str) else None
-    count, _, unit = (text or "").partition("/")
-    try:
-        number = float(count)
-    except ValueError:
-        number = math.nan
-    if text is None or unit not in RATE_PERIODS or not math.isfinite(number) or number <= 0:
+    found = _RATE.fullmatch(value) if isinstance(value, str) else None
+    number, periods = math.nan, 0
+    if found is not None:
+        try:
+            number = float(found.group(1))
+        except ValueError:
+            pass
+        periods = int(found.group(2) or "1")
+    if found is None or not math.isfinite(number) or number <= 0 or periods <= 0:
         raise ConfigurationError(
-            f"{where}: expected a rate such as \"10/m\": a number above 0, '/', and s, m or h, "
-            f"got {value!r}"
+            f'{where}: expected a rate such as "10/m" or "6/10s": a number above 0, \'/\', '
+            f"an optional count of periods, and s, m, h or d, got {value!r}"
         )
-    interval = RATE_PERIODS[unit] / number
+    period = periods * RATE_PERIODS[found.group(3)]
+    if period > MAX_SECONDS:
+        raise ConfigurationError(
+            f"{where}: {value!r} counts over {period:g}s; a rate's period may be at most "
+            f"{MAX_SECONDS} seconds (30 days)"
+        )
+    return number, period
+
+
+def check_rate(value: object, where: str) -> float:
+    """Return the seconds between two starts that ``value`` allows (``lock_rate``): a rate as
+    :func:`parse_rate` reads it, whose interval (period / N) is from 1 ms to 30 days.
+
+    Raises:
+        ConfigurationError: It is not such a rate; the message names ``where``.
+    """
+    number, period = parse_rate(value, where)
+    interval = period / number
     if not MIN_RATE_INTERVAL <= interval <= MAX_SECONDS:
         raise ConfigurationError(
             f"{where}: {value!r} spaces starts by {interval:g}s; a rate may space them by "

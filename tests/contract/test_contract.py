@@ -74,6 +74,8 @@ OPERATIONS = (
     "release_held_by",
     "force_release",
     "preempt",
+    "take_units",
+    "give_units",
 )
 
 
