@@ -17,8 +17,8 @@ from typing import Any
 from ..exceptions import ConfigurationError
 
 __all__ = [
-    "MAX_LEASE", "MAX_SHOWN", "MAX_UNITS", "STATE_KINDS", "AcquireResult", "Holder", "StoreState", "Units",
-    "UnitsResult", "check_lease", "check_taken", "check_units",
+    "MAX_LEASE", "MAX_SHOWN", "MAX_UNITS", "STATE_KINDS", "AcquireResult", "Holder",
+    "StoreState", "Units", "UnitsResult", "check_lease", "check_taken", "check_units",
 ]  # fmt: skip
 
 #: The longest lease, in seconds, any backend accepts (366 days). It is far above every lease

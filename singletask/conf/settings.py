@@ -15,6 +15,7 @@ Settings are looked up with ``app.conf.get``, so Django's ``CELERY_`` namespace 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -188,10 +189,8 @@ def parse_rate(value: object, where: str) -> tuple[float, float]:
     found = _RATE.fullmatch(value) if isinstance(value, str) else None
     number, periods = math.nan, 0
     if found is not None:
-        try:
+        with contextlib.suppress(ValueError):
             number = float(found.group(1))
-        except ValueError:
-            pass
         periods = int(found.group(2) or "1")
     if found is None or not math.isfinite(number) or number <= 0 or periods <= 0:
         raise ConfigurationError(

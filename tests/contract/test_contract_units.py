@@ -183,7 +183,8 @@ def test_a_rate_has_room_again_when_enough_starts_left_the_window(
     assert limited.take_units("token-b", LEASE, [tokens]).taken
     refused = limited.take_units("token-c", LEASE, [tokens])
     assert not refused.taken
-    assert refused.retry_after is not None and refused.retry_after <= SHORT
+    assert refused.retry_after is not None
+    assert refused.retry_after <= SHORT
 
     deadline = time.monotonic() + 10
     while not limited.take_units("token-c", LEASE, [tokens]).taken:
@@ -205,7 +206,8 @@ def test_a_rate_waits_for_the_oldest_starts_it_needs_gone(
     one = limited.take_units("token-d", LEASE, [tokens])
     two = limited.take_units("token-d", LEASE, [Units(tokens.key, 3, 2, PERIOD)])
 
-    assert one.retry_after is not None and two.retry_after is not None
+    assert one.retry_after is not None
+    assert two.retry_after is not None
     assert one.retry_after < PERIOD - 0.5  # a's start leaves first
     assert two.retry_after > one.retry_after + 0.5  # then b's
 
@@ -245,7 +247,8 @@ def test_a_concurrency_and_a_rate_are_taken_together(limited: LockBackend, key_p
     assert limited.take_units("token-a", LEASE, [requests, tokens]).taken
 
     refused = limited.take_units("token-b", LEASE, [requests, tokens])
-    assert not refused.taken and refused.limit == tokens.key
+    assert not refused.taken
+    assert refused.limit == tokens.key
 
     assert limited.give_units("token-a", [requests]) == [True]
     assert not limited.take_units("token-b", LEASE, [requests, tokens]).taken
@@ -323,7 +326,8 @@ def test_iter_state_lists_each_limit_with_its_holds(limited: LockBackend, key_pr
         "token-a", 2, "task-a", "app.summarize",
     )  # fmt: skip
     assert 0 < hold["ttl"] <= LEASE
-    assert held.ttl is not None and 0 < held.ttl <= LEASE
+    assert held.ttl is not None
+    assert 0 < held.ttl <= LEASE
     started = found[tokens.key]
     assert started.detail["size"] == 100
     assert started.detail["period"] == PERIOD
