@@ -531,7 +531,7 @@ class MemoryBackend(LockBackend):
                  "task": h.meta.get("task"), "ttl": limit.until(h) - now}
                 for t, h in ordered[:MAX_SHOWN]
             ]  # fmt: skip
-            detail = {
+            detail: dict[str, Any] = {
                 "size": limit.size, "period": limit.period,
                 "used": sum(h.units for h in holds.values()), "holds": shown,
             }  # fmt: skip
