@@ -531,12 +531,12 @@ class MemoryBackend(LockBackend):
                  "task": h.meta.get("task"), "ttl": limit.until(h) - now}
                 for t, h in ordered[:MAX_SHOWN]
             ]  # fmt: skip
-            detail: dict[str, Any] = {
+            shape: dict[str, Any] = {
                 "size": limit.size, "period": limit.period,
                 "used": sum(h.units for h in holds.values()), "holds": shown,
             }  # fmt: skip
             last = max(limit.until(h) for h in holds.values())
-            found.append(StoreState("limit", key, None, last - now, detail))
+            found.append(StoreState("limit", key, None, last - now, shape))
         return found
 
     def _operator_release(self, key: str, task_id: str | None) -> Holder | None:
