@@ -54,7 +54,7 @@ class LockKeyError(SingletaskError, TypeError):
 
 
 class TaskLocked(SingletaskError):
-    """The task's lock is held by another execution.
+    """The task's lock is held by another execution, or a limit it names has no room.
 
     Raised by the ``"raise"`` policy, and by the ``"retry"`` policy once its budget is spent.
 
@@ -64,6 +64,10 @@ class TaskLocked(SingletaskError):
         ttl: Seconds left on the holder's lease, when known.
         holders: With ``lock_limit`` above 1, the task id of every holder (``holder`` is the
             first); empty for a singleton task.
+        limit: When a limit had no room for the execution's units (``lock_limits``; the
+            key's own ``lock_limit`` counted by ``lock_cost`` is ``"lock_limit"``): its name.
+            None when the key is held.
+        retry_after: With ``limit``, a rate's: seconds until it has room.
     """
 
     def __init__(
@@ -72,14 +76,21 @@ class TaskLocked(SingletaskError):
         holder: str | None = None,
         ttl: float | None = None,
         holders: tuple[str | None, ...] = (),
+        limit: str | None = None,
+        retry_after: float | None = None,
     ) -> None:
-        super().__init__(key, holder, ttl, tuple(holders))
+        super().__init__(key, holder, ttl, tuple(holders), limit, retry_after)
         self.key = key
         self.holder = holder
         self.ttl = ttl
         self.holders = tuple(holders)
+        self.limit = limit
+        self.retry_after = retry_after
 
     def __str__(self) -> str:
+        if self.limit is not None:
+            when = f"; room in {self.retry_after:.1f}s" if self.retry_after is not None else ""
+            return f"limit {self.limit!r} has no room for this execution of {self.key!r}{when}"
         if self.holders:
             names = ", ".join(f"task {h}" if h else "a direct call" for h in self.holders)
             return f"lock {self.key!r} is held by its {len(self.holders)} holders: {names}"
@@ -100,6 +111,8 @@ class RateLimited(TaskLocked):
         retry_after: Seconds until the key may start again.
         rate: The task's ``lock_rate`` (``"10/m"``).
     """
+
+    retry_after: float
 
     def __init__(self, key: str, retry_after: float, rate: str | None = None) -> None:
         super().__init__(key)

@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .exceptions import BackendError, LockLost, LockPreempted
+from .exceptions import BackendError, ConfigurationError, LockLost, LockPreempted
 
 if TYPE_CHECKING:
-    from .backends.base import LockBackend
+    from .backends.base import LockBackend, Units
 
 __all__ = ["LockHandle", "Renewer", "native_threads"]
 
@@ -87,8 +87,15 @@ class LockHandle:
         on_lost: Callable[[LockHandle, str], None] | None = None,
         sent_at: float | None = None,
         preemptible: bool = False,
+        units: tuple[Units, ...] = (),
+        charge: Callable[[str, int], None] | None = None,
+        task: str | None = None,
     ) -> None:
         self.key = key
+        self.task = task
+        #: The concurrency units of named limits held with the key, renewed with its lease.
+        self.units = units
+        self._charge = charge
         self.preemptible = preemptible
         self.successor: str | None = None
         self.preempted = False
@@ -137,6 +144,24 @@ class LockHandle:
             raise LockPreempted(self.key, reason, self.successor)
         if reason is not None:
             raise LockLost(self.key, reason)
+
+    def charge(self, name: str, units: int) -> None:
+        """Count ``units`` instead of the estimated cost in the rate of limit ``name`` (of
+        ``lock_limits``), for this execution's start: call it once the body knows what the
+        work really cost (the tokens a model call used). The start keeps its time; the rate's
+        next starts see the new count. Call it again to correct it; 0 takes the start back.
+
+        Raises:
+            ConfigurationError: This execution started no rate of limit ``name``, or
+                ``units`` is not a whole number from 0.
+            BackendError: The lock store failed.
+        """
+        if self._charge is None:
+            raise ConfigurationError(
+                f"lock {self.key!r}: charge({name!r}, ...): this execution names no limits "
+                "(lock_limits)"
+            )
+        self._charge(name, units)
 
     def renewed(self, at: float) -> None:
         """The lease was extended by a request sent at monotonic time ``at``."""
@@ -416,12 +441,28 @@ class Renewer:
             return
         self._retry_at = 0.0
         for handle, extended in zip(batch, results, strict=True):
+            if extended and handle.units:
+                extended = self._renew_units(handle)
             if extended and not handle.lost:
                 handle.renewed(sent)
             elif extended:  # renewed too late: someone may have held the lock meanwhile
                 self._drop(handle, handle.lost_reason or "its lease ran out")
             else:
                 self._drop(handle, self._why_gone(handle))
+
+    def _renew_units(self, handle: LockHandle) -> bool:
+        """Renew the units ``handle`` holds of named limits (taking them again is their
+        renewal); whether they are still its own."""
+        meta = {"task_id": handle.task_id} if handle.task_id else {}
+        if handle.task:
+            meta["task"] = handle.task
+        try:
+            return self._backend.take_units(handle.token, handle.ttl, handle.units, meta=meta).taken
+        except BackendError:
+            return True  # as a failed extend: tried again, the lease decides
+        except Exception:
+            logger.exception("renewing the units of %r failed", handle.key)
+            return True
 
     def _watch(self, handle: LockHandle) -> None:
         """One read of the preemption record of ``handle``, a preemptible lease past its

@@ -60,7 +60,11 @@ class Conflict:
         direct: Whether the execution is a direct call ``task(...)``.
         holders: With ``lock_limit`` above 1, every holder of the key (``holder`` is the first).
         retry_after: Set when the key is not held but started too recently for its
-            ``lock_rate``: seconds until it may start again.
+            ``lock_rate``: seconds until it may start again; with ``limit``, a rate's
+            seconds until it has room.
+        limit: Set when the key was taken but a limit had no room for the execution's units
+            (:mod:`singletask.execution.units`): the limit's name.
+        used: With ``limit``: its units in use.
     """
 
     task: Task[Any, Any]
@@ -71,6 +75,8 @@ class Conflict:
     direct: bool
     holders: tuple[Holder, ...] = ()
     retry_after: float | None = None
+    limit: str | None = None
+    used: int | None = None
 
     @property
     def holder_id(self) -> str | None:
@@ -110,14 +116,31 @@ class Conflict:
 
     @property
     def rated(self) -> bool:
-        """Whether the key was refused by its ``lock_rate``, not by a holder."""
-        return self.retry_after is not None
+        """Whether the key was refused by its ``lock_rate``, not by a holder or a limit."""
+        return self.retry_after is not None and self.limit is None
+
+    @property
+    def why(self) -> str:
+        """Why the execution was refused, for a log line."""
+        if self.limit is not None:
+            used = f" ({self.used} units in use)" if self.used is not None else ""
+            when = f", room in {self.retry_after:.1f}s" if self.retry_after is not None else ""
+            return f"limit {self.limit!r} has no room for it{used}{when}"
+        if self.rated:
+            return (
+                f"lock {self.key!r} started too recently for its lock_rate "
+                f"{self.options.rate} (next start in {self.retry_after:.1f}s)"
+            )
+        return f"lock {self.key!r} is held by {self.who} (lease left: {self.lease_left})"
 
     def countdown(self) -> float:
         """``lock_retry_countdown`` plus up to 25% jitter; for a rate refusal, the time until
         a start is allowed less 5 ms and up to 10% of it: the message comes back a little
         early, finds the start allowed within ``acquire.RATE_WAIT`` and waits for it in its
         process, so that the start is not late by a trip through the broker."""
+        if self.limit is not None and self.retry_after is not None:
+            # A limit's rate: exact, a little late rather than early (it is not waited for).
+            return self.retry_after + 0.005 + random.uniform(0, min(0.1, self.retry_after / 10))
         if self.retry_after is not None:
             # At most 0.125 s early: well within the 0.25 s an execution waits in its process.
             early = 0.005 + random.uniform(0, min(0.12, self.retry_after / 10))
@@ -127,6 +150,8 @@ class Conflict:
 
     def refusal(self) -> TaskLocked:
         """The exception that reports this conflict: ``RateLimited`` or ``TaskLocked``."""
+        if self.limit is not None:
+            return TaskLocked(self.key, limit=self.limit, retry_after=self.retry_after)
         if self.retry_after is not None:
             return RateLimited(self.key, self.retry_after, self.options.rate)
         return TaskLocked(self.key, self.holder_id, self.ttl, self.holder_ids)
@@ -155,6 +180,13 @@ class Skip(Policy):
 
     def apply(self, conflict: Conflict) -> Skipped:
         conflict.report("skip")
+        if conflict.limit is not None:
+            logger.warning(
+                "Task %s[%s] skipped: %s", conflict.task.name, conflict.task.request.id,
+                conflict.why,
+            )  # fmt: skip
+            return Skipped(conflict.key, reason="limit", retry_after=conflict.retry_after,
+                           limit=conflict.limit)  # fmt: skip
         if conflict.rated:
             logger.warning(
                 "Task %s[%s] skipped: lock %r started too recently for its lock_rate %s "
@@ -183,6 +215,12 @@ class Raise(Policy):
     def refuse(self, conflict: Conflict, why: str = "") -> NoReturn:
         """Fail with ``TaskLocked``; ``why`` says why, when another policy fell back to this."""
         conflict.report("raise")
+        if conflict.limit is not None:
+            logger.warning(
+                "Task %s[%s] raises TaskLocked: %s%s", conflict.task.name,
+                conflict.task.request.id, conflict.why, why,
+            )  # fmt: skip
+            raise conflict.refusal()
         if conflict.rated:
             logger.warning(
                 "Task %s[%s] raises RateLimited: lock %r started too recently for its "
@@ -218,15 +256,10 @@ class Retry(Policy):
             Raise().refuse(conflict, f" (lock retries spent: {spent} of {options.retry_max})")
         conflict.report("retry")
         countdown = conflict.countdown()
-        why = (
-            f"started too recently for its lock_rate {options.rate}"
-            if conflict.rated
-            else f"is held by {conflict.who}"
-        )
         logger.info(
-            "Task %s[%s] retries in %.1fs (lock retry %d of %d): lock %r %s",
+            "Task %s[%s] retries in %.1fs (lock retry %d of %d): %s",
             conflict.task.name, request.id, countdown, spent + 1, options.retry_max,
-            conflict.key, why,
+            conflict.why,
         )  # fmt: skip
         republish(conflict.task, countdown, {LOCK_RETRIES_HEADER: spent + 1}, conflict.refusal())
 

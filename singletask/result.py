@@ -39,8 +39,13 @@ class Skipped:
             that send's task id), ``"replaced"`` (``lock_policy = "replace"``: a newer
             execution preempted this one, whose body stopped; ``holder`` is the newer one's
             task id) or ``"superseded"`` (``lock_coalesce = "latest"``: a later call replaced
-            this pending follow-up; ``holder`` is that call's task id).
-        retry_after: With ``reason == "rate"``, seconds until the key may start again.
+            this pending follow-up; ``holder`` is that call's task id) or ``"limit"`` (a
+            limit it names had no room for its units: ``limit``, and ``retry_after`` for a
+            rate).
+        retry_after: With ``reason == "rate"``, seconds until the key may start again; with
+            ``reason == "limit"`` and a rate, seconds until it has room.
+        limit: With ``reason == "limit"``, the limit's name (``"lock_limit"``: the key's own,
+            counted in units by ``lock_cost``).
     """
 
     key: str
@@ -49,8 +54,12 @@ class Skipped:
     holders: tuple[str | None, ...] = ()
     reason: str = "held"
     retry_after: float | None = None
+    limit: str | None = None
 
     def __str__(self) -> str:
+        if self.reason == "limit":
+            left = f" (room in {self.retry_after:.1f}s)" if self.retry_after else ""
+            return f"skipped: limit {self.limit!r} has no room for {self.key!r}{left}"
         if self.reason == "rate":
             left = f" (next start in {self.retry_after:.1f}s)" if self.retry_after else ""
             return f"skipped: lock {self.key!r} started too recently for its lock_rate{left}"
@@ -70,8 +79,13 @@ def _encode(value: Skipped) -> dict[str, Any]:
     return asdict(value)
 
 
+#: The fields of Skipped: a value sent by another version keeps the ones this one knows.
+_FIELDS = frozenset(Skipped.__dataclass_fields__)
+
+
 def _decode(value: dict[str, Any]) -> Skipped:
-    return Skipped(**{**value, "holders": tuple(value.get("holders") or ())})
+    known = {name: field for name, field in value.items() if name in _FIELDS}
+    return Skipped(**{**known, "holders": tuple(value.get("holders") or ())})
 
 
 register_type(Skipped, "singletask.skipped", _encode, _decode)

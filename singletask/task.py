@@ -35,7 +35,7 @@ from celery.exceptions import Retry
 from .conf.options import TaskOptions
 from .conf.runtime import app_state, check_lease_options, lock_options
 from .exceptions import ConfigurationError, TaskLocked
-from .execution import lifecycle, outcomes, recovery, retrying
+from .execution import lifecycle, outcomes, recovery, retrying, units
 from .execution.bootstep import CheckLockStore, ServeWorker
 from .observe import report
 from .protocol import headers
@@ -99,6 +99,8 @@ class SingletonTask(_TaskBase):
     lock_debounce_max: ClassVar[float | None] = None
     lock_coalesce: ClassVar[str | None] = None
     lock_replace_terminate: ClassVar[bool | None] = None
+    lock_limits: ClassVar[Sequence[str] | Mapping[str, Any] | None] = None
+    lock_cost: ClassVar[int | Callable[..., int] | None] = None
 
     _singletask_options: ClassVar[TaskOptions]
 
@@ -192,6 +194,10 @@ class SingletonTask(_TaskBase):
         """
 
         lock = lock_options(self)
+        if lock.limits is not None or lock.cost is not None:
+            # A cost that can never fit its limit is refused here, before anything is sent.
+            units.wanted(self, lock, app_state(self.app), lock_key_of(self, lock, args, kwargs),
+                         args or (), kwargs or {})  # fmt: skip
         # "replace" orders its holders by send time; else the options reach Celery as given
         if lock.policy == "replace" or report.reports_wait(self.app, lock):
             options = dict(headers.with_sent_at(options))
@@ -335,6 +341,13 @@ class SingletonTask(_TaskBase):
         Never raises; returns whether a reservation was released.
         """
         return recovery.release_reservation(self, task_id, retries, args, kwargs)
+
+
+def lock_key_of(
+    task: SingletonTask, lock: Any, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+) -> str:
+    """The task's key for a send's arguments (named limits read it only with ``lock_cost``)."""
+    return str(lock.key(args or (), kwargs or {})) if lock.cost is not None else ""
 
 
 def override_lock_backend(app: Celery, backend: LockBackend | None) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Final
 
 from ..exceptions import ConfigurationError
 from ..protocol.keys import KeySpec, run_signature
+from .limits import Cost, TaskLimits, check_cost
 from .settings import (
     Settings,
     check_backend_error_policy,
@@ -72,6 +73,7 @@ ATTRIBUTE_CHECKS: Final[dict[str, Callable[[object, str], object]]] = {
     "lock_debounce_max": check_seconds,
     "lock_coalesce": check_coalesce,
     "lock_replace_terminate": check_bool,
+    "lock_cost": check_cost,
 }
 
 #: The lock scopes a task with ``lock_limit`` above 1 can have. "queue" and "coalesce" keep at
@@ -86,6 +88,8 @@ STORE_FEATURES: Final = {
     "debounce": ("supports_debounce", "keeps no debounce windows"),
     "coalesce": ("supports_debounce", "keeps no record of a key's latest follow-up"),
     "policy": ("supports_replace", "cannot preempt a holder with a larger fencing token"),
+    "limits": ("supports_units", "keeps no named limits"),
+    "cost": ("supports_units", "keeps no limits of several units"),
 }
 
 
@@ -124,6 +128,9 @@ class LockOptions:
         coalesce: ``"first"`` or ``"latest"``: whose arguments a coalescing follow-up runs with.
         replace_terminate: With ``lock_policy = "replace"``, whether the preempted execution
             is also revoked with ``terminate=True``.
+        limits: The named limits an execution takes units of (``lock_limits``), or None.
+        cost: The units an execution takes of its key's ``limit`` (``lock_cost``), or None:
+            the key's holders are then counted in units, not in holder slots.
     """
 
     name: str
@@ -146,6 +153,19 @@ class LockOptions:
     debounce_max: float | None = None
     coalesce: str = "first"
     replace_terminate: bool = False
+    limits: TaskLimits | None = None
+    cost: Cost | None = None
+
+    @property
+    def keyless(self) -> bool:
+        """Whether executions hold no key of their own: limits alone hold them back
+        (``lock_limits`` without ``lock_args``, ``lock_key`` or ``lock_limit``, or the key's
+        ``lock_limit`` counted in units by ``lock_cost``). Each then holds a key no other
+        execution takes (:func:`singletask.execution.units.own_key`), for its lease."""
+        if self.cost is not None:
+            return True
+        declared = self.keys.lock_args is not None or self.keys.lock_key is not None
+        return self.limits is not None and not declared and self.limit == 1
 
     def key(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         """The lock key of a call with these arguments.
@@ -181,6 +201,8 @@ class TaskOptions:
     debounce_max: float | None = None
     coalesce: str | None = None
     replace_terminate: bool | None = None
+    limits: TaskLimits | None = None
+    cost: Cost | None = None
 
     @classmethod
     def from_class(cls, task_cls: type[Any], known: Collection[str] = ()) -> TaskOptions:
@@ -207,8 +229,12 @@ class TaskOptions:
         lock_key = inspect.getattr_static(task_cls, "lock_key")
         if isinstance(lock_key, staticmethod | classmethod):
             lock_key = lock_key.__get__(None, task_cls)
-        keys = KeySpec(name, run_signature(task_cls), task_cls.lock_args, lock_key)
-        options = cls(name=name, keys=keys, **declared)
+        signature = run_signature(task_cls)
+        keys = KeySpec(name, signature, task_cls.lock_args, lock_key)
+        limits = getattr(task_cls, "lock_limits", None)
+        if limits is not None:
+            limits = TaskLimits.declared(name, signature, limits, f"{where} lock_limits")
+        options = cls(name=name, keys=keys, limits=limits, **declared)
         options._check_combinations(where)
         options._warn_about_time_limit(getattr(task_cls, "time_limit", None))
         return options
@@ -227,6 +253,7 @@ class TaskOptions:
                 "collapses them: use one or the other (lock_scope = 'execution')"
             )
         self._check_replace(where)
+        self._check_limits(where)
         if self.coalesce is not None and self.scope not in (None, "coalesce"):
             raise ConfigurationError(
                 f"{where} lock_coalesce: chooses the arguments of a coalescing follow-up, and "
@@ -242,6 +269,44 @@ class TaskOptions:
                 raise ConfigurationError(
                     f"{where} lock_debounce_max: {_seconds(self.debounce_max)}s is shorter "
                     f"than lock_debounce ({_seconds(self.debounce)}s)"
+                )
+
+    def _check_limits(
+        self, where: str, scope: str | None = None, policy: str | None = None
+    ) -> None:
+        """Refuse what cannot go with ``lock_limits`` or ``lock_cost`` (``scope``, ``policy``:
+        the app's, when the task sets none)."""
+        scope = self.scope if self.scope is not None else scope
+        policy = self.policy if self.policy is not None else policy
+        for attribute, value in (("lock_limits", self.limits), ("lock_cost", self.cost)):
+            if value is None:
+                continue
+            if scope not in (None, *LIMIT_SCOPES):
+                raise ConfigurationError(
+                    f"{where} {attribute}: cannot go with lock_scope {scope!r} (a key reserved "
+                    "at send would wait for room it cannot know of); use lock_scope = "
+                    "'execution'"
+                )
+            if self.debounce is not None:
+                raise ConfigurationError(
+                    f"{where} {attribute}: cannot go with lock_debounce; a debounced task takes "
+                    "one key at a time already"
+                )
+            if policy == "replace":
+                raise ConfigurationError(
+                    f"{where} {attribute}: an execution refused for want of room has no holder "
+                    "to preempt; use another lock_policy"
+                )
+        if self.cost is not None:
+            if self.limit is None:
+                raise ConfigurationError(
+                    f"{where} lock_cost: counts units of the key's lock_limit, which the task "
+                    "does not set; set lock_limit (or name a limit in lock_limits)"
+                )
+            if isinstance(self.cost, int) and self.cost > self.limit:
+                raise ConfigurationError(
+                    f"{where} lock_cost: {self.cost} units can never fit the key's lock_limit "
+                    f"of {self.limit}"
                 )
 
     def _check_replace(self, where: str, scope: str | None = None) -> None:
@@ -305,23 +370,10 @@ class TaskOptions:
         """
         scope = settings.lock_scope if self.scope is None else self.scope
         policy = settings.lock_policy if self.policy is None else self.policy
-        if self.replace_terminate and policy != "replace":
-            raise ConfigurationError(
-                f"task {name!r} attribute lock_replace_terminate: applies to lock_policy = "
-                f"'replace', and the task's lock_policy is {policy!r} (from the app's setting "
-                "singletask_lock_policy); set lock_policy = 'replace' or drop it"
-            )
-        if self.policy is None and policy == "replace":
-            resolved = TaskOptions(**{**self.__dict__, "policy": policy})
-            resolved._check_replace(f"task {name!r} (setting singletask_lock_policy)", scope)
-        elif self.policy == "replace":
-            self._check_replace(f"task {name!r} attribute", scope)
-        if self.coalesce is not None and scope != "coalesce":
-            raise ConfigurationError(
-                f"task {name!r} attribute lock_coalesce: cannot go with the app's "
-                f"singletask_lock_scope {scope!r}; set lock_scope = 'coalesce' on the task"
-            )
+        self._check_app_policy(name, scope, policy)
         used = {
+            "limits": "lock_limits" if self.limits is not None else None,
+            "cost": self.cost if self.cost is not None else None,
             "limit": self.limit if (self.limit or 1) > 1 else None,
             "rate": self.rate,
             "debounce": self.debounce,
@@ -345,6 +397,7 @@ class TaskOptions:
                     f"{where}: cannot go with the app's singletask_lock_scope {scope!r}; set "
                     "lock_scope = 'execution' on the task"
                 )
+        self._check_named(name, settings)
         for field_name, setting in LEASE_OPTIONS.items():
             if field_name == "queue_ttl" and scope == "execution":
                 continue  # never written to the store
@@ -357,6 +410,54 @@ class TaskOptions:
                 raise ConfigurationError(
                     f"{where}: {_seconds(value)}s is longer than the {store} lock store accepts "
                     f"(at most {_seconds(max_lease)}s); use a shorter lease"
+                )
+
+    def _check_app_policy(self, name: str, scope: str, policy: str) -> None:
+        """Refuse what cannot go with the app's ``singletask_lock_policy`` or
+        ``singletask_lock_scope``, where the task sets none (``scope``, ``policy``: in effect)."""
+        if self.replace_terminate and policy != "replace":
+            raise ConfigurationError(
+                f"task {name!r} attribute lock_replace_terminate: applies to lock_policy = "
+                f"'replace', and the task's lock_policy is {policy!r} (from the app's setting "
+                "singletask_lock_policy); set lock_policy = 'replace' or drop it"
+            )
+        if self.policy is None and policy == "replace":
+            resolved = TaskOptions(**{**self.__dict__, "policy": policy})
+            resolved._check_replace(f"task {name!r} (setting singletask_lock_policy)", scope)
+        elif self.policy == "replace":
+            self._check_replace(f"task {name!r} attribute", scope)
+        if self.coalesce is not None and scope != "coalesce":
+            raise ConfigurationError(
+                f"task {name!r} attribute lock_coalesce: cannot go with the app's "
+                f"singletask_lock_scope {scope!r}; set lock_scope = 'coalesce' on the task"
+            )
+        if self.policy is None or self.scope is None:
+            self._check_limits(f"task {name!r} (with the app's settings)", scope, policy)
+
+    def _check_named(self, name: str, settings: Settings) -> None:
+        """Refuse a name of ``lock_limits`` that the app's ``singletask_limits`` (a mapping)
+        does not define, and a constant cost larger than the limit it names."""
+        if self.limits is None:
+            return
+        known = settings.limits
+        for limit in self.limits.limits:
+            where = f"task {name!r} attribute lock_limits[{limit.name!r}]"
+            if not isinstance(known, Mapping):
+                continue  # a callable setting: its limits are known per name, at execution
+            spec = known.get(limit.name)
+            if spec is None and limit.template:
+                continue  # filled in per call: checked at execution
+            if spec is None:
+                close = difflib.get_close_matches(limit.name, list(known), n=1, cutoff=0.6)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigurationError(
+                    f"{where}: no such limit in the setting singletask_limits (it defines "
+                    f"{', '.join(map(repr, sorted(known))) or 'none'}){hint}"
+                )
+            if isinstance(limit.cost, int) and limit.cost > spec.smallest:
+                raise ConfigurationError(
+                    f"{where}: a cost of {limit.cost} units can never fit the limit, whose "
+                    f"size is {spec.smallest}"
                 )
 
     def resolve(self, name: str, settings: Settings) -> LockOptions:
@@ -386,6 +487,8 @@ class TaskOptions:
             debounce_max=self.debounce_max,
             coalesce=pick(self.coalesce, "first"),
             replace_terminate=bool(self.replace_terminate),
+            limits=self.limits,
+            cost=self.cost,
         )
 
 
@@ -395,7 +498,7 @@ def _refuse_unknown(task_cls: type[Any], where: str, known: Collection[str]) -> 
     unknown = sorted(n for n in dir(task_cls) if n.startswith("lock_") and n not in known)
     if unknown:
         attribute = unknown[0]
-        options = [*ATTRIBUTE_CHECKS, "lock_args", "lock_key"]
+        options = [*ATTRIBUTE_CHECKS, "lock_args", "lock_key", "lock_limits"]
         close = difflib.get_close_matches(attribute, options, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else f"; the options are {', '.join(options)}"
         raise ConfigurationError(f"{where} {attribute}: no such option{hint}")

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ..backends import backend_class, backend_from_url
 from ..exceptions import ConfigurationError
 from ..lease import Renewer
+from .limits import SPEC_CACHE_SECONDS, SPEC_CACHE_SIZE, LimitSpec, check_spec
 from .options import LockOptions, TaskOptions
 from .settings import Settings
 
@@ -63,6 +64,44 @@ class AppState:
         # Set while a worker of the app runs in this process (or its parent, for a forked pool
         # process): its renewers' threads wait for the next lease instead of ending with the last.
         self._serving = False
+        # What a callable singletask_limits answered, by name: (spec, when it is asked again).
+        self._specs: dict[str, tuple[LimitSpec, float]] = {}
+
+    def limit_spec(self, name: str, task: str) -> LimitSpec:
+        """The spec of the named limit ``name`` (a name of ``singletask_limits``, or what its
+        callable answers for it, kept for :data:`~singletask.conf.limits.SPEC_CACHE_SECONDS`
+        in this process).
+
+        Raises:
+            ConfigurationError: No such limit, or the callable's answer is no limit (it raised,
+                or returned None); the message names the task and the limit.
+        """
+        known = self.settings.limits
+        where = f"task {task!r}: limit {name!r} (setting singletask_limits)"
+        if not callable(known):
+            spec = known.get(name)
+            if spec is None:
+                raise ConfigurationError(f"{where}: no such limit")
+            return spec
+        now = time.monotonic()
+        cached = self._specs.get(name)
+        if cached is not None and cached[1] > now:
+            return cached[0]
+        try:
+            answer = known(name)
+        except Exception as exc:
+            raise ConfigurationError(
+                f"{where}: the callable raised {type(exc).__name__}: {exc}"
+            ) from exc
+        if answer is None:
+            raise ConfigurationError(f"{where}: no such limit (the callable returned None)")
+        spec = check_spec(answer, where)
+        if len(self._specs) >= SPEC_CACHE_SIZE:
+            self._specs = {n: c for n, c in self._specs.items() if c[1] > now}
+            if len(self._specs) >= SPEC_CACHE_SIZE:
+                self._specs.clear()
+        self._specs[name] = (spec, now + SPEC_CACHE_SECONDS)
+        return spec
 
     def watch(self) -> None:
         """Stop the renewers' threads when the app is closed or garbage-collected.
@@ -191,7 +230,10 @@ def stop_renewers(renewers: list[Renewer]) -> None:
 
 def features(store: type[LockBackend]) -> frozenset[str]:
     """The ``supports_*`` attributes of a store class that are true."""
-    names = ("supports_limit", "supports_rate", "supports_debounce", "supports_replace")
+    names = (
+        "supports_limit", "supports_rate", "supports_debounce", "supports_replace",
+        "supports_units",
+    )  # fmt: skip
     return frozenset(name for name in names if getattr(store, name, False))
 
 

@@ -15,9 +15,7 @@ Settings are looked up with ``app.conf.get``, so Django's ``CELERY_`` namespace 
 
 from __future__ import annotations
 
-import contextlib
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -26,6 +24,13 @@ from ..backends import backend_class, check_url
 from ..backends.urls import check_table, mask_url
 from ..exceptions import ConfigurationError
 from ..protocol.slots import check_limit
+from .limits import (
+    MAX_SECONDS,
+    MIN_RATE_INTERVAL,
+    LimitsSetting,
+    check_limits_setting,
+    parse_rate,
+)
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -64,11 +69,6 @@ SCOPES: Final = ("execution", "queue", "coalesce")
 #: What an execution does when the lock store cannot be reached as it starts.
 BACKEND_ERROR_POLICIES: Final = ("retry", "run")
 
-#: The largest number of seconds any duration option or setting takes (30 days): far longer
-#: than a lease, a reservation or a retry delay should be, and far inside what every lock store
-#: can represent as an expiry.
-MAX_SECONDS: Final = 30 * 24 * 3600
-
 #: The largest retry count any option or setting takes.
 MAX_COUNT: Final = 1000
 
@@ -89,6 +89,7 @@ DEFAULTS: Final[dict[str, Any]] = {
     "singletask_lock_on_backend_error": "retry",
     "singletask_lock_backend_retry_max": 10,
     "singletask_send_events": None,
+    "singletask_limits": None,
 }
 
 
@@ -169,41 +170,6 @@ def check_count(value: object, where: str, *, maximum: int = MAX_COUNT) -> int:
 
 
 #: The periods of a ``lock_rate`` ("N/s", "N/m", "N/h", as Celery's ``rate_limit`` writes them).
-RATE_PERIODS: Final = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-#: A rate as written: a count, ``/``, an optional whole number of periods, and a period.
-_RATE = re.compile(r"\s*([^/\s]+)\s*/\s*([0-9]*)\s*([smhd])\s*")
-
-#: The shortest spacing a rate may give two starts.
-MIN_RATE_INTERVAL: Final = 0.001
-
-
-def parse_rate(value: object, where: str) -> tuple[float, float]:
-    """Return ``(count, period)`` of a rate written ``"N/m"``, ``"N/10s"``, ``"N/5m"``: a
-    number above 0, ``/``, an optional whole number of periods (above 0), and ``s``, ``m``,
-    ``h`` or ``d``. The period is in seconds, from 1 ms to 30 days.
-
-    Raises:
-        ConfigurationError: It is not such a rate; the message names ``where``.
-    """
-    found = _RATE.fullmatch(value) if isinstance(value, str) else None
-    number, periods = math.nan, 0
-    if found is not None:
-        with contextlib.suppress(ValueError):
-            number = float(found.group(1))
-        periods = int(found.group(2) or "1")
-    if found is None or not math.isfinite(number) or number <= 0 or periods <= 0:
-        raise ConfigurationError(
-            f'{where}: expected a rate such as "10/m" or "6/10s": a number above 0, \'/\', '
-            f"an optional count of periods, and s, m, h or d, got {value!r}"
-        )
-    period = periods * RATE_PERIODS[found.group(3)]
-    if period > MAX_SECONDS:
-        raise ConfigurationError(
-            f"{where}: {value!r} counts over {period:g}s; a rate's period may be at most "
-            f"{MAX_SECONDS} seconds (30 days)"
-        )
-    return number, period
 
 
 def check_rate(value: object, where: str) -> float:
@@ -279,6 +245,8 @@ class Settings:
     given_backend_url: str | None = field(default=None, repr=False)
     #: ``singletask_send_events``: None follows the worker (``-E``), True/False force it.
     send_events: bool | None = None
+    #: ``singletask_limits``: the named limits by name, or a callable name -> limit.
+    limits: LimitsSetting = field(default_factory=dict)
 
     def backend_options(self) -> dict[str, Any]:
         """Keyword options for :func:`~singletask.backends.backend_from_url` from the settings.
@@ -379,6 +347,9 @@ class Settings:
             given_backend_url=backend_url,
             send_events=setting(
                 "singletask_send_events", lambda v, w: None if v is None else check_bool(v, w)
+            ),
+            limits=setting(
+                "singletask_limits", lambda v, w: {} if v is None else check_limits_setting(v, w)
             ),
         )
 

@@ -43,17 +43,18 @@ from ..conf.runtime import app_state
 from ..exceptions import BackendTimeout, BackendUnavailable, LockLost, SingletaskError
 from ..lease import LockHandle
 from ..observe import report
-from ..policies import Conflict
+from ..policies import POLICIES, Conflict
 from ..protocol.headers import LATEST_HEADER, header_count, is_redelivery
 from ..protocol.slots import base_key, slot_keys
 from ..protocol.tokens import direct_token, execution_token, reservation_token
 from ..send.records import clear_follow_up
 from ..signals import lock_acquired
-from . import replace
+from . import replace, units
 from .acquire import gone_holder, take, twin_of, waits_for_rate
 from .endings import ENDINGS, PendingRetry, ending_of, release_or_reserve, reserve_and_publish
 from .outcomes import give_back, refused, store_unreachable, superseded, superseded_retry
 from .pending import take_window
+from .units import Wanted, own_key, wanted
 
 if TYPE_CHECKING:
     from celery import Task
@@ -147,6 +148,8 @@ def _abandon(run: _Run) -> None:
         )  # fmt: skip
     if run.takeover is not None:
         give_back(run.task, run.options, run.backend, lock_key, run.takeover)
+    if run.want:
+        units.give_back(run.task, run.backend, run.token, run.want)
 
 
 class Ended(NamedTuple):
@@ -190,6 +193,8 @@ class _Run:
     #: The retry the body asked for (``self.retry()``), published at the end of the hold, once
     #: the lock is its reservation (:mod:`singletask.execution.retrying`).
     retry: PendingRetry | None = None
+    #: The units of named limits this execution takes (``lock_limits``, ``lock_cost``).
+    want: Wanted | None = None
 
     @classmethod
     def of(
@@ -213,6 +218,10 @@ class _Run:
         if direct and any(base_key(f.handle.key) == key for f in frames):
             return None
         retries = int(request.retries or 0)
+        state = app_state(task.app)
+        want = None
+        if options.limits is not None or options.cost is not None:
+            want = wanted(task, options, state, key, args, kwargs)  # a bad cost fails here
         if direct:
             attempt, token, takeover = None, direct_token(), None
         else:
@@ -233,9 +242,11 @@ class _Run:
             meta["task_id"] = str(task_id)
         if options.policy == "replace":  # newer or older, and whether its pool can terminate it
             meta.update(replace.holder_fields(request, meta["since"]))
-        state = app_state(task.app)
+        if options.keyless:  # limits alone hold it back: a key of its own, for its lease
+            key = own_key(key, token if direct else str(task_id))
         return cls(task, options, body, args, kwargs, request, frames, task_id, direct, key,
-                   state, state.backend, retries, token, takeover, meta, attempt)  # fmt: skip
+                   state, state.backend, retries, token, takeover, meta, attempt,
+                   want=want)  # fmt: skip
 
     def take(self, takeover: str | None) -> AcquireResult:
         """One acquire of the key, taking over ``takeover``'s hold if it is the holder."""
@@ -278,7 +289,31 @@ def _acquire(run: _Run) -> AcquireResult | Ended:
     # With lock_limit above 1 the execution holds one of the key's slots: renew and release it.
     run.lock_key, run.key = run.key, result.key or run.key
     ended = _admit(run, result)
+    if ended is None and run.want:
+        ended = _take_units(run)
     return result if ended is None else ended
+
+
+def _take_units(run: _Run) -> Ended | None:
+    """With the key taken, the units of its limits, all or nothing; a limit without room gives
+    the key back and is refused as a held key is (a retried attempt of the body retries,
+    whatever the policy: the retry it asked for is not lost to a limit)."""
+    assert run.want is not None
+    try:
+        conflict = units.take(run.task, run.options, run.backend, run.lock_key, run.token,
+                              run.want, run.meta, run.direct)  # fmt: skip
+    except (BackendUnavailable, BackendTimeout) as exc:
+        run.give_back()
+        return run.unreachable(exc)
+    except BaseException:
+        run.give_back()  # never leave the key taken
+        raise
+    if conflict is None:
+        return None
+    run.give_back()
+    if run.retries > 0 and not run.direct and not run.request.is_eager:
+        return Ended(POLICIES["retry"].apply(conflict))
+    return Ended(refused(conflict))
 
 
 def _window(run: _Run) -> Ended | None:
@@ -399,6 +434,11 @@ def _hold(run: _Run, result: AcquireResult) -> tuple[LockHandle, report.Watch]:
         on_lost=functools.partial(report.lease_lost, run.task, watch),
         sent_at=run.sent_at,
         preemptible=run.options.policy == "replace",
+        units=run.want.held if run.want else (),
+        task=run.task.name,
+        charge=functools.partial(units.charge, run.task, run.backend, run.token, run.want)
+        if run.want
+        else None,
     )
     if run.options.renew:
         run.state.renewer.add(handle)
@@ -444,6 +484,8 @@ def _end_hold(
     retry the body asked for (``self.retry()``) is reserved for, then published."""
     handle.lost  # noqa: B018 - reports a lease that ran out unnoticed by the body
     run.state.renewer.remove(handle)  # before the release: no renewal starts after this
+    if run.want:  # before the key: a next execution of it finds the room back
+        units.give_back(run.task, run.backend, run.token, run.want)
     if run.retry is not None:  # self.retry(): reserve for the retry, then publish it
         completed = run.attempt if run.task.acks_late else None
         try:

@@ -1,0 +1,188 @@
+"""Named limits at execution: what an execution takes of its limits, and when it gives it back.
+
+An execution of a task with ``lock_limits`` (or ``lock_cost``) takes, once its key is taken,
+its units of every limit it names in one atomic step of the store
+(:meth:`~singletask.backends.base.LockBackend.take_units`), all or nothing:
+
+* :func:`wanted`: the :class:`~singletask.backends.base.Units` of one call: each name of
+  ``lock_limits`` (templates filled in) with its cost, looked up in ``singletask_limits``
+  (a concurrency, a rate, or both), and with ``lock_cost`` its own key's ``lock_limit``;
+* :func:`take`: the take; a refusal is a :class:`~singletask.policies.Conflict` naming the
+  limit, which the task's ``lock_policy`` handles as it handles a held key;
+* :func:`give_back`: the concurrency units come back on every ending, before the key is
+  released (a rate's units are spent); after a crash, the hold's lease (``lock_ttl``, renewed
+  with the key's) gives them back.
+
+An execution that holds no key of its own (:attr:`~singletask.conf.options.LockOptions.keyless`)
+holds :func:`own_key` instead: a key of its message alone, which nothing else takes, so that its
+lease is renewed, lost and released as every execution's is.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..backends.holders import Units, check_units
+from ..conf.limits import cost_of
+from ..exceptions import ConfigurationError
+from ..policies import Conflict
+from ..protocol.limits import limit_key
+
+if TYPE_CHECKING:
+    from celery import Task
+
+    from ..backends.base import LockBackend
+    from ..conf.options import LockOptions
+    from ..conf.runtime import AppState
+
+__all__ = ["KEY_LIMIT", "Wanted", "charge", "give_back", "own_key", "take", "wanted"]
+
+logger = logging.getLogger("singletask")
+
+#: The name a refusal gives the key's own ``lock_limit`` counted in units (``lock_cost``).
+KEY_LIMIT = "lock_limit"
+
+#: What marks an execution's own key (``own_key``): a key's suffix escapes ``%``, so no key
+#: built from a call has it.
+OWN_MARK = "%~"
+
+
+def own_key(key: str, ident: str) -> str:
+    """The key an execution that holds no key of its own holds: ``key`` (the task's) marked
+    with ``ident``, its task id (or, for a direct call, its token)."""
+    return f"{key}{OWN_MARK}{ident}"
+
+
+class Wanted:
+    """The units one call takes, and the name of the limit each comes from."""
+
+    __slots__ = ("names", "units")
+
+    def __init__(self, units: Sequence[Units], names: Mapping[str, str]) -> None:
+        self.units = tuple(units)
+        self.names = dict(names)
+
+    def __bool__(self) -> bool:
+        return bool(self.units)
+
+    @property
+    def held(self) -> tuple[Units, ...]:
+        """The concurrency units: held for a lease, renewed and given back."""
+        return tuple(u for u in self.units if u.period is None)
+
+    def rated(self, name: str) -> Units | None:
+        """The rate of limit ``name`` this call started, if any."""
+        for units in self.units:
+            if units.period is not None and self.names[units.key] == name:
+                return units
+        return None
+
+
+def wanted(
+    task: Task[Any, Any],
+    options: LockOptions,
+    state: AppState,
+    key: str,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> Wanted:
+    """The units an execution of ``task`` with these arguments takes.
+
+    Raises:
+        ConfigurationError: A limit is unknown, a cost callable failed, or a cost is larger
+            than its limit: the message names the task, the limit and the cost.
+        LockKeyError: A limit's name cannot be filled in with these arguments.
+    """
+    units: list[Units] = []
+    names: dict[str, str] = {}
+    if options.limits is not None:
+        for name, cost in options.limits.named(args, kwargs):
+            spec = state.limit_spec(name, task.name)
+            for item in spec.units(options.prefix, name, cost):
+                _fits(task.name, f"lock_limits[{name!r}]", name, cost, item.size)
+                units.append(item)
+                names[item.key] = name
+    if options.cost is not None:
+        where = f"task {task.name!r} attribute lock_cost"
+        cost = cost_of(options.cost, args, kwargs, where)
+        _fits(task.name, "lock_cost", KEY_LIMIT, cost, options.limit)
+        item_key = limit_key(options.prefix, key.removeprefix(options.prefix))
+        units.append(Units(item_key, options.limit, cost))
+        names[item_key] = KEY_LIMIT
+    return Wanted(units, names)
+
+
+def _fits(task: str, attribute: str, name: str, cost: int, size: int) -> None:
+    if cost > size:
+        raise ConfigurationError(
+            f"task {task!r} attribute {attribute}: a cost of {cost} units can never fit limit "
+            f"{name!r}, whose size is {size}; nothing was taken"
+        )
+
+
+def take(
+    task: Task[Any, Any],
+    options: LockOptions,
+    backend: LockBackend,
+    key: str,
+    token: str,
+    want: Wanted,
+    meta: Mapping[str, str],
+    direct: bool,
+) -> Conflict | None:
+    """Take ``want`` for ``token`` in one atomic step; None when taken (or nothing is wanted),
+    else the refusal, naming the first limit without room.
+
+    Raises:
+        BackendError: The store failed.
+    """
+    if not want:
+        return None
+    shown = {"task_id": meta["task_id"]} if "task_id" in meta else {}
+    result = backend.take_units(token, options.ttl, want.units, meta={**shown, "task": task.name})
+    if result.taken:
+        return None
+    name = want.names.get(result.limit or "", result.limit or "")
+    return Conflict(
+        task, options, backend, key.partition(OWN_MARK)[0], None, direct, retry_after=result.retry_after, limit=name,
+        used=result.used,
+    )  # fmt: skip
+
+
+def give_back(task: Task[Any, Any], backend: LockBackend, token: str, want: Wanted) -> None:
+    """Give the concurrency units of ``want`` back (never raises: a hold the store could not
+    drop ends with its lease)."""
+    held = want.held
+    if not held:
+        return
+    try:
+        backend.give_units(token, held)
+    except Exception:
+        logger.warning(
+            "Task %s: could not give back its units of %s; they come back when its lease ends",
+            task.name, ", ".join(sorted({want.names[u.key] for u in held})), exc_info=True,
+        )  # fmt: skip
+
+
+def charge(
+    task: Task[Any, Any], backend: LockBackend, token: str, want: Wanted, name: str, units: int
+) -> None:
+    """``self.lock.charge(name, units)``: the start this execution made in the rate of limit
+    ``name`` counts ``units`` from now on, at its start time.
+
+    Raises:
+        ConfigurationError: The execution took no rate of that limit, or ``units`` is no whole
+            number from 0.
+        BackendError: The store failed.
+    """
+    rate = want.rated(name)
+    if rate is None:
+        rated = sorted({want.names[u.key] for u in want.units if u.period is not None})
+        raise ConfigurationError(
+            f"task {task.name!r}: charge({name!r}, ...): this execution started no rate of "
+            f"limit {name!r} (the rates it started: {', '.join(map(repr, rated)) or 'none'})"
+        )
+    check_units(units, f"task {task.name!r}: charge({name!r}, ...)", allow_zero=True)
+    backend.give_units(token, [Units(rate.key, rate.size, units, rate.period)])
