@@ -146,8 +146,8 @@ def take(
         return None
     name = want.names.get(result.limit or "", result.limit or "")
     return Conflict(
-        task, options, backend, key.partition(OWN_MARK)[0], None, direct, retry_after=result.retry_after, limit=name,
-        used=result.used,
+        task, options, backend, key.partition(OWN_MARK)[0], None, direct,
+        retry_after=result.retry_after, limit=name, used=result.used,
     )  # fmt: skip
 
 
