@@ -15,11 +15,12 @@ declared options.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
@@ -28,11 +29,14 @@ from celery import signals as celery_signals
 from ..conf.runtime import app_state, is_singleton, lock_options
 from ..protocol.slots import slot_keys
 from ..protocol.tokens import process_state, reservation_token
+from .units import give_back, own_key, wanted
 
 if TYPE_CHECKING:
     from celery import Task
 
     from ..backends.base import Holder, LockBackend
+    from ..conf.options import LockOptions
+    from ..conf.runtime import AppState
 
 __all__ = [
     "release_dead",
@@ -46,12 +50,19 @@ logger = logging.getLogger("singletask")
 
 
 def watch_and_release(
-    task_name: str, backend: LockBackend, key: str, token: str, task_id: str, reason: str
+    task_name: str,
+    backend: LockBackend,
+    key: str,
+    token: str,
+    task_id: str,
+    reason: str,
+    after: Callable[[], None] | None = None,
 ) -> None:
-    """Release ``key`` for ``token`` from a watcher thread once its process has ended."""
+    """Release ``key`` for ``token`` from a watcher thread once its process has ended (then
+    call ``after``: the units of its limits given back)."""
     watcher = threading.Thread(
         target=release_when_gone,
-        args=(task_name, backend, key, token, task_id, reason),
+        args=(task_name, backend, key, token, task_id, reason, after),
         name="singletask-release-watch",
         daemon=True,
     )
@@ -59,9 +70,18 @@ def watch_and_release(
 
 
 def release_dead(
-    task_name: str, backend: LockBackend, key: str, token: str, task_id: str, reason: str
+    task_name: str,
+    backend: LockBackend,
+    key: str,
+    token: str,
+    task_id: str,
+    reason: str,
+    after: Callable[[], None] | None = None,
 ) -> bool:
-    """Release ``key`` for ``token``, whose process has ended. Never raises."""
+    """Release ``key`` for ``token``, whose process has ended, after calling ``after`` (the
+    units of its limits given back, before the key as at every ending). Never raises."""
+    if after is not None:
+        after()
     try:
         released = backend.release(key, token)
     except Exception:
@@ -79,7 +99,13 @@ def release_dead(
 
 
 def release_when_gone(
-    task_name: str, backend: LockBackend, key: str, token: str, task_id: str, reason: str
+    task_name: str,
+    backend: LockBackend,
+    key: str,
+    token: str,
+    task_id: str,
+    reason: str,
+    after: Callable[[], None] | None = None,
 ) -> None:
     """Wait for the holding process to end, then release for it (from a watcher thread)."""
     checked = time.monotonic()
@@ -93,7 +119,7 @@ def release_when_gone(
                 continue
             if holder is None or holder.token != token:
                 return
-    release_dead(task_name, backend, key, token, task_id, reason)
+    release_dead(task_name, backend, key, token, task_id, reason, after)
 
 
 def release_for(
@@ -115,8 +141,11 @@ def release_for(
     try:
         options = lock_options(task)
         backend = state.backend
-        key, holder = _held_slot(backend, options.key(args or (), kwargs or {}), options.limit,
-                                 task_id)  # fmt: skip
+        key = options.key(args or (), kwargs or {})
+        limit = options.limit
+        if options.keyless:
+            key, limit = own_key(key, task_id), 1
+        key, holder = _held_slot(backend, key, limit, task_id)
     except Exception:
         logger.exception(
             "Task %s[%s]: could not look up its lock after %s; it expires by itself",
@@ -125,11 +154,12 @@ def release_for(
         return False
     if holder is None or holder.task_id != task_id:
         return False
+    after = _units_of(task, options, state, holder.token, args, kwargs)
     process = process_state(holder.token)
     if process == "gone":
-        return release_dead(name, backend, key, holder.token, task_id, reason)
+        return release_dead(name, backend, key, holder.token, task_id, reason, after)
     if process == "alive":
-        watch_and_release(name, backend, key, holder.token, task_id, reason)
+        watch_and_release(name, backend, key, holder.token, task_id, reason, after)
         return False
     logger.info(
         "Task %s[%s]: after %s, lock %r is left to its lease (its holder's process cannot "
@@ -137,6 +167,26 @@ def release_for(
         name, task_id, reason, key,
     )  # fmt: skip
     return False
+
+
+def _units_of(
+    task: Task[Any, Any],
+    options: LockOptions,
+    state: AppState,
+    token: str,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+) -> Callable[[], None] | None:
+    """How to give back the units of named limits the execution of ``token`` holds, or None
+    (it names none, or they cannot be known: then their lease gives them back)."""
+    if options.limits is None and options.cost is None:
+        return None
+    try:
+        key = options.key(args or (), kwargs or {})
+        want = wanted(task, options, state, key, args or (), kwargs or {})
+    except Exception:
+        return None
+    return functools.partial(give_back, task, state.backend, token, want)
 
 
 def _held_slot(
@@ -169,6 +219,8 @@ def release_reservation(
     try:
         options = lock_options(task)
         key = options.key(args or (), kwargs or {})
+        if options.keyless:
+            key = own_key(key, task_id)
         backend = app_state(task.app).backend
         token = reservation_token(task_id, retries)
         # With lock_limit above 1 the reservation is in one of the key's slots.
