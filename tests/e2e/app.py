@@ -27,7 +27,18 @@ TASK_MODULES = [
     "tests.e2e.tasks_limits",
     "tests.e2e.tasks_handoffs",
     "tests.e2e.tasks_replace",
+    "tests.e2e.tasks_shared",
 ]
+
+
+def e2e_limits(name: str) -> dict[str, Any] | None:
+    """The app's named limits (``singletask_limits``): per test label, by the name's kind
+    (tests/e2e/tasks_shared.py)."""
+    if name.startswith("{e2e}-db:"):
+        return {"concurrency": 3}
+    if name.startswith("{e2e}-tokens:"):
+        return {"rate": "10/2s"}
+    return None
 
 #: Optional: a JSON object merged into ``broker_transport_options`` (e.g. a short
 #: ``visibility_timeout`` for the redelivery tests of test_faults.py).
@@ -51,6 +62,7 @@ def make_app(
     app.conf.update(
         singletask_backend_url=locks,
         singletask_backend_transport_options=dict(lock_options or {}),
+        singletask_limits=e2e_limits,
         task_queues=[Queue(queue, exchange, routing_key=queue, durable=False, auto_delete=True)],
         task_default_queue=queue,
         task_default_exchange=queue,
