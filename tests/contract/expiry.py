@@ -75,8 +75,8 @@ def _memory(
 def _sqlite(
     backend: LockBackend, request: pytest.FixtureRequest, match: str
 ) -> dict[str, float | None]:
-    """Rows of every table (locks, fences, rates, debounce windows), read over a connection of
-    the test's own."""
+    """Rows of every table (locks, fences, rates, debounce windows, preemption records, limits'
+    holds and starts), read over a connection of the test's own."""
     assert isinstance(backend, SQLiteBackend)
     now = time.time()
     pattern = f"%{match}%"
@@ -113,6 +113,15 @@ def _sqlite(
                 ):
                     if deadline is None or deadline > now:
                         found[f"{kind} {key}"] = None if deadline is None else deadline - now
+        # A limit's hold expires at its deadline (``at``), a rate's start ``period`` after it
+        if "singletask_units" in tables:
+            for key, token, at, period in conn.execute(
+                "SELECT key, token, at, period FROM singletask_units WHERE key LIKE ?",
+                (pattern,),
+            ):
+                until = None if at is None else at + (period or 0.0)
+                if until is None or until > now:
+                    found[f"limit {key} {token}"] = None if until is None else until - now
         return found
     finally:
         conn.close()

@@ -10,7 +10,7 @@ from pathlib import Path
 from ....exceptions import ConfigurationError
 from ...urls import mask_url, query_options
 from .. import replaced
-from . import windows
+from . import units, windows
 
 __all__ = [
     "LIMITS", "NETWORK_FILESYSTEMS", "SCHEMA", "filesystem_type", "path_from_url",
@@ -47,6 +47,7 @@ SCHEMA = (
     """,
     *windows.SCHEMA,
     *replaced.SQLITE_SCHEMA,
+    *units.SCHEMA,
 )
 
 LIMITS = (

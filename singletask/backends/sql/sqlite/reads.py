@@ -4,7 +4,8 @@ Private to :mod:`singletask.backends.sql.sqlite`. A process that has not written
 database yet reads through a connection opened read-only (``mode=ro``): it creates neither the
 file nor a table, and changes nothing (no journal mode, no pruning). A missing file or table
 holds no lock. The rows are judged by ``now`` (``time.time()``); rows that ran out are left for
-the writers to delete.
+the writers to delete. The operators' listing of bookkeeping records reads the tables the file
+has: one made by an older version, without the newer tables, still lists what it holds.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Protocol, TypeVar
 from ....protocol.slots import base_key
 from ...base import Holder, StoreState
 from ..core import load_holder
+from . import units
 from .windows import CLOSED
 
 __all__ = ["MISSING", "Reader", "as_text", "holder_row", "locks", "open_reader", "states"]
@@ -121,18 +123,20 @@ def _state_page(
     conn: sqlite3.Connection, prefix: str, after: bytes | None, size: int, now: float
 ) -> Page[StoreState]:
     """The records of the ``size`` first keys under ``prefix`` (after ``after``, in key
-    order) with a live follow-up, window or rate record, and the last of them (None: done)."""
+    order) with a live follow-up, window, rate or limit record, and the last of them (None:
+    done)."""
     bound = f"key {'>=' if after is None else '>'} CAST(:from AS TEXT)"
-    tables = (
-        ("singletask_fences", "next IS NOT NULL AND next_until > :now"),
-        ("singletask_debounce", "until > :now"),
-        ("singletask_rates", "allowed > :now"),
-    )
-    union = " UNION ".join(
-        f"SELECT key FROM (SELECT key FROM {table} WHERE {bound} AND {live} "
+    tables = _tables(conn)
+    selects = [
+        # DISTINCT: a limit has a row per hold; each table gives its ``size`` first keys
+        f"SELECT key FROM (SELECT DISTINCT key FROM {table} WHERE {bound} AND {live} "
         "ORDER BY key LIMIT :limit)"
-        for table, live in tables
-    )
+        for table, live in _LIVE
+        if table in tables
+    ]
+    if not selects:
+        return [], None
+    union = " UNION ".join(selects)
     rows: list[tuple[str, bytes]] = conn.execute(
         f"SELECT key, CAST(key AS BLOB) FROM ({union}) ORDER BY key LIMIT :limit",
         {"from": prefix.encode() if after is None else after, "now": now, "limit": size},
@@ -141,12 +145,48 @@ def _state_page(
     for key, raw in rows:
         if not key.startswith(prefix):
             return found, None
-        found.extend(_records(conn, key, raw, now))
+        found.extend(_records(conn, key, raw, now, tables))
     return found, (rows[-1][1] if len(rows) == size else None)
 
 
-def _records(conn: sqlite3.Connection, key: str, raw: bytes, now: float) -> Iterator[StoreState]:
-    """The live records of the stored key ``raw``, shown as ``key``."""
+#: The tables of bookkeeping records, and when a row of each is live.
+_LIVE = (
+    ("singletask_fences", "next IS NOT NULL AND next_until > :now"),
+    ("singletask_debounce", "until > :now"),
+    ("singletask_rates", "allowed > :now"),
+    (units.TABLE, f"{units.UNTIL} > :now"),
+)
+
+
+def _tables(conn: sqlite3.Connection) -> set[str]:
+    """The tables of bookkeeping records the file has."""
+    names = [table for table, _ in _LIVE]
+    marks = ", ".join("?" * len(names))
+    return {
+        str(name)
+        for (name,) in conn.execute(
+            f"SELECT name FROM sqlite_master WHERE type = 'table' AND name IN ({marks})", names
+        )
+    }
+
+
+def _records(
+    conn: sqlite3.Connection, key: str, raw: bytes, now: float, tables: set[str]
+) -> Iterator[StoreState]:
+    """The live records of the stored key ``raw``, shown as ``key``, from ``tables``."""
+    if "singletask_fences" in tables:
+        yield from _follow_up(conn, key, raw, now)
+    if "singletask_debounce" in tables:
+        yield from _window(conn, key, raw, now)
+    if "singletask_rates" in tables:
+        yield from _rate(conn, key, raw, now)
+    if units.TABLE in tables:
+        limit = units.state(conn, key, raw, now)
+        if limit is not None:
+            yield limit
+
+
+def _follow_up(conn: sqlite3.Connection, key: str, raw: bytes, now: float) -> Iterator[StoreState]:
     follow = conn.execute(
         "SELECT next, next_until FROM singletask_fences WHERE key = CAST(? AS TEXT) "
         "AND next IS NOT NULL AND next_until > ?",
@@ -154,6 +194,9 @@ def _records(conn: sqlite3.Connection, key: str, raw: bytes, now: float) -> Iter
     ).fetchone()
     if follow is not None:
         yield StoreState("follow_up", key, follow[0], follow[1] - now)
+
+
+def _window(conn: sqlite3.Connection, key: str, raw: bytes, now: float) -> Iterator[StoreState]:
     window = conn.execute(
         "SELECT latest, opened, until FROM singletask_debounce "
         "WHERE key = CAST(? AS TEXT) AND until > ?",
@@ -164,6 +207,9 @@ def _records(conn: sqlite3.Connection, key: str, raw: bytes, now: float) -> Iter
         is_open = opened != CLOSED
         detail = {"open": is_open, "age": max(0.0, now - opened) if is_open else None}
         yield StoreState("window", key, latest, until - now, detail)
+
+
+def _rate(conn: sqlite3.Connection, key: str, raw: bytes, now: float) -> Iterator[StoreState]:
     rate = conn.execute(
         "SELECT allowed FROM singletask_rates WHERE key = CAST(? AS TEXT) AND allowed > ?",
         (raw, now),

@@ -7,7 +7,8 @@ serialised by SQLite's file lock; the database runs in WAL mode with a busy time
 worker processes wait for each other instead of failing. Holder slots (``lock_limit``) are rows
 of their own, sharing their key's row in the fence table; one transaction takes a free one.
 Rate records (``lock_rate``) and debounce windows (``lock_debounce``) are rows of tables of their
-own (:mod:`.windows`), read and written in the same kind of transaction.
+own (:mod:`.windows`), read and written in the same kind of transaction; so are the holds and
+starts of named limits (``take_units``, :mod:`.units`).
 
 Limits: every process using the file must run on the same host (SQLite's locking does not work
 across machines, and is unreliable on network filesystems such as NFS or SMB, which this backend
@@ -21,17 +22,27 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ....exceptions import BackendError, BackendTimeout, ConfigurationError
 from ....protocol.slots import base_key, choose_slot, slot_keys
-from ...base import AcquireResult, Holder, LockBackend, StoreState, check_lease
+from ...base import (
+    AcquireResult,
+    Holder,
+    LockBackend,
+    StoreState,
+    Units,
+    UnitsResult,
+    check_lease,
+    check_taken,
+)
 from .. import replaced
 from ..core import FENCE_RETENTION, load_holder, stored_key
 from . import reads, windows
+from . import units as _units
 from .files import (
     LIMITS,
     NETWORK_FILESYSTEMS,
@@ -71,6 +82,7 @@ class SQLiteBackend(LockBackend):
     supports_rate = True
     supports_debounce = True
     supports_replace = True
+    supports_units = True
 
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 5.0) -> None:
         self.path = Path(path)
@@ -120,6 +132,7 @@ class SQLiteBackend(LockBackend):
                 (time.time() - FENCE_RETENTION, time.time()),
             )
             windows.prune(conn, time.time())
+            _units.prune(conn, time.time())
             self._conn, self._pid = conn, os.getpid()
         return self._conn
 
@@ -300,6 +313,34 @@ class SQLiteBackend(LockBackend):
     ) -> bool:
         with self._transaction("debounce_undo", key) as conn:
             return windows.debounce_undo(conn, key, task_id, previous, closed, time.time())
+
+    def take_units(
+        self,
+        token: str,
+        ttl: float,
+        units: Sequence[Units],
+        *,
+        meta: Mapping[str, str] | None = None,
+    ) -> UnitsResult:
+        """Every limit named checked, then taken, in one transaction (:mod:`.units`)."""
+        ttl = check_lease(ttl, "take_units")
+        check_taken(units, "take_units")
+        if not units:
+            return UnitsResult(True)
+        for item in units[1:]:
+            stored_key(item.key, len(item.key) * 4)  # only checks the text
+        with self._transaction("take_units", units[0].key) as conn:
+            return _units.take(conn, token, ttl, units, meta, time.time())
+
+    def give_units(self, token: str, units: Sequence[Units]) -> list[bool]:
+        """Every limit named, in one transaction (:mod:`.units`)."""
+        check_taken(units, "give_units", give=True)
+        if not units:
+            return []
+        for item in units[1:]:
+            stored_key(item.key, len(item.key) * 4)  # only checks the text
+        with self._transaction("give_units", units[0].key) as conn:
+            return _units.give(conn, token, units, time.time())
 
     def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
         with self._transaction("release", key) as conn:
