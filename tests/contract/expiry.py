@@ -52,7 +52,8 @@ def _redis(
 def _memory(
     backend: LockBackend, request: pytest.FixtureRequest, match: str
 ) -> dict[str, float | None]:
-    """The in-process store's own records: locks and fence records, with their deadlines."""
+    """The in-process store's own records: locks, fence records, rates, windows and limits'
+    holds, with their deadlines."""
     assert isinstance(backend, MemoryBackend)
     now = time.monotonic()
     found: dict[str, float | None] = {}
@@ -69,6 +70,11 @@ def _memory(
         for key, window in backend._windows.items():
             if match in key and window.until > now:
                 found[f"debounce {key}"] = window.until - now
+        for key, limit in backend._limits.items():
+            for token, hold in limit.holds.items():
+                left = limit.until(hold) - now
+                if match in key and left > 0:
+                    found[f"limit {key} {token}"] = left
     return found
 
 
