@@ -250,7 +250,9 @@ def test_usage_errors_exit_2(args: list[str], monkeypatch: pytest.MonkeyPatch) -
     assert "Error:" in done.stderr
 
 
-@pytest.mark.parametrize("args", [["locks"], ["inspect", "k"], ["release", "k", "--force"]])
+@pytest.mark.parametrize(
+    "args", [["locks"], ["locks", "--limits"], ["inspect", "k"], ["release", "k", "--force"]]
+)
 def test_an_unreachable_store_is_one_line_with_exit_status_3(args: list[str]) -> None:
     """No traceback: one line naming the store with its password masked."""
     url = "redis://:s3cret@127.0.0.1:1/0?socket_connect_timeout=1"
@@ -654,6 +656,14 @@ def test_locks_limits_on_a_store_without_limits_in_use_lists_nothing_with_exit_s
     table = invoke("locks", "--url", url, "--prefix", key_prefix, "--limits")
     assert table.exit_code == 0
     assert table.stdout == ""
+
+
+def test_locks_limits_on_a_store_that_cannot_list_its_keys_is_a_usage_error(
+    memcached_url: str,
+) -> None:
+    done = invoke("locks", "--url", memcached_url, "--limits")
+    assert done.exit_code == 2, done.output
+    assert "cannot list" in done.stderr
 
 
 def test_locks_without_limits_lists_the_locks_alone(
