@@ -131,13 +131,18 @@ class _LimitTable(_Table):
     HEADERS = ("LIMIT", "KIND", "USED", "SIZE", "UNITS", "TASK_ID", "TASK", "LEFT")
 
     def add_limit(self, record: LimitRecord) -> None:
-        kind = record.kind if record.period is None else f"{record.kind}/{record.period:g}s"
+        kind = record.kind if record.period is None else f"{record.kind}/{_seconds(record.period)}s"
         limit = (record.name, kind, record.used, record.size)
         for hold in record.holds:
             left = f"{hold.ttl:.1f}s" if hold.ttl is not None else None
             self.append(_cells((*limit, hold.units, hold.task_id, hold.task, left)))
         if record.units_not_shown:  # more holds than the store lists
             self.append(_cells((*limit, record.units_not_shown, "(others)", None, None)))
+
+
+def _seconds(value: float) -> str:
+    """``value`` written in full, without trailing zeros: ``60``, ``0.5``, ``2592000``."""
+    return f"{value:f}".rstrip("0").rstrip(".")
 
 
 def _cells(values: Iterable[object]) -> tuple[str, ...]:

@@ -645,6 +645,20 @@ def test_locks_limits_filters_by_task_and_stops_at_the_limit(
     assert "1 named limit in use held by task 'proj.embed'" in table.stderr
 
 
+@pytest.mark.parametrize(
+    ("period", "kind"),
+    [(60.0, "rate/60s"), (90.5, "rate/90.5s"), (30 * 86400.0, "rate/2592000s")],
+)
+def test_locks_limits_writes_a_rate_s_period_in_seconds(
+    limits_store: tuple[str, LockBackend], key_prefix: str, period: float, kind: str
+) -> None:
+    url, backend = limits_store
+    take(backend, new_id(), "proj.summarize", rate(key_prefix, "r", 10, 1, period))
+    done = invoke("locks", "--url", url, "--prefix", key_prefix, "--limits")
+    assert done.exit_code == 0, done.output
+    assert done.stdout.splitlines()[1].split()[:2] == ["r", kind]
+
+
 def test_locks_limits_on_a_store_without_limits_in_use_lists_nothing_with_exit_status_0(
     limits_store: tuple[str, LockBackend], key_prefix: str
 ) -> None:
