@@ -26,7 +26,15 @@ from ..backends import backend_from_url
 from ..backends.base import LockBackend
 from ..backends.urls import mask_url
 from ..exceptions import BackendError, ConfigurationError, UnsupportedOperation
-from ..ops.inventory import FIELDS, LockRecord, find_locks, holders_of, release_lock
+from ..ops.inventory import (
+    FIELDS,
+    LimitRecord,
+    LockRecord,
+    find_limits,
+    find_locks,
+    holders_of,
+    release_lock,
+)
 from .base import CONTEXT, store_settings, url_option
 
 __all__ = ["COMMANDS", "STORE_FAILED"]
@@ -78,8 +86,8 @@ class _Store:
 class _Table:
     """A table printed as it streams: column widths from the first rows, grown as needed."""
 
-    HEADERS = ("KEY", "SLOT", "TASK", "SCOPE", "STATE", "HOLDER", "HOST", "PID", "ACQUIRED",
-               "LEASE", "FENCE")  # fmt: skip
+    HEADERS: tuple[str, ...] = ("KEY", "SLOT", "TASK", "SCOPE", "STATE", "HOLDER", "HOST", "PID",
+                                "ACQUIRED", "LEASE", "FENCE")  # fmt: skip
     BUFFERED = 200
 
     def __init__(self) -> None:
@@ -93,10 +101,13 @@ class _Table:
         values = (record.key, record.slot, record.task, record.scope, record.state,
                   record.holder, record.hostname, record.pid, acquired, lease,
                   record.fence)  # fmt: skip
-        return tuple("-" if value is None else str(value) for value in values)
+        return _cells(values)
 
     def add(self, record: LockRecord) -> None:
-        self.pending.append(self.row(record))
+        self.append(self.row(record))
+
+    def append(self, row: tuple[str, ...]) -> None:
+        self.pending.append(row)
         if len(self.pending) >= self.BUFFERED:
             self.flush()
 
@@ -114,7 +125,31 @@ class _Table:
         self.pending = []
 
 
-def _print_json_array(records: Iterable[LockRecord]) -> int:
+class _LimitTable(_Table):
+    """The named limits: one row per hold (a rate: per start counted in its window)."""
+
+    HEADERS = ("LIMIT", "KIND", "USED", "SIZE", "UNITS", "TASK_ID", "TASK", "LEFT")
+
+    def add_limit(self, record: LimitRecord) -> None:
+        kind = record.kind if record.period is None else f"{record.kind}/{_seconds(record.period)}s"
+        limit = (record.name, kind, record.used, record.size)
+        for hold in record.holds:
+            left = f"{hold.ttl:.1f}s" if hold.ttl is not None else None
+            self.append(_cells((*limit, hold.units, hold.task_id, hold.task, left)))
+        if record.units_not_shown:  # more holds than the store lists
+            self.append(_cells((*limit, record.units_not_shown, "(others)", None, None)))
+
+
+def _seconds(value: float) -> str:
+    """``value`` written in full, without trailing zeros: ``60``, ``0.5``, ``2592000``."""
+    return f"{value:f}".rstrip("0").rstrip(".")
+
+
+def _cells(values: Iterable[object]) -> tuple[str, ...]:
+    return tuple("-" if value is None else str(value) for value in values)
+
+
+def _print_json_array(records: Iterable[LockRecord | LimitRecord]) -> int:
     """Print a JSON array, one object per line, as the records stream; return how many."""
     count = 0
     for record in records:
@@ -125,12 +160,24 @@ def _print_json_array(records: Iterable[LockRecord]) -> int:
 
 
 @click.command(context_settings=CONTEXT)
-@click.option("--task", metavar="NAME", help="Only the locks of this task name.")
-@click.option("--limit", type=click.IntRange(min=1), metavar="N", help="Show at most N locks.")
+@click.option(
+    "--task",
+    metavar="NAME",
+    help="Only the locks of this task name (--limits: the limits it holds units of).",
+)
+@click.option(
+    "--limit", type=click.IntRange(min=1), metavar="N", help="Show at most N locks (or limits)."
+)
 @click.option(
     "--prefix",
     metavar="PREFIX",
     help="Key prefix to list (default: the app's singletask_key_prefix, else 'singletask:').",
+)
+@click.option(
+    "--limits",
+    "named_limits",
+    is_flag=True,
+    help="List the named limits in use (singletask_limits) instead of the locks.",
 )
 @_json_option
 @url_option()
@@ -141,11 +188,12 @@ def locks(
     task: str | None,
     limit: int | None,
     prefix: str | None,
+    named_limits: bool,
     as_json: bool,
     url: str | None,
     **kwargs: Any,
 ) -> None:
-    """List every lock and reservation singletask holds.
+    """List every lock and reservation singletask holds (--limits: the named limits in use).
 
     One row per holder: lock key, holder slot (0, or 1 and above for the other holders of a
     task with lock_limit above 1), task name, scope (execution, queue or coalesce), state
@@ -156,10 +204,20 @@ def locks(
     in pages, so this works on large databases without loading them whole (Redis: SCAN, never
     KEYS).
 
+    --limits lists the named limits instead, one row per hold (a rate: per start still counted
+    in its window): the limit's name, kind (concurrency, or rate/<period>), units in use (held,
+    or started in the current window) and size, then the hold's units, task id, task name and
+    seconds left before it stops counting. --task keeps the limits that task holds units of,
+    --limit N stops after N limits. --limits --json prints a JSON array of objects with the
+    fields name, kind, size, period, used, ttl, holds (each: task_id, task, units, ttl, token)
+    and key.
+
     Exit status: 0 when the store was read (also when it lists no lock: the JSON is then
     ``[]``), 2 usage error, 3 the lock store failed.
     """
     store = _Store(ctx, url)
+    if named_limits:
+        _list_limits(store, task, limit, prefix or store.prefix, as_json)
     with store.session() as backend:
         found = find_locks(backend, prefix or store.prefix, task=task, limit=limit)
         if as_json:
@@ -174,6 +232,30 @@ def locks(
     what = f" of task {task!r}" if task else ""
     click.echo(
         f"{count} lock{'' if count == 1 else 's'}{what} held under {prefix or store.prefix!r} "
+        f"in {store.where}" + (f" (--limit {limit})" if limit and count >= limit else ""),
+        err=True,
+    )
+    sys.exit(0)
+
+
+def _list_limits(
+    store: _Store, task: str | None, limit: int | None, prefix: str, as_json: bool
+) -> NoReturn:
+    """``locks --limits``: print the named limits in use under ``prefix``, and exit 0."""
+    with store.session() as backend:
+        found = find_limits(backend, prefix, task=task, limit=limit)
+        if as_json:
+            count = _print_json_array(found)
+        else:
+            table, count = _LimitTable(), 0
+            for record in found:
+                table.add_limit(record)
+                count += 1
+            if count:
+                table.flush()
+    what = f" held by task {task!r}" if task else ""
+    click.echo(
+        f"{count} named limit{'' if count == 1 else 's'} in use{what} under {prefix!r} "
         f"in {store.where}" + (f" (--limit {limit})" if limit and count >= limit else ""),
         err=True,
     )

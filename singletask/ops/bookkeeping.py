@@ -1,11 +1,13 @@
 """The lock store's bookkeeping, for operators: pending follow-ups, debounce windows, rate
-records.
+records, named limits.
 
 Beside the locks and reservations :func:`singletask.ops.inventory.find_locks` lists, a store keeps
 per lock key a *pending follow-up* (a coalescing task's follow-up, or a ``lock_coalesce =
 "latest"`` one, waiting for the key), a *debounce window* (``lock_debounce``: the key's latest
 send, open or closed by that send's run) and a *rate record* (``lock_rate``: when the key's next
-start is allowed). :func:`find_state` streams them from
+start is allowed); under the prefix too, each named limit in use has a record (``take_units``:
+:mod:`singletask.ops.limits` reads them as :class:`~singletask.ops.limits.LimitRecord`).
+:func:`find_state` streams them from
 :meth:`~singletask.backends.base.LockBackend.iter_state`, read-only, in bounded pages; nothing
 here is on the execution path. :mod:`singletask.ops.inventory` re-exports both names.
 
@@ -26,10 +28,10 @@ __all__ = ["STATE_FIELDS", "STATE_KINDS", "StateRecord", "find_state", "task_of_
 
 #: The fields of :meth:`StateRecord.as_json`, in order.
 STATE_FIELDS = (
-    "kind",  # str: "follow_up", "window" or "rate"
-    "key",  # str: the lock key the record belongs to
-    "task",  # str | null: the task name, from the key
-    "task_id",  # str | null: follow_up: the waiting task id; window: its latest send; rate: null
+    "kind",  # str: "follow_up", "window", "rate" or "limit"
+    "key",  # str: the lock key the record belongs to (limit: the limit's store key)
+    "task",  # str | null: the task name, from the key (limit: null)
+    "task_id",  # str | null: follow_up: the waiting task id; window: its latest send; else null
     "ttl",  # float | null: seconds left before the record runs out
     "detail",  # object: kind-specific (see StateRecord.detail)
 )
@@ -40,22 +42,29 @@ class StateRecord:
     """One bookkeeping record of a lock key, as an operator sees it.
 
     Attributes:
-        kind: ``"follow_up"``, ``"window"`` or ``"rate"`` (``STATE_KINDS``).
-        key: The lock key the record belongs to (not the store key it is kept under).
+        kind: ``"follow_up"``, ``"window"``, ``"rate"`` or ``"limit"`` (``STATE_KINDS``).
+        key: The lock key the record belongs to (not the store key it is kept under); limit:
+            the limit's store key (``<prefix>%limit:<name>``, ``<prefix>%rate:<name>``).
         task: The task name, read from the key (``<prefix><name>[:<suffix>]``, see
-            ``singletask.protocol.keys``); None for a key that is not ``<prefix><name>...``.
+            ``singletask.protocol.keys``); None for a key that is not ``<prefix><name>...``,
+            and for a limit (its holds name their tasks).
         task_id: follow_up: the task id waiting for the key; window: the window's latest send;
-            rate: None.
+            rate and limit: None.
         ttl: Seconds left before the record runs out, when the store says. follow_up: the
             claim (``lock_queue_ttl`` from the send, unless the follow-up starts first);
             window: its record, which outlives the latest send's countdown by
             ``lock_queue_ttl`` (a closed window stays until then, naming the send that ran);
-            rate: until the key's next start is allowed.
+            rate: until the key's next start is allowed; limit: until its last hold or start
+            stops counting.
         detail: Kind-specific, JSON-serialisable. window: ``open`` (bool: False once its
             latest send started its run, which closed it) and ``age`` (seconds since the
             window opened, by the store's clock; null when closed: with ``lock_debounce_max``
             the window's sends wait at most ``lock_debounce_max - age`` more). rate:
-            ``next_start_in`` (seconds until the key may start again). follow_up: empty.
+            ``next_start_in`` (seconds until the key may start again). limit: ``size``,
+            ``period``, ``used`` and ``holds`` (see
+            :class:`~singletask.backends.holders.StoreState`;
+            :meth:`LimitRecord.from_store <singletask.ops.limits.LimitRecord.from_store>` reads
+            them). follow_up: empty.
     """
 
     kind: str
@@ -71,7 +80,7 @@ class StateRecord:
         return cls(
             kind=state.kind,
             key=state.key,
-            task=task_of_key(state.key, prefix),
+            task=None if state.kind == "limit" else task_of_key(state.key, prefix),
             task_id=state.task_id,
             ttl=state.ttl,
             detail=dict(state.detail),
@@ -86,10 +95,7 @@ class StateRecord:
             "task": self.task,
             "task_id": self.task_id,
             "ttl": _seconds(self.ttl),
-            "detail": {
-                name: _seconds(value) if isinstance(value, float) else value
-                for name, value in self.detail.items()
-            },
+            "detail": {name: _rounded(value) for name, value in self.detail.items()},
         }
 
 
@@ -161,3 +167,15 @@ def _stream(
 
 def _seconds(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
+
+
+def _rounded(value: Any) -> Any:
+    """A detail's JSON value, every float in it (a limit's holds too) rounded to the
+    millisecond."""
+    if isinstance(value, float):
+        return round(value, 3)
+    if isinstance(value, Mapping):
+        return {name: _rounded(item) for name, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_rounded(item) for item in value]
+    return value

@@ -9,7 +9,8 @@ has one holder, or up to ``lock_limit`` of them, each in its own holder slot (se
 :mod:`singletask.protocol.slots`): the record names the lock key and the slot. Its JSON form
 (:meth:`LockRecord.as_json`) is a contract: the fields of :data:`FIELDS` keep their names and
 types. The store's bookkeeping beside the locks (pending follow-ups, debounce windows, rate
-records) is listed by :func:`find_state` (``singletask.ops.bookkeeping``, re-exported here).
+records) is listed by :func:`find_state` (``singletask.ops.bookkeeping``), and the named limits
+in use by :func:`find_limits` (``singletask.ops.limits``); both are re-exported here.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from ..protocol.slots import slot_key, split_slot
 from ..protocol.tokens import parse_token, reservation_token
 from ..signals import lock_released_by_operator
 from .bookkeeping import STATE_FIELDS, StateRecord, find_state
+from .limits import HOLD_FIELDS, LIMIT_FIELDS, LimitHold, LimitRecord, find_limits
 
 __all__ = [
-    "FIELDS", "STATE_FIELDS", "LockRecord", "StateRecord", "find_locks", "find_state",
-    "holders_of", "inspect_lock", "release_lock",
+    "FIELDS", "HOLD_FIELDS", "LIMIT_FIELDS", "STATE_FIELDS", "LimitHold", "LimitRecord",
+    "LockRecord", "StateRecord", "find_limits", "find_locks", "find_state", "holders_of",
+    "inspect_lock", "release_lock",
 ]  # fmt: skip
 
 logger = logging.getLogger("singletask")

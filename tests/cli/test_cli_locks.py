@@ -27,10 +27,11 @@ from singletask.backends import BACKEND_ALIASES, backend_from_url
 from singletask.backends.base import LockBackend
 from singletask.backends.memory import MemoryBackend
 from singletask.cli import locks, singletask
-from singletask.ops.inventory import FIELDS, find_state
+from singletask.ops.inventory import FIELDS, HOLD_FIELDS, LIMIT_FIELDS, find_state
 from singletask.protocol.slots import slot_key
 from singletask.signals import lock_released_by_operator
 
+from ..ops.limits import PERIOD, UNITS_STORES, concurrency, new_id, rate, take, units_store
 from ..servers import SQL_URLS, redis_server_binary, sql_test_table, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -249,7 +250,9 @@ def test_usage_errors_exit_2(args: list[str], monkeypatch: pytest.MonkeyPatch) -
     assert "Error:" in done.stderr
 
 
-@pytest.mark.parametrize("args", [["locks"], ["inspect", "k"], ["release", "k", "--force"]])
+@pytest.mark.parametrize(
+    "args", [["locks"], ["locks", "--limits"], ["inspect", "k"], ["release", "k", "--force"]]
+)
 def test_an_unreachable_store_is_one_line_with_exit_status_3(args: list[str]) -> None:
     """No traceback: one line naming the store with its password masked."""
     url = "redis://:s3cret@127.0.0.1:1/0?socket_connect_timeout=1"
@@ -536,3 +539,183 @@ def test_locks_inspect_and_find_state_create_nothing(kind: str, tmp_path: Path) 
         assert not missing()
         assert [record.key for record in find_state(backend, "singletask:")] == []
         assert [key for key, _ in backend.iter_locks("singletask:")] == ["singletask:proj.sync"]
+
+
+# -- named limits (locks --limits) ------------------------------------------------------------
+
+
+@pytest.fixture(params=UNITS_STORES)
+def limits_store(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[str, LockBackend]]:
+    """A store that keeps named limits, which the commands reach by URL (tests/ops/limits.py)."""
+    with units_store(request.param, request, monkeypatch) as store:
+        yield store
+
+
+def test_locks_limits_lists_each_hold_of_each_limit_in_use(
+    limits_store: tuple[str, LockBackend], key_prefix: str
+) -> None:
+    """One row per hold: the limit's name, kind (a rate's with its period), units in use of
+    its size, then the hold's units, task id, task name and time left."""
+    # Given two executions holding 2 and 1 units of a concurrency limit of 8, the first also
+    # having started 1200 units of a rate of 90000 per minute
+    url, backend = limits_store
+    first, second = new_id(), new_id()
+    take(backend, first, "proj.summarize", concurrency(key_prefix, "openai-requests", 8, 2),
+         rate(key_prefix, "openai-tokens", 90000, 1200))  # fmt: skip
+    take(backend, second, "proj.embed", concurrency(key_prefix, "openai-requests", 8, 1))
+
+    # When the named limits are listed as a table
+    done = invoke("locks", "--url", url, "--prefix", key_prefix, "--limits")
+
+    # Then each hold is a row, in aligned columns
+    assert done.exit_code == 0, done.output
+    header, *rows = done.stdout.splitlines()
+    assert header.split() == ["LIMIT", "KIND", "USED", "SIZE", "UNITS", "TASK_ID", "TASK", "LEFT"]
+    cells = sorted(row.split() for row in rows)
+    assert [row[:7] for row in cells] == [
+        ["openai-requests", "concurrency", "3", "8", "1", second, "proj.embed"],
+        ["openai-requests", "concurrency", "3", "8", "2", first, "proj.summarize"],
+        ["openai-tokens", "rate/60s", "1200", "90000", "1200", first, "proj.summarize"],
+    ]
+    left = {row[5] + row[0]: float(row[7].removesuffix("s")) for row in cells}
+    assert 0 < left[first + "openai-requests"] <= 30  # the hold's lease
+    assert 30 < left[first + "openai-tokens"] <= PERIOD  # the start's time left in its window
+    assert len({row.index(" concurrency ") for row in rows if "openai-requests" in row}) == 1
+    assert "2 named limits in use" in done.stderr
+
+
+def test_locks_limits_prints_the_documented_json_schema(
+    limits_store: tuple[str, LockBackend], key_prefix: str
+) -> None:
+    url, backend = limits_store
+    task_id = new_id()
+    take(backend, task_id, "proj.summarize", concurrency(key_prefix, "openai-requests", 8, 2),
+         rate(key_prefix, "openai-tokens", 90000, 1200))  # fmt: skip
+
+    done = invoke("locks", "--url", url, "--prefix", key_prefix, "--limits", "--json")
+
+    assert done.exit_code == 0, done.output
+    records = {record["name"]: record for record in json.loads(done.stdout)}
+    assert set(records) == {"openai-requests", "openai-tokens"}
+    for record in records.values():
+        assert tuple(record) == LIMIT_FIELDS
+        for hold in record["holds"]:
+            assert tuple(hold) == HOLD_FIELDS
+    requests, tokens = records["openai-requests"], records["openai-tokens"]
+    assert (requests["kind"], requests["size"], requests["period"], requests["used"]) == (
+        "concurrency", 8, None, 2,
+    )  # fmt: skip
+    assert requests["key"] == f"{key_prefix}%limit:openai-requests"
+    [hold] = requests["holds"]
+    assert (hold["task_id"], hold["task"], hold["units"]) == (task_id, "proj.summarize", 2)
+    assert 0 < hold["ttl"] <= 30
+    assert hold["token"].startswith(task_id)
+    assert (tokens["kind"], tokens["size"], tokens["period"], tokens["used"]) == (
+        "rate", 90000, PERIOD, 1200,
+    )  # fmt: skip
+    assert 0 < tokens["ttl"] <= PERIOD
+
+
+def test_locks_limits_filters_by_task_and_stops_at_the_limit(
+    limits_store: tuple[str, LockBackend], key_prefix: str
+) -> None:
+    """--task keeps the limits that task holds units of (whole: every hold shown); --limit N
+    stops after N limits."""
+    url, backend = limits_store
+    take(backend, new_id(), "proj.summarize", concurrency(key_prefix, "a", 4, 1),
+         concurrency(key_prefix, "b", 4, 1))  # fmt: skip
+    take(backend, new_id(), "proj.embed", concurrency(key_prefix, "b", 4, 1))
+
+    def listed(*args: str) -> list[str]:
+        done = invoke("locks", "--url", url, "--prefix", key_prefix, "--limits", "--json", *args)
+        assert done.exit_code == 0, done.output
+        return sorted(record["name"] for record in json.loads(done.stdout))
+
+    assert listed("--task", "proj.embed") == ["b"]
+    assert listed("--task", "proj.summarize") == ["a", "b"]
+    assert listed("--task", "proj.other") == []
+    assert len(listed("--limit", "1")) == 1
+    table = invoke("locks", "--url", url, "--prefix", key_prefix, "--limits", "--task",
+                   "proj.embed")  # fmt: skip
+    assert [row.split()[6] for row in table.stdout.splitlines()[1:]] == [
+        "proj.summarize", "proj.embed",
+    ]  # fmt: skip
+    assert "1 named limit in use held by task 'proj.embed'" in table.stderr
+
+
+@pytest.mark.parametrize(
+    ("period", "kind"),
+    [(60.0, "rate/60s"), (90.5, "rate/90.5s"), (30 * 86400.0, "rate/2592000s")],
+)
+def test_locks_limits_writes_a_rate_s_period_in_seconds(
+    limits_store: tuple[str, LockBackend], key_prefix: str, period: float, kind: str
+) -> None:
+    url, backend = limits_store
+    take(backend, new_id(), "proj.summarize", rate(key_prefix, "r", 10, 1, period))
+    done = invoke("locks", "--url", url, "--prefix", key_prefix, "--limits")
+    assert done.exit_code == 0, done.output
+    assert done.stdout.splitlines()[1].split()[:2] == ["r", kind]
+
+
+def test_locks_limits_on_a_store_without_limits_in_use_lists_nothing_with_exit_status_0(
+    limits_store: tuple[str, LockBackend], key_prefix: str
+) -> None:
+    url, _ = limits_store
+    done = invoke("locks", "--url", url, "--prefix", key_prefix, "--limits", "--json")
+    assert done.exit_code == 0
+    assert json.loads(done.stdout) == []
+    assert "0 named limits" in done.stderr
+    table = invoke("locks", "--url", url, "--prefix", key_prefix, "--limits")
+    assert table.exit_code == 0
+    assert table.stdout == ""
+
+
+def test_locks_limits_on_a_store_that_cannot_list_its_keys_is_a_usage_error(
+    memcached_url: str,
+) -> None:
+    done = invoke("locks", "--url", memcached_url, "--limits")
+    assert done.exit_code == 2, done.output
+    assert "cannot list" in done.stderr
+
+
+def test_locks_without_limits_lists_the_locks_alone(
+    limits_store: tuple[str, LockBackend], key_prefix: str
+) -> None:
+    """A limit in use is no lock: the listing of the locks, its JSON and its count, are as
+    they were."""
+    url, backend = limits_store
+    take(backend, new_id(), "proj.summarize", concurrency(key_prefix, "openai-requests", 8, 2),
+         rate(key_prefix, "openai-tokens", 90000, 1200))  # fmt: skip
+    hold(backend, f"{key_prefix}proj.sync:1", "id-1")
+
+    listed = invoke("locks", "--url", url, "--prefix", key_prefix, "--json")
+    table = invoke("locks", "--url", url, "--prefix", key_prefix)
+
+    assert listed.exit_code == 0, listed.output
+    assert [record["key"] for record in json.loads(listed.stdout)] == [f"{key_prefix}proj.sync:1"]
+    assert all(tuple(record) == FIELDS for record in json.loads(listed.stdout))
+    assert table.stdout.splitlines()[0].split()[0] == "KEY"
+    assert len(table.stdout.splitlines()) == 2
+    assert "openai" not in table.stdout
+    assert "1 lock held" in table.stderr
+
+
+def test_locks_limits_says_how_many_units_are_in_holds_not_shown(
+    limits_store: tuple[str, LockBackend], key_prefix: str
+) -> None:
+    """A limit with more holds than the store lists (100): its units in use count them all,
+    and the table's last row of it has the units of the others."""
+    url, backend = limits_store
+    for _ in range(102):
+        take(backend, new_id(), "proj.summarize", concurrency(key_prefix, "wide", 500, 2))
+
+    listed = invoke("locks", "--url", url, "--prefix", key_prefix, "--limits", "--json")
+    table = invoke("locks", "--url", url, "--prefix", key_prefix, "--limits")
+
+    [record] = json.loads(listed.stdout)
+    assert record["used"] == 204
+    assert len(record["holds"]) == 100
+    *_, last = table.stdout.splitlines()
+    assert last.split() == ["wide", "concurrency", "204", "500", "4", "(others)", "-", "-"]

@@ -36,6 +36,7 @@ from singletask.protocol.tokens import execution_token, reservation_token
 from ..faultproxy import FaultProxy
 from ..prometheus_text import exposed_names, names_in_examples, samples_of, scrape_text, value
 from ..servers import free_port
+from .limits import concurrency, rate, take
 
 PREFIX = "singletask:"
 #: Databases of the session's private Redis no other test module uses: the broker, the store.
@@ -175,6 +176,73 @@ def test_a_failed_read_makes_store_up_0_and_drops_the_gauges(
     assert len(logged) == 2, logged
     assert "reading the lock store failed" in logged[0]
     assert "read again" in logged[1]
+
+
+def test_the_store_gauges_show_each_named_limit_s_units_used_and_size(
+    limits_store: tuple[str, LockBackend], key_prefix: str
+) -> None:
+    """One series per limit and kind, labelled by the limit's name and kind (no task id, no
+    task name): units in use (held, or started in the rate's window) and the size."""
+    # Given executions holding 2 and 1 units of a concurrency limit of 8, the first also
+    # having started 1200 units of a rate of 90000 per minute
+    _, backend = limits_store
+    registry = CollectorRegistry()
+    store = StoreCollector(backend, key_prefix, interval=5)
+    registry.register(store)
+    first, second = str(uuid.uuid4()), str(uuid.uuid4())
+    units = concurrency(key_prefix, "openai-requests", 8, 2)
+    token = take(backend, first, "proj.summarize", units,
+                 rate(key_prefix, "openai-tokens", 90000, 1200))  # fmt: skip
+    other = take(backend, second, "proj.embed", concurrency(key_prefix, "openai-requests", 8, 1))
+
+    # When the store is read
+    store.read()
+
+    # Then each limit has its units in use and its size, by name and kind
+    samples = metrics_of(registry)
+    requests = {"limit": "openai-requests", "kind": "concurrency"}
+    tokens = {"limit": "openai-tokens", "kind": "rate"}
+    assert value(samples, "singletask_limit_units_used", **requests) == 3
+    assert value(samples, "singletask_limit_units_size", **requests) == 8
+    assert value(samples, "singletask_limit_units_used", **tokens) == 1200
+    assert value(samples, "singletask_limit_units_size", **tokens) == 90000
+    limit_series = [labels for name, labels in samples if name.startswith("singletask_limit_")]
+    assert len(limit_series) == 4
+    assert {label for labels in limit_series for label, _ in labels} == {"limit", "kind"}
+    text = generate_latest(registry).decode()
+    assert first not in text
+    assert second not in text
+    assert "proj.summarize" not in text  # a limit's holders are not counted as the task's locks
+
+    # When the concurrency units are given back, the limit stays at 0 with its size
+    assert backend.give_units(token, [units]) == [True]
+    assert backend.give_units(other, [units]) == [True]
+    store.read()
+    samples = metrics_of(registry)
+    assert value(samples, "singletask_limit_units_used", **requests) == 0
+    assert value(samples, "singletask_limit_units_size", **requests) == 8
+    assert value(samples, "singletask_limit_units_used", **tokens) == 1200
+
+
+def test_the_limit_gauges_are_left_out_while_the_store_fails(
+    limits_store: tuple[str, LockBackend], key_prefix: str
+) -> None:
+    _, backend = limits_store
+    registry = CollectorRegistry()
+    store = StoreCollector(backend, key_prefix, interval=5)
+    registry.register(store)
+    take(backend, str(uuid.uuid4()), "proj.summarize", concurrency(key_prefix, "a", 8, 2))
+    store.read()
+    assert value(metrics_of(registry), "singletask_limit_units_used", limit="a",
+                 kind="concurrency") == 2  # fmt: skip
+    store.backend = backend_from_url(f"redis://127.0.0.1:{free_port()}/0")
+    try:
+        store.read()
+    finally:
+        store.backend.close()
+    samples = metrics_of(registry)
+    assert value(samples, "singletask_store_up") == 0
+    assert not [name for name, _ in samples if name.startswith("singletask_limit_")]
 
 
 @pytest.fixture

@@ -7,7 +7,10 @@ locks``, on real servers.
 * a stalled store answers each of ten concurrent page requests with its 503 within about the
   store's timeout, not one timeout after the other;
 * a key or a field that is not UTF-8 (another application's, or one written under the prefix)
-  fails no listing: it is shown with backslash escapes (``\\xff``).
+  fails no listing: it is shown with backslash escapes (``\\xff``);
+* a named limit whose name, task id and task name hold markup, quotes and such escapes is
+  listed as it is: in the page's JSON, by ``singletask locks --limits``, as a label value of
+  the exporter (its task id never a label).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -34,11 +38,13 @@ from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, generate_latest
 
 from singletask.backends import backend_from_url
+from singletask.backends.base import LockBackend, Units
 from singletask.cli import singletask
 from singletask.exceptions import ConfigurationError
 from singletask.ops.exporter import StoreCollector
 from singletask.ops.web import LockPage
 from singletask.ops.web.server import make_server
+from singletask.protocol.limits import limit_key
 from singletask.protocol.tokens import execution_token
 
 from ..faultproxy import FaultProxy
@@ -366,3 +372,87 @@ def test_sqlite_rows_whose_key_is_not_utf8_are_listed_escaped_page_after_page(
         (f"{key_prefix}proj.sync:\\xfe", "send\\xfe"),
         (f"{key_prefix}proj.sync:\\xff", "send\\xff"),
     ]
+
+
+# -- a named limit whose name and holder are hostile ------------------------------------------
+
+#: A limit name, task id and task name with markup, quotes, a backslash escape as a store shows a
+#: byte that is not UTF-8, and the characters of the exposition format's labels.
+HOSTILE = '<script>x()</script>"\'><img src=x onerror=y()>\\xff {a="b",c} %rate:'
+
+
+@pytest.fixture
+def hostile_limit(limits_store: tuple[str, LockBackend], key_prefix: str) -> tuple[str, str]:
+    """A store holding units of the limit named :data:`HOSTILE` for a task id and task name
+    :data:`HOSTILE`, beside a lock; yields the store's URL and the prefix."""
+    url, backend = limits_store
+    units = Units(limit_key(key_prefix, HOSTILE), 4, 1)
+    token = execution_token(HOSTILE, 0)
+    assert backend.take_units(token, 60, [units], meta={"task_id": HOSTILE, "task": HOSTILE}).taken
+    meta = {"task_id": "id-1", "task": "proj.sync", "since": f"{time.time():.3f}"}
+    assert backend.acquire(f"{key_prefix}proj.sync:1", execution_token("id-1", 0), 60,
+                           meta=meta).acquired  # fmt: skip
+    return url, key_prefix
+
+
+def test_a_hostile_limit_is_listed_as_it_is_in_the_page_s_json(
+    hostile_limit: tuple[str, str],
+) -> None:
+    """JSON, served as such (never sniffed as HTML); the page's script shows it as text
+    (tests/visibility/test_web_limits.py)."""
+    url, prefix = hostile_limit
+    page = LockPage(url, prefix=prefix)
+    try:
+        answer = call(page, "GET", "/api/locks")
+    finally:
+        page.close()
+    assert answer.status == 200, answer.body
+    assert answer.headers["content-type"] == "application/json"
+    assert answer.headers["x-content-type-options"] == "nosniff"
+    [limit] = answer.json()["limits"]
+    assert (limit["name"], limit["kind"], limit["key"]) == (
+        HOSTILE, "concurrency", limit_key(prefix, HOSTILE),
+    )  # fmt: skip
+    [hold] = limit["holds"]
+    assert (hold["task_id"], hold["task"]) == (HOSTILE, HOSTILE)
+    assert [lock["key"] for lock in answer.json()["locks"]] == [f"{prefix}proj.sync:1"]
+
+
+def test_a_hostile_limit_is_listed_as_it_is_by_singletask_locks(
+    hostile_limit: tuple[str, str],
+) -> None:
+    url, prefix = hostile_limit
+    runner = CliRunner()
+    listed = runner.invoke(singletask, ["locks", "--url", url, "--prefix", prefix, "--limits",
+                                        "--json"])  # fmt: skip
+    assert listed.exit_code == 0, listed.output
+    [limit] = json.loads(listed.stdout)
+    assert (limit["name"], limit["holds"][0]["task_id"]) == (HOSTILE, HOSTILE)
+    table = runner.invoke(singletask, ["locks", "--url", url, "--prefix", prefix, "--limits"])
+    assert table.exit_code == 0, table.output
+    [row] = table.stdout.splitlines()[1:]
+    cells = re.split(r" {2,}", row)  # the name has single spaces only
+    assert cells[:7] == [HOSTILE, "concurrency", "1", "4", "1", HOSTILE, HOSTILE]
+
+
+def test_a_hostile_limit_name_is_a_label_value_of_the_exporter(
+    hostile_limit: tuple[str, str],
+) -> None:
+    url, prefix = hostile_limit
+    backend = backend_from_url(url)
+    registry = CollectorRegistry()
+    collector = StoreCollector(backend, prefix, interval=5)
+    registry.register(collector)
+    try:
+        collector.read()
+    finally:
+        backend.close()
+    text = generate_latest(registry).decode()
+    samples = samples_of(text)
+    assert value(samples, "singletask_store_up") == 1
+    labels = {"limit": HOSTILE, "kind": "concurrency"}
+    assert value(samples, "singletask_limit_units_used", **labels) == 1
+    assert value(samples, "singletask_limit_units_size", **labels) == 4
+    assert value(samples, "singletask_locks_held", task="proj.sync") == 1
+    tasks = {task for name, pairs in samples for label, task in pairs if label == "task"}
+    assert tasks == {"proj.sync"}  # the limit's holder is no task label

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -13,6 +14,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from ..e2e.conftest import ROOT, Cluster
+from ..servers import unavailable
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -142,6 +144,29 @@ def assert_only_own_origin(browser: Any, page: Page) -> None:
     assert len(names) > 3  # the page, its style sheet, its script, its reads of the store
     for name in names:
         assert urlsplit(name)[:2] == origin[:2], name
+
+
+@contextlib.contextmanager
+def chromium() -> Iterator[Any]:
+    """A headless Chromium driven by Selenium (Debian's chromium and chromium-driver)."""
+    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not shutil.which(path)]
+    if missing:
+        unavailable(f"the lock page's browser tests need {' and '.join(missing)} (apt: chromium "
+                    "chromium-driver)")  # fmt: skip
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                     "--disable-dev-shm-usage", "--window-size=1200,700"):  # fmt: skip
+        options.add_argument(argument)
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    driver.set_page_load_timeout(60)
+    try:
+        yield driver
+    finally:
+        driver.quit()
 
 
 def worker_hostname(cluster: Cluster) -> str:

@@ -30,16 +30,14 @@ from singletask.backends.redis import RedisBackend
 from ..e2e.conftest import CLIENT_GARBAGE, Cluster, start_cluster
 from ..e2e.tasks_ops import LEASE, stop_flag
 from ..e2e.tasks_scopes import gate_key
-from ..servers import unavailable
 from .lockpage import (
     BOUND,
-    CHROMEDRIVER,
-    CHROMIUM,
     REFRESH,
     SCREENSHOT_ENV,
     TOKEN,
     Page,
     assert_only_own_origin,
+    chromium,
     click,
     key_of,
     open_list,
@@ -89,24 +87,8 @@ def releasing(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Ite
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     """A headless Chromium driven by Selenium (Debian's chromium and chromium-driver)."""
-    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not shutil.which(path)]
-    if missing:
-        unavailable(f"the lock page's browser tests need {' and '.join(missing)} (apt: chromium "
-                    "chromium-driver)")  # fmt: skip
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                     "--disable-dev-shm-usage", "--window-size=1200,700"):  # fmt: skip
-        options.add_argument(argument)
-    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
-    driver.set_page_load_timeout(60)
-    try:
+    with chromium() as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 @pytest.fixture

@@ -3,8 +3,9 @@
 One process, beside the workers: it follows the Celery event stream for the counters and
 histograms (:mod:`.events`) and reads the lock store on a timer for the gauges (:mod:`.store`),
 and serves both on ``/metrics`` (:mod:`.service`). No worker opens a port, and prefork needs no
-multiprocess setup. Needs the ``metrics`` extra (prometheus_client). No label holds a lock key:
-keys are unbounded and may carry customer data; the labels are ``task`` and ``outcome`` only.
+multiprocess setup. Needs the ``metrics`` extra (prometheus_client). No label holds a lock key
+or a task id: keys are unbounded and may carry customer data; the labels are ``task`` and
+``outcome``, and a named limit's ``limit`` (its name, from the configuration) and ``kind``.
 """
 
 from __future__ import annotations

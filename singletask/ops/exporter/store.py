@@ -1,8 +1,9 @@
 """Gauges from the lock store: what is held now, read on a timer, served from the last read.
 
 :class:`StoreCollector` reads the store in a thread of its own every ``interval`` seconds
-(:meth:`StoreCollector.read` walks the locks under the prefix, and the follow-ups and debounce
-windows where the store keeps them: :func:`singletask.ops.inventory.find_state`). A scrape
+(:meth:`StoreCollector.read` walks the locks under the prefix, and the follow-ups, debounce
+windows and named limits where the store keeps them: :func:`singletask.ops.inventory.find_state`).
+A scrape
 never touches the store: it serves the last read, with ``singletask_store_up`` 0 and no store
 gauges when that read failed or a read has been running longer than ``timeout``, so a slow or
 unreachable store cannot hang a scrape nor show stale numbers as current.
@@ -21,10 +22,10 @@ from prometheus_client.registry import Collector
 
 from ...backends.base import LockBackend
 from ...exceptions import UnsupportedOperation
-from ..inventory import find_locks, find_state
+from ..inventory import LimitRecord, find_locks, find_state
 from .events import UNKNOWN, task_of_key
 
-__all__ = ["StoreCollector", "TaskState"]
+__all__ = ["LimitState", "StoreCollector", "TaskState"]
 
 logger = logging.getLogger("singletask.exporter")
 
@@ -40,6 +41,16 @@ class TaskState:
     #: When the oldest running hold and the oldest reservation were acquired (epoch seconds).
     oldest_hold: float | None = None
     oldest_reservation: float | None = None
+
+
+@dataclass
+class LimitState:
+    """What the store holds of one named limit (by name and kind), at one read."""
+
+    #: Units held (concurrency) or started in the current window (rate).
+    used: int = 0
+    #: The limit's size, as its last take gave it.
+    size: int = 0
 
 
 def _older(current: float | None, candidate: float | None) -> float | None:
@@ -60,11 +71,15 @@ class StoreCollector(Collector):
         self.prefix = prefix
         self.interval = interval
         self.timeout = interval if timeout is None else timeout
-        #: Whether the follow-up and debounce window gauges are served (False once the store
-        #: said it keeps no such records).
+        #: Whether the follow-up, debounce window and named limit gauges are served (False once
+        #: the store said it keeps no such records).
         self.reads_state = True
         self.states: dict[str, TaskState] | None = None
         self.tasks: set[str] = set()
+        #: The named limits in use at the last read, by (name, kind).
+        self.limits: dict[tuple[str, str], LimitState] = {}
+        #: Every limit a read found, with the size it had when last found.
+        self.limit_sizes: dict[tuple[str, str], int] = {}
         self.error: str | None = "not read yet"
         self.read_started: float | None = None
         self.read_seconds: float | None = None
@@ -90,9 +105,10 @@ class StoreCollector(Collector):
         with self._lock:
             self.read_started = started
         states: dict[str, TaskState] | None = None
+        limits: dict[tuple[str, str], LimitState] = {}
         error: str | None = None
         try:
-            states = self._states()
+            states = self._states(limits)
         except UnsupportedOperation:
             raise
         except Exception as exc:  # the store failed: reported as store_up 0, then read again
@@ -106,6 +122,8 @@ class StoreCollector(Collector):
             if states is not None:
                 self.last_success = time.time()
                 self.tasks.update(states)
+                self.limits = limits
+                self.limit_sizes.update((name, limit.size) for name, limit in limits.items())
         # One line when reads start failing and one when they work again, not one per read.
         if error is not None and not self._failing:
             logger.warning("singletask exporter: reading the lock store failed: %s", error)
@@ -113,7 +131,8 @@ class StoreCollector(Collector):
             logger.warning("singletask exporter: the lock store is read again")
         self._failing = error is not None
 
-    def _states(self) -> dict[str, TaskState]:
+    def _states(self, limits: dict[tuple[str, str], LimitState]) -> dict[str, TaskState]:
+        """What the store holds per task name; the named limits in use go into ``limits``."""
         states: dict[str, TaskState] = {}
 
         def state(task: str | None, key: str) -> TaskState:
@@ -131,12 +150,17 @@ class StoreCollector(Collector):
                 entry.oldest_hold = _older(entry.oldest_hold, since)
         if self.reads_state:
             try:
-                kinds = ("follow_up", "window")
+                kinds = ("follow_up", "window", "limit")
                 for item in find_state(self.backend, self.prefix, kinds=kinds):
                     if item.kind == "follow_up":
                         state(item.task, item.key).follow_ups += 1
                     elif item.kind == "window" and item.detail.get("open", True):
                         state(item.task, item.key).windows += 1  # a closed one stays a while
+                    elif item.kind == "limit":
+                        named = LimitRecord.from_store(item, self.prefix)
+                        limit = limits.setdefault((named.name, named.kind), LimitState())
+                        limit.used += named.used
+                        limit.size = max(limit.size, named.size)
             except UnsupportedOperation:  # a store that keeps no such records: no such gauges
                 self.reads_state = False
         return states
@@ -188,6 +212,7 @@ class StoreCollector(Collector):
             states = dict(self.states or {}) if up else {}
             known = sorted(self.tasks)
             reads_state = self.reads_state
+            limits, sizes = dict(self.limits), dict(self.limit_sizes)
             read_seconds, last_success = self.read_seconds, self.last_success
         yield GaugeMetricFamily(
             "singletask_store_up",
@@ -236,3 +261,30 @@ class StoreCollector(Collector):
                 if since is not None:
                     family.add_metric([task], max(0.0, now - since))
             yield family
+        if reads_state:
+            yield from _limit_gauges(limits, sizes)
+
+
+def _limit_gauges(
+    limits: dict[tuple[str, str], LimitState], sizes: dict[tuple[str, str], int]
+) -> Iterator[Metric]:
+    """The named limit gauges: one series per limit and kind a read has found (a limit no
+    longer in use stays, at 0 units, with the size it had when last found)."""
+    used = GaugeMetricFamily(
+        "singletask_limit_units_used",
+        "Units of a named limit in use now: held (kind concurrency) or started in the current "
+        "window (kind rate)",
+        labels=["limit", "kind"],
+    )
+    size = GaugeMetricFamily(
+        "singletask_limit_units_size",
+        "Size of a named limit: units held at once (kind concurrency) or started per window "
+        "(kind rate), as its last take gave it",
+        labels=["limit", "kind"],
+    )
+    for name, kind in sorted(sizes):
+        entry = limits.get((name, kind))
+        used.add_metric([name, kind], float(entry.used) if entry else 0.0)
+        size.add_metric([name, kind], float(entry.size if entry else sizes[(name, kind)]))
+    yield used
+    yield size

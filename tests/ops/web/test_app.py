@@ -12,15 +12,18 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 
 from singletask.backends import backend_from_url
 from singletask.backends.base import LockBackend
 from singletask.exceptions import ConfigurationError
+from singletask.ops.inventory import LIMIT_FIELDS
 from singletask.ops.web import LockPage
 
 from ...servers import free_port
+from ..limits import PERIOD, concurrency, new_id, rate, take
 from .helpers import TOKEN, call, hold, release
 
 
@@ -122,6 +125,7 @@ def test_a_store_that_cannot_list_says_so(memcached_url: str) -> None:
         assert "look a key up" in body["locks_note"]
         assert body["state"] is None
         assert "cannot list" in body["state_note"]
+        assert body["limits"] is None
         key = call(page, "GET", "/api/lock?key=singletask%3Ax").json()
         assert key["holders"] == []
         assert key["state"] is None
@@ -168,6 +172,94 @@ def test_follow_ups_debounce_windows_and_rate_records_are_listed(
     finally:
         page.close()
         backend.close()
+
+
+def test_the_named_limits_in_use_are_listed_beside_the_locks(
+    limits_store: tuple[str, LockBackend], key_prefix: str
+) -> None:
+    """``api/locks`` lists each named limit in use (``locks --limits --json``): its name, kind,
+    size, units in use and holds; a limit is not one of the keys' other records."""
+    # Given two executions holding units of a concurrency limit, one also starting a rate's
+    url, backend = limits_store
+    first, second = new_id(), new_id()
+    take(backend, first, "proj.summarize", concurrency(key_prefix, "openai-requests", 8, 2),
+         rate(key_prefix, "openai-tokens", 90000, 1200))  # fmt: skip
+    take(backend, second, "proj.embed", concurrency(key_prefix, "openai-requests", 8, 1))
+    page = LockPage(url, prefix=key_prefix)
+    try:
+        # When the page reads the store
+        body = call(page, "GET", "/api/locks").json()
+    finally:
+        page.close()
+
+    # Then each limit is listed, with its holds, and none is a lock or a key's other record
+    limits = {record["name"]: record for record in body["limits"]}
+    assert set(limits) == {"openai-requests", "openai-tokens"}
+    requests, tokens = limits["openai-requests"], limits["openai-tokens"]
+    assert tuple(requests) == LIMIT_FIELDS
+    assert (requests["kind"], requests["size"], requests["period"], requests["used"]) == (
+        "concurrency", 8, None, 3,
+    )  # fmt: skip
+    assert [(h["task_id"], h["task"], h["units"]) for h in requests["holds"]] == [
+        (first, "proj.summarize", 2), (second, "proj.embed", 1),
+    ]  # fmt: skip
+    assert 0 < requests["holds"][0]["ttl"] <= 30
+    assert (tokens["kind"], tokens["period"], tokens["used"], tokens["size"]) == (
+        "rate", PERIOD, 1200, 90000,
+    )  # fmt: skip
+    assert body["limits_note"] is None
+    assert body["locks"] == []
+    assert body["state"] == []
+
+
+def test_the_limits_are_filtered_by_the_task_of_a_hold_and_by_key(
+    limits_store: tuple[str, LockBackend], key_prefix: str
+) -> None:
+    """``task`` keeps the limits a task whose name contains it holds units of; ``key`` the
+    limits whose store key contains it (their name is in it); a key's page has no limits."""
+    url, backend = limits_store
+    take(backend, new_id(), "proj.summarize", concurrency(key_prefix, "openai-requests", 8, 2),
+         rate(key_prefix, "openai-tokens", 90000, 1200))  # fmt: skip
+    take(backend, new_id(), "proj.embed", concurrency(key_prefix, "openai-requests", 8, 1))
+    page = LockPage(url, prefix=key_prefix)
+
+    def names(query: str) -> list[str]:
+        return sorted(r["name"] for r in call(page, "GET", f"/api/locks?{query}").json()["limits"])
+
+    try:
+        assert names("task=EMBED") == ["openai-requests"]
+        assert names("task=summarize") == ["openai-requests", "openai-tokens"]
+        assert names("key=TOKENS") == ["openai-tokens"]
+        assert names("key=%25rate") == ["openai-tokens"]
+        assert names("task=embed&key=tokens") == []
+        lookup = "/api/lock?key=" + quote(f"{key_prefix}%limit:openai-requests", safe="")
+        assert "limits" not in call(page, "GET", lookup).json()
+    finally:
+        page.close()
+
+
+def test_the_limits_list_says_when_it_stops_at_the_limit(
+    limits_store: tuple[str, LockBackend], key_prefix: str
+) -> None:
+    url, backend = limits_store
+    for name in ("a", "b", "c"):
+        take(backend, new_id(), "proj.summarize", concurrency(key_prefix, name, 8, 1))
+    hold(backend, f"{key_prefix}proj.sync:1", "id-1")
+    page = LockPage(url, prefix=key_prefix, limit=2)
+    try:
+        body = call(page, "GET", "/api/locks").json()
+    finally:
+        page.close()
+    assert len(body["limits"]) == 2
+    assert body["limits_note"] == "the first 2 shown"
+    assert body["state_note"] is None
+
+
+def test_the_page_has_a_table_of_the_named_limits(page: LockPage) -> None:
+    html = call(page, "GET", "/").body.decode()
+    assert '<table id="limits" class="state">' in html
+    assert 'id="limits-count"' in html
+    assert 'id="limits-note"' in html
 
 
 def test_an_unreachable_store_answers_503_with_the_reason() -> None:

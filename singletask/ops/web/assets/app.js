@@ -30,9 +30,9 @@
   }
 
   // A cell that counts: "down" (lease left, time left) or "up" (age), from a value read at
-  // `at` (performance.now() when the answer came).
-  function counting(className, value, way, at) {
-    const cell = el("td", value === null || value === undefined ? "-" : "", className);
+  // `at` (performance.now() when the answer came); a <td> unless `tag` says otherwise.
+  function counting(className, value, way, at, tag) {
+    const cell = el(tag || "td", value === null || value === undefined ? "-" : "", className);
     if (value !== null && value !== undefined) {
       countdowns.push({ cell: cell, value: value, way: way, at: at });
     }
@@ -110,6 +110,46 @@
     return row;
   }
 
+  // A rate's window: "10 s", "1 min", "5 min", "1 h", "1 d" (whole units), else seconds.
+  function period(value) {
+    for (const [size, unit] of [[86400, "d"], [3600, "h"], [60, "min"]]) {
+      if (value >= size && value % size === 0) return value / size + " " + unit;
+    }
+    return value + " s";
+  }
+
+  function units(count) {
+    return count + (count === 1 ? " unit" : " units");
+  }
+
+  // One named limit: its name, kind, units in use of its size, and a line per hold (a rate:
+  // per start still counted in its window): units, task id, task name, time left.
+  function limitRow(record, at) {
+    const row = el("tr", null, "limit " + record.kind);
+    row.dataset.key = record.key;
+    row.dataset.name = record.name;
+    const kind = record.kind === "rate" && typeof record.period === "number"
+      ? "rate per " + period(record.period) : shown(record.kind);
+    const holders = el("td", null, "holders");
+    let listed = 0;
+    for (const hold of record.holds || []) {
+      const line = el("div", null, "hold");
+      line.dataset.holder = hold.task_id || "";
+      line.append(el("span", units(hold.units), "units"), " ",
+        el("span", shown(hold.task_id), "holder"), " ", el("span", shown(hold.task), "task"), " ",
+        counting("ttl", hold.ttl, "down", at, "span"));
+      holders.appendChild(line);
+      listed += hold.units;
+    }
+    if (record.used > listed) {
+      holders.appendChild(el("div", units(record.used - listed) + " in holds not shown", "hold more"));
+    }
+    row.append(el("td", record.name, "name"), el("td", kind, "kind"),
+      el("td", shown(record.used), "used"), el("td", shown(record.size), "size"), holders,
+      counting("ttl", record.ttl, "down", at));
+    return row;
+  }
+
   function note(id, text) {
     const p = $(id);
     p.hidden = !text;
@@ -134,6 +174,8 @@
     }
     note("state-note", data.state === null ? "Not listed: " + data.state_note : data.state_note);
     $("state-lists").hidden = data.state === null;
+    fill("limits", (data.limits || []).map((r) => limitRow(r, at)));
+    note("limits-note", data.limits === null ? null : data.limits_note);
   }
 
   function holderBlock(record, data, at) {
