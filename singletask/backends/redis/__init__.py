@@ -3,9 +3,11 @@
 * ``store``: :class:`RedisBackend` (``redis://``, ``rediss://``, ``unix://``);
 * ``deploy``: :class:`RedisSentinelBackend` (``sentinel://``) and :class:`RedisClusterBackend`
   (``redis+cluster://``, ``rediss+cluster://``), and what the two share;
-* ``scripts``: every Lua script, each under its KEYS, ARGV and reply;
-* ``slots``, ``rates``, ``replaced``, ``state``: holder slots; a key's companion records (rates,
-  coalesce claims, debounce windows); preemption records; the bookkeeping listed for operators;
+* ``scripts``: every Lua script, each under its KEYS, ARGV and reply (``limit_scripts``: those
+  of named limits);
+* ``slots``, ``rates``, ``replaced``, ``units``, ``bookkeeping``: holder slots; a key's
+  companion records (rates, coalesce claims, debounce windows); preemption records; named
+  limits (``take_units``, ``give_units``); the bookkeeping listed for operators;
 * ``wire``, ``connections``, ``options``: how a script goes out and its reply comes
   back, the connections the store keeps, and its URL and transport options.
 """

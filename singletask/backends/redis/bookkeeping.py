@@ -3,8 +3,10 @@
 
 They are the companion records of :mod:`~singletask.backends.redis.rates` that hold something
 live: a fence hash with a pending follow-up claim (fields ``next``, ``next_until``), a rate
-record, a debounce window. Found with one SCAN MATCH (never KEYS) under the same pattern as the
-locks (:func:`~singletask.backends.redis.slots.scan_pattern`), each page of names read in one
+record, a debounce window; and the records of named limits (:mod:`~.units`) with a hold or
+start that counts, each read by a read-only script over its three keys. Found with one SCAN
+MATCH (never KEYS) under the same pattern as the locks
+(:func:`~singletask.backends.redis.slots.scan_pattern`), each page of names read in one
 pipeline together with the server's clock; nothing is written.
 """
 
@@ -15,9 +17,12 @@ from typing import Any
 
 import redis
 
+from ...protocol.limits import split_limit_key
 from ...protocol.slots import split_companion
 from ..base import StoreState
-from .slots import scan_pattern
+from ..holders import MAX_SHOWN
+from .slots import COMPANION_ENDS, scan_pattern
+from .units import LIMIT_STATE_SCRIPT, limit_keys, limit_state
 from .wire import as_text
 
 __all__ = ["scan_state"]
@@ -36,14 +41,27 @@ def scan_state(
     for raw in client.scan_iter(match=scan_pattern(prefix), count=page_size):
         name = as_text(raw)
         found = split_companion(name)
-        if found is None or found[1] not in _KINDS or not found[0].startswith(prefix):
+        if _is_limit(name, prefix):
+            page.append((name, name, "limit"))
+        elif found is not None and found[1] in _KINDS and found[0].startswith(prefix):
+            page.append((name, found[0], _KINDS[found[1]]))
+        else:
             continue
-        page.append((name, found[0], _KINDS[found[1]]))
         if len(page) >= page_size:
             yield from _read_page(client, page, transaction)
             page = []
     if page:
         yield from _read_page(client, page, transaction)
+
+
+def _is_limit(name: str, prefix: str) -> bool:
+    """Whether ``name`` is the key of a named limit under ``prefix`` (not one of its companion
+    records, whose names hold the limit's key as well)."""
+    return (
+        name.startswith(prefix)
+        and not name.endswith(COMPANION_ENDS)
+        and split_limit_key(name) is not None
+    )
 
 
 def _read_page(
@@ -58,6 +76,8 @@ def _read_page(
                 pipe.hmget(name, ["next", "next_until"])
             elif kind == "window":
                 pipe.hmget(name, ["l", "o"])
+            elif kind == "limit":
+                pipe.eval(LIMIT_STATE_SCRIPT, 3, *limit_keys(name), MAX_SHOWN)
             else:
                 pipe.get(name)
             pipe.pttl(name)
@@ -70,7 +90,10 @@ def _read_page(
         value, pttl = replies[1 + 2 * index], replies[2 + 2 * index]
         if isinstance(value, Exception) or isinstance(pttl, Exception) or int(pttl) < 0:
             continue  # gone (-2), no expiry (-1: not ours), or not of the type it should be
-        record = _record(kind, key, value, int(pttl) / 1000, now_us)
+        if kind == "limit":
+            record = limit_state(key, value)
+        else:
+            record = _record(kind, key, value, int(pttl) / 1000, now_us)
         if record is not None:
             yield record
 

@@ -20,6 +20,10 @@ Acquire, release and renewal touch the lock key alone, and the coalesce follow-u
 debounce window their companion record, which hashes to the lock key's slot (see
 :mod:`~singletask.backends.redis.rates`), so every script touches one slot; a holder-slot
 acquisition touches the key's slots (and its rate record, with ``lock_rate``), which share it.
+A take of named limits touches the keys of every limit it names (:mod:`.units`), which must
+share one slot: the Cluster store refuses limits of several slots before it sends anything
+(:meth:`~singletask.backends.redis.RedisBackend.check_units_together`). The replica wait is
+for lock acquisitions only: a take of named limits does not wait for replicas.
 Redirections and failovers are the cluster client's to follow; what it cannot follow surfaces
 as :class:`~singletask.exceptions.BackendUnavailable`.
 """
@@ -430,6 +434,9 @@ class RedisClusterBackend(_Deployed):
                 f"{self!r}: acquire {keys[0]!r}: the holder slots and rate record of a key with "
                 "a '}' but no hash tag are in other cluster slots; give the key prefix a hash tag"
             )
+
+    def _clustered(self) -> bool:
+        return True
 
     def _release_keys(self, key: str) -> tuple[str, ...]:
         base = base_key(key)

@@ -26,12 +26,15 @@ first write* when one is out of range, so ``PEXPIRE`` cannot fail after a write.
 script that has started writing to its end even when it is out of memory, and a script cannot
 be killed once it has written, so nothing else can stop one between a write and its expiry.)
 
-**Every script of the Redis stores is here**, each under a comment giving its KEYS, ARGV and
-reply: besides the lock's, those of holder slots (``lock_limit``: every slot of a key read and
-one taken, :mod:`~singletask.backends.redis.slots`), of the rate record that goes with them
-(``lock_rate``), of debounce windows (``lock_debounce``, :mod:`~singletask.backends.redis.rates`)
-and of preemption records (``lock_policy = "replace"``, :mod:`~singletask.backends.redis.replaced`).
-Each one's keys share a Redis Cluster slot. :mod:`~singletask.backends.redis.wire` sends them.
+**Every script of the Redis stores is here**, but those of named limits, each under a comment
+giving its KEYS, ARGV and reply: besides the lock's, those of holder slots (``lock_limit``:
+every slot of a key read and one taken, :mod:`~singletask.backends.redis.slots`), of the rate
+record that goes with them (``lock_rate``), of debounce windows (``lock_debounce``,
+:mod:`~singletask.backends.redis.rates`) and of preemption records (``lock_policy =
+"replace"``, :mod:`~singletask.backends.redis.replaced`). The scripts of named limits
+(``take_units``, ``give_units``, :mod:`~singletask.backends.redis.units`) are in
+:mod:`~singletask.backends.redis.limit_scripts`, under the same rules. Each one's keys share a
+Redis Cluster slot. :mod:`~singletask.backends.redis.wire` sends them.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from redis.cluster import RedisCluster
 from ...protocol.slots import base_key, slot_index
 from ..base import AcquireResult, Holder
 from .scripts import ACQUIRE_SLOT_KEEPING_SCRIPT, ACQUIRE_SLOT_SCRIPT
+from .units import LIMIT_ENDS
 from .wire import Script, as_text, conflict_holder, glob_escape, holder_from_reply
 
 __all__ = [
@@ -54,8 +55,9 @@ def slot_result(keys: Sequence[str], reply: Sequence[Any]) -> AcquireResult:
     return AcquireResult(False, holders[0], holders=holders)
 
 
-#: How the name of every companion record of a lock key ends (see :mod:`.rates`).
-COMPANION_ENDS = ("}:fence", "}:rate", "}:debounce")
+#: How the name of every companion record ends: of a lock key (see :mod:`.rates`), and of a
+#: named limit's key (its log and units hash, :mod:`.units`).
+COMPANION_ENDS = ("}:fence", "}:rate", "}:debounce", *LIMIT_ENDS)
 
 
 def scan_pattern(prefix: str) -> str:

@@ -34,7 +34,7 @@ from redis.retry import Retry
 
 from ...exceptions import BackendError, ConfigurationError
 from ...protocol.slots import base_key
-from ..base import AcquireResult, Holder, LockBackend, StoreState
+from ..base import AcquireResult, Holder, LockBackend, StoreState, Units, UnitsResult
 from ..urls import mask_url
 from .bookkeeping import scan_state
 from .connections import send
@@ -53,6 +53,14 @@ from .rates import (
 )
 from .replaced import PREEMPT, REPLACED_BY, preempt_request, record_key
 from .slots import scan_locks, slot_result
+from .units import (
+    GIVE_UNITS,
+    TAKE_UNITS,
+    check_limit_keys,
+    give_request,
+    take_request,
+    take_result,
+)
 from .wire import (
     ACQUIRE,
     CLAIM_NEXT,
@@ -103,7 +111,8 @@ class RedisBackend(LockBackend):
     Holder slots (``lock_limit``) are lock keys of their own (see
     :mod:`~singletask.backends.redis.slots`); rate records (``lock_rate``) and debounce windows
     (``lock_debounce``) are companion records of the key (see
-    :mod:`~singletask.backends.redis.rates`).
+    :mod:`~singletask.backends.redis.rates`); a named limit is a record and two companions
+    of its own (see :mod:`~singletask.backends.redis.units`).
 
     Args:
         client: A ready client (``redis.Redis``, ``valkey.Valkey``, a cluster client, ...).
@@ -122,6 +131,7 @@ class RedisBackend(LockBackend):
     supports_rate = True
     supports_debounce = True
     supports_replace = True
+    supports_units = True
 
     def __init__(
         self,
@@ -360,6 +370,49 @@ class RedisBackend(LockBackend):
         for _, token, ttl in leases:
             args += [token, lease_ms(ttl, "extend")]
         return [bool(done) for done in self._call("extend", EXTEND_MANY, keys, args)]
+
+    def take_units(
+        self,
+        token: str,
+        ttl: float,
+        units: Sequence[Units],
+        *,
+        meta: Mapping[str, str] | None = None,
+    ) -> UnitsResult:
+        """Every limit checked and taken in one script (:mod:`.units`): one round trip."""
+        keys, args = take_request(token, ttl, units, meta)
+        if not units:
+            return UnitsResult(True)
+        self.check_units_together([item.key for item in units], f"{self!r}: take_units")
+        return take_result(units, self._call("take_units", TAKE_UNITS, keys, args))
+
+    def give_units(self, token: str, units: Sequence[Units]) -> list[bool]:
+        """Every limit given back in one script (:mod:`.units`): one round trip."""
+        keys, args = give_request(token, units)
+        if not units:
+            return []
+        self.check_units_together([item.key for item in units], f"{self!r}: give_units")
+        return [bool(found) for found in self._call("give_units", GIVE_UNITS, keys, args)]
+
+    def check_units_together(self, keys: Sequence[str], where: str) -> None:
+        """Raise ConfigurationError if the named limits of store keys ``keys``
+        (:func:`singletask.protocol.limits.limit_key`) cannot be taken together in one
+        :meth:`take_units` on this store: on a Redis Cluster (a cluster store, or a backend
+        given a cluster client), unless every key is in one hash slot (names with one hash
+        tag, ``"{openai}-requests"`` and ``"{openai}-tokens"``, are when the key prefix has
+        none); on any Redis store, a key ending as a limit's companion record does
+        (``}:holds``, ``}:units``). Connects to nothing: for a task's ``lock_limits`` when it
+        is bound. ``where`` starts the message. take_units and give_units check the same
+        before they send anything.
+
+        Raises:
+            ConfigurationError: They cannot; the message says how to name them.
+        """
+        check_limit_keys(keys, where, cluster=self._clustered())
+
+    def _clustered(self) -> bool:
+        """Whether the store is a Redis Cluster (scripts must keep to one hash slot)."""
+        return isinstance(self._client, RedisCluster)
 
     def claim_next(self, key: str, task_id: str, ttl: float) -> str:
         args = (task_id, lease_ms(ttl, "claim_next"))

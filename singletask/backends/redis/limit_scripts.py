@@ -1,0 +1,286 @@
+"""The Lua scripts of named limits on the Redis stores (``take_units``, ``give_units``), one
+atomic step each, under the rules of :mod:`singletask.backends.redis.scripts`: each under a
+comment giving its KEYS, ARGV and reply; every argument checked before the first write; every
+key written gets its expiry in the same script; no key is ever left without one.
+
+A limit is three keys, all in the limit key's Redis Cluster slot
+(:mod:`singletask.backends.redis.units` names them and describes them):
+
+* the *record*, at the limit's key: a hash ``{s: size, p: period in ms (a rate only), n: units
+  counted}``, ``n`` being the sum of the units of every hold or start in the log;
+* the *log*, ``{<key>}:holds``: a sorted set of tokens, scored by a concurrency hold's deadline
+  or a rate start's time, in microseconds of the server's clock (``TIME``);
+* the *units*, ``{<key>}:units``: a hash with, per token, ``u<token>`` (its units) and, when the
+  take's metadata gave them, ``i<token>`` (task id) and ``t<token>`` (task name).
+
+A hold or start counts while its score plus the *span* (0 for a concurrency limit, the period
+for a rate) is after now; the scripts drop those that stopped counting as they meet them. The
+three keys expire together when the last hold or start stops counting (its score plus the
+span): each script that writes a limit sets that expiry on all three, or deletes them when
+nothing counts any more.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from ..holders import MAX_UNITS
+from .scripts import MAX_LEASE_MS
+
+__all__ = ["GIVE_UNITS_SCRIPT", "LIMIT_STATE_SCRIPT", "TAKE_UNITS_SCRIPT"]
+
+# Lua functions the limit scripts start with:
+# ms(value), keep(value): value as a number if it is a whole number of milliseconds from 1 (ms)
+#   or 0 (keep) to MAX_LEASE_MS, else a script error (as in scripts.py);
+# count(value, low): the same for a whole number of units from low to MAX_UNITS;
+# clock(): the server's time in microseconds; num(x): x as the text of a whole number;
+# sum(h, tokens): the units hash h holds for the tokens (a list), read CHUNK at a time;
+# drop(z, h, tokens): removes the tokens from the log z and their fields from h;
+# counted(k, z, h): the record's n (the sum of the log's units, when the record has none);
+# prune(k, z, h, cutoff): drops the log's entries scored at most cutoff (stopped counting);
+#   returns the units still counted and whether anything was dropped;
+# settle(k, z, h, n, span, now): writes n into the record and gives the three keys the expiry
+#   of the last entry of the log (its score plus span, rounded up to the ms), or deletes them
+#   when it stopped counting (or the log is empty).
+_UNITS_FUNCTIONS = f"""
+local function whole(value, low, high, what)
+  local n = tonumber(value)
+  if n == nil or n < low or n > high or n ~= math.floor(n) then
+    error('singletask: ' .. what .. ' out of range (' .. low .. ' to ' .. high .. '): '
+      .. tostring(value))
+  end
+  return n
+end
+local function ms(value) return whole(value, 1, {MAX_LEASE_MS}, 'duration (ms)') end
+local function keep(value) return whole(value, 0, {MAX_LEASE_MS}, 'duration (ms)') end
+local function count(value, low) return whole(value, low, {MAX_UNITS}, 'units') end
+local function clock()
+  local now = redis.call('TIME')
+  return tonumber(now[1]) * 1000000 + tonumber(now[2])
+end
+local function num(x) return string.format('%.0f', x) end
+local CHUNK = 500
+local function sum(h, tokens)
+  local total = 0
+  for first = 1, #tokens, CHUNK do
+    local fields = {{}}
+    for j = first, math.min(first + CHUNK - 1, #tokens) do
+      fields[#fields + 1] = 'u' .. tokens[j]
+    end
+    local units = redis.call('HMGET', h, unpack(fields))
+    for j = 1, #units do
+      total = total + (tonumber(units[j]) or 0)
+    end
+  end
+  return total
+end
+local function drop(z, h, tokens)
+  for first = 1, #tokens, CHUNK do
+    local last = math.min(first + CHUNK - 1, #tokens)
+    local fields = {{}}
+    for j = first, last do
+      local n, t = #fields, tokens[j]
+      fields[n + 1], fields[n + 2], fields[n + 3] = 'u' .. t, 'i' .. t, 't' .. t
+    end
+    redis.call('ZREM', z, unpack(tokens, first, last))
+    redis.call('HDEL', h, unpack(fields))
+  end
+end
+local function counted(k, z, h)
+  local n = tonumber(redis.call('HGET', k, 'n'))
+  if n then return n end
+  return sum(h, redis.call('ZRANGE', z, 0, -1))
+end
+local function prune(k, z, h, cutoff)
+  local n = counted(k, z, h)
+  local dead = redis.call('ZRANGEBYSCORE', z, '-inf', num(cutoff))
+  if #dead == 0 then return n, false end
+  n = n - sum(h, dead)
+  drop(z, h, dead)
+  return n, true
+end
+local function settle(k, z, h, n, span, now)
+  local top = redis.call('ZRANGE', z, -1, -1, 'WITHSCORES')
+  local left = 0
+  if top[2] then left = math.ceil((tonumber(top[2]) + span - now) / 1000) end
+  if left <= 0 then
+    redis.call('DEL', k, z, h)
+    return
+  end
+  redis.call('HSET', k, 'n', num(n))
+  redis.call('PEXPIRE', k, left)
+  redis.call('PEXPIRE', z, left)
+  redis.call('PEXPIRE', h, left)
+end
+"""
+
+# Lua: wait(l, used, now): the microseconds until rate l (a limit of TAKE_UNITS_SCRIPT) has
+# room for its units, if nothing else starts: the oldest starts leave the window first, so the
+# time until enough of them have left (their start plus the period), at least 1 ms.
+_WAIT_FUNCTION = """
+local function wait(l, used, now)
+  local need, free, index = used + l.want - l.size, 0, 0
+  while true do
+    local page = redis.call('ZRANGE', l.z, index, index + CHUNK - 1, 'WITHSCORES')
+    if #page == 0 then return l.span end
+    for j = 1, #page, 2 do
+      free = free + (tonumber(redis.call('HGET', l.h, 'u' .. page[j])) or 0)
+      if free >= need then return math.max(tonumber(page[j + 1]) + l.span - now, 1000) end
+    end
+    index = index + CHUNK
+  end
+end
+"""
+
+# KEYS[3i-2]  limit i's record (its limit key: protocol.limits.limit_key)
+# KEYS[3i-1]  limit i's log (units.log_key); KEYS[3i] its units hash (units.units_key); every
+#             key of every limit in one cluster slot
+# ARGV[1]     owner token
+# ARGV[2]     lease of a concurrency hold, in milliseconds
+# ARGV[3]     the metadata given: 'i' when ARGV[4] is a task id, 't' when ARGV[5] is a task
+#             name, both, or ''
+# ARGV[4]     task id (or ''); ARGV[5] task name (or '')
+# ARGV[3i+3]  limit i's size; ARGV[3i+4] the units taken (at most the size); ARGV[3i+5] its
+#             period in milliseconds, 0 for a concurrency limit
+# Returns {1} when every limit had room: each recorded the take (a concurrency limit holds the
+# units for ARGV[1] until now + ARGV[2], replacing a hold ARGV[1] had: its renewal; a rate logs
+# a start of the units now, unless ARGV[1] has a start counted already: a retried take), and
+# its record keeps the size and period given. Otherwise {0, i, units in use of limit i (the
+# first in order without room; the caller's own not counted), microseconds until it has room
+# (a rate), or -1 (a concurrency limit)}, and nothing changes but the entries that stopped
+# counting, dropped (each limit's keys keep an expiry). Room: concurrency: the units held by
+# other tokens plus those asked are at most the size; rate: the units started in the last
+# period plus those asked are at most the size.
+# Errors (before any write) when ARGV[2], a size, units or period is out of range, or the units
+# are more than the size.
+TAKE_UNITS_SCRIPT: Final = (
+    _UNITS_FUNCTIONS
+    + _WAIT_FUNCTION
+    + """
+local token, lease = ARGV[1], ms(ARGV[2])
+local limits = {}
+for i = 1, #KEYS / 3 do
+  local a = 3 * i + 3
+  local l = {k = KEYS[3 * i - 2], z = KEYS[3 * i - 1], h = KEYS[3 * i]}
+  l.size, l.want, l.span = count(ARGV[a], 1), count(ARGV[a + 1], 1), keep(ARGV[a + 2]) * 1000
+  if l.want > l.size then error('singletask: more units than the size: ' .. ARGV[a + 1]) end
+  limits[i] = l
+end
+local meta = {}
+for j, letter in ipairs({'i', 't'}) do
+  if string.find(ARGV[3], letter, 1, true) then
+    local n = #meta
+    meta[n + 1], meta[n + 2] = letter .. token, ARGV[3 + j]
+  end
+end
+local now = clock()
+for i, l in ipairs(limits) do
+  l.n, l.changed = prune(l.k, l.z, l.h, now - l.span)
+  l.mine = tonumber(redis.call('HGET', l.h, 'u' .. token))
+  local used = l.n
+  if l.span == 0 then used = l.n - (l.mine or 0) end
+  if not (l.span > 0 and l.mine) and used + l.want > l.size then
+    local after = -1
+    if l.span > 0 then after = wait(l, used, now) end
+    for j = 1, i do
+      local m = limits[j]
+      if m.changed then settle(m.k, m.z, m.h, m.n, m.span, now) end
+    end
+    return {0, i, used, after}
+  end
+end
+for _, l in ipairs(limits) do
+  if l.span == 0 then
+    l.n = l.n - (l.mine or 0) + l.want
+    redis.call('ZADD', l.z, num(now + lease * 1000), token)
+    redis.call('HDEL', l.h, 'i' .. token, 't' .. token)
+    redis.call('HSET', l.h, 'u' .. token, num(l.want), unpack(meta))
+    redis.call('HSET', l.k, 's', num(l.size))
+    redis.call('HDEL', l.k, 'p')
+  else
+    if not l.mine then
+      l.n = l.n + l.want
+      redis.call('ZADD', l.z, num(now), token)
+      redis.call('HSET', l.h, 'u' .. token, num(l.want), unpack(meta))
+    end
+    redis.call('HSET', l.k, 's', num(l.size), 'p', num(l.span / 1000))
+  end
+  settle(l.k, l.z, l.h, l.n, l.span, now)
+end
+return {1}
+"""
+)
+
+# KEYS[3i-2], KEYS[3i-1], KEYS[3i]  limit i's record, log and units hash, as TAKE_UNITS_SCRIPT's
+# ARGV[1]     owner token
+# ARGV[2i]    limit i's units: a rate start's real cost (0 removes the start); not read for a
+#             concurrency limit
+# ARGV[2i+1]  limit i's period in milliseconds, 0 for a concurrency limit
+# Returns a list with, per limit in order, 1 when ARGV[1] had a hold or a counted start there,
+# else 0. A concurrency limit drops ARGV[1]'s hold; a rate sets its start's units to ARGV[2i]
+# (keeping its time), or removes it for 0. Entries that stopped counting are left alone (the
+# next take drops them). A limit left with nothing counting is deleted.
+# Errors (before any write) when a units or period is out of range.
+GIVE_UNITS_SCRIPT: Final = (
+    _UNITS_FUNCTIONS
+    + """
+local token = ARGV[1]
+local limits = {}
+for i = 1, #KEYS / 3 do
+  limits[i] = {k = KEYS[3 * i - 2], z = KEYS[3 * i - 1], h = KEYS[3 * i],
+    units = count(ARGV[2 * i], 0), span = keep(ARGV[2 * i + 1]) * 1000}
+end
+local now = clock()
+local out = {}
+for i, l in ipairs(limits) do
+  local score = tonumber(redis.call('ZSCORE', l.z, token))
+  if score == nil or score + l.span <= now then
+    out[i] = 0
+  else
+    out[i] = 1
+    local old = tonumber(redis.call('HGET', l.h, 'u' .. token)) or 0
+    local n = counted(l.k, l.z, l.h) - old
+    if l.span == 0 or l.units == 0 then
+      drop(l.z, l.h, {token})
+    else
+      redis.call('HSET', l.h, 'u' .. token, num(l.units))
+      n = n + l.units
+    end
+    settle(l.k, l.z, l.h, n, l.span, now)
+  end
+end
+return out
+"""
+)
+
+# KEYS[1]  a limit's record; KEYS[2] its log; KEYS[3] its units hash (as TAKE_UNITS_SCRIPT's)
+# ARGV[1]  the most holds to list
+# Returns {} when nothing of the limit counts; otherwise {size, period in ms (0: concurrency),
+# units in use (held, or started in the window), microseconds until the last hold or start
+# stops counting, then for each hold or counted start, oldest first, at most ARGV[1]: token,
+# units, task id or false, task name or false, microseconds until it stops counting}.
+# Read-only (operators' listing): it writes nothing, and skips entries that stopped counting.
+LIMIT_STATE_SCRIPT: Final = (
+    _UNITS_FUNCTIONS
+    + """
+local rec = redis.call('HMGET', KEYS[1], 's', 'p', 'n')
+local now = clock()
+local span = (tonumber(rec[2]) or 0) * 1000
+local cutoff = now - span
+local top = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
+if not top[2] or tonumber(top[2]) <= cutoff then return {} end
+local n = tonumber(rec[3]) or sum(KEYS[3], redis.call('ZRANGE', KEYS[2], 0, -1))
+local used = n - sum(KEYS[3], redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', num(cutoff)))
+local out = {tonumber(rec[1]) or 0, tonumber(rec[2]) or 0, used, tonumber(top[2]) + span - now}
+local live = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. num(cutoff), '+inf', 'WITHSCORES',
+  'LIMIT', 0, tonumber(ARGV[1]))
+for j = 1, #live, 2 do
+  local t = live[j]
+  local f = redis.call('HMGET', KEYS[3], 'u' .. t, 'i' .. t, 't' .. t)
+  local n = #out
+  out[n + 1], out[n + 2], out[n + 3], out[n + 4] = t, tonumber(f[1]) or 0, f[2], f[3]
+  out[n + 5] = tonumber(live[j + 1]) + span - now
+end
+return out
+"""
+)

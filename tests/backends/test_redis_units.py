@@ -1,0 +1,284 @@
+"""Named limits on the Redis stores (``take_units``, ``give_units``): what only Redis has, on the
+private Redis server and the session's cluster. The contract is tests/contract/
+test_contract_units.py."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from singletask import BackendError, BackendUnavailable, ConfigurationError, LockKeyError
+from singletask.backends import backend_from_url
+from singletask.backends.base import Units
+from singletask.backends.redis.deploy import RedisClusterBackend
+from singletask.backends.redis.limit_scripts import TAKE_UNITS_SCRIPT
+from singletask.backends.redis.store import RedisBackend
+from singletask.backends.redis.units import limit_keys, log_key, units_key
+from singletask.protocol.limits import limit_key
+
+from ..deployments import ClusterDeployment
+from ..servers import free_port
+
+LEASE = 30.0
+PERIOD = 30.0
+
+
+@pytest.fixture
+def redis_backend(redis_url: str) -> Iterator[RedisBackend]:
+    backend = RedisBackend.from_url(redis_url)
+    yield backend
+    backend.close()
+
+
+def reads(client: redis.Redis) -> int:
+    """How many requests the server has read (INFO stats)."""
+    return int(client.info("stats")["total_reads_processed"])
+
+
+# -- storage format -----------------------------------------------------------------------------
+
+
+def test_a_limit_is_a_record_a_log_and_a_units_hash_that_expire_together(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A rate is its record (size, period, units counted), a sorted set of starts by server
+    time and a hash of each start's units and metadata, all three expiring with the last start
+    (its period after it)."""
+    # Given two starts of a rate, the first with metadata
+    tokens = Units(limit_key(key_prefix, "tokens", rate=True), 100, 30, PERIOD)
+    meta = {"task_id": "task-a", "task": "app.summarize", "hostname": "h"}
+    assert redis_backend.take_units("token-a", LEASE, [tokens], meta=meta).taken
+    assert redis_backend.take_units("token-b", LEASE, [Units(tokens.key, 100, 5, PERIOD)]).taken
+
+    # Then the record keeps the size, the period in ms and the units counted
+    record, log, units = limit_keys(tokens.key)
+    assert (log, units) == (f"{{{tokens.key}}}:holds", f"{{{tokens.key}}}:units")
+    assert redis_client.hgetall(record) == {b"s": b"100", b"p": b"30000", b"n": b"35"}
+    # And the log holds the starts by server time in microseconds, oldest first
+    starts: Any = redis_client.zrange(log, 0, -1, withscores=True)
+    assert [token for token, _ in starts] == [b"token-a", b"token-b"]
+    now_s, now_us = (int(part) for part in redis_client.time())
+    assert 0 <= now_s * 1_000_000 + now_us - starts[0][1] < 5_000_000
+    # And the units hash each start's units, with the task id and task name only
+    assert redis_client.hgetall(units) == {
+        b"utoken-a": b"30", b"itoken-a": b"task-a", b"ttoken-a": b"app.summarize",
+        b"utoken-b": b"5",
+    }  # fmt: skip
+    # And the three expire together, a period after the last start
+    pttls = [redis_client.pttl(name) for name in limit_keys(tokens.key)]
+    assert max(pttls) - min(pttls) <= 50
+    assert PERIOD * 1000 - 5000 < min(pttls) <= PERIOD * 1000
+
+
+def test_a_concurrency_limit_expires_with_its_last_hold_and_drops_those_that_ran_out(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The keys of a concurrency limit expire with the hold that runs out last; a take drops
+    the holds whose lease ran out (their units with them); the last hold given back deletes
+    the limit."""
+    # Given a short hold and a long one
+    limit = Units(limit_key(key_prefix, "warehouse"), 3, 1)
+    assert redis_backend.take_units("token-a", 0.2, [limit]).taken
+    assert redis_backend.take_units("token-b", LEASE, [Units(limit.key, 3, 2)]).taken
+    record, log, units = limit_keys(limit.key)
+    assert LEASE * 1000 - 5000 < redis_client.pttl(record) <= LEASE * 1000
+    assert redis_client.hget(record, "p") is None
+
+    # When the short hold runs out and another token takes a unit
+    time.sleep(0.3)
+    assert redis_backend.take_units("token-c", LEASE, [limit]).taken
+
+    # Then the hold that ran out is gone, units and all
+    assert set(redis_client.zrange(log, 0, -1)) == {b"token-b", b"token-c"}
+    assert redis_client.hget(record, "n") == b"3"
+    assert not redis_client.hexists(units, "utoken-a")
+
+    # And when the last holds are given back, nothing is left
+    assert redis_backend.give_units("token-b", [limit]) == [True]
+    assert redis_backend.give_units("token-c", [limit]) == [True]
+    assert redis_client.exists(record, log, units) == 0
+
+
+def test_the_limits_records_are_never_listed_as_locks(
+    redis_backend: RedisBackend, key_prefix: str
+) -> None:
+    """iter_locks leaves a limit's record and its companions out; iter_state lists each limit
+    once, under its key."""
+    requests = Units(limit_key(key_prefix, "requests"), 2, 1)
+    tokens = Units(limit_key(key_prefix, "{llm}-tokens", rate=True), 10, 1, PERIOD)
+    assert redis_backend.take_units("token-a", LEASE, [requests]).taken
+    assert redis_backend.take_units("token-a", LEASE, [tokens]).taken
+    assert redis_backend.acquire(f"{key_prefix}lock", "token-l", LEASE).acquired
+
+    assert [key for key, _ in redis_backend.iter_locks(key_prefix)] == [f"{key_prefix}lock"]
+    for prefix in (key_prefix, ""):
+        listed = [s for s in redis_backend.iter_state(prefix) if s.key.startswith(key_prefix)]
+        assert sorted((s.kind, s.key) for s in listed) == [
+            ("limit", requests.key), ("limit", tokens.key),
+        ]  # fmt: skip
+
+
+def test_a_name_ending_as_a_limits_companion_is_refused(
+    redis_backend: RedisBackend, key_prefix: str
+) -> None:
+    """A limit named like another limit's log or units hash (``<name>}:holds``) could be that
+    record: refused before anything is sent; so is a raw lock key ending so."""
+    clash = Units(limit_key(key_prefix, "{llm}-tokens}:holds"), 2, 1)
+    with pytest.raises(ConfigurationError, match="holds"):
+        redis_backend.take_units("token-a", LEASE, [clash])
+    with pytest.raises(ConfigurationError, match="holds"):
+        redis_backend.check_units_together([clash.key], "lock_limits of app.task")
+    with pytest.raises(LockKeyError):
+        redis_backend.acquire(f"{key_prefix}lock}}:units", "token-a", LEASE)
+
+
+# -- one atomic step ----------------------------------------------------------------------------
+
+
+def test_a_take_and_a_give_cost_one_round_trip_each(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """take_units checks and takes every limit in one script: one request, whether it takes,
+    is refused by a concurrency limit or by a rate (with its wait); give_units is one too."""
+    # Given a backend that has already connected and cached its scripts
+    warm = Units(limit_key(key_prefix, "warm"), 1, 1)
+    assert redis_backend.take_units("token-0", LEASE, [warm]).taken
+    assert redis_backend.give_units("token-0", [warm]) == [True]
+    requests = Units(limit_key(key_prefix, "{llm}-requests"), 1, 1)
+    tokens = Units(limit_key(key_prefix, "{llm}-tokens", rate=True), 10, 8, PERIOD)
+    calls: list[Callable[[], Any]] = [
+        lambda: redis_backend.take_units("token-1", LEASE, [requests, tokens]),
+        lambda: redis_backend.take_units("token-2", LEASE, [requests, tokens]),
+        lambda: redis_backend.take_units("token-2", LEASE, [tokens]),
+        lambda: redis_backend.give_units("token-1", [requests, tokens]),
+    ]
+    outcomes: list[Any] = []
+    for call in calls:
+        before = reads(redis_client)
+        outcomes.append(call())
+        # Then the server read one request (and the INFO that reads the count)
+        assert reads(redis_client) - before - 1 == 1
+    taken, held, rated, given = outcomes
+    assert taken.taken
+    assert (held.taken, held.limit) == (False, requests.key)
+    assert (rated.taken, rated.limit, rated.used) == (False, tokens.key, 8)
+    assert rated.retry_after is not None
+    assert given == [True, True]
+
+
+def test_the_take_script_checks_every_argument_before_its_first_write(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """Called with a period, a lease or units out of range, the script fails before it writes
+    anything: no key is left, let alone one without an expiry."""
+    good = Units(limit_key(key_prefix, "good"), 5, 1)
+    bad = Units(limit_key(key_prefix, "bad"), 5, 1)
+    keys = [*limit_keys(good.key), *limit_keys(bad.key)]
+    head: list[str | int | float] = ["token-a", 30_000, "", "", ""]
+    for args in (
+        [*head, 5, 1, 0, 5, 1, -1],  # a negative period
+        [*head, 5, 1, 0, 5, 1, 10**12],  # a period beyond the longest lease
+        [*head, 5, 1, 0, 5, 6, 0],  # more units than the size
+        [*head, 5, 1, 0, 5, 1.5, 0],  # units that are no whole number
+        [*head[:1], 0, *head[2:], 5, 1, 0, 5, 1, 0],  # no lease
+    ):
+        with pytest.raises(redis.ResponseError, match="singletask"):
+            redis_client.eval(TAKE_UNITS_SCRIPT, len(keys), *keys, *args)
+        assert redis_client.exists(*keys) == 0
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+def test_driver_errors_are_translated(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A limit's key holding another application's value is a BackendError naming the
+    operation; a server that does not answer is BackendUnavailable."""
+    foreign = Units(limit_key(key_prefix, "foreign"), 2, 1)
+    redis_client.set(foreign.key, "not a limit", ex=60)
+    with pytest.raises(BackendError, match=r"take_units.*not a singletask lock"):
+        redis_backend.take_units("token-a", LEASE, [foreign])
+    assert redis_client.get(foreign.key) == b"not a limit"
+
+    nowhere = RedisBackend.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=1)
+    try:
+        with pytest.raises(BackendUnavailable):
+            nowhere.take_units("token-a", LEASE, [Units(limit_key(key_prefix, "x"), 1, 1)])
+        with pytest.raises(BackendUnavailable):
+            nowhere.give_units("token-a", [Units(limit_key(key_prefix, "x"), 1, 1)])
+    finally:
+        nowhere.close()
+
+
+# -- Redis Cluster ------------------------------------------------------------------------------
+
+
+def test_the_cluster_store_refuses_limits_of_several_slots_before_sending_anything() -> None:
+    """Limits of one take must share a hash slot: a cluster store refuses others with a
+    ConfigurationError that says how to name them, before it connects (here: to nothing)."""
+    backend = backend_from_url(f"redis+cluster://127.0.0.1:{free_port()}")
+    assert isinstance(backend, RedisClusterBackend)
+    apart = [
+        Units(limit_key("app:", "openai-requests"), 8, 1),
+        Units(limit_key("app:", "openai-tokens", rate=True), 100, 10, 60.0),
+    ]
+    with pytest.raises(ConfigurationError, match=r'"\{openai\}-requests" and "\{openai\}-tokens"'):
+        backend.take_units("token-a", LEASE, apart)
+    with pytest.raises(ConfigurationError, match="hash slot"):
+        backend.give_units("token-a", apart)
+    with pytest.raises(ConfigurationError, match=r"lock_limits of app\.summarize"):
+        backend.check_units_together([u.key for u in apart], "lock_limits of app.summarize")
+    # a name with a '}' but no hash tag: its own records are in several slots
+    with pytest.raises(ConfigurationError, match="hash tag"):
+        backend.check_units_together([limit_key("app:", "odd}name")], "lock_limits")
+    # one hash tag: one slot, nothing to refuse
+    backend.check_units_together(
+        [limit_key("app:", "{openai}-requests"), limit_key("app:", "{openai}-tokens", rate=True)],
+        "lock_limits",
+    )
+    backend.check_units_together([limit_key("{app}:", "a"), limit_key("{app}:", "b")], "x")
+    backend.close()
+
+
+def test_a_single_server_takes_limits_of_any_names_together(
+    redis_backend: RedisBackend, key_prefix: str
+) -> None:
+    """One server has no hash slots: check_units_together refuses nothing, and one take holds
+    limits of any names."""
+    apart = [Units(limit_key(key_prefix, "a"), 1, 1), Units(limit_key(key_prefix, "b"), 1, 1)]
+    redis_backend.check_units_together([u.key for u in apart], "lock_limits")
+    assert redis_backend.take_units("token-a", LEASE, apart).taken
+
+
+def test_every_key_of_the_limits_of_one_take_is_in_one_cluster_slot(
+    redis_cluster: ClusterDeployment,
+) -> None:
+    """On the cluster, a take of limits with one hash tag writes their records, logs and units
+    hashes in the tag's slot; limits of several slots are refused and nothing is written."""
+    prefix = f"app{uuid.uuid4().hex[:8]}:"
+    requests = Units(limit_key(prefix, "{llm}-requests"), 8, 1)
+    tokens = Units(limit_key(prefix, "{llm}-tokens", rate=True), 100, 10, PERIOD)
+    apart = Units(limit_key(prefix, "elsewhere"), 8, 1)
+    client: Any = redis_cluster.client()
+    try:
+        with backend_from_url(redis_cluster.url) as backend:
+            assert backend.take_units("token-a", LEASE, [requests, tokens]).taken
+            with pytest.raises(ConfigurationError, match="hash tag"):
+                backend.take_units("token-b", LEASE, [requests, apart])
+            assert backend.give_units("token-a", [Units(tokens.key, 100, 4, PERIOD)]) == [True]
+            states = {s.key: s for s in backend.iter_state(prefix) if s.kind == "limit"}
+        written = [k.decode() for k in client.scan_iter(match=f"*{prefix}*")]
+        assert sorted(written) == sorted([*limit_keys(requests.key), *limit_keys(tokens.key)])
+        assert {client.keyslot(k) for k in written} == {client.keyslot("{llm}")}
+        assert states[tokens.key].detail["used"] == 4
+        assert states[requests.key].detail["holds"][0]["token"] == "token-a"
+        assert log_key(apart.key) not in written
+        assert units_key(apart.key) not in written
+    finally:
+        client.close()
