@@ -25,6 +25,10 @@ How it holds its guarantees (the table layout is in :mod:`singletask.backends.sq
   write; reads (``holder``, the listings) create nothing: a missing table holds no lock.
 * InnoDB may abort a transaction as a deadlock victim when workers race for a key that does
   not exist yet; nothing of it was committed, so the script is sent again (up to 3 times).
+* Named limits (``take_units``, ``give_units``): two companion tables, made on a process's
+  first use of them, the SQL in :mod:`singletask.backends.sql.mysql.units` (the layout in
+  :mod:`singletask.backends.sql.units`); they need MySQL 8.0+ or MariaDB 10.2+ (window
+  functions).
 """
 
 from __future__ import annotations

@@ -33,6 +33,9 @@ in :mod:`singletask.backends.sql.postgres.queries`, that of debounce windows in
 * The table and its index on ``expires_at`` are created on a process's first write, serialised
   by a transaction-level advisory lock, so many workers starting at once do not trip over each
   other. Reads (``holder``, the listings) create nothing: a missing table holds no lock.
+* Named limits (``take_units``, ``give_units``): two companion tables, made on a process's
+  first use of them, the SQL in :mod:`singletask.backends.sql.postgres.units` (the layout in
+  :mod:`singletask.backends.sql.units`).
 """
 
 from __future__ import annotations
