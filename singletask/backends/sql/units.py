@@ -24,12 +24,13 @@ Two companion tables, named after the lock table (in its schema, when it names o
     meta         the take's metadata (``task_id``, ``task``), a JSON object
 
 Atomicity: a take is one transaction. It first locks the rows of its limits in
-``<table>_limits`` (inserting those missing, ``expires_at`` now: gone with the next sweep), in
-stored-key order, so takes of one limit are serialised and takes of several limits never wait
-for each other in a circle; only then does it read the database's clock, delete the expired
-holds of those limits, read the live holds, and write its own when every limit has room. A give
-is one transaction too, on the caller's own holds only: it frees room or changes a start's
-cost, so it needs no limit row.
+``<table>_limits`` (inserting those missing, expiring as the take's holds would, so that no
+sweep deletes one under it), in stored-key order, so takes of one limit are serialised and
+takes of several limits never wait for each other in a circle; only then does it read the
+database's clock, delete the expired holds of those limits, read the live holds, and write its
+own when every limit has room. A give is one transaction too, on the caller's own holds only:
+it frees room or changes a start's cost, so it needs no limit row. (MySQL: every write finds
+its rows by primary key, the sweep included, so InnoDB locks no row of another limit.)
 
 Every row has an expiry: reads ignore rows past it; a take deletes the expired holds of the
 limits it locked, and a process that takes or gives units deletes a batch of expired rows of
