@@ -24,6 +24,7 @@ from singletask.backends.base import MAX_LEASE, LockBackend
 from singletask.backends.memory import MemoryBackend
 from singletask.backends.sql.core import FENCE_RETENTION as SQLITE_FENCE_RETENTION
 from singletask.backends.sql.sqlite import SQLiteBackend
+from singletask.backends.sql.units import limit_tables
 
 from ..backends.memcached_records import inspect_memcached
 
@@ -172,7 +173,8 @@ def _cached(kind: str, connect: Callable[[], Any]) -> Any:
 def _postgresql(
     backend: LockBackend, request: pytest.FixtureRequest, match: str
 ) -> dict[str, float | None]:
-    """Rows of the backend's table, by ``expires_at`` (when the whole row may be deleted)."""
+    """Rows of the backend's table, by ``expires_at`` (when the whole row may be deleted), and
+    of its tables of named limits."""
     import psycopg
     from psycopg import sql
 
@@ -181,21 +183,30 @@ def _postgresql(
     from ..servers import SQL_URLS
 
     assert isinstance(backend, PostgresBackend)
-    query = sql.SQL(
-        "SELECT key, extract(epoch FROM expires_at - statement_timestamp())::float8 "
-        "FROM {} WHERE strpos(key, %s) > 0"
-    ).format(sql.Identifier(*backend.table.split(".")))
     conn = _cached("postgresql", lambda: psycopg.connect(SQL_URLS["postgresql"], autocommit=True))
-    if conn.execute("SELECT to_regclass(%s)", (backend.table,)).fetchone() == (None,):
-        return {}
-    rows = conn.execute(query, (match,)).fetchall()
-    return {f"row {key}": left for key, left in rows if left is None or left > 0}
+    limits, holds = limit_tables(backend.table)
+    found: dict[str, float | None] = {}
+    # The lock table's rows; the rows of named limits (one per limit, one per hold or start)
+    for kind, table, columns in (
+        ("row", backend.table, "key"), ("limit", limits, "key"), ("hold", holds, "key, token")
+    ):  # fmt: skip
+        query = sql.SQL(
+            "SELECT concat_ws(' ', {}), "
+            "extract(epoch FROM expires_at - statement_timestamp())::float8 "
+            "FROM {} WHERE strpos(key, %s) > 0"
+        ).format(sql.SQL(columns), sql.Identifier(*table.split(".")))
+        if conn.execute("SELECT to_regclass(%s)", (table,)).fetchone() == (None,):
+            continue
+        rows = conn.execute(query, (match,)).fetchall()
+        found.update((f"{kind} {key}", left) for key, left in rows if left is None or left > 0)
+    return found
 
 
 def _mysql(
     backend: LockBackend, request: pytest.FixtureRequest, match: str
 ) -> dict[str, float | None]:
-    """Rows of the backend's table, by ``expires_at`` (when the whole row may be deleted)."""
+    """Rows of the backend's table, by ``expires_at`` (when the whole row may be deleted), and
+    of its tables of named limits."""
     import pymysql
 
     from singletask.backends.sql.mysql import MySQLBackend
@@ -203,27 +214,36 @@ def _mysql(
     assert isinstance(backend, MySQLBackend)
     args = {k: v for k, v in backend._connect_args.items() if k != "client_flag"}
     conn = _cached("mysql", lambda: pymysql.connect(**{**args, "autocommit": True}))
-    with conn.cursor() as cursor:
-        schema, _, name = backend.table.rpartition(".")
-        cursor.execute(
-            "SELECT 1 FROM information_schema.tables WHERE table_schema = "
-            "coalesce(nullif(%s, ''), database()) AND table_name = %s",
-            (schema, name),
+    limits, holds = limit_tables(backend.table)
+    found: dict[str, float | None] = {}
+    # The lock table's rows; the rows of named limits (one per limit, one per hold or start)
+    for kind, full_name, columns in (
+        ("row", backend.table, "`key`"), ("limit", limits, "`key`"),
+        ("hold", holds, "`key`, ' ', token"),
+    ):  # fmt: skip
+        with conn.cursor() as cursor:
+            schema, _, name = full_name.rpartition(".")
+            cursor.execute(
+                "SELECT 1 FROM information_schema.tables WHERE table_schema = "
+                "coalesce(nullif(%s, ''), database()) AND table_name = %s",
+                (schema, name),
+            )
+            if cursor.fetchone() is None:
+                continue
+            table = ".".join(f"`{part}`" for part in full_name.split("."))
+            cursor.execute(
+                f"SELECT CONCAT({columns}), "
+                "TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) / 1e6 "
+                f"FROM {table} WHERE LOCATE(%s, `key`) > 0",
+                (match,),
+            )
+            rows = cursor.fetchall()
+        found.update(
+            (f"{kind} {bytes(key).decode()}", None if left is None else float(left))
+            for key, left in rows
+            if left is None or float(left) > 0
         )
-        if cursor.fetchone() is None:
-            return {}
-        table = ".".join(f"`{part}`" for part in backend.table.split("."))
-        cursor.execute(
-            "SELECT `key`, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at) / 1e6 "
-            f"FROM {table} WHERE LOCATE(%s, `key`) > 0",
-            (match,),
-        )
-        rows = cursor.fetchall()
-    return {
-        f"row {bytes(key).decode()}": None if left is None else float(left)
-        for key, left in rows
-        if left is None or float(left) > 0
-    }
+    return found
 
 
 #: One inspector per param of the ``backend`` fixture (tests/conftest.py).

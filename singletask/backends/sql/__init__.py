@@ -2,7 +2,9 @@
 
 * ``core``: what the server stores share, the table layout and URL options; ``pool``, their
   connection pool; ``slots``, their holder-slot arguments and outcomes; ``bookkeeping``, the
-  records they list for operators; ``replaced``, every store's preemption records;
+  records they list for operators; ``replaced``, every store's preemption records; ``units``,
+  their named limits (``take_units``) above each store's SQL (``postgres/units``,
+  ``mysql/units``);
 * ``postgres/`` (:class:`~singletask.backends.sql.postgres.PostgresBackend`, in ``store``), its
   statements in ``queries``, those of its debounce windows in ``windows``, and its client-side
   deadline in ``watchdog``;

@@ -42,6 +42,9 @@ the key's fence counter is kept in one place.
 
 Rows past ``expires_at`` are deleted in batches by whichever worker process notices they are
 due (at most once per RECLAIM_INTERVAL per process), through the index on ``expires_at``.
+
+Named limits (``take_units``) live in two companion tables, ``<table>_limits`` and
+``<table>_limit_holds``: see :mod:`.units`.
 """
 
 from __future__ import annotations

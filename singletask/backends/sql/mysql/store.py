@@ -25,6 +25,10 @@ How it holds its guarantees (the table layout is in :mod:`singletask.backends.sq
   write; reads (``holder``, the listings) create nothing: a missing table holds no lock.
 * InnoDB may abort a transaction as a deadlock victim when workers race for a key that does
   not exist yet; nothing of it was committed, so the script is sent again (up to 3 times).
+* Named limits (``take_units``, ``give_units``): two companion tables, made on a process's
+  first use of them, the SQL in :mod:`singletask.backends.sql.mysql.units` (the layout in
+  :mod:`singletask.backends.sql.units`); they need MySQL 8.0+ or MariaDB 10.2+ (window
+  functions).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from .. import bookkeeping as S
 from .. import core, pool, slots
 from .. import replaced as R
 from . import queries as Q
+from . import units as U
 from .queries import KEY_BYTES
 from .queries import as_text as _text
 from .queries import run_script as _script
@@ -93,7 +98,7 @@ def _holder(row: Sequence[Any]) -> Holder:
     )
 
 
-class MySQLBackend(core.SQLBackend):
+class MySQLBackend(U.MySQLUnits):
     """Locks in a MySQL or MariaDB table (InnoDB); see the module docstring.
 
     Args:
@@ -142,12 +147,14 @@ class MySQLBackend(core.SQLBackend):
                 "debounce_published": Q.DEBOUNCE_PUBLISHED,
             }.items()
         }  # fmt: skip
+        self._q.update(U.queries(options.table))  # named limits
         self._pool: pool.Pool[pymysql.connections.Connection[Any]] = pool.Pool(
             self._connect, lambda conn: conn.close(), size=options.pool_size,
             timeout=options.timeout, describe=repr(self),
         )  # fmt: skip
-        self._reclaimer = core.Reclaimer()
+        self._reclaimer, self._units_reclaimer = core.Reclaimer(), core.Reclaimer()
         self._ready: tuple[int, int] | None = None  # (pid, pool generation) the table was checked
+        self._units_ready: tuple[int, int] | None = None  # the same, of the limits' tables
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MySQLBackend:
@@ -198,10 +205,11 @@ class MySQLBackend(core.SQLBackend):
 
     def _run(
         self, operation: str, key: str, work: Callable[[pymysql.cursors.Cursor], T],
-        *, writes: bool = True,
+        *, writes: bool = True, units: bool = False,
     ) -> T:  # fmt: skip
         """Run ``work`` on a pooled connection (``writes``: creating the table first if
-        missing, then deleting expired rows now and then): the boundary where driver errors
+        missing, then deleting expired rows now and then; with ``units``, the tables of named
+        limits instead, :mod:`.units`): the boundary where driver errors
         become singletask's. A script InnoDB aborted as a deadlock victim committed nothing and
         is sent again; a pooled connection that turns out to be dead (the server closed it
         while it was idle, ``wait_timeout``, or restarted) is replaced and ``work`` runs once
@@ -211,12 +219,11 @@ class MySQLBackend(core.SQLBackend):
             reused = False
             try:
                 with self._pool.checkout() as (conn, reused), conn.cursor() as cursor:
-                    if writes and self._ready != (os.getpid(), self._pool.generation):
-                        Q.create_table(cursor, self.table, self._table, self._q["schema"])
-                        self._ready = (os.getpid(), self._pool.generation)
+                    if writes:
+                        self._prepare(cursor, units)
                     result = work(cursor)
-                    if writes and self._reclaimer.due():
-                        self._reclaim(cursor)
+                    if writes and (self._units_reclaimer if units else self._reclaimer).due():
+                        self._reclaim(cursor, units)
                     return result
             except pymysql.MySQLError as exc:
                 if exc.args and exc.args[0] == _DEADLOCK and deadlocks + 1 < _RETRIES:
@@ -230,11 +237,25 @@ class MySQLBackend(core.SQLBackend):
                         continue
                 raise error(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
 
-    def _reclaim(self, cursor: pymysql.cursors.Cursor) -> None:
-        """Delete a batch of expired rows; a failure (a read-only database) only logs: the
-        operation it follows has succeeded."""
+    def _prepare(self, cursor: pymysql.cursors.Cursor, units: bool) -> None:
+        """Create the lock table (with ``units``: the limits' tables) if missing, unless this
+        process checked it since its pool was last reset."""
+        checked = (os.getpid(), self._pool.generation)
+        if units and self._units_ready != checked:
+            U.create_tables(cursor, self.table, self._q["limits_schema"])
+            self._units_ready = checked
+        elif not units and self._ready != checked:
+            Q.create_table(cursor, self.table, self._table, self._q["schema"])
+            self._ready = checked
+
+    def _reclaim(self, cursor: pymysql.cursors.Cursor, units: bool = False) -> None:
+        """Delete a batch of expired rows (of the limits' tables, with ``units``); a failure (a
+        read-only database) only logs: the operation it follows has succeeded."""
         try:
-            cursor.execute(self._q["reclaim"], {"limit": core.RECLAIM_BATCH})
+            if units:
+                U.reclaim(cursor, self._q, core.RECLAIM_BATCH)
+            else:
+                cursor.execute(self._q["reclaim"], {"limit": core.RECLAIM_BATCH})
         except pymysql.MySQLError as exc:
             logger.warning("%r: could not delete expired rows: %s", self, exc)
 

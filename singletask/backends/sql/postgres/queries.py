@@ -285,7 +285,7 @@ COMMIT"""
 #: come before the one the operation reads.
 SKIPPED = {
     "acquire_slot": PREAMBLE + 2, "release_slot": PREAMBLE + 1, "debounce": PREAMBLE + 1,
-    "preempt": PREAMBLE, "preempt_slot": PREAMBLE + 2,
+    "preempt": PREAMBLE, "preempt_slot": PREAMBLE + 2, "take_units": PREAMBLE + 2,
 }  # fmt: skip
 
 RECLAIM = """

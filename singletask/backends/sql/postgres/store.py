@@ -33,6 +33,9 @@ in :mod:`singletask.backends.sql.postgres.queries`, that of debounce windows in
 * The table and its index on ``expires_at`` are created on a process's first write, serialised
   by a transaction-level advisory lock, so many workers starting at once do not trip over each
   other. Reads (``holder``, the listings) create nothing: a missing table holds no lock.
+* Named limits (``take_units``, ``give_units``): two companion tables, made on a process's
+  first use of them, the SQL in :mod:`singletask.backends.sql.postgres.units` (the layout in
+  :mod:`singletask.backends.sql.units`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from .. import core, pool, slots
 from .. import replaced as R
 from ..watchdog import WATCHDOG
 from . import queries as Q
+from . import units as U
 from . import windows as W
 from .queries import KEY_BYTES
 
@@ -72,7 +76,7 @@ T = TypeVar("T")
 logger = logging.getLogger("singletask.backends.sql.postgres")  # its name before 0.4.0
 
 
-class PostgresBackend(core.SQLBackend):
+class PostgresBackend(U.PostgresUnits):
     """Locks in a PostgreSQL table; see the module docstring.
 
     Args:
@@ -156,12 +160,14 @@ class PostgresBackend(core.SQLBackend):
                 "replaced_by": R.POSTGRES_READ,
             }.items()
         )  # fmt: skip
+        self._q.update(U.queries(options.table, ms, transaction_pooling))  # named limits
         self._pool: pool.Pool[psycopg.Connection[Any]] = pool.Pool(
             self._connect, lambda conn: conn.close(), size=options.pool_size,
             timeout=options.timeout, describe=repr(self), broken=lambda conn: conn.closed,
         )  # fmt: skip
         self._ready: tuple[int, int] | None = None  # (pid, pool generation) the table was checked
-        self._reclaimer = core.Reclaimer()
+        self._units_ready: tuple[int, int] | None = None  # the same, of the limits' tables
+        self._reclaimer, self._units_reclaimer = core.Reclaimer(), core.Reclaimer()
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> PostgresBackend:
@@ -210,10 +216,11 @@ class PostgresBackend(core.SQLBackend):
 
     def _run(
         self, operation: str, key: str, name: str, args: Mapping[str, Any],
-        read: Callable[[psycopg.Cursor[Any]], T], *, writes: bool = True,
+        read: Callable[[psycopg.Cursor[Any]], T], *, writes: bool = True, units: bool = False,
     ) -> T:  # fmt: skip
         """Run the script ``name`` on a pooled connection and ``read`` its result (``writes``:
-        creating the table first if missing, then deleting expired rows now and then): the
+        creating the table first if missing, then deleting expired rows now and then; with
+        ``units``, the tables of named limits instead, :mod:`.units`): the
         boundary where driver errors become singletask's. A serialization failure or
         deadlock committed nothing and is sent again; a pooled connection that turns out to be
         dead (the server closed it while it was idle, or restarted) is replaced and the
@@ -224,16 +231,13 @@ class PostgresBackend(core.SQLBackend):
             try:
                 with self._pool.checkout() as (conn, reused):
                     try:
-                        if writes and self._ready != (os.getpid(), self._pool.generation):
-                            self._call(
-                                conn, what, lambda: Q.create_table(conn, self.table, self._q)
-                            )
-                            self._ready = (os.getpid(), self._pool.generation)
+                        if writes:
+                            self._prepare(conn, what, units)
                         result = self._call(
                             conn, what, lambda: read(self._script(conn, name, args))
                         )
-                        if writes and self._reclaimer.due():
-                            self._call(conn, "reclaim", lambda: self._reclaim(conn))
+                        if writes and (self._units_reclaimer if units else self._reclaimer).due():
+                            self._call(conn, "reclaim", lambda: self._reclaim(conn, units))
                         return result
                     except psycopg.Error as exc:
                         conn.close()  # its state is unknown (maybe inside a failed transaction)
@@ -263,11 +267,25 @@ class PostgresBackend(core.SQLBackend):
             cursor.nextset()
         return cursor
 
-    def _reclaim(self, conn: psycopg.Connection[Any]) -> None:
-        """Delete a batch of expired rows; a failure (a read-only database) only logs: the
-        operation it follows has succeeded."""
+    def _prepare(self, conn: psycopg.Connection[Any], what: str, units: bool) -> None:
+        """Create the lock table (with ``units``: the limits' tables) if missing, unless this
+        process checked it since its pool was last reset."""
+        checked = (os.getpid(), self._pool.generation)
+        if (self._units_ready if units else self._ready) == checked:
+            return
+        create = U.create_tables if units else Q.create_table
+        self._call(conn, what, lambda: create(conn, self.table, self._q))
+        if units:
+            self._units_ready = checked
+        else:
+            self._ready = checked
+
+    def _reclaim(self, conn: psycopg.Connection[Any], units: bool = False) -> None:
+        """Delete a batch of expired rows (of the limits' tables, with ``units``); a failure (a
+        read-only database) only logs: the operation it follows has succeeded."""
         try:
-            self._script(conn, "reclaim", {"limit": core.RECLAIM_BATCH})
+            name = "reclaim_units" if units else "reclaim"
+            self._script(conn, name, {"limit": core.RECLAIM_BATCH})
         except psycopg.Error as exc:
             logger.warning("%r: could not delete expired rows: %s", self, exc)
             if not conn.closed:
@@ -445,4 +463,4 @@ class PostgresBackend(core.SQLBackend):
 
     def close(self) -> None:
         self._pool.clear()
-        self._ready = None
+        self._ready = self._units_ready = None

@@ -1,0 +1,306 @@
+"""Named limits in the MySQL / MariaDB lock store (:mod:`singletask.backends.sql.mysql`): their
+tables and SQL. The layout, and how a take stays one atomic step, are in :mod:`..units`.
+
+A take or a give is one transaction, a script sent as one request (as the store's slot
+acquisition): its limits are a derived table of one ``SELECT`` per limit (``ITEM``, joined
+with ``UNION ALL``), and a take locks their rows (one multi-row upsert, in stored-key order)
+before it reads the clock into ``@st_now``. The reads use window functions (``SUM() OVER``,
+``ROW_NUMBER()``): named limits need MySQL 8.0+ or MariaDB 10.2+.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import pymysql
+
+from ...holders import MAX_SHOWN
+from .. import core
+from ..units import Limit, SQLUnits, limit_tables
+from .queries import run_script
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import TypeVar
+
+    T = TypeVar("T")
+
+__all__ = ["MySQLUnits", "create_tables", "queries"]
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS {limits} (
+    `key` VARBINARY(1024) NOT NULL PRIMARY KEY,
+    full_key MEDIUMBLOB NULL,
+    size BIGINT NOT NULL,
+    period_us BIGINT NULL,
+    expires_at DATETIME(6) NOT NULL,
+    INDEX {limits_index} (expires_at)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;
+CREATE TABLE IF NOT EXISTS {holds} (
+    `key` VARBINARY(1024) NOT NULL,
+    token VARBINARY(255) NOT NULL,
+    units BIGINT NOT NULL,
+    `at` DATETIME(6) NOT NULL,
+    expires_at DATETIME(6) NOT NULL,
+    meta TEXT NULL,
+    PRIMARY KEY (`key`, token),
+    INDEX {holds_index} (expires_at)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"""
+
+#: How many of the two tables exist.
+FIND_TABLES = (
+    "SELECT count(*) FROM information_schema.tables "
+    "WHERE table_schema = COALESCE(%s, DATABASE()) AND table_name IN (%s, %s)"
+)
+
+#: One limit of the call's derived table ``c``: stored key, full key, size, units, period in
+#: microseconds (NULL: concurrency) and its place in the call.
+ITEM = (
+    "SELECT CAST(%(k{n})s AS BINARY) AS k, CAST(%(f{n})s AS BINARY) AS f, "
+    "CAST(%(s{n})s AS SIGNED) AS size, CAST(%(u{n})s AS SIGNED) AS u, "
+    "CAST(%(p{n})s AS SIGNED) AS p, {n} AS ord"
+)
+
+# The templates below name the tables ``{limits}`` and ``{holds}`` (replaced once, by
+# :func:`queries`) and the call's limits ``{n}``, ``{items}`` or ``{locks}`` (formatted at each
+# call). Every statement that writes finds its rows by primary key (one row, or one limit's
+# holds): InnoDB then locks no row of another limit, nor through the index on ``expires_at``
+# (whose neighbouring entries a take under way may hold), whatever a sweep or take is doing.
+
+# A hold ``h`` of the limit ``c`` counts at @st_now while its row has not run out and, for a
+# rate, its start is within the window the call gives.
+_LIVE = "h.expires_at > @st_now AND (c.p IS NULL OR h.`at` > @st_now - INTERVAL c.p MICROSECOND)"
+
+# A take is one transaction: TAKE_BEGIN, SWEEP per limit, TAKE_DECIDE, HOLD (concurrency) or
+# START (rate) and SIZE per limit, TAKE_END; the limits in stored-key order. The limits' rows
+# are locked first ({locks}: LOCK per limit, inserted if missing), then the clock read, and
+# their expired holds deleted (the expiry read through an expression: its index is not used).
+# The first limit without room (by its place in the call) is read into @st_ord, with its units
+# used by other tokens (@st_used) and, for a rate, the microseconds until enough of its oldest
+# starts leave the window (@st_wait); a rate counts nothing more for a token with a start
+# counted already. Only with room everywhere are the caller's holds written (a concurrency
+# hold replaced: its renewal; a rate's start only if it has none counted) and each limit's row
+# given the size and period, and made to outlive them.
+TAKE_BEGIN = """
+START TRANSACTION;
+INSERT INTO {limits} (`key`, full_key, size, expires_at) VALUES {locks}
+ON DUPLICATE KEY UPDATE `key` = `key`;
+SET @st_now = UTC_TIMESTAMP(6), @st_ord = NULL, @st_used = NULL, @st_need = NULL,
+    @st_wait = NULL;"""
+#: A limit's row as the take's lock inserts it when missing: expiring as a hold of the take
+#: would (``e``), so that no sweep deletes it while the take is under way.
+LOCK = "(%(k{n})s, %(f{n})s, 0, UTC_TIMESTAMP(6) + INTERVAL %(e{n})s MICROSECOND)"
+SWEEP = """
+DELETE FROM {holds} WHERE `key` = %(k{n})s AND expires_at + INTERVAL 0 MICROSECOND <= @st_now;"""
+TAKE_DECIDE = """
+SELECT r.ord, r.used, r.used + r.u - r.size INTO @st_ord, @st_used, @st_need FROM (
+    SELECT c.ord, c.size, c.u, c.p,
+        COALESCE(SUM(IF(h.token = %(token)s, 0, h.units)), 0) AS used,
+        COALESCE(MAX(h.token = %(token)s), 0) AS mine
+    FROM ({items}) AS c LEFT JOIN {holds} AS h ON h.`key` = c.k AND _LIVE
+    GROUP BY c.ord, c.size, c.u, c.p) AS r
+WHERE NOT ((r.p IS NOT NULL AND r.mine) OR r.used + r.u <= r.size)
+ORDER BY r.ord LIMIT 1;
+SELECT MIN(x.ends) INTO @st_wait FROM (
+    SELECT TIMESTAMPDIFF(MICROSECOND, @st_now, h.`at` + INTERVAL c.p MICROSECOND) AS ends,
+        SUM(h.units) OVER (ORDER BY h.`at`, h.token) AS run
+    FROM ({items}) AS c JOIN {holds} AS h ON h.`key` = c.k AND _LIVE
+    WHERE c.ord = @st_ord AND c.p IS NOT NULL AND h.token <> %(token)s) AS x
+WHERE x.run >= @st_need;""".replace("_LIVE", _LIVE)
+HOLD = """
+INSERT INTO {holds} (`key`, token, units, `at`, expires_at, meta)
+SELECT %(k{n})s, %(token)s, %(u{n})s, @st_now + INTERVAL %(lease_us)s MICROSECOND,
+    @st_now + INTERVAL %(lease_us)s MICROSECOND, %(meta)s
+FROM DUAL WHERE @st_ord IS NULL
+ON DUPLICATE KEY UPDATE units = VALUES(units), meta = VALUES(meta),
+    expires_at = VALUES(expires_at), `at` = VALUES(`at`);"""
+# The caller's start that START's upsert meets (its expired rows deleted already) is replaced
+# only if it stopped counting in the window the take gives (_GONE, which reads ``at`` before
+# it is assigned, last).
+START = """
+INSERT INTO {holds} (`key`, token, units, `at`, expires_at, meta)
+SELECT %(k{n})s, %(token)s, %(u{n})s, @st_now, @st_now + INTERVAL %(p{n})s MICROSECOND,
+    %(meta)s
+FROM DUAL WHERE @st_ord IS NULL
+ON DUPLICATE KEY UPDATE units = IF(_GONE, VALUES(units), units),
+    meta = IF(_GONE, VALUES(meta), meta),
+    expires_at = IF(_GONE, VALUES(expires_at), expires_at),
+    `at` = IF(_GONE, VALUES(`at`), `at`);""".replace(
+    "_GONE", "`at` <= @st_now - INTERVAL %(p{n})s MICROSECOND"
+)
+SIZE = """
+UPDATE {limits} SET full_key = %(f{n})s, size = %(s{n})s, period_us = %(p{n})s,
+    expires_at = GREATEST(expires_at, @st_now + INTERVAL %(e{n})s MICROSECOND)
+WHERE `key` = %(k{n})s AND @st_ord IS NULL;"""
+TAKE_END = """
+SELECT @st_ord, @st_used, @st_wait;
+COMMIT"""
+
+# A give is one transaction: GIVE_BEGIN, GIVE per limit in stored-key order, COMMIT: the
+# caller's counting hold of the limit is locked and returned (its place in the call), then
+# deleted (a concurrency limit's, or a rate's given back as 0 units) or given its units (a
+# rate's start, kept where it is).
+GIVE_BEGIN = """
+START TRANSACTION;
+SET @st_now = UTC_TIMESTAMP(6);"""
+GIVE = """
+SELECT {n} FROM {holds} WHERE _MINE FOR UPDATE;
+DELETE FROM {holds} WHERE _MINE AND (%(p{n})s IS NULL OR %(u{n})s = 0);
+UPDATE {holds} SET units = %(u{n})s WHERE _MINE AND %(p{n})s IS NOT NULL AND %(u{n})s > 0;
+""".replace(
+    "_MINE",
+    "`key` = %(k{n})s AND token = %(token)s AND expires_at > @st_now "
+    "AND (%(p{n})s IS NULL OR `at` > @st_now - INTERVAL %(p{n})s MICROSECOND)",
+)
+
+# One page of the live limits under a prefix (p: those with a hold that counts), after the
+# last stored key of the page before; per limit, its units used and its last hold's end, and
+# its first MAX_SHOWN holds, oldest first. Read-only, one statement (one clock).
+STATE = """
+WITH p AS (SELECT m.`key`, COALESCE(m.full_key, m.`key`) AS name, m.size, m.period_us
+    FROM {limits} AS m
+    WHERE m.`key` LIKE %(scan)s ESCAPE '!' AND m.`key` > %(after)s
+        AND COALESCE(m.full_key, m.`key`) LIKE %(pattern)s ESCAPE '!'
+        AND EXISTS (SELECT 1 FROM {holds} AS l
+            WHERE l.`key` = m.`key` AND l.expires_at > UTC_TIMESTAMP(6))
+    ORDER BY m.`key` LIMIT %(limit)s),
+h AS (SELECT l.`key`, l.token, l.units, l.meta, l.expires_at,
+        ROW_NUMBER() OVER (PARTITION BY l.`key` ORDER BY l.`at`, l.token) AS n,
+        SUM(l.units) OVER (PARTITION BY l.`key`) AS used,
+        MAX(l.expires_at) OVER (PARTITION BY l.`key`) AS last
+    FROM {holds} AS l JOIN p ON p.`key` = l.`key`
+    WHERE l.expires_at > UTC_TIMESTAMP(6))
+SELECT p.`key`, p.name, p.size, p.period_us / 1000000, h.used,
+    TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), h.last) / 1000000,
+    h.token, h.units, h.meta,
+    TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), h.expires_at) / 1000000
+FROM p JOIN h ON h.`key` = p.`key` WHERE h.n <= MAX_SHOWN ORDER BY p.`key`, h.n""".replace(
+    "MAX_SHOWN", str(MAX_SHOWN)
+)
+
+# The sweep: a batch of expired rows of each table, read first (a consistent read: it locks
+# nothing), then deleted by primary key if still expired: RECLAIM_HOLDS per limit ({tokens}
+# its expired holds), RECLAIM_LIMITS.
+EXPIRED = """
+SELECT `key`, token FROM {holds} WHERE expires_at < UTC_TIMESTAMP(6)
+ORDER BY expires_at LIMIT %(limit)s;
+SELECT `key` FROM {limits} WHERE expires_at < UTC_TIMESTAMP(6)
+ORDER BY expires_at LIMIT %(limit)s"""
+RECLAIM_HOLDS = """
+DELETE FROM {holds} WHERE `key` = %(k{n})s AND token IN %(t{n})s
+    AND expires_at + INTERVAL 0 MICROSECOND < UTC_TIMESTAMP(6);"""
+RECLAIM_LIMITS = """
+DELETE FROM {limits} WHERE `key` IN %(limits)s
+    AND expires_at + INTERVAL 0 MICROSECOND < UTC_TIMESTAMP(6);"""
+
+
+def queries(table: str) -> dict[str, str]:
+    """The statements of named limits for the lock table ``table``, their tables named."""
+    limits, holds = (name.split(".") for name in limit_tables(table))
+    names = {
+        "{limits}": ".".join(f"`{part}`" for part in limits),
+        "{holds}": ".".join(f"`{part}`" for part in holds),
+        "{limits_index}": f"`{limits[-1]}_ex`", "{holds_index}": f"`{holds[-1]}_ex`",
+    }  # fmt: skip
+    found = {}
+    for name, text in {
+        "limits_schema": SCHEMA, "take_begin": TAKE_BEGIN, "sweep": SWEEP,
+        "take_decide": TAKE_DECIDE, "hold": HOLD, "start": START, "size": SIZE,
+        "take_end": TAKE_END, "give_begin": GIVE_BEGIN, "give": GIVE, "limit_state": STATE,
+        "expired": EXPIRED, "reclaim_holds": RECLAIM_HOLDS, "reclaim_limits": RECLAIM_LIMITS,
+    }.items():  # fmt: skip
+        for mark, value in names.items():
+            text = text.replace(mark, value)
+        found[name] = text
+    return found
+
+
+def create_tables(cursor: pymysql.cursors.Cursor, table: str, create: str) -> None:
+    """Create the tables of named limits of ``table`` with the statements ``create`` unless
+    both exist (looked up first, as ``queries.create_table`` does for the lock table)."""
+    schema, _, name = table.rpartition(".")
+    cursor.execute(FIND_TABLES, (schema or None, *limit_tables(name)))
+    row = cursor.fetchone()
+    if row is None or int(row[0]) < 2:
+        run_script(cursor, create, {})
+
+
+def reclaim(cursor: pymysql.cursors.Cursor, q: Mapping[str, str], limit: int) -> None:
+    """Delete a batch of expired rows of the limits' tables (``q``: :func:`queries`): two
+    requests, the first of which only reads."""
+    holds, limits = run_script(cursor, q["expired"], {"limit": limit})
+    tokens: dict[bytes, list[bytes]] = {}
+    for key, token in holds:
+        tokens.setdefault(key, []).append(token)
+    args: dict[str, Any] = {}
+    text = []
+    for n, key in enumerate(sorted(tokens), 1):
+        args[f"k{n}"], args[f"t{n}"] = key, tokens[key]
+        text.append(q["reclaim_holds"].format(n=n))
+    if limits:
+        args["limits"] = [row[0] for row in limits]
+        text.append(q["reclaim_limits"])
+    if text:
+        run_script(cursor, "".join(text), args)
+
+
+def _us(seconds: float) -> int:
+    return max(1, round(seconds * 1_000_000))
+
+
+class MySQLUnits(SQLUnits):
+    """``take_units`` and ``give_units`` of :class:`~.store.MySQLBackend`."""
+
+    _q: dict[str, str]
+
+    if TYPE_CHECKING:  # the store's own
+
+        def _run(
+            self, operation: str, key: str, work: Callable[[pymysql.cursors.Cursor], T],
+            *, writes: bool = True, units: bool = False,
+        ) -> T: ...  # fmt: skip
+
+    @staticmethod
+    def _args(limits: list[Limit], args: dict[str, Any]) -> list[Limit]:
+        """Put the arguments of ``limits`` in ``args``; return them in stored-key order."""
+        for limit in limits:
+            n = limit.ord
+            args[f"k{n}"], args[f"f{n}"] = limit.key, limit.full_key
+            args[f"s{n}"], args[f"u{n}"] = limit.size, limit.units
+            args[f"p{n}"] = None if limit.period is None else _us(limit.period)
+        return sorted(limits, key=lambda limit: limit.key.encode())
+
+    def _take(
+        self, token: str, ttl: float, limits: list[Limit], meta: Mapping[str, str] | None,
+        what: str,
+    ) -> tuple[int, int, float | None] | None:  # fmt: skip
+        q = self._q
+        args: dict[str, Any] = {
+            "token": token, "lease_us": _us(ttl), "meta": core.dump_meta(meta)[0],
+        }  # fmt: skip
+        ordered = self._args(limits, args)
+        for limit in limits:
+            args[f"e{limit.ord}"] = _us(ttl if limit.period is None else limit.period)
+        text = [q["take_begin"].format(locks=", ".join(LOCK.format(n=x.ord) for x in ordered))]
+        text += [q["sweep"].format(n=limit.ord) for limit in ordered]
+        items = " UNION ALL ".join(ITEM.format(n=limit.ord) for limit in limits)
+        text.append(q["take_decide"].format(items=items))
+        for limit in ordered:
+            text.append(q["hold" if limit.period is None else "start"].format(n=limit.ord))
+            text.append(q["size"].format(n=limit.ord))
+        text.append(q["take_end"])
+        script = "".join(text)
+        results = self._run("take_units", what, lambda c: run_script(c, script, args), units=True)
+        ord_, used, wait_us = results[-2][0]
+        if ord_ is None:
+            return None
+        return int(ord_), int(used), None if wait_us is None else int(wait_us) / 1e6
+
+    def _give(self, token: str, limits: list[Limit], what: str) -> set[int]:
+        args: dict[str, Any] = {"token": token}
+        ordered = self._args(limits, args)
+        text = [self._q["give_begin"], *(self._q["give"].format(n=x.ord) for x in ordered)]
+        script = "".join(text) + "\nCOMMIT"
+        results = self._run("give_units", what, lambda c: run_script(c, script, args), units=True)
+        return {int(row[0]) for rows in results for row in rows}

@@ -1,0 +1,255 @@
+"""Named limits in the PostgreSQL lock store (:mod:`singletask.backends.sql.postgres`): their
+tables and SQL. The layout, and how a take stays one atomic step, are in :mod:`..units`.
+
+A take is one transaction, one simple-query message (``TAKE``): its limits' rows locked in
+stored-key order, then with the clock read after those locks, one statement that reads the
+live holds, decides, and writes the caller's holds only when every limit has room. A give is
+one statement (``GIVE``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import sql
+
+from ....exceptions import LockKeyError
+from ...holders import MAX_SHOWN
+from .. import core
+from ..units import Limit, SQLUnits, limit_tables
+from .queries import PREAMBLE, SCRIPT
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import TypeVar
+
+    T = TypeVar("T")
+
+__all__ = ["PostgresUnits", "create_tables", "queries"]
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS {limits} (
+    key text COLLATE "C" PRIMARY KEY,
+    full_key text,
+    size bigint NOT NULL,
+    period float8,
+    expires_at timestamptz NOT NULL
+)"""
+HOLDS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS {holds} (
+    key text COLLATE "C" NOT NULL,
+    token text COLLATE "C" NOT NULL,
+    units bigint NOT NULL,
+    at timestamptz NOT NULL,
+    expires_at timestamptz NOT NULL,
+    meta text,
+    PRIMARY KEY (key, token)
+)"""
+INDEX = "CREATE INDEX IF NOT EXISTS {limits_index} ON {limits} (expires_at)"
+HOLDS_INDEX = "CREATE INDEX IF NOT EXISTS {holds_index} ON {holds} (expires_at)"
+FIND_TABLES = "SELECT to_regclass(%(l)s) IS NOT NULL AND to_regclass(%(h)s) IS NOT NULL"
+#: The same inside the transaction that creates them, after its advisory lock: read from the
+#: catalog with the statement's snapshot (``to_regclass`` may answer from a cache that has not
+#: seen a table another session created meanwhile).
+FOUND_TABLES = """
+SELECT count(*) = 2 FROM pg_catalog.pg_class
+WHERE relname IN (%(ln)s, %(hn)s) AND relnamespace = coalesce(%(schema)s::text,
+    current_schema())::regnamespace"""
+
+# A hold counts at ``n.now`` while its row has not run out and, for a rate (``a.period``), its
+# start is within the window the take gives.
+_LIVE = """l.expires_at > n.now
+        AND (a.period IS NULL OR l.at > n.now - a.period * interval '1 second')"""
+
+# The limits of the call: stored key, full key, size, units, period (NULL: concurrency), ord.
+_ASKED = """a AS (SELECT s.* FROM unnest(%(keys)s::text[], %(fulls)s::text[],
+        %(sizes)s::bigint[], %(units)s::bigint[], %(periods)s::float8[]) WITH ORDINALITY
+    AS s(key, full_key, size, units, period, ord))"""
+
+# One transaction: the limits' rows locked in stored-key order (%(locks)s; one missing is
+# inserted, expiring as a hold of the take would, %(keeps)s, so that no sweep deletes it while
+# the take is under way), and their expired holds deleted. Then, the clock read after the
+# locks: the live holds (h), per limit the units of the other tokens and whether the caller has
+# a start counted already (r), the first limit without room (f) and, for a rate, when enough of
+# its oldest starts leave the window (w). With room everywhere, the caller's holds are written
+# (a concurrency hold replaced: its renewal; a rate's start only if it has none counted) and
+# each limit's row records the size and period and outlives them. Returns no row when taken,
+# else one: the first limit without room, its units used, the seconds until a rate has room.
+TAKE = f"""
+BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL statement_timeout = {{ms}};
+SET LOCAL lock_timeout = {{ms}};
+INSERT INTO {{limits}} AS m (key, full_key, size, expires_at)
+SELECT s.key, s.full_key, 0, clock_timestamp() + s.keep * interval '1 second'
+FROM unnest(%(locks)s::text[], %(lock_fulls)s::text[], %(keeps)s::float8[]) WITH ORDINALITY
+    AS s(key, full_key, keep, o)
+ORDER BY s.o
+ON CONFLICT (key) DO UPDATE SET size = m.size;
+DELETE FROM {{holds}} WHERE key = ANY(%(locks)s::text[]) AND expires_at <= clock_timestamp();
+WITH n AS (SELECT clock_timestamp() AS now),
+{_ASKED},
+h AS (SELECT a.ord, l.token, l.units, l.at FROM a JOIN {{holds}} AS l ON l.key = a.key, n
+    WHERE {_LIVE}),
+r AS (SELECT a.*,
+        (SELECT coalesce(sum(h.units), 0) FROM h
+         WHERE h.ord = a.ord AND h.token <> %(token)s)::bigint AS used,
+        EXISTS (SELECT FROM h WHERE h.ord = a.ord AND h.token = %(token)s) AS mine
+    FROM a),
+f AS (SELECT * FROM r WHERE NOT ((r.period IS NOT NULL AND r.mine) OR r.used + r.units <= r.size)
+    ORDER BY r.ord LIMIT 1),
+w AS (SELECT min(x.ends) AS ends FROM f, LATERAL (
+        SELECT h.at + f.period * interval '1 second' AS ends,
+            sum(h.units) OVER (ORDER BY h.at, h.token) AS run
+        FROM h WHERE h.ord = f.ord AND h.token <> %(token)s) AS x
+    WHERE f.period IS NOT NULL AND x.run >= f.used + f.units - f.size),
+t AS (INSERT INTO {{holds}} AS l (key, token, units, at, expires_at, meta)
+    SELECT r.key, %(token)s, r.units,
+        CASE WHEN r.period IS NULL THEN n.now + %(ttl)s::float8 * interval '1 second'
+            ELSE n.now END,
+        n.now + coalesce(r.period, %(ttl)s::float8) * interval '1 second', %(meta)s
+    FROM r, n WHERE NOT EXISTS (SELECT FROM f) AND NOT (r.period IS NOT NULL AND r.mine)
+    ON CONFLICT (key, token) DO UPDATE SET units = EXCLUDED.units, at = EXCLUDED.at,
+        expires_at = EXCLUDED.expires_at, meta = EXCLUDED.meta),
+u AS (UPDATE {{limits}} AS m SET full_key = r.full_key, size = r.size, period = r.period,
+        expires_at = greatest(m.expires_at,
+            n.now + coalesce(r.period, %(ttl)s::float8) * interval '1 second')
+    FROM r, n WHERE m.key = r.key AND NOT EXISTS (SELECT FROM f))
+SELECT f.ord, f.used, extract(epoch FROM w.ends - n.now)::float8 FROM f, w, n;
+COMMIT"""
+
+# One statement: the caller's counting hold of each limit is deleted (a concurrency limit's,
+# or a rate's given back as 0 units), or its units set (a rate's start, kept where it is).
+# Returns the ord of each limit where the caller had one.
+GIVE = f"""
+WITH n AS (SELECT clock_timestamp() AS now),
+a AS (SELECT s.* FROM unnest(%(keys)s::text[], %(units)s::bigint[], %(periods)s::float8[])
+    WITH ORDINALITY AS s(key, units, period, ord)),
+d AS (DELETE FROM {{holds}} AS l USING a, n
+    WHERE l.key = a.key AND l.token = %(token)s AND (a.period IS NULL OR a.units = 0)
+        AND {_LIVE}
+    RETURNING a.ord),
+c AS (UPDATE {{holds}} AS l SET units = a.units FROM a, n
+    WHERE l.key = a.key AND l.token = %(token)s AND a.period IS NOT NULL AND a.units > 0
+        AND {_LIVE}
+    RETURNING a.ord)
+SELECT ord FROM d UNION ALL SELECT ord FROM c"""
+
+# One page of the live limits under a prefix (p: those with a hold that counts), after the
+# last stored key of the page before; per limit, its units used and its last hold's end, and
+# its first MAX_SHOWN holds, oldest first. Read-only.
+STATE = f"""
+WITH p AS (SELECT m.key, coalesce(m.full_key, m.key) AS name, m.size, m.period
+    FROM {{limits}} AS m
+    WHERE m.key LIKE %(scan)s ESCAPE '!' AND m.key > %(after)s
+        AND coalesce(m.full_key, m.key) LIKE %(pattern)s ESCAPE '!'
+        AND EXISTS (SELECT FROM {{holds}} AS l
+            WHERE l.key = m.key AND l.expires_at > statement_timestamp())
+    ORDER BY m.key LIMIT %(limit)s),
+h AS (SELECT l.key, l.token, l.units, l.meta, l.expires_at,
+        row_number() OVER (PARTITION BY l.key ORDER BY l.at, l.token) AS n,
+        sum(l.units) OVER (PARTITION BY l.key) AS used,
+        max(l.expires_at) OVER (PARTITION BY l.key) AS last
+    FROM {{holds}} AS l JOIN p ON p.key = l.key
+    WHERE l.expires_at > statement_timestamp())
+SELECT p.key, p.name, p.size, p.period, h.used::bigint,
+    extract(epoch FROM h.last - statement_timestamp())::float8,
+    h.token, h.units, h.meta, extract(epoch FROM h.expires_at - statement_timestamp())::float8
+FROM p JOIN h ON h.key = p.key WHERE h.n <= {MAX_SHOWN} ORDER BY p.key, h.n"""
+
+# A batch of expired rows of each table; rows a take has locked are skipped.
+RECLAIM = """
+WITH h AS (DELETE FROM {holds} WHERE (key, token) IN (
+    SELECT key, token FROM {holds} WHERE expires_at < statement_timestamp()
+    ORDER BY expires_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED))
+DELETE FROM {limits} WHERE key IN (
+    SELECT key FROM {limits} WHERE expires_at < statement_timestamp()
+    ORDER BY expires_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED)"""
+
+#: How many results come before the one ``TAKE`` reads: BEGIN, SET, SET, the locks, the DELETE.
+TAKE_SKIPPED = PREAMBLE + 2
+
+
+def queries(table: str, ms: sql.Composable, pooled: bool) -> dict[str, sql.Composed]:
+    """The statements of named limits for the lock table ``table`` (``ms``: the statement
+    time limit; ``pooled``: with ``transaction_pooling``, each statement in ``SCRIPT``)."""
+    limits, holds = (name.split(".") for name in limit_tables(table))
+    fmt = {
+        "limits": sql.Identifier(*limits), "holds": sql.Identifier(*holds),
+        "limits_index": sql.Identifier(f"{limits[-1]}_ex"),
+        "holds_index": sql.Identifier(f"{holds[-1]}_ex"),
+    }  # fmt: skip
+    q = {name: sql.SQL(text).format(**fmt) for name, text in {
+        "limits_schema": SCHEMA, "limits_index": INDEX, "holds_schema": HOLDS_SCHEMA,
+        "holds_index": HOLDS_INDEX,
+    }.items()}  # fmt: skip
+    q["take_units"] = sql.SQL(TAKE).format(ms=ms, **fmt)
+    wrap = sql.SQL(SCRIPT if pooled else "{statement}")
+    for name, text in {"give_units": GIVE, "limit_state": STATE, "reclaim_units": RECLAIM}.items():
+        q[name] = wrap.format(ms=ms, statement=sql.SQL(text).format(**fmt))
+    return q
+
+
+def create_tables(conn: psycopg.Connection[Any], table: str, q: Mapping[str, Any]) -> None:
+    """Create the tables of named limits of ``table`` (and their indexes) unless they exist,
+    as ``queries.create_table`` creates the lock table: looked up first, then created under the
+    same advisory lock."""
+    limits, holds = limit_tables(table)
+    if conn.execute(FIND_TABLES, {"l": limits, "h": holds}).fetchone() == (True,):
+        return
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"singletask:{table}",))
+        # Looked up again: another session may have created them meanwhile, and CREATE INDEX
+        # IF NOT EXISTS would lock each table in turn (against the takes already using them).
+        schema, _, name = table.rpartition(".")
+        ln, hn = limit_tables(name)
+        found = conn.execute(FOUND_TABLES, {"ln": ln, "hn": hn, "schema": schema or None})
+        if found.fetchone() == (True,):
+            return
+        for name in ("limits_schema", "limits_index", "holds_schema", "holds_index"):
+            conn.execute(q[name])
+
+
+class PostgresUnits(SQLUnits):
+    """``take_units`` and ``give_units`` of :class:`~.store.PostgresBackend`."""
+
+    if TYPE_CHECKING:  # the store's own
+
+        def _run(
+            self, operation: str, key: str, name: str, args: Mapping[str, Any],
+            read: Callable[[psycopg.Cursor[Any]], T], *, writes: bool = True,
+            units: bool = False,
+        ) -> T: ...  # fmt: skip
+
+    def _limit_key(self, key: str) -> tuple[str, str | None]:
+        if "\x00" in key:
+            raise LockKeyError(f"limit {key!r}: PostgreSQL text cannot hold a NUL character")
+        return core.stored_key(key, self._key_bytes)
+
+    def _take(
+        self, token: str, ttl: float, limits: list[Limit], meta: Mapping[str, str] | None,
+        what: str,
+    ) -> tuple[int, int, float | None] | None:  # fmt: skip
+        locks = sorted(limits, key=lambda limit: limit.key.encode())
+        args = {
+            "token": token, "ttl": ttl, "meta": core.dump_meta(meta)[0],
+            "locks": [limit.key for limit in locks],
+            "lock_fulls": [limit.full_key for limit in locks],
+            "keeps": [ttl if limit.period is None else limit.period for limit in locks],
+            "keys": [limit.key for limit in limits],
+            "fulls": [limit.full_key for limit in limits],
+            "sizes": [limit.size for limit in limits],
+            "units": [limit.units for limit in limits],
+            "periods": [limit.period for limit in limits],
+        }  # fmt: skip
+        row = self._run("take_units", what, "take_units", args, lambda c: c.fetchone(), units=True)
+        return None if row is None else (int(row[0]), int(row[1]), row[2])
+
+    def _give(self, token: str, limits: list[Limit], what: str) -> set[int]:
+        args = {
+            "token": token, "keys": [limit.key for limit in limits],
+            "units": [limit.units for limit in limits],
+            "periods": [limit.period for limit in limits],
+        }  # fmt: skip
+        rows = self._run("give_units", what, "give_units", args, lambda c: c.fetchall(), units=True)
+        return {int(row[0]) for row in rows}
