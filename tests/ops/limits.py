@@ -24,7 +24,7 @@ from singletask.protocol.limits import limit_key
 from singletask.protocol.tokens import execution_token
 
 #: The stores the limit tests of the operator surfaces run on (``supports_units``).
-UNITS_STORES = ["memory", "sqlite"]
+UNITS_STORES = ["memory", "sqlite", "redis"]
 
 #: The window of the rates the tests take: long enough never to run out during a test.
 PERIOD = 60.0
