@@ -149,6 +149,18 @@ class LockBackend(abc.ABC):
         """
         return None
 
+    @classmethod
+    def check_units_keys(cls, keys: Sequence[str], where: str) -> None:
+        """Refuse, without connecting to anything, limit store keys that one :meth:`take_units`
+        of this store could not take together (a Redis Cluster keeps them in one hash slot).
+        Called when a task naming limits is bound. The default refuses nothing.
+
+        Raises:
+            ConfigurationError: They cannot be taken together; the message starts with
+                ``where`` and says how to name them.
+        """
+        return None
+
     @abc.abstractmethod
     def acquire(
         self,

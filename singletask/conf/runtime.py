@@ -268,6 +268,25 @@ def check_lease_options(app: Celery, name: str, declared: TaskOptions) -> None:
     limit = store_limit(settings)
     if limit is not None:
         declared.check_store(name, settings, *limit)
+        _check_limits_together(name, declared, settings)
+
+
+def _check_limits_together(name: str, declared: TaskOptions, settings: Settings) -> None:
+    """Refuse the named limits of task ``name`` that its lock store cannot take together (a
+    Redis Cluster: not in one hash slot), for the names known before any call (a dict
+    ``singletask_limits``; templates and a callable setting are checked by the store, per
+    take, before it sends anything)."""
+    if declared.limits is None or callable(settings.limits):
+        return
+    keys = []
+    for limit in declared.limits.limits:
+        spec = settings.limits.get(limit.name)
+        if spec is not None:
+            keys += [units.key for units in spec.units(settings.key_prefix, limit.name, 1)]
+    if keys:
+        backend_class(settings.backend_url).check_units_keys(
+            keys, f"task {name!r} attribute lock_limits"
+        )
 
 
 def app_state(app: Celery) -> AppState:

@@ -391,3 +391,23 @@ def test_a_store_without_limits_refuses_them_when_bound() -> None:
 
         @app.task(base=SingletonTask, shared=False, lazy=False, lock_limits=["warehouse"])
         def load() -> None: ...
+
+
+def test_limits_a_redis_cluster_cannot_take_together_are_refused_when_bound() -> None:
+    """On a Redis Cluster the limits of one take share a hash slot: names without one hash
+    tag are refused when the task is bound, with the way out; names with one are accepted."""
+    app = celery.Celery("cluster-limits", set_as_current=False)
+    app.conf.singletask_backend_url = "redis+cluster://127.0.0.1:1"
+    app.conf.singletask_limits = {
+        "requests": {"concurrency": 8},
+        "tokens": {"rate": "90000/m"},
+        **LIMITS,
+    }
+    with pytest.raises(ConfigurationError, match=r"hash slot.*\{openai\}-requests"):
+
+        @app.task(base=SingletonTask, shared=False, lazy=False, lock_limits=["requests", "tokens"])
+        def summarize() -> None: ...
+
+    @app.task(base=SingletonTask, shared=False, lazy=False,
+              lock_limits=["{llm}-requests", "{llm}-tokens"])  # fmt: skip
+    def translate() -> None: ...

@@ -340,6 +340,7 @@ class RedisClusterBackend(_Deployed):
     """
 
     EXTRA_OPTIONS = frozenset({"dynamic_startup_nodes"})
+    CLUSTER = True
 
     def _target(self, url: str) -> tuple[list[Any], dict[str, Any]]:
         where = f"{mask(url)!r}"

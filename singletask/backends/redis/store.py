@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -132,6 +132,10 @@ class RedisBackend(LockBackend):
     supports_debounce = True
     supports_replace = True
     supports_units = True
+
+    #: Whether the stores of this class are Redis Clusters (by their URL: the limits one
+    #: take names must share a hash slot, :meth:`check_units_keys`).
+    CLUSTER: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -409,6 +413,10 @@ class RedisBackend(LockBackend):
             ConfigurationError: They cannot; the message says how to name them.
         """
         check_limit_keys(keys, where, cluster=self._clustered())
+
+    @classmethod
+    def check_units_keys(cls, keys: Sequence[str], where: str) -> None:
+        check_limit_keys(keys, where, cluster=cls.CLUSTER)
 
     def _clustered(self) -> bool:
         """Whether the store is a Redis Cluster (scripts must keep to one hash slot)."""
