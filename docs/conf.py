@@ -52,6 +52,10 @@ nitpick_ignore = (
             "singletask.backends.sql.core.SQLBackend",
             "singletask.backends.redis.deploy._Deployed",
             "TaskOptions",
+            "singletask.conf.limits.TaskLimits",
+            "singletask.conf.limits.LimitSpec",
+            "singletask.backends.sql.postgres.units.PostgresUnits",
+            "singletask.backends.sql.mysql.units.MySQLUnits",
         )
     ]
     + [
@@ -66,6 +70,8 @@ nitpick_ignore = (
             "singletask.backends.redis.slots",
             "singletask.demo.events",
             "singletask.demo.runner",
+            "singletask.backends.redis.units",
+            "singletask.execution.units",
         )
     ]
     + [
@@ -91,6 +97,15 @@ nitpick_ignore = (
         ("py:func", "claim_follow_up"),
         ("py:func", "enter_window"),
         ("py:func", "reserve"),
+        ("py:func", "singletask.execution.units.own_key"),
+        ("py:func", "singletask.protocol.limits.limit_key"),
+        ("py:meth", "singletask.ops.limits.LimitRecord.from_store"),
+        ("py:data", "MAX_SHOWN"),
+        ("py:data", "MAX_UNITS"),
+        ("py:data", "HOLD_FIELDS"),
+        ("py:data", "LIMIT_FIELDS"),
+        ("py:data", "singletask.conf.limits.SPEC_CACHE_SECONDS"),
+        ("py:attr", "holds"),
     ]
 )
 

@@ -158,7 +158,7 @@ class LockOptions:
 
     @property
     def keyless(self) -> bool:
-        """Whether executions hold no key of their own: limits alone hold them back
+        """True when executions hold no key of their own, as limits alone hold them back
         (``lock_limits`` without ``lock_args``, ``lock_key`` or ``lock_limit``, or the key's
         ``lock_limit`` counted in units by ``lock_cost``). Each then holds a key no other
         execution takes (:func:`singletask.execution.units.own_key`), for its lease."""

@@ -98,16 +98,16 @@ class LimitRecord:
 
     Attributes:
         name: The limit's name (``singletask_limits``), read from its store key.
-        kind: ``"concurrency"`` (at most :attr:`size` units held at once) or ``"rate"`` (at
-            most :attr:`size` units started in any window of :attr:`period` seconds).
+        kind: ``"concurrency"`` (at most ``size`` units held at once) or ``"rate"`` (at
+            most ``size`` units started in any window of ``period`` seconds).
         size: The limit's size, as the last take gave it.
         period: The rate's window in seconds; None for a concurrency limit.
         used: Units in use: held now (concurrency), or started in the current window (rate).
         ttl: Seconds until its last hold or start stops counting (then the record is gone),
             when the store says.
         holds: The holds (concurrency) or the starts that still count (rate), oldest first, at
-            most :data:`~singletask.backends.holders.MAX_SHOWN` of them (:attr:`used` counts
-            them all; :attr:`units_not_shown` says how many units the others have).
+            most :data:`~singletask.backends.holders.MAX_SHOWN` of them (``used`` counts
+            them all; ``units_not_shown`` says how many units the others have).
         key: The limit's store key.
     """
 
