@@ -39,6 +39,7 @@ A new backend subclasses :class:`LockBackend`, implements the abstract methods, 
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
@@ -64,6 +65,7 @@ from .urls import TABLE_SCHEMES
 __all__ = [
     "MAX_LEASE", "MAX_UNITS", "STATE_KINDS", "AcquireResult", "Holder", "LockBackend",
     "StoreState", "Units", "UnitsResult", "check_lease", "check_taken", "check_units",
+    "units_meta",
 ]  # fmt: skip
 
 logger = logging.getLogger("singletask")
@@ -72,6 +74,11 @@ logger = logging.getLogger("singletask")
 #: the task options allow (each at most 30 days; a queue reservation adds the message's
 #: countdown, and is capped here), and far below what the stores can represent.
 MAX_LEASE = _MAX_LEASE
+
+
+def units_meta(meta: Mapping[str, str] | None) -> dict[str, str]:
+    """What a hold of named limits keeps of a lock's metadata: its ``task_id`` and ``task``."""
+    return {name: meta[name] for name in ("task_id", "task") if meta and name in meta}
 
 
 def _unsupported(message: str) -> Iterator[StoreState]:
@@ -170,6 +177,7 @@ class LockBackend(abc.ABC):
         *,
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
+        units: Sequence[Units] = (),
     ) -> AcquireResult:
         """Take ``key`` for ``token`` with a lease of ``ttl`` seconds, in one atomic step.
 
@@ -183,9 +191,52 @@ class LockBackend(abc.ABC):
         token issued before for that key, even after the lock expired; re-acquiring by the same
         token keeps its token.
 
+        With ``units`` (named limits, stores with :attr:`supports_units`; singletask passes it
+        only when it has units to take), the key is taken only with them, as
+        :meth:`take_units` takes them (``meta``'s ``task_id`` and ``task`` kept with each
+        hold): a held key is refused as without; a key free but a limit without room changes
+        nothing and returns ``AcquireResult(False, limit=..., used=..., retry_after=...)``.
+        The built-in stores do it in one atomic step where the key and the limits are in one
+        place (not across Redis Cluster slots); elsewhere :meth:`_take_units_after` does it in
+        two.
+
         Raises:
             BackendError: The store failed.
         """
+
+    def _take_units_after(
+        self,
+        result: AcquireResult,
+        key: str,
+        token: str,
+        ttl: float,
+        units: Sequence[Units],
+        meta: Mapping[str, str] | None,
+    ) -> AcquireResult:
+        """The units of an acquire that took ``key`` (``result``), in a second step: taken
+        (the result as it is), or refused, the key given back again (a duplicate may meet it
+        held in between: not one atomic step). For a store that cannot take both at once."""
+        if not units or not result.acquired:
+            return result
+        taken_key = result.key or key
+        try:
+            taken = self.take_units(token, ttl, units, meta=units_meta(meta))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.release(taken_key, token)
+            raise
+        if taken.taken:
+            return result
+        self.release(taken_key, token)
+        return AcquireResult(False, retry_after=taken.retry_after, limit=taken.limit,
+                             used=taken.used)  # fmt: skip
+
+    def _give_units_before(self, token: str, units: Sequence[Units]) -> None:
+        """The units of a release, given back before its key, in a step of their own (for a
+        store that cannot do both at once): the concurrency units of ``units``."""
+        held = [item for item in units if item.period is None]
+        if held:
+            self.give_units(token, held)
 
     def acquire_slot(
         self,
@@ -197,6 +248,7 @@ class LockBackend(abc.ABC):
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
         interval: float | None = None,
+        units: Sequence[Units] = (),
     ) -> AcquireResult:
         """Take one of the ``limit`` holder slots of ``key`` for ``token``, in one atomic step.
 
@@ -216,7 +268,7 @@ class LockBackend(abc.ABC):
         ``interval`` seconds later. A start that is not allowed changes nothing and returns
         ``AcquireResult(False, retry_after=<seconds until one is>)``. A holder re-acquiring
         its own slot is no start; a key with every slot held is refused as without
-        ``interval``, and records nothing.
+        ``interval``, and records nothing. ``units``: as for :meth:`acquire`.
 
         Raises:
             UnsupportedOperation: The store has no holder slots (:attr:`supports_limit`).
@@ -417,11 +469,17 @@ class LockBackend(abc.ABC):
         raise UnsupportedOperation(f"{self!r} cannot keep named limits")
 
     @abc.abstractmethod
-    def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
+    def release(
+        self, key: str, token: str, *, completed: str | None = None, units: Sequence[Units] = ()
+    ) -> bool:
         """Delete ``key`` if ``token`` holds it. Returns whether it did.
 
         With ``completed``, a successful release also records that marker for the key, in the
         same atomic step; the next acquisitions report it in :attr:`AcquireResult.completed`.
+        With ``units`` (stores with :attr:`supports_units`), ``token``'s holds of their
+        concurrency limits are given back first, whether it still held the key or not (rates
+        are left alone: spent), as :meth:`give_units` does: in the same atomic step where the
+        store can (as :meth:`acquire`), else just before (:meth:`_give_units_before`).
 
         Raises:
             BackendError: The store failed.

@@ -37,7 +37,7 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 from ..exceptions import ConfigurationError, UnsupportedOperation
-from .base import AcquireResult, Holder, LockBackend
+from .base import AcquireResult, Holder, LockBackend, Units
 from .memcached.store import MAX_RELATIVE_EXPIRY
 from .urls import mask_url
 
@@ -269,10 +269,17 @@ class DjangoCacheBackend(LockBackend):
         *,
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
+        units: Sequence[Units] = (),
     ) -> AcquireResult:
+        if units:
+            self.take_units(token, ttl, units)  # refused: a Django cache keeps no named limits
         return self.store().acquire(key, token, ttl, meta=meta, takeover_prefix=takeover_prefix)
 
-    def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
+    def release(
+        self, key: str, token: str, *, completed: str | None = None, units: Sequence[Units] = ()
+    ) -> bool:
+        if units:
+            self.give_units(token, units)  # refused: a Django cache keeps no named limits
         return self.store().release(key, token, completed=completed)
 
     def extend(self, key: str, token: str, ttl: float) -> bool:

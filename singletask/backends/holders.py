@@ -85,7 +85,11 @@ class AcquireResult:
         holders: When :meth:`LockBackend.acquire_slot` found every slot held, every holder,
             slot 0 first (``holder`` is the first of them).
         retry_after: When :meth:`LockBackend.acquire_slot` was refused by its ``interval``
-            (a slot was free, the key started too recently): seconds until a start is allowed.
+            (a slot was free, the key started too recently): seconds until a start is allowed;
+            with ``limit``, a rate's seconds until it has room.
+        limit: When the key was free but a limit of the acquire's ``units`` had no room: that
+            limit's key (nothing was taken).
+        used: With ``limit``: its units in use, the caller's own not counted.
     """
 
     acquired: bool
@@ -95,6 +99,8 @@ class AcquireResult:
     key: str | None = None
     holders: tuple[Holder, ...] = ()
     retry_after: float | None = None
+    limit: str | None = None
+    used: int | None = None
 
 
 #: The kinds of bookkeeping record :meth:`LockBackend.iter_state

@@ -30,6 +30,7 @@ from .base import (
     UnitsResult,
     check_lease,
     check_taken,
+    units_meta,
 )
 from .holders import MAX_SHOWN
 from .urls import mask_url
@@ -161,10 +162,11 @@ class MemoryBackend(LockBackend):
         *,
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
+        units: Sequence[Units] = (),
     ) -> AcquireResult:
         ttl = check_lease(ttl, "acquire")
         now = time.monotonic()
-        with self._mutex:
+        with self._mutex:  # the key and the units in one hold of the mutex (an RLock)
             entry = self._live(key, now)
             if (
                 entry is not None
@@ -172,6 +174,9 @@ class MemoryBackend(LockBackend):
                 and not (takeover_prefix and entry.token.startswith(takeover_prefix))
             ):
                 return AcquireResult(False, self._holder(entry, now, brief=True))
+            refused = self._units_refused(token, ttl, units, meta)
+            if refused is not None:
+                return refused
             return self._take(key, entry, token, ttl, meta, now)
 
     def acquire_slot(
@@ -184,6 +189,7 @@ class MemoryBackend(LockBackend):
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
         interval: float | None = None,
+        units: Sequence[Units] = (),
     ) -> AcquireResult:
         ttl = check_lease(ttl, "acquire")
         if interval is not None:
@@ -196,11 +202,16 @@ class MemoryBackend(LockBackend):
                 holders = tuple(self._holder(e, now, brief=True) for _, e in slots if e)
                 return AcquireResult(False, holders[0], holders=holders)
             name, entry = slots[chosen]
-            if interval is not None and (entry is None or entry.token != token):
+            start = interval is not None and (entry is None or entry.token != token)
+            if start:
                 allowed = self._rates.get(key, now)
                 if allowed > now:  # too soon after the key's last start
                     return AcquireResult(False, retry_after=allowed - now)
-                self._rates[key] = now + interval
+            refused = self._units_refused(token, ttl, units, meta)
+            if refused is not None:
+                return refused
+            if start:
+                self._rates[key] = now + float(interval or 0)
                 self._prune(now)
             return self._take(name, entry, token, ttl, meta, now)
 
@@ -227,6 +238,22 @@ class MemoryBackend(LockBackend):
         record.fence, record.expires_at = max(record.fence, fence), now + FENCE_RETENTION
         self._entries[name] = _Entry(token, now + ttl, dict(meta or {}), fence)
         return AcquireResult(True, fence=fence, completed=record.done, key=name)
+
+    def _units_refused(
+        self,
+        token: str,
+        ttl: float,
+        units: Sequence[Units],
+        meta: Mapping[str, str] | None,
+    ) -> AcquireResult | None:
+        """Take ``units`` with a key (the mutex is held); the refusal, or None when taken."""
+        if not units:
+            return None
+        taken = self.take_units(token, ttl, units, meta=units_meta(meta))
+        if taken.taken:
+            return None
+        return AcquireResult(False, retry_after=taken.retry_after, limit=taken.limit,
+                             used=taken.used)  # fmt: skip
 
     def take_units(
         self,
@@ -372,8 +399,11 @@ class MemoryBackend(LockBackend):
             return None
         return window
 
-    def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
+    def release(
+        self, key: str, token: str, *, completed: str | None = None, units: Sequence[Units] = ()
+    ) -> bool:
         with self._mutex:
+            self._give_units_before(token, units)
             entry = self._live(key, time.monotonic())
             if entry is None or entry.token != token:
                 return False

@@ -10,7 +10,7 @@ runs in another slot must not take a second one).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from ..protocol.headers import is_redelivery
@@ -18,7 +18,7 @@ from ..protocol.slots import slot_keys
 from ..protocol.tokens import process_state
 
 if TYPE_CHECKING:
-    from ..backends.base import AcquireResult, Holder, LockBackend
+    from ..backends.base import AcquireResult, Holder, LockBackend, Units
     from ..conf.options import LockOptions
 
 __all__ = ["RATE_WAIT", "gone_holder", "take", "twin_of", "waits_for_rate"]
@@ -35,14 +35,20 @@ def take(
     token: str,
     meta: Mapping[str, str],
     takeover: str | None,
+    units: Sequence[Units] = (),
 ) -> AcquireResult:
     """Acquire ``key`` for ``token``, in one request: the key itself (the singleton's path), or
-    one of its slots, the rate checked in the same atomic step."""
+    one of its slots, the rate checked in the same atomic step, with the ``units`` of named
+    limits where the store can (passed only when there are some: a store of one's own written
+    before named limits takes no ``units``)."""
+    with_units: dict[str, Any] = {"units": units} if units else {}
     if options.limit == 1 and options.rate_interval is None:
-        return backend.acquire(key, token, options.ttl, meta=meta, takeover_prefix=takeover)
+        return backend.acquire(
+            key, token, options.ttl, meta=meta, takeover_prefix=takeover, **with_units
+        )
     return backend.acquire_slot(
         key, options.limit, token, options.ttl, meta=meta, takeover_prefix=takeover,
-        interval=options.rate_interval,
+        interval=options.rate_interval, **with_units,
     )  # fmt: skip
 
 

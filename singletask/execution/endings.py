@@ -38,9 +38,10 @@ execution that has ended: it would get that result and never run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
 from celery.exceptions import Ignore, Reject, Retry
@@ -52,7 +53,7 @@ from ..protocol.tokens import reservation_token
 if TYPE_CHECKING:
     from celery import Task
 
-    from ..backends.base import LockBackend
+    from ..backends.base import LockBackend, Units
     from ..conf.options import LockOptions
 
 __all__ = [
@@ -158,8 +159,11 @@ def release_or_reserve(
     *,
     completed: str | None = None,
     meta: Mapping[str, str] | None = None,
+    units: Sequence[Units] = (),
 ) -> bool:
     """End the execution's hold: release, or turn it into a reservation for the body's retry.
+    With ``units`` (the concurrency units of named limits it holds), they are given back with
+    the release, in the same step where the store can, or just before the reservation.
 
     The reservation is the lock under a token only the retried attempt (same task id,
     ``retries + 1``) takes over; it lasts the retry's countdown plus one lease. Either is sent
@@ -167,11 +171,15 @@ def release_or_reserve(
     a release found the lock no longer held, else True.
     """
     if retry is not None:
+        if units:
+            with contextlib.suppress(Exception):  # else their lease gives them back
+                backend.give_units(token, units)
         reserve_for_retry(task, options, backend, key, token, getattr(retry, "when", None), meta)
         return True
+    with_units: dict[str, Any] = {"units": units} if units else {}
     try:
         released, failed = persist(
-            lambda: backend.release(key, token, completed=completed), options.ttl
+            lambda: backend.release(key, token, completed=completed, **with_units), options.ttl
         )
         if not released and failed:
             # A try whose reply was lost may have released it, or the lease ran out meanwhile.

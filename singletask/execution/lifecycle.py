@@ -59,7 +59,7 @@ from .units import Wanted, own_key, wanted
 if TYPE_CHECKING:
     from celery import Task
 
-    from ..backends.base import AcquireResult, LockBackend
+    from ..backends.base import AcquireResult, LockBackend, Units
     from ..conf.options import LockOptions
     from ..conf.runtime import AppState
 
@@ -251,7 +251,8 @@ class _Run:
     def take(self, takeover: str | None) -> AcquireResult:
         """One acquire of the key, taking over ``takeover``'s hold if it is the holder."""
         self.sent_at = time.monotonic()
-        return take(self.backend, self.options, self.key, self.token, self.meta, takeover)
+        units = self.want.units if self.want else ()
+        return take(self.backend, self.options, self.key, self.token, self.meta, takeover, units)
 
     def unreachable(self, exc: BackendUnavailable | BackendTimeout) -> Ended:
         """The lock store could not be reached: the task's ``lock_on_backend_error`` decides."""
@@ -259,9 +260,15 @@ class _Run:
             self.task, self.options, exc, self.direct, self.body, self.args, self.kwargs
         ))  # fmt: skip
 
+    @property
+    def held(self) -> tuple[Units, ...]:
+        """The concurrency units of named limits this execution holds with its key."""
+        return self.want.held if self.want else ()
+
     def give_back(self) -> None:
         """End a hold taken for an execution that will not run its body (never raises)."""
-        release_or_reserve(self.task, self.options, self.backend, self.key, self.token, None)
+        release_or_reserve(self.task, self.options, self.backend, self.key, self.token, None,
+                           units=self.held)  # fmt: skip
 
 
 def _acquire(run: _Run) -> AcquireResult | Ended:
@@ -281,6 +288,8 @@ def _acquire(run: _Run) -> AcquireResult | Ended:
             result = run.take(run.takeover)
     except (BackendUnavailable, BackendTimeout) as exc:
         return run.unreachable(exc)
+    if not result.acquired and result.limit is not None:
+        return _no_room(run, result)
     if not result.acquired:
         taken = _preempt_or_refuse(run, result)
         if isinstance(taken, Ended):
@@ -289,28 +298,16 @@ def _acquire(run: _Run) -> AcquireResult | Ended:
     # With lock_limit above 1 the execution holds one of the key's slots: renew and release it.
     run.lock_key, run.key = run.key, result.key or run.key
     ended = _admit(run, result)
-    if ended is None and run.want:
-        ended = _take_units(run)
     return result if ended is None else ended
 
 
-def _take_units(run: _Run) -> Ended | None:
-    """With the key taken, the units of its limits, all or nothing; a limit without room gives
-    the key back and is refused as a held key is (a retried attempt of the body retries,
+def _no_room(run: _Run, result: AcquireResult) -> Ended:
+    """The key was free but a named limit had no room for the execution's units: nothing was
+    taken, and it is refused as for a held key (a retried attempt of the body retries,
     whatever the policy: the retry it asked for is not lost to a limit)."""
     assert run.want is not None
-    try:
-        conflict = units.take(run.task, run.options, run.backend, run.lock_key, run.token,
-                              run.want, run.meta, run.direct)  # fmt: skip
-    except (BackendUnavailable, BackendTimeout) as exc:
-        run.give_back()
-        return run.unreachable(exc)
-    except BaseException:
-        run.give_back()  # never leave the key taken
-        raise
-    if conflict is None:
-        return None
-    run.give_back()
+    conflict = units.no_room(run.task, run.options, run.backend, run.key, run.want, result,
+                             run.direct)  # fmt: skip
     if run.retries > 0 and not run.direct and not run.request.is_eager:
         return Ended(POLICIES["retry"].apply(conflict))
     return Ended(refused(conflict))
@@ -484,9 +481,9 @@ def _end_hold(
     retry the body asked for (``self.retry()``) is reserved for, then published."""
     handle.lost  # noqa: B018 - reports a lease that ran out unnoticed by the body
     run.state.renewer.remove(handle)  # before the release: no renewal starts after this
-    if run.want:  # before the key: a next execution of it finds the room back
-        units.give_back(run.task, run.backend, run.token, run.want)
     if run.retry is not None:  # self.retry(): reserve for the retry, then publish it
+        if run.want:
+            units.give_back(run.task, run.backend, run.token, run.want)
         completed = run.attempt if run.task.acks_late else None
         try:
             return reserve_and_publish(run.task, run.options, run.backend, run.key, run.token,
@@ -496,7 +493,9 @@ def _end_hold(
     row = ENDINGS[ending]
     retry = raised if row.reserve else None
     completed = run.attempt if row.completed and run.task.acks_late else None
+    # The units of its limits are given back with the key (before it, where not in one step).
     released = release_or_reserve(run.task, run.options, run.backend, run.key, run.token,
-                                  retry, completed=completed, meta=run.meta)  # fmt: skip
+                                  retry, completed=completed, meta=run.meta,
+                                  units=run.held)  # fmt: skip
     report.released(run.task, watch, handle)
     return released

@@ -1,17 +1,18 @@
 """Named limits at execution: what an execution takes of its limits, and when it gives it back.
 
-An execution of a task with ``lock_limits`` (or ``lock_cost``) takes, once its key is taken,
-its units of every limit it names in one atomic step of the store
-(:meth:`~singletask.backends.base.LockBackend.take_units`), all or nothing:
+An execution of a task with ``lock_limits`` (or ``lock_cost``) takes its units of every limit
+it names with its key, all or nothing:
 
 * :func:`wanted`: the :class:`~singletask.backends.base.Units` of one call: each name of
   ``lock_limits`` (templates filled in) with its cost, looked up in ``singletask_limits``
   (a concurrency, a rate, or both), and with ``lock_cost`` its own key's ``lock_limit``;
-* :func:`take`: the take; a refusal is a :class:`~singletask.policies.Conflict` naming the
-  limit, which the task's ``lock_policy`` handles as it handles a held key;
-* :func:`give_back`: the concurrency units come back on every ending, before the key is
-  released (a rate's units are spent); after a crash, the hold's lease (``lock_ttl``, renewed
-  with the key's) gives them back.
+* the take is the acquire's (:meth:`~singletask.backends.base.LockBackend.acquire` with
+  ``units``: one atomic step with the key where the store can); :func:`no_room` turns its
+  refusal into a :class:`~singletask.policies.Conflict` naming the limit, which the task's
+  ``lock_policy`` handles as it handles a held key;
+* the concurrency units come back on every ending, with the key's release
+  (:func:`give_back` where they cannot go with it); a rate's units are spent; after a crash,
+  the hold's lease (``lock_ttl``, renewed with the key's) gives them back.
 
 An execution that holds no key of its own (:attr:`~singletask.conf.options.LockOptions.keyless`)
 holds :func:`own_key` instead: a key of its message alone, which nothing else takes, so that its
@@ -33,11 +34,11 @@ from ..protocol.limits import limit_key
 if TYPE_CHECKING:
     from celery import Task
 
-    from ..backends.base import LockBackend
+    from ..backends.base import AcquireResult, LockBackend
     from ..conf.options import LockOptions
     from ..conf.runtime import AppState
 
-__all__ = ["KEY_LIMIT", "Wanted", "charge", "give_back", "own_key", "take", "wanted"]
+__all__ = ["KEY_LIMIT", "Wanted", "charge", "give_back", "no_room", "own_key", "wanted"]
 
 logger = logging.getLogger("singletask")
 
@@ -122,28 +123,17 @@ def _fits(task: str, attribute: str, name: str, cost: int, size: int) -> None:
         )
 
 
-def take(
+def no_room(
     task: Task[Any, Any],
     options: LockOptions,
     backend: LockBackend,
     key: str,
-    token: str,
     want: Wanted,
-    meta: Mapping[str, str],
+    result: AcquireResult,
     direct: bool,
-) -> Conflict | None:
-    """Take ``want`` for ``token`` in one atomic step; None when taken (or nothing is wanted),
-    else the refusal, naming the first limit without room.
-
-    Raises:
-        BackendError: The store failed.
-    """
-    if not want:
-        return None
-    shown = {"task_id": meta["task_id"]} if "task_id" in meta else {}
-    result = backend.take_units(token, options.ttl, want.units, meta={**shown, "task": task.name})
-    if result.taken:
-        return None
+) -> Conflict:
+    """The refusal of an acquire whose key was free but whose limit ``result.limit`` had no
+    room for ``want``: a conflict naming the limit, for the task's policy."""
     name = want.names.get(result.limit or "", result.limit or "")
     return Conflict(
         task, options, backend, key.partition(OWN_MARK)[0], None, direct,

@@ -10,14 +10,20 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..backends.base import AcquireResult, Holder, LockBackend, StoreState
-from ..exceptions import BackendUnavailable
+from ..backends.base import AcquireResult, Holder, LockBackend, StoreState, Units, UnitsResult
+from ..exceptions import BackendUnavailable, UnsupportedOperation
 from ..task import override_lock_backend
 
 if TYPE_CHECKING:
     from celery import Celery
 
 __all__ = ["locks_disabled", "routed"]
+
+
+def _no_units(units: Sequence[Units]) -> None:
+    """The test stores route the locks alone: named limits are not kept there."""
+    if units:
+        raise UnsupportedOperation("the test suite's lock store keeps no named limits")
 
 
 class _Router(LockBackend):
@@ -50,12 +56,17 @@ class _Router(LockBackend):
         *,
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
+        units: Sequence[Units] = (),
     ) -> AcquireResult:
+        _no_units(units)
         return self._store().acquire(
             self.namespace + key, token, ttl, meta=meta, takeover_prefix=takeover_prefix
         )
 
-    def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
+    def release(
+        self, key: str, token: str, *, completed: str | None = None, units: Sequence[Units] = ()
+    ) -> bool:
+        _no_units(units)
         return self._store().release(self.namespace + key, token, completed=completed)
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
@@ -91,7 +102,9 @@ class _Router(LockBackend):
 
 
 class _AlwaysFree(LockBackend):
-    """A store in which every lock is free: locking switched off."""
+    """A store in which every lock is free, and every limit has room: locking switched off."""
+
+    supports_units = True
 
     def __init__(self) -> None:
         self._fences = itertools.count(1)
@@ -108,11 +121,27 @@ class _AlwaysFree(LockBackend):
         *,
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
+        units: Sequence[Units] = (),
     ) -> AcquireResult:
         return AcquireResult(True, fence=next(self._fences))
 
-    def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
+    def release(
+        self, key: str, token: str, *, completed: str | None = None, units: Sequence[Units] = ()
+    ) -> bool:
         return True
+
+    def take_units(
+        self,
+        token: str,
+        ttl: float,
+        units: Sequence[Units],
+        *,
+        meta: Mapping[str, str] | None = None,
+    ) -> UnitsResult:
+        return UnitsResult(True)  # limits are off with the locks
+
+    def give_units(self, token: str, units: Sequence[Units]) -> list[bool]:
+        return [True] * len(units)
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
         return True

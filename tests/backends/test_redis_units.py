@@ -282,3 +282,30 @@ def test_every_key_of_the_limits_of_one_take_is_in_one_cluster_slot(
         assert units_key(apart.key) not in written
     finally:
         client.close()
+
+
+def test_a_key_and_its_units_cost_one_round_trip_to_take_and_one_to_give_back(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """On one server the lock and the units of its limits go in one script each way: an
+    execution with named limits costs the two round trips of one without."""
+    key = f"{key_prefix}lock"
+    requests = Units(limit_key(key_prefix, "{llm}-requests"), 1, 1)
+    tokens = Units(limit_key(key_prefix, "{llm}-tokens", rate=True), 10, 3, PERIOD)
+    warm = redis_backend.acquire(key, "token-0", LEASE, units=[requests, tokens])
+    assert redis_backend.release(key, "token-0", units=[requests, tokens])
+    assert warm.acquired
+    calls: list[Callable[[], Any]] = [
+        lambda: redis_backend.acquire(key, "token-1", LEASE, units=[requests, tokens]),
+        lambda: redis_backend.acquire(f"{key}2", "token-2", LEASE, units=[requests]),
+        lambda: redis_backend.release(key, "token-1", units=[requests, tokens]),
+    ]
+    outcomes: list[Any] = []
+    for call in calls:
+        before = reads(redis_client)
+        outcomes.append(call())
+        assert reads(redis_client) - before - 1 == 1
+    taken, refused, released = outcomes
+    assert taken.acquired
+    assert (refused.acquired, refused.limit) == (False, requests.key)
+    assert released is True

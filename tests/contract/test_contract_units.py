@@ -21,6 +21,7 @@ from singletask import ConfigurationError
 from singletask.backends.base import LockBackend, Units
 from singletask.exceptions import UnsupportedOperation
 from singletask.protocol.limits import limit_key
+from singletask.protocol.slots import slot_keys
 
 from ..conftest import ONE_HOLDER_BACKENDS
 from .test_contract import (
@@ -58,6 +59,9 @@ def test_only_the_stores_that_keep_one_holder_refuse_named_limits(
             backend.take_units("token", LEASE, [concurrency(key_prefix, "a", 1)])
         with pytest.raises(UnsupportedOperation):
             backend.give_units("token", [concurrency(key_prefix, "a", 1)])
+        with pytest.raises(UnsupportedOperation):
+            backend.acquire("k", "token", LEASE, units=[concurrency(key_prefix, "a", 1)])
+        assert backend.holder("k") is None
     else:
         assert backend.supports_units
 
@@ -338,3 +342,80 @@ def test_iter_state_lists_each_limit_with_its_holds(limited: LockBackend, key_pr
     # a limit whose last hold is given back is listed no more
     limited.give_units("token-a", [requests])
     assert not [s for s in limited.iter_state(key_prefix) if s.key == requests.key]
+
+
+# -- with a lock ----------------------------------------------------------------------------------
+
+
+def test_a_key_and_its_units_are_taken_together(limited: LockBackend, key_prefix: str) -> None:
+    """acquire with units takes the key and every limit, or nothing: a limit without room
+    leaves the key free, a held key leaves the limits untouched; release gives them back."""
+    key = f"{key_prefix}lock"
+    limit = concurrency(key_prefix, "warehouse", 1)
+    assert limited.take_units("elsewhere", LEASE, [limit]).taken
+
+    # a limit without room: refused naming it, the key not taken
+    refused = limited.acquire(key, "token-a", LEASE, meta={"task_id": "a"}, units=[limit])
+    assert not refused.acquired
+    assert (refused.limit, refused.used, refused.holder) == (limit.key, 1, None)
+    assert limited.holder(key) is None
+
+    # room again: key and unit taken together
+    limited.give_units("elsewhere", [limit])
+    taken = limited.acquire(key, "token-a", LEASE, meta={"task_id": "a"}, units=[limit])
+    assert taken.acquired
+    assert taken.fence is not None
+    assert not limited.take_units("token-b", LEASE, [limit]).taken
+
+    # a held key: refused by its holder, the limits not read nor taken
+    other = concurrency(key_prefix, "other", 1)
+    held = limited.acquire(key, "token-c", LEASE, units=[other])
+    assert not held.acquired
+    assert held.holder is not None
+    assert held.limit is None
+    assert limited.take_units("token-d", LEASE, [other]).taken
+
+    # release: the unit back with the key
+    assert limited.release(key, "token-a", units=[limit])
+    assert limited.holder(key) is None
+    assert limited.take_units("token-b", LEASE, [limit]).taken
+
+
+def test_a_release_gives_the_units_back_even_when_the_key_was_lost(
+    limited: LockBackend, key_prefix: str
+) -> None:
+    key = f"{key_prefix}lock"
+    limit = concurrency(key_prefix, "warehouse", 1)
+    assert limited.acquire(key, "token-a", LEASE, units=[limit]).acquired
+    assert limited.force_release(key) is not None
+
+    assert not limited.release(key, "token-a", units=[limit])
+
+    assert limited.take_units("token-b", LEASE, [limit]).taken
+
+
+def test_a_rate_taken_with_a_key_stays_spent_after_the_release(
+    limited: LockBackend, key_prefix: str
+) -> None:
+    key = f"{key_prefix}lock"
+    tokens = rate(key_prefix, "tokens", 1)
+    assert limited.acquire(key, "token-a", LEASE, units=[tokens]).acquired
+    assert limited.release(key, "token-a", units=[tokens])
+
+    refused = limited.acquire(key, "token-b", LEASE, units=[tokens])
+
+    assert not refused.acquired
+    assert refused.limit == tokens.key
+    assert refused.retry_after is not None
+
+
+def test_a_slot_and_its_units_are_taken_together(limited: LockBackend, key_prefix: str) -> None:
+    key = f"{key_prefix}lock"
+    limit = concurrency(key_prefix, "warehouse", 1)
+    assert limited.acquire_slot(key, 2, "token-a", LEASE, units=[limit]).acquired
+
+    refused = limited.acquire_slot(key, 2, "token-b", LEASE, units=[limit])
+
+    assert not refused.acquired
+    assert refused.limit == limit.key
+    assert sum(h is not None for h in (limited.holder(k) for k in slot_keys(key, 2))) == 1

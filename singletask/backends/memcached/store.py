@@ -45,7 +45,7 @@ from ...exceptions import (
     SingletaskError,
     UnsupportedOperation,
 )
-from ..base import AcquireResult, Holder, LockBackend
+from ..base import AcquireResult, Holder, LockBackend, Units
 from .fences import next_fence
 from .items import (
     CLIENT_DEFAULTS,
@@ -199,7 +199,10 @@ class MemcachedBackend(LockBackend):
         *,
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
+        units: Sequence[Units] = (),
     ) -> AcquireResult:
+        if units:
+            self.take_units(token, ttl, units)  # refused: memcached keeps no named limits
         exptime = expiry(ttl, "acquire")
         item = item_name(key)
         with self._translate("acquire", key):
@@ -267,7 +270,11 @@ class MemcachedBackend(LockBackend):
                     return None
         raise self._changing(operation, key)
 
-    def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
+    def release(
+        self, key: str, token: str, *, completed: str | None = None, units: Sequence[Units] = ()
+    ) -> bool:
+        if units:
+            self.give_units(token, units)  # refused: memcached keeps no named limits
         return self._free(key, "release", token, completed=completed) is not None
 
     def release_held_by(self, key: str, task_id: str) -> Holder | None:

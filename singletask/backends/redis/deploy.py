@@ -178,6 +178,9 @@ class _Deployed(RedisBackend):
         merged = {**self._transport, **query}
         return {**tls_options(merged, where), **socket_options(merged, where)}
 
+    def _units_with_lock(self) -> bool:
+        return self._wait is None and super()._units_with_lock()
+
     def _call(
         self,
         operation: str,

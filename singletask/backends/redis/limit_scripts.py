@@ -25,9 +25,12 @@ from __future__ import annotations
 from typing import Final
 
 from ..holders import MAX_UNITS
-from .scripts import MAX_LEASE_MS
+from .scripts import ACQUIRE_SCRIPT, MAX_LEASE_MS, RELEASE_SCRIPT
 
-__all__ = ["GIVE_UNITS_SCRIPT", "LIMIT_STATE_SCRIPT", "TAKE_UNITS_SCRIPT"]
+__all__ = [
+    "ACQUIRE_UNITS_SCRIPT", "GIVE_UNITS_SCRIPT", "LIMIT_STATE_SCRIPT", "RELEASE_UNITS_SCRIPT",
+    "TAKE_UNITS_SCRIPT",
+]  # fmt: skip
 
 # Lua functions the limit scripts start with:
 # ms(value), keep(value): value as a number if it is a whole number of milliseconds from 1 (ms)
@@ -282,5 +285,82 @@ for j = 1, #live, 2 do
   out[n + 5] = tonumber(live[j + 1]) + span - now
 end
 return out
+"""
+)
+
+
+def _as_function(name: str, script: str) -> str:
+    """Lua: the whole ``script`` as the local function ``name(KEYS, ARGV)``, which returns its
+    reply (its parameters shadow the globals, for it and the functions it defines)."""
+    return f"local function {name}(KEYS, ARGV)\n{script}\nend\n"
+
+
+# Lua: the split of a combined script's KEYS and ARGV (ARGV[1]: how many KEYS the lock has,
+# ARGV[2]: how many ARGV), into the lock's (LK, LA) and the limits' (UK, UA).
+_SPLIT = """
+local nk, na = tonumber(ARGV[1]), tonumber(ARGV[2])
+local LK, LA, UK, UA = {}, {}, {}, {}
+for i = 1, #KEYS do
+  if i <= nk then LK[#LK + 1] = KEYS[i] else UK[#UK + 1] = KEYS[i] end
+end
+for i = 3, #ARGV do
+  if i <= na + 2 then LA[#LA + 1] = ARGV[i] else UA[#UA + 1] = ARGV[i] end
+end
+"""
+
+# The lock key and the units of named limits, in one step (RedisBackend.acquire with units,
+# on one server or Sentinel: the keys of a lock and of its limits are in no common slot of a
+# cluster).
+# KEYS[1]        lock key (ACQUIRE_SCRIPT's KEYS[1])
+# KEYS[2…]       the limits' keys, as TAKE_UNITS_SCRIPT's KEYS
+# ARGV[1]        1 (the lock's keys); ARGV[2] n, the number of ACQUIRE_SCRIPT's arguments
+# ARGV[3…n+2]    ACQUIRE_SCRIPT's ARGV; ARGV[n+3…] TAKE_UNITS_SCRIPT's ARGV (same owner token
+#                and lease)
+# Returns ACQUIRE_SCRIPT's refusal, unchanged, when the key is held by another token (that is
+# not taken over): the limits are not read. Otherwise the units are taken first, as
+# TAKE_UNITS_SCRIPT takes them; when a limit has no room, {2, i, units in use, microseconds
+# until room or -1} (TAKE_UNITS_SCRIPT's refusal, marked 2) and the key is not touched; else
+# ACQUIRE_SCRIPT's reply, the key taken.
+# Errors (before any write) as TAKE_UNITS_SCRIPT: its checks come first, and cover the lease.
+ACQUIRE_UNITS_SCRIPT: Final = (
+    _as_function("acquire_key", ACQUIRE_SCRIPT)
+    + _as_function("take_units", TAKE_UNITS_SCRIPT)
+    + _SPLIT
+    + """
+local cur = redis.call('HGET', LK[1], 'token')
+local prefix = LA[3]
+if cur and cur ~= LA[1] and (prefix == '' or string.sub(cur, 1, #prefix) ~= prefix) then
+  return acquire_key(LK, LA)
+end
+local taken = take_units(UK, UA)
+if taken[1] ~= 1 then
+  return {2, taken[2], taken[3], taken[4]}
+end
+return acquire_key(LK, LA)
+"""
+)
+
+# The concurrency units of named limits given back, then the lock released, in one step
+# (RedisBackend.release with units, where ACQUIRE_UNITS_SCRIPT is used).
+# KEYS[1…m]      RELEASE_SCRIPT's KEYS (m is 1, or 2 for a holder slot)
+# KEYS[m+1…]     the limits' keys, as GIVE_UNITS_SCRIPT's KEYS
+# ARGV[1]        m; ARGV[2] n, the number of RELEASE_SCRIPT's arguments
+# ARGV[3…n+2]    RELEASE_SCRIPT's ARGV; ARGV[n+3…] GIVE_UNITS_SCRIPT's ARGV (same owner token)
+# Returns RELEASE_SCRIPT's reply; the units are given back whether the token still held the
+# key or not.
+# Errors (before any write) when an argument of either is out of range.
+RELEASE_UNITS_SCRIPT: Final = (
+    _as_function("release_key", RELEASE_SCRIPT)
+    + _as_function("give_units", GIVE_UNITS_SCRIPT)
+    + _SPLIT
+    + f"""
+for _, value in ipairs({{LA[3], LA[4]}}) do
+  local n = tonumber(value)
+  if n == nil or n < 0 or n > {MAX_LEASE_MS} or n ~= math.floor(n) then
+    error('singletask: duration out of range (0 to {MAX_LEASE_MS} ms): ' .. tostring(value))
+  end
+end
+give_units(UK, UA)
+return release_key(LK, LA)
 """
 )

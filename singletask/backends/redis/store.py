@@ -34,7 +34,15 @@ from redis.retry import Retry
 
 from ...exceptions import BackendError, ConfigurationError
 from ...protocol.slots import base_key
-from ..base import AcquireResult, Holder, LockBackend, StoreState, Units, UnitsResult
+from ..base import (
+    AcquireResult,
+    Holder,
+    LockBackend,
+    StoreState,
+    Units,
+    UnitsResult,
+    units_meta,
+)
 from ..urls import mask_url
 from .bookkeeping import scan_state
 from .connections import send
@@ -54,12 +62,15 @@ from .rates import (
 from .replaced import PREEMPT, REPLACED_BY, preempt_request, record_key
 from .slots import scan_locks, slot_result
 from .units import (
+    ACQUIRE_UNITS,
     GIVE_UNITS,
+    RELEASE_UNITS,
     TAKE_UNITS,
     check_limit_keys,
     give_request,
     take_request,
     take_result,
+    with_lock,
 )
 from .wire import (
     ACQUIRE,
@@ -271,12 +282,26 @@ class RedisBackend(LockBackend):
         *,
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
+        units: Sequence[Units] = (),
     ) -> AcquireResult:
         self._check_key(key, "acquire")
         since, fields = encode_meta(key, token, meta or {})
         lease = lease_ms(ttl, "acquire")
         args: list[str | int] = [token, lease, takeover_prefix or "", since, *fields]
-        reply = self._call("acquire", ACQUIRE, (key,), args)
+        if units and not self._units_with_lock():
+            result = self.acquire(key, token, ttl, meta=meta, takeover_prefix=takeover_prefix)
+            return self._take_units_after(result, key, token, ttl, units, meta)
+        if units:  # the key and its units in one script
+            unit_keys, unit_args = take_request(token, ttl, units, units_meta(meta))
+            self.check_units_together([item.key for item in units], f"{self!r}: acquire")
+            keys, both = with_lock([key], args, unit_keys, unit_args)
+            reply = self._call("acquire", ACQUIRE_UNITS, keys, both)
+            if reply[0] == 2:
+                refused = take_result(units, [0, *reply[1:]])
+                return AcquireResult(False, retry_after=refused.retry_after,
+                                     limit=refused.limit, used=refused.used)  # fmt: skip
+        else:
+            reply = self._call("acquire", ACQUIRE, (key,), args)
         if reply[0] == 1:
             _, fence, completed = reply
             return AcquireResult(
@@ -294,12 +319,20 @@ class RedisBackend(LockBackend):
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
         interval: float | None = None,
+        units: Sequence[Units] = (),
     ) -> AcquireResult:
         self._check_key(key, "acquire")
         request = slot_request(key, limit, token, ttl, meta, takeover_prefix, interval)
         script, keys, args = request
         self._check_slots(keys)
-        return slot_result(keys[:limit], self._call("acquire", script, keys, args))
+        result = slot_result(keys[:limit], self._call("acquire", script, keys, args))
+        return self._take_units_after(result, key, token, ttl, units, meta)
+
+    def _units_with_lock(self) -> bool:
+        """Whether a lock and the units of its limits go in one script: not on a cluster
+        (their keys share no slot), and not while acquisitions wait for replicas (the
+        deployed stores)."""
+        return not self._clustered()
 
     def debounce(
         self, key: str, task_id: str, ttl: float, *, pending: float = 0.0
@@ -341,8 +374,17 @@ class RedisBackend(LockBackend):
         base = base_key(key)
         return (key,) if base == key else (key, base)
 
-    def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
+    def release(
+        self, key: str, token: str, *, completed: str | None = None, units: Sequence[Units] = ()
+    ) -> bool:
         args = (token, completed or "", *self._keep)
+        held = [item for item in units if item.period is None]
+        if held and self._units_with_lock():  # given back and released in one script
+            unit_keys, unit_args = give_request(token, held)
+            self.check_units_together([item.key for item in held], f"{self!r}: release")
+            keys, both = with_lock(self._release_keys(key), args, unit_keys, unit_args)
+            return bool(self._call("release", RELEASE_UNITS, keys, both))
+        self._give_units_before(token, held)
         return bool(self._call("release", RELEASE, self._release_keys(key), args))
 
     def extend(self, key: str, token: str, ttl: float) -> bool:

@@ -35,17 +35,38 @@ from ...exceptions import ConfigurationError
 from ...protocol.slots import companion_key
 from ..base import StoreState, Units, UnitsResult, check_taken
 from ..holders import MAX_SHOWN
-from .limit_scripts import GIVE_UNITS_SCRIPT, LIMIT_STATE_SCRIPT, TAKE_UNITS_SCRIPT
+from .limit_scripts import (
+    ACQUIRE_UNITS_SCRIPT,
+    GIVE_UNITS_SCRIPT,
+    LIMIT_STATE_SCRIPT,
+    RELEASE_UNITS_SCRIPT,
+    TAKE_UNITS_SCRIPT,
+)
 from .wire import Script, as_text, lease_ms
 
 __all__ = [
-    "GIVE_UNITS", "LIMIT_ENDS", "LIMIT_STATE_SCRIPT", "TAKE_UNITS", "check_limit_keys",
-    "give_request", "limit_keys", "limit_state", "log_key", "take_request", "take_result",
-    "units_key",
+    "ACQUIRE_UNITS", "GIVE_UNITS", "LIMIT_ENDS", "LIMIT_STATE_SCRIPT", "RELEASE_UNITS",
+    "TAKE_UNITS", "check_limit_keys", "give_request", "limit_keys", "limit_state", "log_key",
+    "take_request", "take_result", "units_key", "with_lock",
 ]  # fmt: skip
 
 TAKE_UNITS = Script(TAKE_UNITS_SCRIPT)
 GIVE_UNITS = Script(GIVE_UNITS_SCRIPT)
+ACQUIRE_UNITS = Script(ACQUIRE_UNITS_SCRIPT)
+RELEASE_UNITS = Script(RELEASE_UNITS_SCRIPT)
+
+
+def with_lock(
+    lock_keys: Sequence[str],
+    lock_args: Sequence[str | int],
+    unit_keys: Sequence[str],
+    unit_args: Sequence[str | int],
+) -> tuple[list[str], list[str | int]]:
+    """The keys and arguments of ACQUIRE_UNITS or RELEASE_UNITS: a lock script's, then the
+    limits' script's, with the counts that split them."""
+    args: list[str | int] = [len(lock_keys), len(lock_args), *lock_args, *unit_args]
+    return [*lock_keys, *unit_keys], args
+
 
 #: How the names of a limit's log and units hash end (companion records: never listed as
 #: locks, refused as raw lock keys and as limit keys).

@@ -60,7 +60,7 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from ...exceptions import ConfigurationError, LockKeyError
 from ...protocol.slots import base_key, slot_index, slot_keys
-from ..base import AcquireResult, Holder, LockBackend, StoreState, check_lease
+from ..base import AcquireResult, Holder, LockBackend, StoreState, Units, check_lease
 from ..urls import TABLE_SCHEMES, check_port, check_table
 from . import bookkeeping, replaced
 
@@ -232,21 +232,25 @@ class SQLBackend(LockBackend):
     def acquire(
         self, key: str, token: str, ttl: float, *,
         meta: Mapping[str, str] | None = None, takeover_prefix: str | None = None,
+        units: Sequence[Units] = (),
     ) -> AcquireResult:  # fmt: skip
         if slot_index(key):  # a holder slot: its fences are its key's
             taken = self._take_slot(base_key(key), [key], token, ttl, meta, takeover_prefix)
-            return AcquireResult(taken.acquired, taken.holder, taken.fence, taken.completed)
-        return self._acquire(key, token, check_lease(ttl, "acquire"), meta, takeover_prefix)
+            result = AcquireResult(taken.acquired, taken.holder, taken.fence, taken.completed)
+        else:
+            result = self._acquire(key, token, check_lease(ttl, "acquire"), meta, takeover_prefix)
+        return self._take_units_after(result, key, token, ttl, units, meta)
 
     def acquire_slot(
         self, key: str, limit: int, token: str, ttl: float, *,
         meta: Mapping[str, str] | None = None, takeover_prefix: str | None = None,
-        interval: float | None = None,
+        interval: float | None = None, units: Sequence[Units] = (),
     ) -> AcquireResult:  # fmt: skip
         names = slot_keys(key, limit)
         if interval is not None:
             interval = check_lease(interval, "acquire_slot interval")
-        return self._take_slot(key, names, token, ttl, meta, takeover_prefix, interval)
+        result = self._take_slot(key, names, token, ttl, meta, takeover_prefix, interval)
+        return self._take_units_after(result, key, token, ttl, units, meta)
 
     def release_held_by(self, key: str, task_id: str) -> Holder | None:
         return self._release_holder("release_held_by", key, task_id)

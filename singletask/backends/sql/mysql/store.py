@@ -45,7 +45,7 @@ from pymysql.constants import CLIENT
 
 from ....exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
 from ....protocol.slots import base_key, slot_index, slot_keys
-from ...base import AcquireResult, Holder, check_lease
+from ...base import AcquireResult, Holder, Units, check_lease
 from ...urls import mask_url
 from .. import bookkeeping as S
 from .. import core, pool, slots
@@ -333,7 +333,10 @@ class MySQLBackend(U.MySQLUnits):
         text = self._q["debounce_undo"]
         return self._run("debounce_undo", key, lambda c: c.execute(text, args) > 0)
 
-    def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
+    def release(
+        self, key: str, token: str, *, completed: str | None = None, units: Sequence[Units] = ()
+    ) -> bool:
+        self._give_units_before(token, units)
         args = {**_keys(key), "token": token, "done": completed}
         if slot_index(key):  # a holder slot: its marker is its key's
             args["base"] = _keys(base_key(key))["key"]

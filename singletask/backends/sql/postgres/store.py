@@ -58,7 +58,7 @@ from ....exceptions import (
     LockKeyError,
 )  # fmt: skip
 from ....protocol.slots import base_key, slot_index, slot_keys
-from ...base import AcquireResult, Holder, check_lease
+from ...base import AcquireResult, Holder, Units, check_lease
 from ...urls import mask_url
 from .. import bookkeeping as S
 from .. import core, pool, slots
@@ -358,7 +358,10 @@ class PostgresBackend(U.PostgresUnits):
         args = {**self._keys(key), "task_id": task_id, "previous": previous, "closed": closed}
         return self._run("debounce_undo", key, "debounce_undo", args, lambda c: c.rowcount > 0)
 
-    def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
+    def release(
+        self, key: str, token: str, *, completed: str | None = None, units: Sequence[Units] = ()
+    ) -> bool:
+        self._give_units_before(token, units)
         args = {**self._keys(key), "token": token, "done": completed}
         if slot_index(key):  # a holder slot: its marker is its key's
             args["base"] = self._keys(base_key(key))["key"]

@@ -38,6 +38,7 @@ from ...base import (
     UnitsResult,
     check_lease,
     check_taken,
+    units_meta,
 )
 from .. import replaced
 from ..core import FENCE_RETENTION, load_holder, stored_key
@@ -181,19 +182,32 @@ class SQLiteBackend(LockBackend):
         *,
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
+        units: Sequence[Units] = (),
     ) -> AcquireResult:
         ttl = check_lease(ttl, "acquire")
+        if units:
+            check_taken(units, "acquire")
+            for item in units:
+                stored_key(item.key, len(item.key) * 4)  # only checks the text
         with self._transaction("acquire", key) as conn:
-            return self._acquire_in(conn, key, token, ttl, meta, takeover_prefix, time.time())
+            now = time.time()
+            return self._acquire_in(conn, key, token, ttl, meta, takeover_prefix, now, units)
 
     def _acquire_in(
         self, conn: sqlite3.Connection, key: str, token: str, ttl: float,
         meta: Mapping[str, str] | None, takeover_prefix: str | None, now: float,
+        units: Sequence[Units] = (),
     ) -> AcquireResult:  # fmt: skip
-        """:meth:`acquire` inside the caller's transaction."""
+        """:meth:`acquire` inside the caller's transaction: the key, then its units (nothing
+        written when either refuses)."""
         row = self._row(conn, key, now)
         if row is not None and row[0] != token and not _takes_over(row, takeover_prefix):
             return AcquireResult(False, _brief(row, now))
+        if units:
+            taken = _units.take(conn, token, ttl, units, units_meta(meta), now)
+            if not taken.taken:
+                return AcquireResult(False, retry_after=taken.retry_after, limit=taken.limit,
+                                     used=taken.used)  # fmt: skip
         return self._take(conn, key, row, token, ttl, meta, now)
 
     def acquire_slot(
@@ -206,13 +220,16 @@ class SQLiteBackend(LockBackend):
         meta: Mapping[str, str] | None = None,
         takeover_prefix: str | None = None,
         interval: float | None = None,
+        units: Sequence[Units] = (),
     ) -> AcquireResult:
         ttl = check_lease(ttl, "acquire")
         if interval is not None:
             interval = check_lease(interval, "acquire_slot interval")
         with self._transaction("acquire", key) as conn:
             now = time.time()
-            return self._slot_in(conn, key, limit, token, ttl, meta, takeover_prefix, interval, now)
+            result = self._slot_in(conn, key, limit, token, ttl, meta, takeover_prefix, interval,
+                                   now)  # fmt: skip
+        return self._take_units_after(result, key, token, ttl, units, meta)
 
     def _slot_in(
         self, conn: sqlite3.Connection, key: str, limit: int, token: str, ttl: float,
@@ -342,9 +359,16 @@ class SQLiteBackend(LockBackend):
         with self._transaction("give_units", units[0].key) as conn:
             return _units.give(conn, token, units, time.time())
 
-    def release(self, key: str, token: str, *, completed: str | None = None) -> bool:
+    def release(
+        self, key: str, token: str, *, completed: str | None = None, units: Sequence[Units] = ()
+    ) -> bool:
+        held = [item for item in units if item.period is None]
+        if held:
+            check_taken(held, "release", give=True)
         with self._transaction("release", key) as conn:
             now = time.time()
+            if held:  # given back first, in the same transaction
+                _units.give(conn, token, held, now)
             row = self._row(conn, key, now)
             if row is None or row[0] != token:
                 return False
