@@ -32,7 +32,7 @@ from .base import (
     check_taken,
     units_meta,
 )
-from .holders import MAX_SHOWN
+from .memory_limits import Limits
 from .urls import mask_url
 
 __all__ = ["MemoryBackend"]
@@ -73,38 +73,6 @@ class _Fence:
     next_until: float = 0.0  # time.monotonic() deadline of the follow-up claim
 
 
-@dataclass
-class _Hold:
-    """Units a token holds of a limit (until ``at``), or started in its window (at ``at``)."""
-
-    units: int
-    at: float  # time.monotonic(): a hold's deadline, a start's time
-    meta: dict[str, str]
-
-
-@dataclass
-class _Limit:
-    """A named limit's record: its size as last given, its rate's period (None: concurrency),
-    and its holds or starts by token."""
-
-    size: int
-    period: float | None
-    holds: dict[str, _Hold]
-
-    def live(self, now: float) -> dict[str, _Hold]:
-        """Drop the holds and starts that stopped counting; return the rest."""
-        period = self.period
-        self.holds = {
-            t: h for t, h in self.holds.items()
-            if (h.at > now if period is None else h.at + period > now)
-        }  # fmt: skip
-        return self.holds
-
-    def until(self, hold: _Hold) -> float:
-        """When ``hold`` stops counting."""
-        return hold.at if self.period is None else hold.at + self.period
-
-
 class MemoryBackend(LockBackend):
     """Locks in a dict guarded by a mutex; leases use the monotonic clock."""
 
@@ -122,7 +90,7 @@ class MemoryBackend(LockBackend):
         self._windows: dict[str, _Window] = {}
         # (key, preempted token) -> the preemptor's task id, when the record ends
         self._replaced: dict[tuple[str, str], tuple[str, float]] = {}
-        self._limits: dict[str, _Limit] = {}
+        self._limits = Limits()  # the named limits' records
         self._writes = 0
         self._mutex = threading.RLock()  # preempt() takes the key and leaves its record at once
 
@@ -267,54 +235,15 @@ class MemoryBackend(LockBackend):
         check_taken(units, "take_units")
         now = time.monotonic()
         with self._mutex:
-            for item in units:
-                record = self._limits.get(item.key)
-                holds = record.live(now) if record is not None else {}
-                if item.period is not None and token in holds:
-                    continue  # a retried take: this start is counted already
-                used = sum(h.units for t, h in holds.items() if t != token)
-                if used + item.units <= item.size:
-                    continue
-                retry_after = None
-                if item.period is not None:
-                    # The oldest starts leave the window first: wait for enough of them.
-                    free, need = 0, used + item.units - item.size
-                    for hold in sorted(holds.values(), key=lambda h: h.at):
-                        free += hold.units
-                        if free >= need:
-                            retry_after = max(hold.at + item.period - now, 0.001)
-                            break
-                return UnitsResult(False, item.key, used, retry_after)
-            for item in units:
-                record = self._limits.get(item.key)
-                if record is None:
-                    record = self._limits[item.key] = _Limit(item.size, item.period, {})
-                record.size, record.period = item.size, item.period
-                if item.period is None:
-                    record.holds[token] = _Hold(item.units, now + ttl, dict(meta or {}))
-                elif token not in record.holds:
-                    record.holds[token] = _Hold(item.units, now, dict(meta or {}))
-            self._prune(now)
-        return UnitsResult(True)
+            result = self._limits.take(token, ttl, units, meta, now)
+            if result.taken:
+                self._prune(now)
+            return result
 
     def give_units(self, token: str, units: Sequence[Units]) -> list[bool]:
         check_taken(units, "give_units", give=True)
-        now = time.monotonic()
-        found = []
         with self._mutex:
-            for item in units:
-                record = self._limits.get(item.key)
-                hold = record.live(now).get(token) if record is not None else None
-                found.append(hold is not None)
-                if record is None or hold is None:
-                    continue
-                if item.period is None or item.units == 0:
-                    del record.holds[token]
-                else:
-                    hold.units = item.units
-                if not record.holds:
-                    del self._limits[item.key]
-        return found
+            return self._limits.give(token, units, time.monotonic())
 
     def _prune(self, now: float) -> None:
         """Forget rate records and debounce windows that ran out, once every 1,024 writes (so
@@ -324,7 +253,7 @@ class MemoryBackend(LockBackend):
             self._rates = {k: at for k, at in self._rates.items() if at > now}
             self._windows = {k: w for k, w in self._windows.items() if w.until > now}
             self._replaced = {k: r for k, r in self._replaced.items() if r[1] > now}
-            self._limits = {k: r for k, r in self._limits.items() if r.live(now)}
+            self._limits.prune(now)
 
     def debounce(
         self, key: str, task_id: str, ttl: float, *, pending: float = 0.0
@@ -524,7 +453,7 @@ class MemoryBackend(LockBackend):
         while True:
             now = time.monotonic()
             with self._mutex:
-                names = {*self._fences, *self._windows, *self._rates, *self._limits}
+                names = {*self._fences, *self._windows, *self._rates, *self._limits.records}
                 keys = heapq.nsmallest(
                     page_size,
                     (k for k in names if k.startswith(prefix) and (after is None or k > after)),
@@ -552,21 +481,9 @@ class MemoryBackend(LockBackend):
             found.append(
                 StoreState("rate", key, None, allowed - now, {"next_start_in": allowed - now})
             )
-        limit = self._limits.get(key)
-        holds = limit.live(now) if limit is not None else {}
-        if limit is not None and holds:
-            ordered = sorted(holds.items(), key=lambda item: item[1].at)
-            shown = [
-                {"token": t, "units": h.units, "task_id": h.meta.get("task_id"),
-                 "task": h.meta.get("task"), "ttl": limit.until(h) - now}
-                for t, h in ordered[:MAX_SHOWN]
-            ]  # fmt: skip
-            shape: dict[str, Any] = {
-                "size": limit.size, "period": limit.period,
-                "used": sum(h.units for h in holds.values()), "holds": shown,
-            }  # fmt: skip
-            last = max(limit.until(h) for h in holds.values())
-            found.append(StoreState("limit", key, None, last - now, shape))
+        limit = self._limits.state(key, now)
+        if limit is not None:
+            found.append(limit)
         return found
 
     def _operator_release(self, key: str, task_id: str | None) -> Holder | None:

@@ -19,6 +19,7 @@ Units`; the execution side (:mod:`singletask.execution.units`) does that per cal
 from __future__ import annotations
 
 import contextlib
+import difflib
 import inspect
 import math
 import re
@@ -34,7 +35,8 @@ from ..protocol.limits import check_name, limit_key
 
 __all__ = [
     "MAX_SECONDS", "SPEC_CACHE_SECONDS", "Cost", "LimitSpec", "NamedLimit", "TaskLimits",
-    "check_cost", "check_limits_setting", "check_spec", "parse_rate",
+    "check_combination", "check_cost", "check_limits_setting", "check_named", "check_spec",
+    "parse_rate",
 ]  # fmt: skip
 
 #: The largest number of seconds any duration option or setting takes (30 days): far longer
@@ -320,3 +322,80 @@ def _check_template(name: str, params: set[str] | None, where: str) -> bool:
     if params is None:
         return False
     return any(field is not None and _base(field) in params for _, field, _, _ in parsed)
+
+
+def check_combination(
+    where: str,
+    *,
+    limits: TaskLimits | None,
+    cost: Cost | None,
+    limit: int | None,
+    debounce: float | None,
+    scope: str | None,
+    policy: str | None,
+) -> None:
+    """Refuse task options that cannot go with ``lock_limits`` or ``lock_cost``: a scope but
+    "execution", ``lock_debounce``, the policy "replace"; ``lock_cost`` without ``lock_limit``
+    or, constant, above it. ``scope`` and ``policy`` are those in effect (None: not known yet).
+
+    Raises:
+        ConfigurationError: They cannot; the message starts with ``where``.
+    """
+    for attribute, value in (("lock_limits", limits), ("lock_cost", cost)):
+        if value is None:
+            continue
+        if scope not in (None, "execution"):
+            raise ConfigurationError(
+                f"{where} {attribute}: cannot go with lock_scope {scope!r} (a key reserved "
+                "at send would wait for room it cannot know of); use lock_scope = 'execution'"
+            )
+        if debounce is not None:
+            raise ConfigurationError(
+                f"{where} {attribute}: cannot go with lock_debounce; a debounced task takes "
+                "one key at a time already"
+            )
+        if policy == "replace":
+            raise ConfigurationError(
+                f"{where} {attribute}: an execution refused for want of room has no holder "
+                "to preempt; use another lock_policy"
+            )
+    if cost is not None:
+        if limit is None:
+            raise ConfigurationError(
+                f"{where} lock_cost: counts units of the key's lock_limit, which the task "
+                "does not set; set lock_limit (or name a limit in lock_limits)"
+            )
+        if isinstance(cost, int) and cost > limit:
+            raise ConfigurationError(
+                f"{where} lock_cost: {cost} units can never fit the key's lock_limit of {limit}"
+            )
+
+
+def check_named(task: str, limits: TaskLimits | None, known: LimitsSetting) -> None:
+    """Refuse a name of ``lock_limits`` that the app's ``singletask_limits`` (a mapping) does
+    not define, and a constant cost larger than the limit it names (a callable setting's
+    limits are known per name, at execution; a template's, per call).
+
+    Raises:
+        ConfigurationError: One is refused; the message names the task, the limit and, for
+            an unknown name, the closest one defined.
+    """
+    if limits is None or not isinstance(known, Mapping):
+        return
+    for limit in limits.limits:
+        where = f"task {task!r} attribute lock_limits[{limit.name!r}]"
+        spec = known.get(limit.name)
+        if spec is None and limit.template:
+            continue
+        if spec is None:
+            close = difflib.get_close_matches(limit.name, list(known), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigurationError(
+                f"{where}: no such limit in the setting singletask_limits (it defines "
+                f"{', '.join(map(repr, sorted(known))) or 'none'}){hint}"
+            )
+        if isinstance(limit.cost, int) and limit.cost > spec.smallest:
+            raise ConfigurationError(
+                f"{where}: a cost of {limit.cost} units can never fit the limit, whose "
+                f"size is {spec.smallest}"
+            )

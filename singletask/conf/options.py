@@ -25,7 +25,7 @@ from typing import Any, Final
 
 from ..exceptions import ConfigurationError
 from ..protocol.keys import KeySpec, run_signature
-from .limits import Cost, TaskLimits, check_cost
+from .limits import Cost, TaskLimits, check_combination, check_cost, check_named
 from .settings import (
     Settings,
     check_backend_error_policy,
@@ -275,39 +275,12 @@ class TaskOptions:
         self, where: str, scope: str | None = None, policy: str | None = None
     ) -> None:
         """Refuse what cannot go with ``lock_limits`` or ``lock_cost`` (``scope``, ``policy``:
-        the app's, when the task sets none)."""
-        scope = self.scope if self.scope is not None else scope
-        policy = self.policy if self.policy is not None else policy
-        for attribute, value in (("lock_limits", self.limits), ("lock_cost", self.cost)):
-            if value is None:
-                continue
-            if scope not in (None, *LIMIT_SCOPES):
-                raise ConfigurationError(
-                    f"{where} {attribute}: cannot go with lock_scope {scope!r} (a key reserved "
-                    "at send would wait for room it cannot know of); use lock_scope = "
-                    "'execution'"
-                )
-            if self.debounce is not None:
-                raise ConfigurationError(
-                    f"{where} {attribute}: cannot go with lock_debounce; a debounced task takes "
-                    "one key at a time already"
-                )
-            if policy == "replace":
-                raise ConfigurationError(
-                    f"{where} {attribute}: an execution refused for want of room has no holder "
-                    "to preempt; use another lock_policy"
-                )
-        if self.cost is not None:
-            if self.limit is None:
-                raise ConfigurationError(
-                    f"{where} lock_cost: counts units of the key's lock_limit, which the task "
-                    "does not set; set lock_limit (or name a limit in lock_limits)"
-                )
-            if isinstance(self.cost, int) and self.cost > self.limit:
-                raise ConfigurationError(
-                    f"{where} lock_cost: {self.cost} units can never fit the key's lock_limit "
-                    f"of {self.limit}"
-                )
+        the app's, when the task sets none): :func:`~singletask.conf.limits.check_combination`."""
+        check_combination(
+            where, limits=self.limits, cost=self.cost, limit=self.limit, debounce=self.debounce,
+            scope=self.scope if self.scope is not None else scope,
+            policy=self.policy if self.policy is not None else policy,
+        )  # fmt: skip
 
     def _check_replace(self, where: str, scope: str | None = None) -> None:
         """Refuse what cannot go with ``lock_policy = "replace"`` (``scope``: the app's, when
@@ -397,7 +370,7 @@ class TaskOptions:
                     f"{where}: cannot go with the app's singletask_lock_scope {scope!r}; set "
                     "lock_scope = 'execution' on the task"
                 )
-        self._check_named(name, settings)
+        check_named(name, self.limits, settings.limits)
         for field_name, setting in LEASE_OPTIONS.items():
             if field_name == "queue_ttl" and scope == "execution":
                 continue  # never written to the store
@@ -433,32 +406,6 @@ class TaskOptions:
             )
         if self.policy is None or self.scope is None:
             self._check_limits(f"task {name!r} (with the app's settings)", scope, policy)
-
-    def _check_named(self, name: str, settings: Settings) -> None:
-        """Refuse a name of ``lock_limits`` that the app's ``singletask_limits`` (a mapping)
-        does not define, and a constant cost larger than the limit it names."""
-        if self.limits is None:
-            return
-        known = settings.limits
-        for limit in self.limits.limits:
-            where = f"task {name!r} attribute lock_limits[{limit.name!r}]"
-            if not isinstance(known, Mapping):
-                continue  # a callable setting: its limits are known per name, at execution
-            spec = known.get(limit.name)
-            if spec is None and limit.template:
-                continue  # filled in per call: checked at execution
-            if spec is None:
-                close = difflib.get_close_matches(limit.name, list(known), n=1, cutoff=0.6)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ConfigurationError(
-                    f"{where}: no such limit in the setting singletask_limits (it defines "
-                    f"{', '.join(map(repr, sorted(known))) or 'none'}){hint}"
-                )
-            if isinstance(limit.cost, int) and limit.cost > spec.smallest:
-                raise ConfigurationError(
-                    f"{where}: a cost of {limit.cost} units can never fit the limit, whose "
-                    f"size is {spec.smallest}"
-                )
 
     def resolve(self, name: str, settings: Settings) -> LockOptions:
         """These options for task ``name`` (its registered name), unset ones from ``settings``."""

@@ -71,7 +71,7 @@ def _memory(
         for key, window in backend._windows.items():
             if match in key and window.until > now:
                 found[f"debounce {key}"] = window.until - now
-        for key, limit in backend._limits.items():
+        for key, limit in backend._limits.records.items():
             for token, hold in limit.holds.items():
                 left = limit.until(hold) - now
                 if match in key and left > 0:
