@@ -36,10 +36,15 @@ def database(label: str) -> str:
     return f"{{e2e}}-db:{label}"
 
 
+def database_key(label: str) -> str:
+    """The store key of the label's database limit."""
+    return limit_key(KEY_PREFIX, database(label))
+
+
 def hold_elsewhere(store: LockBackend, label: str, units: int) -> Units:
     """Hold ``units`` of the label's database limit in ``store`` from this process, for a
     minute, as another host's executions would."""
-    held = Units(limit_key(KEY_PREFIX, database(label)), SIZE, units)
+    held = Units(database_key(label), SIZE, units)
     taken = store.take_units(ELSEWHERE, 60, [held], meta={"task_id": "elsewhere"})
     assert taken.taken, taken
     return held
