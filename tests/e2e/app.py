@@ -40,6 +40,7 @@ def e2e_limits(name: str) -> dict[str, Any] | None:
         return {"rate": "10/2s"}
     return None
 
+
 #: Optional: a JSON object merged into ``broker_transport_options`` (e.g. a short
 #: ``visibility_timeout`` for the redelivery tests of test_faults.py).
 TRANSPORT_ENV = "SINGLETASK_E2E_TRANSPORT"
