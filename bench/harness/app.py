@@ -16,6 +16,10 @@ there are:
     database under ``token``, and counts how many bodies of ``key`` run at once.
 ``bench.singletask-{limit,rate,debounce}.noop(i)``
     The empty body with ``lock_limit``, ``lock_rate`` or ``lock_debounce`` (``BEYOND``).
+``bench.singletask-{units,units-only,units-charge}.noop(i)``
+    The empty body with named limits (``BEYOND``, the app's ``LIMITS``): one limit beside the
+    key, one limit and no key of its own, or two limits (a concurrency and a rate) and a
+    ``charge`` of the rate in the body.
 ``bench.singletask-fleet.start(i)``
     One key under ``lock_rate`` (``BENCH_FLEET_RATE``): each start records its fencing token.
 
@@ -64,10 +68,23 @@ REQUIRES = {
 
 #: The task options of the beyond suite's variants (not contenders: run never runs them).
 #: The rate is high enough never to refuse a key per execution: what it measures is the check.
+#: The named limits' variants take 1 unit of limits far larger than what one process can start
+#: (``LIMITS``): what they measure is the take and the giving back. ``singletask-units-only``
+#: names no key (``lock_args`` None): the limits alone hold it back.
 BEYOND: dict[str, dict[str, Any]] = {
     "singletask-limit": {"lock_limit": 5},
     "singletask-rate": {"lock_rate": "1000/s"},
     "singletask-debounce": {"lock_debounce": 1.0},
+    "singletask-units": {"lock_limits": ["bench-db"]},
+    "singletask-units-only": {"lock_limits": ["bench-db"], "lock_args": None},
+    "singletask-units-charge": {"lock_limits": ["bench-requests", "bench-tokens"]},
+}
+
+#: The app's named limits (``singletask_limits``), for the ``singletask-units*`` variants.
+LIMITS: dict[str, dict[str, Any]] = {
+    "bench-db": {"concurrency": 1000},
+    "bench-requests": {"concurrency": 1000},
+    "bench-tokens": {"rate": "1000000/s"},
 }
 
 #: Where each variant takes its lock: when a worker executes the task, or when it is sent.
@@ -168,6 +185,13 @@ def two_pings(i: int) -> None:
     _ran.value = True
 
 
+def charged_noop(self: Task, i: int) -> None:
+    """The empty body that charges the rate it started 1 unit (its estimate): the request a
+    ``charge`` costs."""
+    _ran.value = True
+    self.lock.charge("bench-tokens", 1)
+
+
 def fleet_start(self: Task, i: int) -> None:
     """A start under ``lock_rate``: its fencing token (on Redis, the store's clock in
     microseconds when it took the key), this process's clock and pid, in the probe database."""
@@ -243,7 +267,9 @@ def _register(app: Celery, variant: str) -> None:
         # The options beyond the singleton (suites/beyond.py), on the same per-argument keys.
         from singletask import SingletonTask
 
-        task(name=noop_name, base=SingletonTask, lock_args="*", **BEYOND[variant])(noop)
+        options = {"lock_args": "*", **BEYOND[variant]}
+        body = charged_noop if variant == "singletask-units-charge" else noop
+        task(name=noop_name, base=SingletonTask, bind=body is charged_noop, **options)(body)
     elif variant == "singletask-fleet":
         # One key for the whole task under a rate: suites/beyond.py's fleet of workers.
         from singletask import SingletonTask
@@ -337,6 +363,7 @@ def make_app(
         worker_hijack_root_logger=True,
         worker_redirect_stdouts=False,
         singletask_backend_url=lock_url,
+        singletask_limits=LIMITS,
         singleton_backend_url=lock_url,
         ONCE={
             "backend": "celery_once.backends.Redis",

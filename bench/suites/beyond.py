@@ -1,4 +1,5 @@
-"""What lock_limit, lock_rate and lock_debounce cost beside the singleton; a fleet under a rate.
+"""What lock_limit, lock_rate, lock_debounce and named limits cost beside the singleton; a fleet
+under a rate.
 
 The lock stores are Redis (a private ``redis-server``) and PostgreSQL (the server of
 ``SINGLETASK_TEST_POSTGRES_URL``, default the test suite's, in a table of the benchmark's own,
@@ -7,7 +8,10 @@ dropped at the end). The broker is always the private Redis.
 1. **Per execution**, in one process: eager executions (``task_always_eager``, Celery's tracer,
    with a worker's stack protection as the ``run`` suite installs it) of an empty task locked per
    argument value, for the singleton (no option), ``lock_limit=5``, ``lock_rate="1000/s"`` (a
-   key per execution, so the rate is checked and never refuses) and ``lock_debounce=1``. Eager
+   key per execution, so the rate is checked and never refuses), ``lock_debounce=1`` and named
+   limits (``lock_limits``, one unit of limits that never refuse: one beside the key, one
+   without a key of the task's own, and a concurrency and a rate with a ``charge`` of the
+   rate in the body; bench/harness/app.py ``BEYOND`` and ``LIMITS``). Eager
    mode does not debounce a send, so a debounced execution is measured as a worker meets it:
    its key's window is first opened by a real send of the same task id (not timed), then the
    execution takes the window (``debounce_take``) and the lock. Added time is the median of
@@ -75,16 +79,26 @@ TASKS = {
     "limit": "bench.singletask-limit.noop",
     "rate": "bench.singletask-rate.noop",
     "debounce": "bench.singletask-debounce.noop",
+    "units": "bench.singletask-units.noop",
+    "units-only": "bench.singletask-units-only.noop",
+    "units-charge": "bench.singletask-units-charge.noop",
 }
 APP_VARIANTS = ["plain", "singletask", "singletask-limit", "singletask-rate",
-                "singletask-debounce"]  # fmt: skip
+                "singletask-debounce", "singletask-units", "singletask-units-only",
+                "singletask-units-charge"]  # fmt: skip
 LABELS = {
     "singleton": "singleton (no option)",
     "limit": "``lock_limit=5``",
     "rate": '``lock_rate="1000/s"``',
     "debounce": "``lock_debounce=1``: execution",
     "debounce-send": "``lock_debounce=1``: send",
+    "units": "a key and 1 named limit",
+    "units-only": "1 named limit, no key",
+    "units-charge": "a key, 2 limits, a ``charge``",
 }
+#: The rows of the per-execution table, in order.
+ROWS = [*(v for v in TASKS if not v.startswith("units")), "debounce-send",
+        *(v for v in TASKS if v.startswith("units"))]  # fmt: skip
 
 
 # -- 1 and 2: per execution, per send ----------------------------------------------------------
@@ -326,7 +340,7 @@ def rst(results: dict[str, Any]) -> str:
     over = results["per_execution"]
     head = ("variant", *(f"{k}: round trips" for k in stores), *(f"{k}: added µs" for k in stores))
     rows = []
-    for variant in [*TASKS, "debounce-send"]:
+    for variant in ROWS:
         rows.append((
             LABELS[variant],
             *(f"{over['round_trips'][k][variant]:.2f}" for k in stores),

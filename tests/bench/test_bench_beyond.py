@@ -1,5 +1,5 @@
-"""``python -m bench beyond`` (``lock_limit``, ``lock_rate``, ``lock_debounce`` beside the
-singleton) runs in its tiny configuration.
+"""``python -m bench beyond`` (``lock_limit``, ``lock_rate``, ``lock_debounce`` and named limits
+beside the singleton) runs in its tiny configuration.
 
 As for the main benchmark (test_bench.py), no timing is asserted: only what the run observed,
 the round trips the stores counted per execution and per send (within the tolerance of
@@ -43,14 +43,17 @@ def test_each_option_costs_the_round_trips_counted_by_the_store(quick_run: dict[
     """Per execution: the singleton, ``lock_limit=5`` and ``lock_rate`` take the lock in one
     request and give it back in one; a debounced execution first takes its window (one more),
     and each debounced send writes its window entry in one request before its publish and marks
-    it published in one after."""
+    it published in one after. Named limits take their units in a request of their own after
+    the key and give them back in one before it (4), with a key of the task's own or without
+    (the key of its message alone); a ``charge`` is one more (5)."""
     # Given / When: the quick run of the module fixture
     trips = quick_run["per_execution"]["round_trips"]
 
     # Then: on every store measured (Redis always, PostgreSQL when its server answers)
     assert "redis" in trips
     for kind, counted in trips.items():
-        expected = {"singleton": 2, "limit": 2, "rate": 2, "debounce": 3, "debounce-send": 2}
+        expected = {"singleton": 2, "limit": 2, "rate": 2, "debounce": 3, "debounce-send": 2,
+                    "units": 4, "units-only": 4, "units-charge": 5}  # fmt: skip
         assert counted.keys() == expected.keys(), kind
         assert all(counted_on_the_server(counted[k], expected[k]) for k in expected), (
             kind,

@@ -4,10 +4,8 @@ window, and a rate is never exceeded.
 
 The test process takes units of a limit itself, as executions on another host would, so that
 the worker's two pool processes meet a limit with less room than they are. What the worker's
-bodies held at once is read from the probe's start and end events, in the order Redis
-recorded them: a body records its start after its units were taken and its end before they
-are given back, so the events never show more than was held. The same, on the stores besides
-Redis: tests/e2e/test_stores.py.
+bodies held at once is read from the probe's start and end events (shared_limits.py). The
+same, on the stores besides Redis: tests/e2e/test_stores_units.py.
 """
 
 from __future__ import annotations
@@ -22,9 +20,16 @@ from celery import group
 from singletask import Skipped
 from singletask.backends.base import Units
 from singletask.backends.redis import RedisBackend
-from singletask.protocol.limits import limit_key
 
 from .conftest import ON_REDIS_BROKER, Cluster
+from .shared_limits import (
+    SIZE,
+    crowded_windows,
+    database,
+    hold_elsewhere,
+    most_held,
+    most_running_of,
+)
 from .tasks_policies import gate_key
 from .tasks_shared import PREFIX
 from .test_endings import wait_pool_restored
@@ -33,8 +38,6 @@ pytestmark = [pytest.mark.e2e, ON_REDIS_BROKER]
 
 #: Generous bound for what the worker does by itself.
 BOUND = 30.0
-#: The size of each test's database limit (tests/e2e/app.py e2e_limits).
-SIZE = 3
 
 
 @pytest.fixture
@@ -45,28 +48,9 @@ def label(cluster: Cluster) -> Iterator[str]:
     cluster.probe.client.rpush(gate_key(name), *["open"] * 20)
 
 
-def database(label: str) -> Units:
-    return Units(limit_key("singletask:", f"{{e2e}}-db:{label}"), SIZE, 1)
-
-
 def elsewhere(cluster: Cluster, label: str, units: int) -> Units:
     """Hold ``units`` of the label's database limit from this process, as another host."""
-    held = Units(database(label).key, SIZE, units)
-    store = RedisBackend(client=cluster.locks)
-    assert store.take_units("elsewhere-token", 60, [held], meta={"task_id": "elsewhere"}).taken
-    return held
-
-
-def most_held(cluster: Cluster, label: str) -> int:
-    """The most units the worker's bodies held at once, from the probe's events."""
-    held = most = 0
-    for event in cluster.probe.events(label):
-        if event["event"] == "start":
-            held += event["units"]
-            most = max(most, held)
-        elif event["event"] == "end":
-            held -= event["units"]
-    return most
+    return hold_elsewhere(RedisBackend(client=cluster.locks), label, units)
 
 
 def test_two_task_types_sharing_a_limit_never_hold_more_than_its_size(
@@ -83,7 +67,7 @@ def test_two_task_types_sharing_a_limit_never_hold_more_than_its_size(
     results = group(sends).apply_async().get(timeout=BOUND * 2)
 
     assert results == [1] * 8
-    assert most_held(cluster, label) == 1
+    assert most_held(cluster.probe.events(label)) == 1
     assert {e["task"] for e in cluster.probe.starts(label)} == {
         PREFIX + "report", PREFIX + "export",
     }  # fmt: skip
@@ -98,16 +82,9 @@ def test_costs_weigh_against_the_size(cluster: Cluster, label: str) -> None:
     results = group(sends).apply_async().get(timeout=BOUND * 2)
 
     assert sorted(results) == [1] * 4 + [2] * 4
-    assert most_held(cluster, label) <= SIZE
-    two_at_once = 0
-    running: dict[str, int] = {}
-    for event in cluster.probe.events(label):
-        if event["event"] == "start":
-            running[event["task_id"]] = event["units"]
-            two_at_once = max(two_at_once, sum(u == 2 for u in running.values()))
-        elif event["event"] == "end":
-            running.pop(event["task_id"], None)
-    assert two_at_once == 1
+    events = cluster.probe.events(label)
+    assert most_held(events) <= SIZE
+    assert most_running_of(events, 2) == 1
 
 
 def test_a_full_limit_refuses_with_its_name_and_a_crash_gives_the_units_back(
@@ -121,7 +98,7 @@ def test_a_full_limit_refuses_with_its_name_and_a_crash_gives_the_units_back(
 
     refused = cluster.task(PREFIX + "report_skip").apply_async((label,)).get(timeout=BOUND)
     assert isinstance(refused, Skipped)
-    assert (refused.reason, refused.limit) == ("limit", f"{{e2e}}-db:{label}")
+    assert (refused.reason, refused.limit) == ("limit", database(label))
 
     os.kill(start["pid"], signal.SIGKILL)
     try:
@@ -156,7 +133,4 @@ def test_starts_never_exceed_a_rate_in_any_window(cluster: Cluster, label: str) 
 
     assert group(sends).apply_async().get(timeout=BOUND * 3) == [3] * 12
 
-    times = sorted(e["t"] for e in cluster.probe.starts(label))
-    for i, first in enumerate(times):
-        within = [t for t in times[i:] if t < first + 2.0 - 0.1]
-        assert 3 * len(within) <= 10, f"starts at {times}"
+    assert not crowded_windows(cluster.probe.starts(label))

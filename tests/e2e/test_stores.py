@@ -4,7 +4,8 @@ workers whose locks live in PostgreSQL, MariaDB, ... while the broker is a priva
 Each test gets workers and servers of its own (a :class:`~tests.e2e.faults.FaultEnv`) and a
 fresh lock store, reached through a :class:`~tests.e2e.proxy.TcpProxy` so that the store can be
 taken "down" without touching the machine's shared database server. The test process watches
-the locks with a backend of its own, connected to the store directly.
+the locks with a backend of its own, connected to the store directly. Named limits on these
+stores (and SQLite): test_stores_units.py.
 """
 
 from __future__ import annotations
