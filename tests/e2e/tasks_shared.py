@@ -68,6 +68,8 @@ TASKS: list[tuple[Any, dict[str, Any]]] = [
     (complete, {"lock_limits": {"{e2e}-tokens:{label}": estimate}, "lock_policy": "retry",
                 "lock_retry_countdown": 0.1, "lock_retry_max": 500,
                 "name": PREFIX + "complete"}),
+    (complete, {"lock_limits": {"{e2e}-tokens:{label}": estimate}, "lock_policy": "skip",
+                "name": PREFIX + "complete_skip"}),
 ]  # fmt: skip
 
 

@@ -115,9 +115,10 @@ def test_a_full_limit_refuses_with_its_name_and_a_crash_gives_the_units_back(
 def test_charge_counts_the_real_cost_so_the_next_starts_have_room(
     cluster: Cluster, label: str
 ) -> None:
-    """ "10 tokens per 2 s", calls estimated at 5 that used 1: six in a row all run, where the
-    estimates alone would let two."""
-    task = cluster.task(PREFIX + "complete")
+    """ "10 tokens per 2 s", calls estimated at 5 that used 1: six in a row all run at their
+    first start (the skip policy: a refused one would return Skipped), where the estimates
+    alone would let two."""
+    task = cluster.task(PREFIX + "complete_skip")
     used = [task.apply_async((label,), {"estimate": 5, "used": 1}).get(timeout=BOUND)
             for _ in range(6)]  # fmt: skip
     assert used == [1] * 6

@@ -114,7 +114,8 @@ def test_two_task_types_sharing_a_limit_never_hold_more_than_its_size(store: Uni
     results = group(sends).apply_async().get(timeout=BOUND * 4)
 
     assert results == [1] * 12
-    assert most_held(store.events()) == SIZE - 1, env.explain()
+    # (two at once is what four processes reach with twelve such bodies, but not a promise)
+    assert 1 <= most_held(store.events()) <= SIZE - 1, env.explain()
     assert {e["task"] for e in env.probe.starts(label)} == {PREFIX + "report", PREFIX + "export"}
     store.assert_room_is_back(elsewhere=1)
 
