@@ -32,6 +32,13 @@ own when every limit has room. A give is one transaction too, on the caller's ow
 it frees room or changes a start's cost, so it needs no limit row. (MySQL: every write finds
 its rows by primary key, the sweep included, so InnoDB locks no row of another limit.)
 
+``acquire`` of a key (no holder slot) with units is one transaction too: the key's row locked
+first (inserted free if missing) and judged, then, only when the key may be taken, the take
+as above, then the key. ``release`` with units frees the key (its row first), then gives the
+concurrency holds back, in one transaction. So every transaction locks in one order: the key's
+row, limit rows in stored-key order, holds; none waits for another in a circle.
+(``acquire_slot`` and a slot's release take their units in a step of their own.)
+
 Every row has an expiry: reads ignore rows past it; a take deletes the expired holds of the
 limits it locked, and a process that takes or gives units deletes a batch of expired rows of
 both tables at most every :data:`.core.RECLAIM_INTERVAL` seconds (through their indexes on
