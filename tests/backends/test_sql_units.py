@@ -196,6 +196,222 @@ def test_a_take_that_waits_for_a_limit_row_held_elsewhere_times_out_and_writes_n
     store.close()
 
 
+# -- a key and its units: one transaction ---------------------------------------------------------
+
+
+@both
+def test_an_acquire_refused_by_a_limit_never_makes_the_key_held_even_briefly(
+    sql_store: SqlStore, kind: str
+) -> None:
+    """Threads keep acquiring a free key with a limit that has no room while another thread
+    polls the key's holder: the key, its row judged and the limit refused in one transaction,
+    is never seen held (taking it, then giving it back in a second step, would show it)."""
+    url, table = sql_store
+    key, limit = "app:lock", concurrency("full", 1)
+    stores = [backend_from_url(url, table=table) for _ in range(4)]
+    assert stores[0].take_units("elsewhere", 60, [limit]).taken
+    done = threading.Event()
+    seen: list[Any] = []
+    outcomes: list[Any] = []
+
+    def poll() -> None:
+        while not done.is_set():
+            holder = stores[0].holder(key)
+            if holder is not None:
+                seen.append(holder)
+
+    def refused(n: int) -> None:
+        for round_ in range(40):
+            result = stores[n].acquire(key, f"t{n}-{round_}", 30, units=[limit])
+            outcomes.append((result.acquired, result.limit))
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    workers = [threading.Thread(target=refused, args=(n,)) for n in (1, 2, 3)]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join(60)
+    done.set()
+    poller.join(10)
+
+    assert seen == []
+    assert outcomes == [(False, limit.key)] * 120
+    assert holds_of(kind, table, limit) == {"elsewhere"}
+    for store in stores:
+        store.close()
+
+
+def _lock_rows(kind: str, table: str, column: str, value: str, held: Any, hold: float) -> None:
+    """In a session of the test's own: lock the row of ``table`` whose ``column`` is ``value``
+    (FOR UPDATE), set ``held``, keep it ``hold`` seconds, commit."""
+    with session(kind) as conn:
+        cursor = conn.cursor()
+        cursor.execute(f"SELECT 1 FROM {table} WHERE {column} = %s FOR UPDATE", (value,))
+        held.set()
+        time.sleep(hold)
+        conn.commit()
+
+
+@both
+def test_an_acquire_of_a_held_key_reads_no_limit(sql_store: SqlStore, kind: str) -> None:
+    """The key's row is judged first: held by another token, the acquire is refused by its
+    holder at once, without waiting for the row of its limit that another session has locked;
+    a free key waits for that row (its units are taken after the key's row, in one
+    transaction), past the store's timeout, and then nothing of it is written."""
+    url, table = sql_store
+    store = backend_from_url(url, table=table, timeout=1)
+    limit = concurrency("locked", 1)
+    assert store.take_units("warm-up", 30, [limit]).taken  # the limit's row exists
+    assert store.give_units("warm-up", [limit]) == [True]
+    assert store.acquire("app:held", "holder", 30).acquired
+    held = threading.Event()
+    rival = threading.Thread(
+        target=_lock_rows,
+        args=(kind, limit_tables(table)[0], key_column(kind), limit.key, held, 3),
+        daemon=True,
+    )
+    rival.start()
+    assert held.wait(10)
+
+    started = time.monotonic()
+    result = within(10, lambda: store.acquire("app:held", "other", 30, units=[limit]))
+    assert time.monotonic() - started < 0.8
+    assert (result.acquired, result.limit) == (False, None)
+    assert result.holder is not None
+    assert result.holder.token == "holder"
+
+    with pytest.raises(BackendTimeout):
+        within(10, lambda: store.acquire("app:free", "other", 30, units=[limit]))
+    assert store.holder("app:free") is None
+    rival.join(10)
+    assert holds_of(kind, table, limit) == set()
+    assert store.acquire("app:free", "other", 30, units=[limit]).acquired
+    store.close()
+
+
+@both
+def test_a_release_with_units_gives_them_back_with_the_key_not_before(
+    sql_store: SqlStore, kind: str
+) -> None:
+    """A release whose key's row another session has locked waits for it, its holds still
+    held (given back in the same transaction as the key, after its row: not in a step of
+    their own before); then both go together."""
+    url, table = sql_store
+    store = backend_from_url(url, table=table, timeout=5)
+    limit = concurrency("pool", 2)
+    assert store.acquire("app:lock", "mine", 30, units=[limit]).acquired
+    held = threading.Event()
+    rival = threading.Thread(
+        target=_lock_rows, args=(kind, table, key_column(kind), "app:lock", held, 1.5),
+        daemon=True,
+    )  # fmt: skip
+    rival.start()
+    assert held.wait(10)
+    released: list[bool] = []
+    releaser = threading.Thread(
+        target=lambda: released.append(store.release("app:lock", "mine", units=[limit]))
+    )
+    releaser.start()
+    time.sleep(0.7)
+
+    assert released == []
+    assert holds_of(kind, table, limit) == {"mine"}
+    releaser.join(10)
+    rival.join(10)
+    assert released == [True]
+    assert holds_of(kind, table, limit) == set()
+    assert store.holder("app:lock") is None
+    store.close()
+
+
+@both
+def test_acquires_with_overlapping_limits_never_admit_too_many_nor_deadlock(
+    sql_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight threads, each with a store of its own, acquire a few shared keys with units of
+    overlapping limits (named in either order), hold them a moment and release them with their
+    units, while others take and give the same limits alone. A deadlock or serialization
+    failure is not retried here (it would fail the call): there is none, no key has two
+    holders, and no limit more holders than its size at any moment."""
+    from singletask.backends.sql.mysql import store as mysql_store
+    from singletask.backends.sql.postgres import queries as pg_queries
+
+    monkeypatch.setattr(pg_queries, "ATTEMPTS", 1)
+    monkeypatch.setattr(mysql_store, "_RETRIES", 1)
+    url, table = sql_store
+    sizes = {"a": 2, "b": 3, "c": 2}
+    limits = {name: concurrency(name, size) for name, size in sizes.items()}
+    keys = [f"app:k{n}" for n in range(5)]
+    stores = [backend_from_url(url, table=table, timeout=10) for _ in range(8)]
+    for key in keys:  # the rows exist: racing inserts of a new row are not what this tests
+        assert stores[0].acquire(key, "warm-up", 30, units=list(limits.values())).acquired
+        assert stores[0].release(key, "warm-up", units=list(limits.values()))
+    guard = threading.Lock()
+    in_use = dict.fromkeys(sizes, 0)
+    holders: dict[str, str] = {}
+    errors: list[str] = []
+    too_many: list[str] = []
+    admitted = [0]
+    start = threading.Barrier(8)
+    orders = [["a", "b"], ["b", "a"], ["b", "c"], ["c", "b"], ["a", "c", "b"], ["c", "a"]]
+
+    def enter(token: str, names: list[str], key: str | None) -> None:
+        with guard:
+            if key is not None:
+                if key in holders:
+                    too_many.append(f"{key}: {holders[key]} and {token}")
+                holders[key] = token
+            for name in names:
+                in_use[name] += 1
+                if in_use[name] > sizes[name]:
+                    too_many.append(f"{name}: {in_use[name]}")
+            admitted[0] += 1
+
+    def leave(names: list[str], key: str | None) -> None:
+        with guard:
+            if key is not None:
+                holders.pop(key, None)
+            for name in names:
+                in_use[name] -= 1
+
+    def worker(n: int) -> None:
+        store = stores[n]
+        start.wait(30)
+        for round_ in range(25):
+            names = orders[(n + round_) % len(orders)]
+            units = [limits[name] for name in names]
+            token = f"t{n}-{round_}"
+            try:
+                if n % 4 == 3:  # units alone
+                    if store.take_units(token, 30, units).taken:
+                        enter(token, names, None)
+                        time.sleep(0.002)
+                        leave(names, None)
+                        store.give_units(token, units)
+                    continue
+                key = keys[(n + round_) % len(keys)]
+                if store.acquire(key, token, 30, units=units).acquired:
+                    enter(token, names, key)
+                    time.sleep(0.002)
+                    leave(names, key)
+                    assert store.release(key, token, units=units)
+            except Exception as exc:
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+
+    assert errors == []
+    assert too_many == []
+    assert admitted[0] > 20
+    for store in stores:
+        store.close()
+
+
 # -- the tables -----------------------------------------------------------------------------------
 
 

@@ -32,6 +32,13 @@ own when every limit has room. A give is one transaction too, on the caller's ow
 it frees room or changes a start's cost, so it needs no limit row. (MySQL: every write finds
 its rows by primary key, the sweep included, so InnoDB locks no row of another limit.)
 
+``acquire`` of a key (no holder slot) with units is one transaction too: the key's row locked
+first (inserted free if missing) and judged, then, only when the key may be taken, the take
+as above, then the key. ``release`` with units frees the key (its row first), then gives the
+concurrency holds back, in one transaction. So every transaction locks in one order: the key's
+row, limit rows in stored-key order, holds; none waits for another in a circle.
+(``acquire_slot`` and a slot's release take their units in a step of their own.)
+
 Every row has an expiry: reads ignore rows past it; a take deletes the expired holds of the
 limits it locked, and a process that takes or gives units deletes a batch of expired rows of
 both tables at most every :data:`.core.RECLAIM_INTERVAL` seconds (through their indexes on
@@ -48,7 +55,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..base import StoreState, Units, UnitsResult, check_lease, check_taken
+from ...protocol.slots import slot_index
+from ..base import AcquireResult, StoreState, Units, UnitsResult, check_lease, check_taken
 from ..holders import MAX_SHOWN
 from . import core
 
@@ -106,12 +114,41 @@ class SQLUnits(core.SQLBackend):
         refused = self._take(token, ttl, self._limits(units), meta, self._what(units))
         if refused is None:
             return UnitsResult(True)
+        return UnitsResult(False, *self._refusal(units, refused))
+
+    def acquire(
+        self, key: str, token: str, ttl: float, *,
+        meta: Mapping[str, str] | None = None, takeover_prefix: str | None = None,
+        units: Sequence[Units] = (),
+    ) -> AcquireResult:  # fmt: skip
+        """A key that is no holder slot and its units: one transaction (:meth:`_acquire_units`);
+        otherwise as :class:`~.core.SQLBackend` does."""
+        if not units or slot_index(key):
+            return super().acquire(
+                key, token, ttl, meta=meta, takeover_prefix=takeover_prefix, units=units
+            )
+        ttl = check_lease(ttl, "acquire")
+        check_taken(units, "acquire")
+        outcome = self._acquire_units(
+            key, token, ttl, meta, takeover_prefix, self._limits(units), self._what(units)
+        )
+        if isinstance(outcome, AcquireResult):
+            return outcome
+        limit, used, retry_after = self._refusal(units, outcome)
+        return AcquireResult(False, retry_after=retry_after, limit=limit, used=used)
+
+    @staticmethod
+    def _refusal(
+        units: Sequence[Units], refused: tuple[int, int, float | None]
+    ) -> tuple[str, int, float | None]:
+        """The limit, units used and (a rate's) seconds until it has room, of a refusal
+        ``(ord, used, seconds)`` of ``units``."""
         ord_, used, wait = refused
         item = units[ord_ - 1]
         retry_after = None
         if item.period is not None and wait is not None:
             retry_after = max(float(wait), 0.001)
-        return UnitsResult(False, item.key, int(used), retry_after)
+        return item.key, int(used), retry_after
 
     def give_units(self, token: str, units: Sequence[Units]) -> list[bool]:
         check_taken(units, "give_units", give=True)
@@ -193,6 +230,18 @@ class SQLUnits(core.SQLBackend):
         process has not checked them). Returns None when taken, else ``(ord, used, seconds)``
         of the first limit without room: its units in use and, for a rate, the seconds until
         enough of its oldest starts leave the window."""
+
+    @abc.abstractmethod
+    def _acquire_units(
+        self, key: str, token: str, ttl: float, meta: Mapping[str, str] | None,
+        takeover_prefix: str | None, limits: list[Limit], what: str,
+    ) -> AcquireResult | tuple[int, int, float | None]:  # fmt: skip
+        """:meth:`acquire` of ``key`` (no holder slot; ``ttl`` checked) with ``limits``, in one
+        transaction: the key's row locked first and judged (held by another token: refused by
+        its holder, no limit read nor locked), then the limits taken as :meth:`_take` takes
+        them (their rows locked in stored-key order after the key's), then the key. Returns the
+        result, or ``(ord, used, seconds)`` as :meth:`_take` when a limit had no room (the key
+        not taken)."""
 
     @abc.abstractmethod
     def _give(self, token: str, limits: list[Limit], what: str) -> set[int]:

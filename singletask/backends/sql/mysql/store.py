@@ -45,7 +45,7 @@ from pymysql.constants import CLIENT
 
 from ....exceptions import BackendError, BackendTimeout, BackendUnavailable, ConfigurationError
 from ....protocol.slots import base_key, slot_index, slot_keys
-from ...base import AcquireResult, Holder, Units, check_lease
+from ...base import AcquireResult, Holder, Units, check_lease, check_taken
 from ...urls import mask_url
 from .. import bookkeeping as S
 from .. import core, pool, slots
@@ -205,11 +205,11 @@ class MySQLBackend(U.MySQLUnits):
 
     def _run(
         self, operation: str, key: str, work: Callable[[pymysql.cursors.Cursor], T],
-        *, writes: bool = True, units: bool = False,
+        *, writes: bool = True, units: bool = False, both: bool = False,
     ) -> T:  # fmt: skip
         """Run ``work`` on a pooled connection (``writes``: creating the table first if
         missing, then deleting expired rows now and then; with ``units``, the tables of named
-        limits instead, :mod:`.units`): the boundary where driver errors
+        limits instead, :mod:`.units`; with ``both``, both): the boundary where driver errors
         become singletask's. A script InnoDB aborted as a deadlock victim committed nothing and
         is sent again; a pooled connection that turns out to be dead (the server closed it
         while it was idle, ``wait_timeout``, or restarted) is replaced and ``work`` runs once
@@ -219,11 +219,13 @@ class MySQLBackend(U.MySQLUnits):
             reused = False
             try:
                 with self._pool.checkout() as (conn, reused), conn.cursor() as cursor:
-                    if writes:
-                        self._prepare(cursor, units)
+                    tables = ((False, True) if both else (units,)) if writes else ()
+                    for limits in tables:
+                        self._prepare(cursor, limits)
                     result = work(cursor)
-                    if writes and (self._units_reclaimer if units else self._reclaimer).due():
-                        self._reclaim(cursor, units)
+                    for limits in tables:
+                        if (self._units_reclaimer if limits else self._reclaimer).due():
+                            self._reclaim(cursor, limits)
                     return result
             except pymysql.MySQLError as exc:
                 if exc.args and exc.args[0] == _DEADLOCK and deadlocks + 1 < _RETRIES:
@@ -336,6 +338,10 @@ class MySQLBackend(U.MySQLUnits):
     def release(
         self, key: str, token: str, *, completed: str | None = None, units: Sequence[Units] = ()
     ) -> bool:
+        held = [item for item in units if item.period is None]
+        if held and not slot_index(key):  # the key and the holds: one transaction
+            check_taken(held, "release", give=True)
+            return self._release_units(key, token, completed, held)
         self._give_units_before(token, units)
         args = {**_keys(key), "token": token, "done": completed}
         if slot_index(key):  # a holder slot: its marker is its key's

@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import pymysql
 
+from ...base import AcquireResult, Units, units_meta
 from ...holders import MAX_SHOWN
 from .. import core
 from ..units import Limit, SQLUnits, limit_tables
-from .queries import run_script
+from .queries import CLOCK_US, RELEASE, as_text, run_script
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -137,6 +138,78 @@ TAKE_END = """
 SELECT @st_ord, @st_used, @st_wait;
 COMMIT"""
 
+# acquire with units (a key that is no holder slot) is one transaction, its locks in one order:
+# the key's row, then the limits' rows in stored-key order, then holds (a take locks limit rows
+# then holds, a give and a release with units, the key's row first, holds only): none waits
+# for another in a circle. ACQUIRE_BEGIN locks the key's row (inserted free if missing), reads
+# the clock, and judges it as ACQUIRE does (@st_take: free, expired, the caller's, or a holder
+# with the takeover prefix). Then the take as TAKE_BEGIN ... SIZE, its limits' rows locked
+# (ACQUIRE_LOCKS, {locks}: LOCK_ITEM per limit in stored-key order) and swept (SWEEP_IF), its
+# decision read from its limits ({items}) and SIZE_IF, each only when @st_take (through a
+# derived table that is empty otherwise: no row of a limit is read nor locked when the key is
+# held); @st_ord is 0 when not, so that HOLD and START write nothing either. ACQUIRE_END takes
+# the key as ACQUIRE does when every limit had room, by the clock read after their locks, and
+# returns @st_ord, @st_used, @st_wait (0: the key held; else as TAKE_END) and the key's row.
+ACQUIRE_BEGIN = """
+START TRANSACTION;
+INSERT INTO {table} (`key`, full_key, lease_expires, fence, expires_at)
+VALUES (%(key)s, %(full_key)s, UTC_TIMESTAMP(6), 0, UTC_TIMESTAMP(6))
+ON DUPLICATE KEY UPDATE `key` = `key`;
+SET @st_now = UTC_TIMESTAMP(6);
+SET @st_take = COALESCE((SELECT token IS NULL OR lease_expires <= @st_now OR token = %(token)s
+    OR (%(prefix)s <> '' AND LEFT(token, LENGTH(%(prefix)s)) = %(prefix)s)
+    FROM {table} WHERE `key` = %(key)s), 0);"""
+ACQUIRE_LOCKS = """
+INSERT INTO {limits} (`key`, full_key, size, expires_at)
+SELECT c.k, c.f, 0, UTC_TIMESTAMP(6) + INTERVAL c.e MICROSECOND FROM ({locks}) AS c
+WHERE @st_take ORDER BY c.o
+ON DUPLICATE KEY UPDATE `key` = `key`;
+SET @st_now = UTC_TIMESTAMP(6), @st_ord = IF(@st_take, NULL, 0), @st_used = NULL,
+    @st_need = NULL, @st_wait = NULL;"""
+LOCK_ITEM = (
+    "SELECT CAST(%(k{n})s AS BINARY) AS k, CAST(%(f{n})s AS BINARY) AS f, "
+    "CAST(%(e{n})s AS SIGNED) AS e, {o} AS o"
+)
+SWEEP_IF = """
+DELETE h FROM {holds} AS h
+    JOIN (SELECT CAST(%(k{n})s AS BINARY) AS k FROM DUAL WHERE @st_take) AS c ON h.`key` = c.k
+WHERE h.expires_at + INTERVAL 0 MICROSECOND <= @st_now;"""
+#: The call's limits of TAKE_DECIDE, none unless the key may be taken.
+ITEMS_IF = "SELECT * FROM ({items}) AS g WHERE @st_take"
+SIZE_IF = """
+UPDATE {limits} AS m
+    JOIN (SELECT CAST(%(k{n})s AS BINARY) AS k FROM DUAL WHERE @st_ord IS NULL) AS c
+    ON m.`key` = c.k
+SET m.full_key = %(f{n})s, m.size = %(s{n})s, m.period_us = %(p{n})s,
+    m.expires_at = GREATEST(m.expires_at, @st_now + INTERVAL %(e{n})s MICROSECOND);"""
+ACQUIRE_END = f"""
+UPDATE {{table}} SET
+    fence = IF(token <=> %(token)s AND lease_expires > @st_now, fence,
+               GREATEST(GREATEST(fence, COALESCE(slot_fence, 0)) + 1, {CLOCK_US})),
+    task_id = %(task_id)s,
+    meta = %(key_meta)s,
+    full_key = %(full_key)s,
+    expires_at = GREATEST(expires_at, @st_now + INTERVAL %(row_us)s MICROSECOND),
+    lease_expires = @st_now + INTERVAL %(lease_us)s MICROSECOND,
+    token = %(token)s
+WHERE `key` = %(key)s AND @st_ord IS NULL;
+SELECT @st_ord, @st_used, @st_wait;
+SELECT token, meta, fence, done, TIMESTAMPDIFF(MICROSECOND, @st_now, lease_expires)
+FROM {{table}} WHERE `key` = %(key)s;
+COMMIT"""
+
+# release with units (a key that is no holder slot) is one transaction: the key freed if the
+# token holds it (RELEASE: its row locked first, as an acquisition locks it) and how many rows
+# that freed, then the clock read and the token's holds of the concurrency limits given back
+# (GIVE per limit in stored-key order), whether it held the key or not; then RELEASE_END.
+RELEASE_BEGIN = f"""
+START TRANSACTION;
+{RELEASE.strip()};
+SELECT ROW_COUNT();
+SET @st_now = UTC_TIMESTAMP(6);"""
+RELEASE_END = """
+COMMIT"""
+
 # A give is one transaction: GIVE_BEGIN, GIVE per limit in stored-key order, COMMIT: the
 # caller's counting hold of the limit is locked and returned (its place in the call), then
 # deleted (a concurrency limit's, or a rate's given back as 0 units) or given its units (a
@@ -199,6 +272,7 @@ def queries(table: str) -> dict[str, str]:
     """The statements of named limits for the lock table ``table``, their tables named."""
     limits, holds = (name.split(".") for name in limit_tables(table))
     names = {
+        "{table}": ".".join(f"`{part}`" for part in table.split(".")),
         "{limits}": ".".join(f"`{part}`" for part in limits),
         "{holds}": ".".join(f"`{part}`" for part in holds),
         "{limits_index}": f"`{limits[-1]}_ex`", "{holds_index}": f"`{holds[-1]}_ex`",
@@ -209,6 +283,8 @@ def queries(table: str) -> dict[str, str]:
         "take_decide": TAKE_DECIDE, "hold": HOLD, "start": START, "size": SIZE,
         "take_end": TAKE_END, "give_begin": GIVE_BEGIN, "give": GIVE, "limit_state": STATE,
         "expired": EXPIRED, "reclaim_holds": RECLAIM_HOLDS, "reclaim_limits": RECLAIM_LIMITS,
+        "acquire_begin": ACQUIRE_BEGIN, "acquire_locks": ACQUIRE_LOCKS, "sweep_if": SWEEP_IF,
+        "size_if": SIZE_IF, "acquire_end": ACQUIRE_END, "release_begin": RELEASE_BEGIN,
     }.items():  # fmt: skip
         for mark, value in names.items():
             text = text.replace(mark, value)
@@ -258,7 +334,7 @@ class MySQLUnits(SQLUnits):
 
         def _run(
             self, operation: str, key: str, work: Callable[[pymysql.cursors.Cursor], T],
-            *, writes: bool = True, units: bool = False,
+            *, writes: bool = True, units: bool = False, both: bool = False,
         ) -> T: ...  # fmt: skip
 
     @staticmethod
@@ -296,6 +372,58 @@ class MySQLUnits(SQLUnits):
         if ord_ is None:
             return None
         return int(ord_), int(used), None if wait_us is None else int(wait_us) / 1e6
+
+    def _acquire_units(
+        self, key: str, token: str, ttl: float, meta: Mapping[str, str] | None,
+        takeover_prefix: str | None, limits: list[Limit], what: str,
+    ) -> AcquireResult | tuple[int, int, float | None]:  # fmt: skip
+        """One transaction: ``ACQUIRE_BEGIN``, the take's statements (each only when the key
+        may be taken), ``ACQUIRE_END``."""
+        q = self._q
+        stored, task_id = core.dump_meta(meta)
+        full = core.stored_key(key, self._key_bytes)
+        args: dict[str, Any] = {
+            "token": token, "lease_us": _us(ttl), "meta": core.dump_meta(units_meta(meta))[0],
+            "key": full[0], "full_key": full[1], "task_id": task_id, "key_meta": stored,
+            "row_us": _us(ttl + core.FENCE_RETENTION), "prefix": takeover_prefix or "",
+        }  # fmt: skip
+        ordered = self._args(limits, args)
+        for limit in limits:
+            args[f"e{limit.ord}"] = _us(ttl if limit.period is None else limit.period)
+        locks = " UNION ALL ".join(
+            LOCK_ITEM.format(n=limit.ord, o=o) for o, limit in enumerate(ordered, 1)
+        )
+        text = [q["acquire_begin"], q["acquire_locks"].format(locks=locks)]
+        text += [q["sweep_if"].format(n=limit.ord) for limit in ordered]
+        items = " UNION ALL ".join(ITEM.format(n=limit.ord) for limit in limits)
+        text.append(q["take_decide"].format(items=ITEMS_IF.format(items=items)))
+        for limit in ordered:
+            text.append(q["hold" if limit.period is None else "start"].format(n=limit.ord))
+            text.append(q["size_if"].format(n=limit.ord))
+        text.append(q["acquire_end"])
+        script = "".join(text)
+        results = self._run("acquire", key, lambda c: run_script(c, script, args), both=True)
+        (ord_, used, wait_us), row = results[-3][0], results[-2][0]
+        if ord_ is None:
+            return AcquireResult(True, fence=row[2], completed=row[3])
+        if int(ord_) > 0:
+            return int(ord_), int(used), None if wait_us is None else int(wait_us) / 1e6
+        left = None if row[4] is None else row[4] / 1e6
+        holder = as_text(row[0]) or ""
+        return AcquireResult(False, core.load_holder(holder, row[1], left, row[2]))
+
+    def _release_units(
+        self, key: str, token: str, completed: str | None, held: list[Units]
+    ) -> bool:
+        """One transaction: ``RELEASE_BEGIN``, ``GIVE`` per limit, ``RELEASE_END`` (``held``:
+        concurrency limits, checked)."""
+        stored = core.stored_key(key, self._key_bytes)
+        args: dict[str, Any] = {"key": stored[0], "token": token, "done": completed}
+        ordered = self._args(self._limits(held), args)
+        text = [self._q["release_begin"], *(self._q["give"].format(n=x.ord) for x in ordered)]
+        script = "".join(text) + RELEASE_END
+        results = self._run("release", key, lambda c: run_script(c, script, args), both=True)
+        return int(results[2][0][0]) > 0
 
     def _give(self, token: str, limits: list[Limit], what: str) -> set[int]:
         args: dict[str, Any] = {"token": token}

@@ -286,6 +286,7 @@ COMMIT"""
 SKIPPED = {
     "acquire_slot": PREAMBLE + 2, "release_slot": PREAMBLE + 1, "debounce": PREAMBLE + 1,
     "preempt": PREAMBLE, "preempt_slot": PREAMBLE + 2, "take_units": PREAMBLE + 2,
+    "acquire_units": PREAMBLE + 3, "release_units": PREAMBLE,
 }  # fmt: skip
 
 RECLAIM = """

@@ -58,7 +58,7 @@ from ....exceptions import (
     LockKeyError,
 )  # fmt: skip
 from ....protocol.slots import base_key, slot_index, slot_keys
-from ...base import AcquireResult, Holder, Units, check_lease
+from ...base import AcquireResult, Holder, Units, check_lease, check_taken
 from ...urls import mask_url
 from .. import bookkeeping as S
 from .. import core, pool, slots
@@ -217,10 +217,11 @@ class PostgresBackend(U.PostgresUnits):
     def _run(
         self, operation: str, key: str, name: str, args: Mapping[str, Any],
         read: Callable[[psycopg.Cursor[Any]], T], *, writes: bool = True, units: bool = False,
+        both: bool = False,
     ) -> T:  # fmt: skip
         """Run the script ``name`` on a pooled connection and ``read`` its result (``writes``:
         creating the table first if missing, then deleting expired rows now and then; with
-        ``units``, the tables of named limits instead, :mod:`.units`): the
+        ``units``, the tables of named limits instead, :mod:`.units`; with ``both``, both): the
         boundary where driver errors become singletask's. A serialization failure or
         deadlock committed nothing and is sent again; a pooled connection that turns out to be
         dead (the server closed it while it was idle, or restarted) is replaced and the
@@ -232,12 +233,15 @@ class PostgresBackend(U.PostgresUnits):
                 with self._pool.checkout() as (conn, reused):
                     try:
                         if writes:
-                            self._prepare(conn, what, units)
+                            for tables in (False, True) if both else (units,):
+                                self._prepare(conn, what, tables)
                         result = self._call(
                             conn, what, lambda: read(self._script(conn, name, args))
                         )
-                        if writes and (self._units_reclaimer if units else self._reclaimer).due():
-                            self._call(conn, "reclaim", lambda: self._reclaim(conn, units))
+                        for tables in ((False, True) if both else (units,)) if writes else ():
+                            if (self._units_reclaimer if tables else self._reclaimer).due():
+                                sweep = functools.partial(self._reclaim, conn, tables)
+                                self._call(conn, "reclaim", sweep)
                         return result
                     except psycopg.Error as exc:
                         conn.close()  # its state is unknown (maybe inside a failed transaction)
@@ -361,6 +365,10 @@ class PostgresBackend(U.PostgresUnits):
     def release(
         self, key: str, token: str, *, completed: str | None = None, units: Sequence[Units] = ()
     ) -> bool:
+        held = [item for item in units if item.period is None]
+        if held and not slot_index(key):  # the key and the holds: one transaction
+            check_taken(held, "release", give=True)
+            return self._release_units(key, token, completed, held)
         self._give_units_before(token, units)
         args = {**self._keys(key), "token": token, "done": completed}
         if slot_index(key):  # a holder slot: its marker is its key's

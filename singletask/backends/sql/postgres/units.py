@@ -16,10 +16,11 @@ import psycopg
 from psycopg import sql
 
 from ....exceptions import LockKeyError
+from ...base import AcquireResult, Units, units_meta
 from ...holders import MAX_SHOWN
 from .. import core
 from ..units import Limit, SQLUnits, limit_tables
-from .queries import PREAMBLE, SCRIPT
+from .queries import PREAMBLE, RELEASE, SCRIPT
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -77,16 +78,17 @@ _ASKED = """a AS (SELECT s.* FROM unnest(%(keys)s::text[], %(fulls)s::text[],
 # (a concurrency hold replaced: its renewal; a rate's start only if it has none counted) and
 # each limit's row records the size and period and outlives them. Returns no row when taken,
 # else one: the first limit without room, its units used, the seconds until a rate has room.
-TAKE = f"""
-BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL statement_timeout = {{ms}};
-SET LOCAL lock_timeout = {{ms}};
-INSERT INTO {{limits}} AS m (key, full_key, size, expires_at)
+# The take's statements, shared with ACQUIRE_UNITS: the conditions ``_IF_WHERE`` and ``_IF_``
+# (empty in TAKE) keep them from locking anything there when the key cannot be taken.
+_TAKE_LOCKS = """
+INSERT INTO {limits} AS m (key, full_key, size, expires_at)
 SELECT s.key, s.full_key, 0, clock_timestamp() + s.keep * interval '1 second'
 FROM unnest(%(locks)s::text[], %(lock_fulls)s::text[], %(keeps)s::float8[]) WITH ORDINALITY
-    AS s(key, full_key, keep, o)
+    AS s(key, full_key, keep, o)_IF_WHERE
 ORDER BY s.o
 ON CONFLICT (key) DO UPDATE SET size = m.size;
-DELETE FROM {{holds}} WHERE key = ANY(%(locks)s::text[]) AND expires_at <= clock_timestamp();
+DELETE FROM {holds} WHERE _IF_key = ANY(%(locks)s::text[]) AND expires_at <= clock_timestamp();"""
+_TAKE_DECIDE = f"""
 WITH n AS (SELECT clock_timestamp() AS now),
 {_ASKED},
 h AS (SELECT a.ord, l.token, l.units, l.at FROM a JOIN {{holds}} AS l ON l.key = a.key, n
@@ -114,9 +116,66 @@ t AS (INSERT INTO {{holds}} AS l (key, token, units, at, expires_at, meta)
 u AS (UPDATE {{limits}} AS m SET full_key = r.full_key, size = r.size, period = r.period,
         expires_at = greatest(m.expires_at,
             n.now + coalesce(r.period, %(ttl)s::float8) * interval '1 second')
-    FROM r, n WHERE m.key = r.key AND NOT EXISTS (SELECT FROM f))
+    FROM r, n WHERE m.key = r.key AND NOT EXISTS (SELECT FROM f))"""
+_BEGIN = """
+BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL statement_timeout = {ms};
+SET LOCAL lock_timeout = {ms};"""
+TAKE = (
+    _BEGIN
+    + _TAKE_LOCKS.replace("_IF_WHERE", "").replace("_IF_", "")
+    + _TAKE_DECIDE
+    + """
 SELECT f.ord, f.used, extract(epoch FROM w.ends - n.now)::float8 FROM f, w, n;
 COMMIT"""
+)
+
+# acquire with units (a key that is no holder slot), one transaction. Its locks are taken in
+# one order: the key's row, then the limits' rows in stored-key order, then holds; a take
+# locks limit rows then holds, a give and a release with units (the key's row first) holds
+# only: no two of them wait for each other in a circle. First the key's row is locked
+# (inserted free if missing) and judged after that lock, as ACQUIRE judges it: whether the
+# caller may take it is kept in a transaction-local setting (``singletask.take``) the other
+# statements read. Only then, and only when it may, the take's statements: its limits' rows
+# locked, their expired holds deleted, the live ones read and the caller's written when every
+# limit has room. With room, the key is taken as ACQUIRE takes it (k), by the clock read after
+# the limits' locks. Returns one row: (0, fence, -, marker) taken; (1, ord, used, -, -,
+# seconds) as TAKE, a limit without room (nothing written but the key's free row if it had
+# none, as a slot's acquisition leaves it); (2, fence, -, token, meta, seconds left) the key
+# held by another token (no limit read).
+_TAKE_GATE = "current_setting('singletask.take')::bool"
+ACQUIRE_UNITS = (
+    _BEGIN
+    + """
+INSERT INTO {table} AS l (key, full_key, lease_expires, fence, expires_at)
+VALUES (%(key)s, %(full_key)s, clock_timestamp(), 0, clock_timestamp())
+ON CONFLICT (key) DO UPDATE SET fence = l.fence
+RETURNING set_config('singletask.take', (l.token IS NULL OR l.lease_expires <= clock_timestamp()
+    OR l.token = %(token)s OR (%(prefix)s <> '' AND starts_with(l.token, %(prefix)s)))::text,
+    true);"""
+    + _TAKE_LOCKS.replace("_IF_WHERE", f"\n    WHERE {_TAKE_GATE}").replace(
+        "_IF_", f"{_TAKE_GATE} AND "
+    )
+    + _TAKE_DECIDE.replace(_ASKED, f"{_ASKED[:-1]}\n    WHERE {_TAKE_GATE})")
+    + f""",
+k AS (UPDATE {{table}} AS l SET
+        fence = CASE WHEN l.token = %(token)s AND l.lease_expires > n.now THEN l.fence
+            ELSE greatest(greatest(l.fence, coalesce(l.slot_fence, 0)) + 1,
+                (extract(epoch FROM n.now) * 1000000)::bigint) END,
+        token = %(token)s, task_id = %(task_id)s, meta = %(key_meta)s,
+        lease_expires = n.now + %(ttl)s::float8 * interval '1 second',
+        expires_at = greatest(l.expires_at,
+            n.now + (%(ttl)s::float8 + %(keep)s::float8) * interval '1 second'),
+        full_key = %(full_key)s
+    FROM n WHERE l.key = %(key)s AND {_TAKE_GATE} AND NOT EXISTS (SELECT FROM f)
+    RETURNING l.fence, l.done)
+SELECT 0, k.fence, NULL::bigint, k.done, NULL::text, NULL::float8 FROM k
+UNION ALL
+SELECT 1, f.ord, f.used, NULL, NULL, extract(epoch FROM w.ends - n.now)::float8 FROM f, w, n
+UNION ALL
+SELECT 2, l.fence, NULL, l.token, l.meta, extract(epoch FROM l.lease_expires - n.now)::float8
+FROM {{table}} AS l, n WHERE l.key = %(key)s AND NOT {_TAKE_GATE};
+COMMIT"""
+)
 
 # One statement: the caller's counting hold of each limit is deleted (a concurrency limit's,
 # or a rate's given back as 0 units), or its units set (a rate's start, kept where it is).
@@ -134,6 +193,18 @@ c AS (UPDATE {{holds}} AS l SET units = a.units FROM a, n
         AND {_LIVE}
     RETURNING a.ord)
 SELECT ord FROM d UNION ALL SELECT ord FROM c"""
+
+# release with units (a key that is no holder slot), one transaction: the key freed if the
+# token holds it (RELEASE; its row locked first, as an acquisition locks it), then the token's
+# holds of the concurrency limits given back (GIVE), whether it held the key or not. Returns
+# whether it freed the key.
+RELEASE_UNITS = (
+    _BEGIN
+    + f"""
+WITH r AS ({RELEASE.strip()} RETURNING key) SELECT count(*) FROM r;
+{GIVE.strip()};
+COMMIT"""
+)
 
 # One page of the live limits under a prefix (p: those with a hold that counts), after the
 # last stored key of the page before; per limit, its units used and its last hold's end, and
@@ -175,6 +246,7 @@ def queries(table: str, ms: sql.Composable, pooled: bool) -> dict[str, sql.Compo
     time limit; ``pooled``: with ``transaction_pooling``, each statement in ``SCRIPT``)."""
     limits, holds = (name.split(".") for name in limit_tables(table))
     fmt = {
+        "table": sql.Identifier(*table.split(".")),
         "limits": sql.Identifier(*limits), "holds": sql.Identifier(*holds),
         "limits_index": sql.Identifier(f"{limits[-1]}_ex"),
         "holds_index": sql.Identifier(f"{holds[-1]}_ex"),
@@ -184,6 +256,8 @@ def queries(table: str, ms: sql.Composable, pooled: bool) -> dict[str, sql.Compo
         "holds_index": HOLDS_INDEX,
     }.items()}  # fmt: skip
     q["take_units"] = sql.SQL(TAKE).format(ms=ms, **fmt)
+    q["acquire_units"] = sql.SQL(ACQUIRE_UNITS).format(ms=ms, **fmt)
+    q["release_units"] = sql.SQL(RELEASE_UNITS).format(ms=ms, **fmt)
     wrap = sql.SQL(SCRIPT if pooled else "{statement}")
     for name, text in {"give_units": GIVE, "limit_state": STATE, "reclaim_units": RECLAIM}.items():
         q[name] = wrap.format(ms=ms, statement=sql.SQL(text).format(**fmt))
@@ -218,8 +292,10 @@ class PostgresUnits(SQLUnits):
         def _run(
             self, operation: str, key: str, name: str, args: Mapping[str, Any],
             read: Callable[[psycopg.Cursor[Any]], T], *, writes: bool = True,
-            units: bool = False,
+            units: bool = False, both: bool = False,
         ) -> T: ...  # fmt: skip
+
+        def _keys(self, key: str) -> dict[str, str | None]: ...
 
     def _limit_key(self, key: str) -> tuple[str, str | None]:
         if "\x00" in key:
@@ -230,8 +306,16 @@ class PostgresUnits(SQLUnits):
         self, token: str, ttl: float, limits: list[Limit], meta: Mapping[str, str] | None,
         what: str,
     ) -> tuple[int, int, float | None] | None:  # fmt: skip
+        args = self._take_args(token, ttl, limits, meta)
+        row = self._run("take_units", what, "take_units", args, lambda c: c.fetchone(), units=True)
+        return None if row is None else (int(row[0]), int(row[1]), row[2])
+
+    def _take_args(
+        self, token: str, ttl: float, limits: list[Limit], meta: Mapping[str, str] | None
+    ) -> dict[str, Any]:
+        """The arguments of ``TAKE``'s statements (``meta``: kept with each hold)."""
         locks = sorted(limits, key=lambda limit: limit.key.encode())
-        args = {
+        return {
             "token": token, "ttl": ttl, "meta": core.dump_meta(meta)[0],
             "locks": [limit.key for limit in locks],
             "lock_fulls": [limit.full_key for limit in locks],
@@ -242,8 +326,39 @@ class PostgresUnits(SQLUnits):
             "units": [limit.units for limit in limits],
             "periods": [limit.period for limit in limits],
         }  # fmt: skip
-        row = self._run("take_units", what, "take_units", args, lambda c: c.fetchone(), units=True)
-        return None if row is None else (int(row[0]), int(row[1]), row[2])
+
+    def _acquire_units(
+        self, key: str, token: str, ttl: float, meta: Mapping[str, str] | None,
+        takeover_prefix: str | None, limits: list[Limit], what: str,
+    ) -> AcquireResult | tuple[int, int, float | None]:  # fmt: skip
+        """One transaction: ``ACQUIRE_UNITS``."""
+        stored, task_id = core.dump_meta(meta)
+        args = self._take_args(token, ttl, limits, units_meta(meta))
+        args.update(
+            self._keys(key), task_id=task_id, key_meta=stored, keep=core.FENCE_RETENTION,
+            prefix=takeover_prefix or "",
+        )  # fmt: skip
+        row = self._run("acquire", key, "acquire_units", args, lambda c: c.fetchone(), both=True)
+        assert row is not None  # one of the three outcomes
+        outcome, number, used, text, meta_text, seconds = row
+        if outcome == 0:
+            return AcquireResult(True, fence=number, completed=text)
+        if outcome == 1:
+            return int(number), int(used), seconds
+        return AcquireResult(False, core.load_holder(text, meta_text, seconds, number))
+
+    def _release_units(
+        self, key: str, token: str, completed: str | None, held: list[Units]
+    ) -> bool:
+        """One transaction: ``RELEASE_UNITS`` (``held``: concurrency limits, checked)."""
+        limits = self._limits(held)
+        args = {
+            **self._keys(key), "token": token, "done": completed,
+            "keys": [limit.key for limit in limits], "units": [limit.units for limit in limits],
+            "periods": [None for _ in limits],
+        }  # fmt: skip
+        row = self._run("release", key, "release_units", args, lambda c: c.fetchone(), both=True)
+        return bool(row and row[0])
 
     def _give(self, token: str, limits: list[Limit], what: str) -> set[int]:
         args = {
