@@ -43,7 +43,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 #: one script), else in one of their own after the key, and back before it.
 UNITS_TRIPS = {
     "redis": {"units": 2, "units-only": 2, "units-charge": 3},
-    "postgresql": {"units": 4, "units-only": 4, "units-charge": 5},
+    "postgresql": {"units": 2, "units-only": 2, "units-charge": 3},
 }
 
 
