@@ -220,15 +220,8 @@ def locks(
         _list_limits(store, task, limit, prefix or store.prefix, as_json)
     with store.session() as backend:
         found = find_locks(backend, prefix or store.prefix, task=task, limit=limit)
-        if as_json:
-            count = _print_json_array(found)
-        else:
-            table, count = _Table(), 0
-            for record in found:
-                table.add(record)
-                count += 1
-            if count:
-                table.flush()
+        table = _Table()
+        count = _print_records(found, as_json, table.add, table.flush)
     what = f" of task {task!r}" if task else ""
     click.echo(
         f"{count} lock{'' if count == 1 else 's'}{what} held under {prefix or store.prefix!r} "
@@ -238,21 +231,30 @@ def locks(
     sys.exit(0)
 
 
+def _print_records(
+    records: Iterable[Any], as_json: bool, add: Callable[[Any], None], flush: Callable[[], None]
+) -> int:
+    """Print ``records`` as a JSON array, or as rows of a table (``add`` each, ``flush`` once
+    there is one); return how many there were."""
+    if as_json:
+        return _print_json_array(records)
+    count = 0
+    for record in records:
+        add(record)
+        count += 1
+    if count:
+        flush()
+    return count
+
+
 def _list_limits(
     store: _Store, task: str | None, limit: int | None, prefix: str, as_json: bool
 ) -> NoReturn:
     """``locks --limits``: print the named limits in use under ``prefix``, and exit 0."""
     with store.session() as backend:
         found = find_limits(backend, prefix, task=task, limit=limit)
-        if as_json:
-            count = _print_json_array(found)
-        else:
-            table, count = _LimitTable(), 0
-            for record in found:
-                table.add_limit(record)
-                count += 1
-            if count:
-                table.flush()
+        table = _LimitTable()
+        count = _print_records(found, as_json, table.add_limit, table.flush)
     what = f" held by task {task!r}" if task else ""
     click.echo(
         f"{count} named limit{'' if count == 1 else 's'} in use{what} under {prefix!r} "
