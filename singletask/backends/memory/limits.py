@@ -1,6 +1,6 @@
-"""The named limits of the in-process store (:mod:`singletask.backends.memory`): their records,
-and what a take, a giving back and a listing do to them. The store calls them with its mutex
-held and its clock's time, so each is one atomic step of the store.
+"""The named limits of the in-process store (:mod:`~singletask.backends.memory.store`):
+their records, and what a take, a giving back and a listing do to them. The store calls them
+with its mutex held and its clock's time, so each is one atomic step of the store.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .base import StoreState, Units, UnitsResult
-from .holders import MAX_SHOWN
+from ..base import StoreState, Units, UnitsResult
+from ..holders import MAX_SHOWN
 
 __all__ = ["Limits"]
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..exceptions import ConfigurationError
-from ..protocol.slots import base_key, choose_slot, slot_keys
-from .base import (
+from ...exceptions import ConfigurationError
+from ...protocol.slots import base_key, choose_slot, slot_keys
+from ..base import (
     AcquireResult,
     Holder,
     LockBackend,
@@ -32,8 +32,8 @@ from .base import (
     check_taken,
     units_meta,
 )
-from .memory_limits import Limits
-from .urls import mask_url
+from ..urls import mask_url
+from .limits import Limits
 
 __all__ = ["MemoryBackend"]
 
