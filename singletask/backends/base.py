@@ -197,7 +197,7 @@ class LockBackend(abc.ABC):
         hold): a held key is refused as without; a key free but a limit without room changes
         nothing and returns ``AcquireResult(False, limit=..., used=..., retry_after=...)``.
         The built-in stores do it in one atomic step where the key and the limits are in one
-        place (not across Redis Cluster slots); elsewhere :meth:`_take_units_after` does it in
+        place (not across Redis Cluster slots); elsewhere ``_take_units_after`` does it in
         two.
 
         Raises:
@@ -479,7 +479,7 @@ class LockBackend(abc.ABC):
         With ``units`` (stores with :attr:`supports_units`), ``token``'s holds of their
         concurrency limits are given back first, whether it still held the key or not (rates
         are left alone: spent), as :meth:`give_units` does: in the same atomic step where the
-        store can (as :meth:`acquire`), else just before (:meth:`_give_units_before`).
+        store can (as :meth:`acquire`), else just before (``_give_units_before``).
 
         Raises:
             BackendError: The store failed.
