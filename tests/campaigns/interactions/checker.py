@@ -81,6 +81,7 @@ from .space import FIXED, Config
 
 __all__ = [
     "Body",
+    "Charge",
     "Fault",
     "History",
     "Outcome",
@@ -108,7 +109,6 @@ COMPLETED = frozenset({"return", "raise", "retry", "ignore", "reject", "soft"})
 SLACK = 1.0
 #: Two starts this close are in no order the probe can tell.
 TIE = 0.05
-
 #: The exceptions a FAILURE may carry, by the body's ending (any ending: the policy's).
 EXPECTED_FAILURES: dict[str, frozenset[str]] = {
     "raise": frozenset({"RuntimeError"}),
@@ -164,8 +164,26 @@ class Send:
 
 
 @dataclass
+class Charge:
+    """A body's call of ``self.lock.charge(name, units)``: the times just before and just after
+    it, and the exception it raised (the store may have written it all the same)."""
+
+    name: str
+    units: int
+    before: float
+    after: float
+    error: str | None = None
+
+
+@dataclass
 class Body:
-    """One body, from the probe: its start and, if it got there, its end."""
+    """One body, from the probe: its start and, if it got there, its end.
+
+    ``acquired`` is when its execution sent the request that acquired its key (no store step of
+    it is earlier: its units are taken after it); ``units``, what it took of each named limit
+    (recorded after they were taken, as its start is; its end is recorded before they are given
+    back); ``charges``, its calls of ``self.lock.charge``; ``lost``, whether its lease was lost
+    (preempted, or run out) by its end."""
 
     task_id: str
     retries: int
@@ -179,6 +197,16 @@ class Body:
     how: str | None = None  # return, raise, retry, ignore, reject, soft, hard, unwound
     ending: str = "return"
     redelivered: bool = False
+    acquired: float | None = None
+    units: dict[str, int] = field(default_factory=dict)
+    charges: list[Charge] = field(default_factory=list)
+    lost: bool = False
+
+    @property
+    def token(self) -> tuple[str, int]:
+        """Its attempt (task id, retries): its owner token in the stores, one per attempt (a
+        redelivered copy takes with the same one)."""
+        return (self.task_id, self.retries)
 
     def describe(self) -> str:
         end = "no end" if self.end is None else f"{self.end:.3f} {self.how}"
@@ -239,12 +267,14 @@ class Outcome:
     holders: tuple[str, ...] = ()
     exception: str | None = None  # the exception's class name
     date_done: float | None = None  # time.time() when it was stored
+    limit: str | None = None  # the limit without room (Skipped(reason="limit"), TaskLocked)
 
     def describe(self) -> str:
+        limit = f", limit={self.limit}" if self.limit is not None else ""
         if self.kind == "skipped":
-            return f"Skipped(reason={self.reason}, holder={self.holder})"
+            return f"Skipped(reason={self.reason}, holder={self.holder}{limit})"
         if self.kind == "exception":
-            return f"{self.state}({self.exception}, holder={self.holder})"
+            return f"{self.state}({self.exception}, holder={self.holder}{limit})"
         return self.state
 
 

@@ -53,6 +53,7 @@ from ...servers import SQL_URLS, drop_sql_table, free_port
 from . import app as interactions_app
 from .checker import (
     Body,
+    Charge,
     Fault,
     History,
     Outcome,
@@ -508,11 +509,13 @@ def _outcome(app: Celery, task_id: str) -> Outcome:
         outcome.kind, outcome.reason = "skipped", result.reason
         outcome.holder = result.holder
         outcome.holders = tuple(h for h in result.holders if h)
+        outcome.limit = result.limit
     elif isinstance(result, BaseException):
         outcome.kind, outcome.exception = "exception", type(result).__name__
         if isinstance(result, TaskLocked):
             outcome.holder = result.holder
             outcome.holders = tuple(h for h in getattr(result, "holders", ()) or () if h)
+            outcome.limit = getattr(result, "limit", None)
     elif state in ("SUCCESS",):
         outcome.kind = "value"
     return outcome
@@ -529,12 +532,17 @@ def _bodies(probe: redis.Redis, run: str) -> list[Body]:
             body = Body(
                 e["task_id"], e["retries"], e["seq"], e["key"], e["task"], e["pid"], e["fence"],
                 e["t"], ending=e["ending"], redelivered=e["redelivered"],
+                acquired=e.get("acquired"), units=dict(e.get("units") or {}),
             )  # fmt: skip
             open_[ident] = body
             bodies.append(body)
-        elif ident in open_:
+        elif e["event"] == "charge" and ident in open_:
+            open_[ident].charges.append(
+                Charge(e["name"], e["units"], e["before"], e["after"], e.get("error"))
+            )
+        elif e["event"] == "end" and ident in open_:
             body = open_.pop(ident)
-            body.end, body.how = e["t"], e["how"]
+            body.end, body.how, body.lost = e["t"], e["how"], bool(e.get("lost"))
     return bodies
 
 

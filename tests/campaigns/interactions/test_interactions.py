@@ -20,6 +20,7 @@ figures; ``SINGLETASK_INTERACTIONS_SEED=<seed>`` replays its draws, and
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 from pathlib import Path
 
@@ -33,9 +34,31 @@ from singletask.exceptions import ConfigurationError
 
 from ...e2e.conftest import CLIENT_GARBAGE
 from ...servers import CI, sql_problem, unavailable
-from .checker import REJECT_STORED, Body, Fault, History, Outcome, Report, Residue, Send, check
+from .checker import (
+    REJECT_STORED,
+    Body,
+    Fault,
+    History,
+    Outcome,
+    Report,
+    Residue,
+    Send,
+    check,
+)
 from .runner import SCENARIOS, Servers, Settings, campaign_seed, run
-from .space import FIXED, NOT_DRAWN, OPTIONS, STORES, Config, draw, find, product, space, valid
+from .space import (
+    FIXED,
+    LIMITS,
+    NOT_DRAWN,
+    OPTIONS,
+    STORES,
+    Config,
+    draw,
+    find,
+    product,
+    space,
+    valid,
+)
 
 # -- the option space ------------------------------------------------------------------------
 
@@ -44,6 +67,7 @@ def accepted_by_singletask(options: dict[str, object]) -> bool:
     """Whether defining a task with these options succeeds."""
     app = Celery("space", set_as_current=False, broker="memory://")
     app.conf.singletask_backend_url = "memory://"
+    app.conf.singletask_limits = LIMITS  # as the campaign's app (app.py)
     config = Config(0, dict(options))
 
     def body(self: object, key: str, seq: int) -> None: ...
@@ -66,15 +90,46 @@ def test_the_table_names_every_task_option() -> None:
     assert options <= covered, f"options the campaign does not know: {options - covered}"
 
 
+#: The options of named limits, and those the tasks' checks weigh them against.
+NAMED_OPTIONS = ("lock_limits", "lock_cost")
+NAMED_WITH = ("lock_scope", "lock_policy", "lock_limit", "lock_rate", "lock_debounce")
+#: How many more combinations of the whole table are checked, drawn with a fixed seed.
+SAMPLED = 2000
+
+
+def checked_combinations() -> list[dict[str, object]]:
+    """The combinations whose acceptance is checked: the whole table is too large to define a
+    task for each (over 100,000), so every combination without named limits (the table
+    before them), every combination of the named limits' options with the options their
+    checks weigh them against (the others at their first value: no check reads them), and a
+    seeded sample of the whole table."""
+    import random
+
+    first = {name: values[0] for name, values in OPTIONS.items()}
+    plain = [o for o in product() if all(o[name] is None for name in NAMED_OPTIONS)]
+    names = [*NAMED_OPTIONS, *NAMED_WITH]
+    named = [
+        {**first, **dict(zip(names, values, strict=True))}
+        for values in itertools.product(*(OPTIONS[name] for name in names))
+    ]
+    everything = list(product())
+    sample = random.Random(20261127).sample(everything, SAMPLED)
+    return plain + named + sample
+
+
 def test_the_generators_space_is_what_singletask_accepts() -> None:
-    # Given every combination of the table's values
+    # Given the combinations of the table's values (every one without named limits, every one
+    # of the named limits' options with what they are weighed against, a seeded sample)
+    combinations = checked_combinations()
     # Then the generator's rule and SingletonTask agree on every one
     disagreements = [
-        options for options in product() if valid(options) != accepted_by_singletask(options)
+        options for options in combinations if valid(options) != accepted_by_singletask(options)
     ]
     assert disagreements == []
-    # And the space is neither empty nor everything
+    # And the space is neither empty nor everything, and draws named limits
     assert 0 < len(space()) < len(list(product()))
+    assert any(o["lock_limits"] is not None for o in combinations if valid(o))
+    assert any(o["lock_cost"] is not None for o in combinations if valid(o))
 
 
 def test_the_generator_draws_only_accepted_combinations_and_replays_by_seed() -> None:
@@ -139,8 +194,9 @@ def judge(
     *,
     rejects_stored: bool = True,
 ) -> Report:
-    configs = {c.name: c for c in (CONFIG, DEBOUNCED, QUEUED, LIMITED, REPLACING, REPLACING_2,
-                                   LATEST, TERMINATING)}  # fmt: skip
+    every = (CONFIG, DEBOUNCED, QUEUED, LIMITED, REPLACING, REPLACING_2, LATEST, TERMINATING,
+             )  # fmt: skip
+    configs = {c.name: c for c in every}
     return check(History(
         42, configs, sends, bodies, outcomes, residues or [], faults or [],
         rejects_stored=rejects_stored,
