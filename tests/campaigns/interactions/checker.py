@@ -77,7 +77,9 @@ from typing import Any
 
 from celery import VERSION as CELERY_VERSION
 
-from .space import FIXED, Config
+from singletask.conf.limits import LimitSpec, check_spec
+
+from .space import FIXED, LIMITS, Config
 
 __all__ = [
     "Body",
@@ -109,6 +111,11 @@ COMPLETED = frozenset({"return", "raise", "retry", "ignore", "reject", "soft"})
 SLACK = 1.0
 #: Two starts this close are in no order the probe can tell.
 TIE = 0.05
+#: Seconds a named rate's window may be longer than its period as a store keeps it (Redis
+#: rounds it up to the millisecond) or its starts' times rounded: a start this close to the
+#: edge of a window is not counted in it.
+RATE_EDGE = 0.002
+
 #: The exceptions a FAILURE may carry, by the body's ending (any ending: the policy's).
 EXPECTED_FAILURES: dict[str, frozenset[str]] = {
     "raise": frozenset({"RuntimeError"}),
@@ -679,7 +686,7 @@ class _Judge:
             here = self.where(None, key, config_name)
             bodies.sort(key=lambda b: b.start)
             replace = config.options.get("lock_policy") == "replace"
-            preempted = self._exclusion(here, config.options["lock_limit"], bodies, replace)
+            preempted = self._exclusion(here, config.key_units, bodies, replace)
             if replace and config.options["lock_limit"] == 1:
                 self._ended_replaced(here, bodies, preempted)
             self._fences(here, bodies)
@@ -810,8 +817,12 @@ class _Judge:
         for i, body in enumerate(bodies):
             if body.fence is None:
                 continue
+            # Its acquire was sent at `acquired`: a holder whose body had started before then
+            # had acquired before it. (Its start may come long after its acquire: the units of
+            # its named limits are taken in between, over a link that a fault may stall.)
+            acquired = body.start if body.acquired is None else min(body.acquired, body.start)
             for earlier in bodies[:i]:
-                if earlier.fence is None or earlier.start >= body.start - TIE:
+                if earlier.fence is None or earlier.start >= acquired - TIE:
                     continue
                 if earlier.fence >= body.fence:
                     self.violation(
@@ -828,6 +839,154 @@ class _Judge:
                     "rate", here, self._sends([earlier, later]),
                     f"two starts {gap:.3f}s apart, closer than the rate's interval "
                     f"{interval:.3f}s: {earlier.describe()}, {later.describe()}",
+                )  # fmt: skip
+
+    # -- named limits (docs/sharing-limits.rst, "What is guaranteed") ------------------
+
+    def named_limits(self) -> None:
+        """``limit-held`` and ``limit-rate``, for each named limit of each lock store (the
+        configurations of a store share its limits; each store keeps its own)."""
+        by_limit: dict[tuple[str, str], list[Body]] = collections.defaultdict(list)
+        for body in self.h.bodies:
+            config = self.h.configs.get(body.config)
+            for name in body.units if config is not None else ():
+                by_limit[(config.store, name)].append(body)
+        for (store, name), bodies in sorted(by_limit.items()):
+            if name not in LIMITS:
+                continue
+            spec = check_spec(LIMITS[name], name)
+            bodies.sort(key=lambda b: b.start)
+            here = f"seed={self.h.seed} limit {name!r} {LIMITS[name]} store={store}"
+            if spec.concurrency is not None:
+                self._limit_held(here, name, spec.concurrency, bodies)
+            if spec.rate_size is not None:
+                self._limit_rate(here, name, spec, bodies)
+
+    def _limit_held(self, here: str, name: str, size: int, bodies: Sequence[Body]) -> None:
+        """Never more units of a concurrency held at once than its size. A body's start is
+        recorded after its units were taken and its end before they are given back, on the
+        clock every process of the host reads: at the instant a body starts, every body that
+        had started and not yet recorded its end holds its units. A body with no end (its
+        process killed) is counted at its own start only (its units come back once the worker
+        sees the process gone, or with the lease); a redelivered copy holds its attempt's units
+        (the store counts one hold per attempt)."""
+        for i, body in enumerate(bodies):
+            along = [
+                b for b in bodies[:i + 1]
+                if b is not body and b.token != body.token and b.end is not None
+                and b.start <= body.start <= b.end
+            ]  # fmt: skip
+            held = body.units[name] + sum(b.units[name] for b in along)
+            if held <= size:
+                continue
+            bodies_at = [*along, body]
+            if any(b.lost for b in bodies_at):
+                self.report.documented.append(
+                    f"{here}: {held} units held at {body.start:.3f} by bodies one of which had "
+                    "lost its lease (its units may have expired in the store)"
+                )
+                continue
+            self.violation(
+                "limit-held", here, self._sends(bodies_at),
+                f"{held} units held at once at {body.start:.3f}, over the size {size}: "
+                + ", ".join(self._unit_body(b, name) for b in bodies_at),
+            )  # fmt: skip
+
+    def _limit_rate(self, here: str, name: str, spec: LimitSpec, bodies: Sequence[Body]) -> None:
+        """Never more units started in a window of a rate's period than its size, by the
+        store's clock, counting each start's estimate until it is charged and its charged
+        units after (docs/sharing-limits.rst). The store checks it at each take: the starts in
+        the period before it, at what they count at that moment, plus the take's own units.
+
+        The store's clock is the host's (every store of the campaign runs on it), and a start's
+        time is its take's, which falls between its body's ``acquired`` (its acquire was sent
+        before the take) and its recorded start. So for every body L, the starts of the bodies
+        that started no later than L and whose acquire was sent less than a period (less
+        ``RATE_EDGE``) before L started all lie in one window that ends at the last take among
+        them, which saw all the others: their units may not add up to more than the size.
+        Judged conservatively, so that a correct run cannot fail: each start counts at most what
+        the last take may have seen (its estimate, or the smallest charge that may have been
+        written before it: a charge sent before L started); an attempt's starts count once,
+        from its first body (a redelivered copy's take finds its attempt's start counted and
+        adds none); a start the ledger has no body for (a take whose reply was lost) counts
+        nothing. A charge that raises a start's units after a later take counted it is no
+        violation: that take was judged by what it saw."""
+        size, period = int(spec.rate_size or 0), float(spec.period or 0.0)
+        first: dict[tuple[str, int], Body] = {}
+        for body in bodies:
+            first.setdefault(body.token, body)
+        for last in bodies:
+            window = [
+                b for b in first.values()
+                if b.start <= last.start and b.acquired is not None
+                and b.acquired > last.start - period + RATE_EDGE
+            ]  # fmt: skip
+            if not window:
+                continue
+            seen = max(b.acquired or 0.0 for b in window)  # the last take was no earlier
+            counted = sum(self._rate_units(b, name, seen, last.start) for b in window)
+            if counted <= size:
+                continue
+            window.sort(key=lambda b: b.start)
+            span = last.start - min(b.acquired or 0.0 for b in window)
+            self.violation(
+                "limit-rate", here, self._sends(window),
+                f"{counted} units started within {span:.3f}s (from the first acquire sent to "
+                f"the last start), over the rate {spec.rate}: "
+                + ", ".join(self._unit_body(b, name) for b in window),
+            )  # fmt: skip
+
+    def _rate_units(self, body: Body, name: str, seen: float, until: float) -> int:
+        """The fewest units ``body``'s start of rate ``name`` may have counted at a take made
+        between ``seen`` and ``until``: its estimate, or a charge written before that take (one
+        that returned before ``seen`` surely was; one sent before ``until`` may have been)."""
+        value, maybe = body.units[name], []
+        for charge in sorted((c for c in body.charges if c.name == name), key=lambda c: c.before):
+            if charge.error is None and charge.after < seen:
+                value, maybe = charge.units, []  # written before the take: it replaces the rest
+            elif charge.before < until:
+                maybe.append(charge.units)
+        return min([value, *maybe])
+
+    @staticmethod
+    def _unit_body(body: Body, name: str) -> str:
+        charged = ",".join(f"{c.units}@{c.before:.3f}" for c in body.charges if c.name == name)
+        acquired = "?" if body.acquired is None else f"{body.acquired:.3f}"
+        return (
+            f"{body.config}:{body.key} {body.describe()} {body.units[name]}u acquired {acquired}"
+            + (f" charged {charged}" if charged else "")
+        )
+
+    def limit_refusals(self) -> None:
+        """A refusal for want of room (``Skipped(reason="limit")``, ``TaskLocked`` with a
+        ``limit``) names a limit its configuration takes (of ``lock_limits``; ``"lock_limit"``,
+        the key's own, with ``lock_cost``), and is its policy's: a Skipped for "skip", a
+        TaskLocked for "raise" (or "retry", its lock retries spent)."""
+        for task_id, outcome in self.h.outcomes.items():
+            skipped = outcome.kind == "skipped" and outcome.reason == "limit"
+            locked = outcome.exception == "TaskLocked" and outcome.limit is not None
+            if not (skipped or locked):
+                continue
+            send = next(iter(self.sends_of(task_id)), None)
+            config = self.h.configs.get(send.config) if send is not None else None
+            if send is None or config is None:
+                continue
+            names = set(config.costs(1)) | (
+                {"lock_limit"} if config.options.get("lock_cost") else set()
+            )
+            policy = config.options["lock_policy"]
+            wrong = []
+            if outcome.limit not in names:
+                wrong.append(f"names limit {outcome.limit!r}, which its task does not take "
+                             f"(it takes {sorted(names) or 'none'})")  # fmt: skip
+            if skipped and policy != "skip":
+                wrong.append(f"is a Skipped, and the policy is {policy!r}")
+            if locked and policy not in ("raise", "retry"):
+                wrong.append(f"is a TaskLocked, and the policy is {policy!r}")
+            if wrong:
+                self.violation(
+                    "limit-refusal", self.where(send), [send],
+                    f"{task_id} ended {outcome.describe()}, which " + "; ".join(wrong),
                 )  # fmt: skip
 
     def idle(self) -> None:
@@ -927,6 +1086,8 @@ def check(history: History) -> Report:
     judge.last_runs()
     judge.holder_alive()
     judge.exclusion_fences_rate()
+    judge.named_limits()
+    judge.limit_refusals()
     judge.idle()
     judge.failures()
     judge.figures()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import itertools
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import celery
@@ -37,6 +38,7 @@ from ...servers import CI, sql_problem, unavailable
 from .checker import (
     REJECT_STORED,
     Body,
+    Charge,
     Fault,
     History,
     Outcome,
@@ -159,7 +161,8 @@ def test_the_stores_take_turns_over_the_drawn_configurations_without_changing_th
 
 def test_every_targeted_scenario_is_a_combination_the_generator_can_draw() -> None:
     for name, scenario in SCENARIOS.items():
-        assert find(scenario["options"]) in space(), name
+        for options in scenario.get("configs") or [scenario["options"]]:
+            assert find(options) in space(), name
 
 
 # -- the checker, on ledgers written by hand -------------------------------------------------
@@ -172,6 +175,10 @@ REPLACING = Config(4, find({"lock_policy": "replace"}))
 REPLACING_2 = Config(5, find({"lock_policy": "replace", "lock_limit": 2}))
 LATEST = Config(6, find({"lock_scope": "coalesce", "lock_coalesce": "latest"}))
 TERMINATING = Config(7, find({"lock_policy": "replace", "lock_replace_terminate": True}))
+POOLED = Config(8, find({"lock_limits": "pool"}))  # 1 unit of "pool", a concurrency of 2
+BUDGETED = Config(9, find({"lock_limits": "budget"}))  # the drawn units of "budget", 6/2s
+RAISING = Config(10, find({"lock_limits": "pool+budget", "lock_policy": "raise"}))
+COSTLY = Config(11, find({"lock_limit": 3, "lock_cost": 2}))  # one at a time per key
 
 
 def send(seq: int, tid: str | None, t: float = 0.0, config: Config = CONFIG, **kw: object) -> Send:
@@ -195,7 +202,7 @@ def judge(
     rejects_stored: bool = True,
 ) -> Report:
     every = (CONFIG, DEBOUNCED, QUEUED, LIMITED, REPLACING, REPLACING_2, LATEST, TERMINATING,
-             )  # fmt: skip
+             POOLED, BUDGETED, RAISING, COSTLY)  # fmt: skip
     configs = {c.name: c for c in every}
     return check(History(
         42, configs, sends, bodies, outcomes, residues or [], faults or [],
@@ -578,6 +585,164 @@ def test_starts_the_store_clock_spaced_are_no_violation_when_a_stall_delayed_the
     # Closer by the store's clock too: a violation
     close = [body("a", 0.181, 0.3, clock, LIMITED), body("b", 0.5, 0.6, clock + 319_000, LIMITED)]
     assert rules(judge([], close, {})) == ["rate"]
+
+
+# -- the checker: named limits ---------------------------------------------------------------
+
+
+def taking(tid: str, start: float, end: float | None, config: Config = POOLED, *,
+           key: str = "k", acquired: float | None = None, cost: int = 1,
+           charges: Sequence[Charge] = (), retries: int = 0, fence: int | None = None,
+           ) -> Body:  # fmt: skip
+    """A body of ``config`` that took its named limits' units (``cost``: what a callable cost
+    answered), its acquire sent ``acquired`` (by default 5 ms before its start), its fence the
+    store's clock then (unless given); with no ``end``, killed."""
+    fence = int(start * 1_000_000) + 1 if fence is None else fence
+    how = None if end is None else "return"
+    taken = Body(tid, retries, 0, key, config.name, 1, fence, start, end, how)
+    taken.acquired = start - 0.005 if acquired is None else acquired
+    taken.units = config.costs(cost)
+    taken.charges = list(charges)
+    return taken
+
+
+def test_more_units_of_a_concurrency_held_at_once_than_its_size_is_a_violation() -> None:
+    """docs/sharing-limits.rst: never more units held than a concurrency's size. "pool" has 2:
+    two bodies of two keys, or of two tasks naming it, may hold it at once; a third may not."""
+    two = [taking("a", 0, 1), taking("b", 0.5, 1.5, key="k2")]
+    assert judge([], two, {}).violations == []
+    # Another task naming the limit, on the same store, holds its third unit: over
+    over = [*two, taking("c", 0.7, 0.8, RAISING)]
+    report = judge([], over, {})
+    assert rules(report) == ["limit-held"]
+    assert "3 units held at once at 0.700, over the size 2" in report.violations[0]
+    assert "limit 'pool'" in report.violations[0]
+    # A body that had recorded its end had given its units back (or was about to): no overlap
+    assert judge([], [*two, taking("c", 1.01, 1.2, RAISING)], {}).violations == []
+    # Each store keeps its own limits
+    elsewhere = Config(RAISING.index, RAISING.options, "sqlite")
+    history = History(42, {c.name: c for c in (POOLED, elsewhere)}, [], over, {}, [])
+    assert check(history).violations == []
+
+
+def test_a_killed_body_holds_its_units_only_as_far_as_the_ledger_shows() -> None:
+    """A body with no end (its process killed) is counted at its start only: the worker gives
+    its units back once it sees the process gone, or its lease ends."""
+    killed = [
+        taking("a", 0, None),
+        taking("b", 0.1, 0.5, key="k2"),
+        taking("c", 0.2, 0.6, key="k3"),
+    ]
+    assert judge([], killed, {}).violations == []
+    ended = [taking("a", 0, 0.3), *killed[1:]]
+    assert rules(judge([], ended, {})) == ["limit-held"]
+
+
+def test_units_over_a_concurrency_of_a_body_that_lost_its_lease_are_documented() -> None:
+    lost = taking("a", 0, 1)
+    lost.lost = True
+    report = judge([], [lost, taking("b", 0.5, 1.5, key="k2"), taking("c", 0.7, 0.8, key="k3")], {})
+    assert report.violations == []
+    assert any("lost its lease" in d for d in report.documented)
+
+
+def test_more_units_of_a_rate_started_in_a_window_than_it_allows_is_a_violation() -> None:
+    """docs/sharing-limits.rst: never more units started in a window than a rate allows, by
+    the store's clock. "budget" allows 6 units per 2 s; each start is taken between its
+    acquire and its recorded start."""
+    six = [taking("a", 0, 0.1, BUDGETED, cost=3), taking("b", 1.0, 1.1, BUDGETED, cost=3)]
+    assert judge([], six, {}).violations == []
+    seven = [*six, taking("c", 1.9, 2.0, BUDGETED, cost=1, key="k2")]
+    report = judge([], seven, {})
+    assert rules(report) == ["limit-rate"]
+    assert "7 units started within" in report.violations[0]
+    # A window later: the first start left it
+    assert judge([], [*six, taking("c", 2.1, 2.2, BUDGETED, cost=1)], {}).violations == []
+    # Within the period by the bodies' starts, but the first start may have been taken more
+    # than a period before the last (a stalled link held its body back): not judged
+    late = [taking("a", 0.5, 0.6, BUDGETED, cost=3, acquired=-0.2), *seven[1:]]
+    assert judge([], late, {}).violations == []
+    # Tasks of one store share the rate; "pool+budget" costs 2 units of it
+    shared = [*six, taking("c", 1.9, 2.0, RAISING)]
+    assert rules(judge([], shared, {})) == ["limit-rate"]
+
+
+def test_a_charged_start_counts_its_charge_once_written_and_its_estimate_until_then() -> None:
+    """charge: the start counts its real units from the call on, at its start's time. A take
+    that may have come after the charge was written is judged with the smaller of the two."""
+    back = Charge("budget", 0, 0.05, 0.06)  # the first start taken back, before the others
+    taken_back = [
+        taking("a", 0, 0.1, BUDGETED, cost=3, charges=[back]),
+        taking("b", 1.0, 1.1, BUDGETED, cost=3),
+        taking("c", 1.9, 2.0, BUDGETED, cost=3, key="k2"),
+    ]
+    assert judge([], taken_back, {}).violations == []
+    # Charged only after the last start: its estimate counted
+    after = Charge("budget", 0, 1.95, 1.96)
+    late = [taking("a", 0, 2.1, BUDGETED, cost=3, key="k0", charges=[after]), *taken_back[1:]]
+    assert rules(judge([], late, {})) == ["limit-rate"]
+    # A charge above the estimate, written before the later takes: they had to count it
+    more = Charge("budget", 5, 0.05, 0.06)
+    raised = [taking("a", 0, 0.1, BUDGETED, cost=1, charges=[more]),
+              taking("b", 1.0, 1.1, BUDGETED, cost=2)]  # fmt: skip
+    assert rules(judge([], raised, {})) == ["limit-rate"]
+    # ... but not a charge that may have come after them (no take saw it), nor one that failed
+    maybe = Charge("budget", 5, 0.5, 1.0)
+    failed = Charge("budget", 5, 0.05, 0.06, error="BackendUnavailable")
+    for charge in (maybe, failed):
+        raised[0].charges = [charge]
+        assert judge([], raised, {}).violations == [], charge
+
+
+def test_a_redelivered_copy_counts_its_attempts_start_once() -> None:
+    """A redelivered copy (acks_late, its pool process killed) takes with its attempt's token:
+    the store finds that start counted and adds none."""
+    copies = [taking("a", 0, None, BUDGETED, cost=3), taking("a", 0.5, 0.6, BUDGETED, cost=3),
+              taking("b", 1.0, 1.1, BUDGETED, cost=3, key="k2")]  # fmt: skip
+    assert judge([], copies, {}).violations == []
+    copies[1].retries = 1  # another attempt: a start of its own
+    assert rules(judge([], copies, {})) == ["limit-rate"]
+
+
+def test_a_refusal_for_want_of_room_names_a_limit_of_its_task_and_is_its_policys() -> None:
+    """docs/sharing-limits.rst, "No room": "skip" ends Skipped(reason="limit", limit=name),
+    "raise" TaskLocked with the limit; "lock_limit" names the key's own with lock_cost."""
+
+    def refused(config: Config, outcome: Outcome) -> list[str]:
+        return rules(judge([send(0, "a", config=config)], [], {"a": outcome}))
+
+    def skip(limit: str) -> Outcome:
+        return Outcome("SUCCESS", kind="skipped", reason="limit", date_done=1.0, limit=limit)
+
+    def locked(limit: str) -> Outcome:
+        return Outcome("FAILURE", kind="exception", exception="TaskLocked", date_done=1.0,
+                       limit=limit)  # fmt: skip
+
+    assert refused(POOLED, skip("pool")) == []
+    assert refused(RAISING, locked("budget")) == []
+    assert refused(COSTLY, skip("lock_limit")) == []
+    assert refused(POOLED, skip("budget")) == ["limit-refusal"]  # a limit it does not take
+    assert refused(RAISING, skip("pool")) == ["limit-refusal"]  # not its policy's
+    assert refused(POOLED, locked("pool")) == ["limit-refusal"]
+    assert refused(CONFIG, skip("lock_limit")) == ["limit-refusal"]
+
+
+def test_lock_cost_counts_the_keys_executions_in_units() -> None:
+    """lock_limit 3 with lock_cost 2: one execution of a key at a time (2 of its 3 units)."""
+    one_at_a_time = [body("a", 0, 1, 1, COSTLY), body("b", 1.1, 1.5, 2, COSTLY)]
+    assert judge([], one_at_a_time, {}).violations == []
+    two = [body("a", 0, 1, 1, COSTLY), body("b", 0.5, 1.5, 2, COSTLY)]
+    assert rules(judge([], two, {})) == ["exclusion"]
+
+
+def test_a_fence_is_judged_against_the_holders_that_started_before_its_acquire() -> None:
+    """An execution takes its named limits' units between its acquire and its body's start: a
+    body whose take a stalled link held back starts after a later holder of its key, with the
+    smaller fence. Bodies that started before its acquire was sent still have smaller ones."""
+    held_back = taking("a", 1.0, 1.2, POOLED, acquired=0.1, fence=5)
+    later = taking("b", 0.3, 0.5, POOLED, fence=9)
+    assert judge([], [later, held_back], {}).violations == []
+    assert rules(judge([], [later, taking("a", 1.0, 1.2, POOLED, fence=5)], {})) == ["fences"]
 
 
 def test_what_the_idle_store_still_holds_is_a_violation_unless_a_killed_producer_left_it() -> None:
