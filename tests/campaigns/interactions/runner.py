@@ -21,6 +21,7 @@ host) has no link to cut, stall or stop. A SQL server's group uses a table of th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import gc
 import json
@@ -126,7 +127,29 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "fault_share": 0.3,
         "sleep": (0.3, 0.6),
     },
+    # Named limits shared by three tasks of one store, each with its own policy, form of
+    # lock_limits and key limit (one with lock_cost), bodies long enough to fill them.
+    "limits-shared": {
+        "configs": [
+            {"lock_limits": "pool+budget"},
+            {"lock_limits": "gate", "lock_policy": "retry", "lock_limit": 2},
+            {"lock_limits": "budget", "lock_policy": "raise", "lock_limit": 3, "lock_cost": 2},
+        ],
+        "endings": {"return": 4, "retry": 1, "raise": 1, "kill": 1},
+        "fault_share": 0.1,
+        "sleep": (0.2, 0.5),
+    },
+    # lock_cost with lock_rate: the key's rate still spaces its starts.
+    "cost-rate": {
+        "options": {"lock_limit": 2, "lock_cost": 2, "lock_rate": "2/s"},
+        "endings": {"return": 1},
+        "fault_share": 0.0,
+    },
 }
+
+#: The share of rounds made of the configurations of one lock store that name one same limit
+#: (when two or more do), rather than drawn from all: their executions compete for its units.
+SHARED_ROUNDS = 0.5
 
 
 def campaign_seed() -> int:
@@ -307,8 +330,24 @@ def _dead_broker(app_kwargs: dict[str, Any]) -> Celery:
 def _configs(rng: random.Random, settings: Settings) -> list[Config]:
     if settings.scenario is None:
         return draw(rng, settings.configs, settings.stores)
-    options = find(SCENARIOS[settings.scenario]["options"])
-    return [Config(0, options, settings.stores[0])]
+    scenario = SCENARIOS[settings.scenario]
+    chosen = scenario.get("configs") or [scenario["options"]]
+    return [Config(n, find(options), settings.stores[0]) for n, options in enumerate(chosen)]
+
+
+def _round_configs(rng: random.Random, configs: Sequence[Config], count: int) -> list[Config]:
+    """The configurations of a round: ``count`` of ``configs``; or, in a share of the rounds
+    (SHARED_ROUNDS), those of one store that name one same limit, when two or more do."""
+    chosen = rng.sample(list(configs), min(count, len(configs)))
+    sharing: dict[tuple[str, str], list[Config]] = {}
+    for config in configs:
+        for name in config.costs(1):
+            sharing.setdefault((config.store, name), []).append(config)
+    groups = [group for _, group in sorted(sharing.items()) if len(group) > 1]
+    if groups and rng.random() < SHARED_ROUNDS:
+        group = rng.choice(groups)
+        chosen = rng.sample(group, min(count, len(group)))
+    return chosen
 
 
 @contextlib.contextmanager
@@ -705,7 +744,7 @@ def run(servers: Servers, seed: int, settings: Settings, workdir: Path) -> tuple
         }
         round_no, seq = 0, 0
         while True:
-            chosen = rng.sample(configs, min(settings.configs_per_round, len(configs)))
+            chosen = _round_configs(rng, configs, settings.configs_per_round)
             producers = ["p0", "p1"] + (["store-link"] if settings.store_faults_at_send else [])
             if settings.killed_producer:
                 producers.append("killed")
@@ -768,6 +807,8 @@ def run(servers: Servers, seed: int, settings: Settings, workdir: Path) -> tuple
         # would hold the process at exit.
         gc.collect()
     probe.close()
+    # The whole history beside the workers' logs: a violation's evidence, to read afterwards.
+    (workdir / "history.json").write_text(json.dumps(dataclasses.asdict(history), default=str))
     return check(history), history
 
 
