@@ -27,7 +27,9 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
   holder it names), or ``lock_replace_terminate`` revoked its task id (REVOKED: Celery
   discards every later message of a revoked id), or the retried attempt met the lock store
   unreachable through its whole ``lock_backend_retry_max`` budget (FAILURE
-  ``BackendUnavailable``, documented in docs/configuration.rst).
+  ``BackendUnavailable``, documented in docs/configuration.rst), or found a named limit
+  without room through its whole ``lock_retry_max`` (``TaskLocked`` naming the limit:
+  docs/sharing-limits.rst, "No room").
 * ``superseded``: a ``Skipped(reason="debounced")`` (``lock_debounce``) or
   ``Skipped(reason="superseded")`` (a coalescing follow-up of ``lock_coalesce = "latest"``)
   names a later send that was published and whose body ran (or that met a visible refusal of
@@ -45,7 +47,8 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
   the revoke's SIGTERM can reach it just after the body returned).
 * ``holder-alive``: a refusal as "held" names holders that had not ended (a lease whose release
   a store fault lost is excused for one lease).
-* ``exclusion``: never more than ``lock_limit`` bodies of a key at once. With ``lock_policy =
+* ``exclusion``: never more than ``lock_limit`` bodies of a key at once (with ``lock_cost``, as
+  many as their units fit in it). With ``lock_policy =
   "replace"``, exclusion is by fence: a body that starts while every slot is held by a running
   body preempted the one with the smallest fence (the oldest), which must be smaller than its
   own; that preempted body holds nothing from then on and may run on beside its successor until
@@ -54,10 +57,25 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
   not check"). A body over the limit that cannot have preempted (no smaller fence) is a
   violation.
 * ``fences``: a body's fence is larger than that of every holder of its key that started
-  before it.
+  before it (before its acquire was sent: the units of its named limits are taken between its
+  acquire and its start).
 * ``rate``: no two starts of a rated key closer than its interval, by the lock store's clock
   (docs/limits.rst): two bodies whose starts are closer are no violation if their fences, which
   carry the store's clock at the acquire, are an interval apart (:func:`spaced_by_the_store`).
+* ``limit-held`` (named limits, docs/sharing-limits.rst): never more units of a limit's
+  concurrency held at once than its size, on each lock store (its configurations share the
+  limit): at each body's start, the units of the bodies that had started and not recorded
+  their end (a body records its start after its units are taken and its end before they are
+  given back).
+* ``limit-rate``: never more units of a limit's rate started in a window of its period than it
+  allows, by the store's clock: the bodies whose acquires were sent less than a period before
+  a body started, and that started no later, took their units in one window; they add up to
+  at most the rate (each start counted at the least it may have counted then: its estimate,
+  or a charge that may have been written before; an attempt's start once).
+* ``limit-refusal``: a ``Skipped(reason="limit")`` or a ``TaskLocked`` naming a limit names one
+  its task takes (``"lock_limit"`` with ``lock_cost``) and is its policy's (a Skipped for
+  "skip", a TaskLocked for "raise" or for lock retries spent; a retried attempt of the body is
+  never skipped for want of room).
 * ``idle``: once the fleet is idle the store holds no live lock, reservation, open debounce
   window, pending follow-up claim or rate record of a key (records naming a send whose producer
   was killed in flight excepted, until they expire, and the claim of a follow-up still waiting
@@ -550,6 +568,16 @@ class _Judge:
             if outcome.state == "REVOKED" and self._terminates(body.config):
                 continue  # revoked by the execution that replaced it
             send = self.by_seq.get(body.seq)
+            if outcome.exception == "TaskLocked" and outcome.limit is not None:
+                # docs/sharing-limits.rst, "No room": the retried attempt that finds no room
+                # retries whatever the policy, spending lock_retry_max as any lock retry; a
+                # named limit kept full by the others for that long spends it (`limit-refusal`
+                # checks the limit it names)
+                self.report.documented.append(
+                    f"{self.where(send, body.key, body.config)}: the retry of {body.task_id} "
+                    f"spent its lock retries waiting for room in limit {outcome.limit!r}"
+                )
+                continue
             if outcome.state == "FAILURE" and outcome.exception == "BackendUnavailable":
                 # docs/configuration.rst, lock_backend_retry_max: the retried attempt met the
                 # lock store unreachable through its whole store-error budget, and failed so
@@ -961,7 +989,9 @@ class _Judge:
         """A refusal for want of room (``Skipped(reason="limit")``, ``TaskLocked`` with a
         ``limit``) names a limit its configuration takes (of ``lock_limits``; ``"lock_limit"``,
         the key's own, with ``lock_cost``), and is its policy's: a Skipped for "skip", a
-        TaskLocked for "raise" (or "retry", its lock retries spent)."""
+        TaskLocked for "raise" (or "retry", its lock retries spent). The retried attempt of a
+        body that called ``self.retry()`` retries whatever the policy: it is never skipped for
+        want of room, and ends TaskLocked once its lock retries are spent."""
         for task_id, outcome in self.h.outcomes.items():
             skipped = outcome.kind == "skipped" and outcome.reason == "limit"
             locked = outcome.exception == "TaskLocked" and outcome.limit is not None
@@ -975,13 +1005,16 @@ class _Judge:
                 {"lock_limit"} if config.options.get("lock_cost") else set()
             )
             policy = config.options["lock_policy"]
+            retried = any(b.how == "retry" for b in self.bodies.get(task_id, ()))
             wrong = []
             if outcome.limit not in names:
                 wrong.append(f"names limit {outcome.limit!r}, which its task does not take "
                              f"(it takes {sorted(names) or 'none'})")  # fmt: skip
-            if skipped and policy != "skip":
+            if skipped and retried:
+                wrong.append("is a Skipped of the retry its body asked for (it must retry)")
+            elif skipped and policy != "skip":
                 wrong.append(f"is a Skipped, and the policy is {policy!r}")
-            if locked and policy not in ("raise", "retry"):
+            if locked and policy not in ("raise", "retry") and not retried:
                 wrong.append(f"is a TaskLocked, and the policy is {policy!r}")
             if wrong:
                 self.violation(

@@ -727,6 +727,24 @@ def test_a_refusal_for_want_of_room_names_a_limit_of_its_task_and_is_its_policys
     assert refused(CONFIG, skip("lock_limit")) == ["limit-refusal"]
 
 
+def test_a_body_retry_that_spent_its_lock_retries_on_a_full_limit_is_documented() -> None:
+    """docs/sharing-limits.rst, "No room": a retried attempt that finds no room retries
+    whatever the policy, spending lock_retry_max; then TaskLocked names the limit (seed
+    1733704974 on SQLite: "gate" kept full by two tasks' bursts for 28 s). Skipped for want of
+    room, the retry it asked for would be lost: a violation, whatever the policy."""
+    retried = [taking("a", 0, 0.1), taking("b", 0.2, 0.3, key="k2")]
+    retried[0].how = "retry"
+    spent = Outcome("FAILURE", kind="exception", exception="TaskLocked", date_done=20.0,
+                    limit="pool")  # fmt: skip
+    report = judge([send(0, "a", config=POOLED)], retried, {"a": spent, "b": done(0.3)})
+    assert report.violations == []
+    assert any("spent its lock retries waiting for room in limit 'pool'" in d
+               for d in report.documented)  # fmt: skip
+    lost = Outcome("SUCCESS", kind="skipped", reason="limit", date_done=0.5, limit="pool")
+    report = judge([send(0, "a", config=POOLED)], retried, {"a": lost, "b": done(0.3)})
+    assert sorted(rules(report)) == ["limit-refusal", "retry-runs"]
+
+
 def test_lock_cost_counts_the_keys_executions_in_units() -> None:
     """lock_limit 3 with lock_cost 2: one execution of a key at a time (2 of its 3 units)."""
     one_at_a_time = [body("a", 0, 1, 1, COSTLY), body("b", 1.1, 1.5, 2, COSTLY)]
