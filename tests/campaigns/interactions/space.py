@@ -72,7 +72,8 @@ OPTIONS: Final[dict[str, tuple[Any, ...]]] = {
 }
 
 #: The options set to one value in every configuration: leases and retries short enough for a
-#: round of seconds, budgets large enough that a burst never spends them.
+#: round of seconds, budgets large enough that a burst never spends them (but a named limit
+#: that other tasks keep full for longer than lock_retry_max retries: see checker.py).
 FIXED: Final[dict[str, Any]] = {
     "lock_ttl": 5.0,
     "lock_queue_ttl": 60.0,
