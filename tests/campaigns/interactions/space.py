@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 __all__ = [
-    "FIXED", "LIMITS", "NAMED", "NOT_DRAWN", "OPTIONS", "STORES", "Config", "draw", "drawn_cost",
-    "space", "valid",
+    "FIXED", "LIMITS", "NAMED", "NAMED_SHARE", "NOT_DRAWN", "OPTIONS", "STORES", "Config", "draw",
+    "drawn_cost", "names_limits", "space", "valid",
 ]  # fmt: skip
 
 #: The named limits of the campaign's app (``singletask_limits``, docs/sharing-limits.rst):
@@ -218,12 +218,28 @@ class Config:
         return cls(int(data["index"]), dict(data["options"]), str(data["store"]))
 
 
+def names_limits(options: Mapping[str, Any]) -> bool:
+    """Whether a combination takes units of named limits (``lock_limits``, ``lock_cost``)."""
+    return options.get("lock_limits") is not None or options.get("lock_cost") is not None
+
+
+#: The share of a run's configurations drawn among the combinations that name limits (a third
+#: of the space): enough of them, on each store, to meet each other in their limits.
+NAMED_SHARE = 0.5
+
+
 def draw(rng: random.Random, count: int, stores: Sequence[str] = ("redis",)) -> list[Config]:
     """``count`` configurations drawn from :func:`space`, without repeats while there are
-    combinations left; the ``stores`` (of :data:`STORES`) take turns, the first one first, so
-    each carries some (the draws of the options do not depend on them)."""
+    combinations left, half of them (:data:`NAMED_SHARE`, rounded down) among those that name
+    limits, in a drawn order; the ``stores`` (of :data:`STORES`) take turns, the first one
+    first, so each carries some (the draws of the options do not depend on them)."""
     accepted = _space()
-    picks = rng.sample(range(len(accepted)), min(count, len(accepted)))
+    count = min(count, len(accepted))
+    named = [i for i, options in enumerate(accepted) if names_limits(options)]
+    others = [i for i, options in enumerate(accepted) if not names_limits(options)]
+    wanted = min(int(count * NAMED_SHARE), len(named))
+    picks = rng.sample(named, wanted) + rng.sample(others, min(count - wanted, len(others)))
+    rng.shuffle(picks)
     return [Config(n, dict(accepted[i]), stores[n % len(stores)]) for n, i in enumerate(picks)]
 
 

@@ -57,6 +57,7 @@ from .space import (
     Config,
     draw,
     find,
+    names_limits,
     product,
     space,
     valid,
@@ -139,6 +140,7 @@ def test_the_generator_draws_only_accepted_combinations_and_replays_by_seed() ->
 
     drawn = draw(random.Random(5), 12)
     assert all(valid(c.options) for c in drawn)
+    assert sum(names_limits(c.options) for c in drawn) == 6  # half name limits
     assert [c.options for c in drawn] == [c.options for c in draw(random.Random(5), 12)]
     assert len({c.describe().split("[")[1] for c in drawn}) == 12
 
