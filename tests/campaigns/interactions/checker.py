@@ -77,9 +77,11 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
   "skip", a TaskLocked for "raise" or for lock retries spent; a retried attempt of the body is
   never skipped for want of room).
 * ``idle``: once the fleet is idle the store holds no live lock, reservation, open debounce
-  window, pending follow-up claim or rate record of a key (records naming a send whose producer
-  was killed in flight excepted, until they expire, and the claim of a follow-up still waiting
-  behind such a record).
+  window, pending follow-up claim, rate record of a key or hold of a named limit's
+  concurrency (records naming a send whose producer was killed in flight excepted, until they
+  expire, and the claim of a follow-up still waiting behind such a record; units come back on
+  every ending, and a hold that a fault of the workers' store link left, or a killed
+  process's, is excused for one lease).
 * ``failures``: a FAILURE carries an exception its send's ending or configuration explains.
 
 Every violation names the seed, the configuration, the key, the sends involved and the rule.
@@ -308,9 +310,10 @@ class Residue:
     """A record the lock store still holds once the fleet is idle."""
 
     key: str
-    kind: str  # lock, reservation, window, claim, rate
+    kind: str  # lock, reservation, window, claim, rate, limit hold
     task_id: str | None
     detail: str
+    store: str | None = None  # the lock store that holds it, when the reader says
 
 
 @dataclass
@@ -1022,6 +1025,17 @@ class _Judge:
                     f"{task_id} ended {outcome.describe()}, which " + "; ".join(wrong),
                 )  # fmt: skip
 
+    def _run_fault_within_lease(self, store: str | None) -> bool:
+        """Whether the workers' link to ``store`` met a fault less than one lease (``lock_ttl``)
+        before the idle store was read."""
+        if self.h.observed is None:
+            return True
+        lease = float(FIXED["lock_ttl"])
+        return any(
+            f.side == "run" and f.hits(store) and f.end + lease + SLACK >= self.h.observed
+            for f in self.h.faults
+        )
+
     def idle(self) -> None:
         for residue in self.h.residues:
             if residue.task_id in self.killed:
@@ -1029,10 +1043,20 @@ class _Judge:
                 continue
             if residue.task_id in self.failed:
                 continue  # reported by the accounted rule, naming the failed send
-            if residue.kind == "lock" and self._killed_within_lease(residue.task_id):
+            if residue.kind in ("lock", "limit hold") and self._killed_within_lease(
+                residue.task_id
+            ):
                 self.report.documented.append(
-                    f"{residue.key}: lock of {residue.task_id}, whose pool process was killed "
-                    "less than one lease before the idle store was read"
+                    f"{residue.key}: {residue.kind} of {residue.task_id}, whose pool process was "
+                    "killed less than one lease before the idle store was read"
+                )
+                continue
+            if residue.kind == "limit hold" and self._run_fault_within_lease(residue.store):
+                # docs/sharing-limits.rst: a hold the store could not drop (a give that failed),
+                # or a take whose reply a fault lost, ends with its lease (lock_ttl)
+                self.report.documented.append(
+                    f"{residue.key}: limit hold of {residue.task_id}, less than one lease after "
+                    "a fault of the workers' link to its store"
                 )
                 continue
             waiting = [

@@ -587,8 +587,9 @@ def _bodies(probe: redis.Redis, run: str) -> list[Body]:
 
 def _residues(group: Group, prefix: str) -> list[Residue]:
     """What ``group``'s store still holds of the run's keys: every lock and reservation (the
-    store's own listing), then the records it keeps beside them that still act: open debounce
-    windows, pending follow-up claims, rate records. Kept by design, and so not listed: closed
+    store's own listing) and hold of a named limit's concurrency (its listing of limits), then
+    the records it keeps beside them that still act: open debounce windows, pending follow-up
+    claims, rate records. Kept by design, and so not listed: closed
     windows, fencing tokens, completion markers (docs/guarantees.rst)."""
     found: list[Residue] = []
     backend: LockBackend = backend_from_url(group.url)
@@ -597,6 +598,16 @@ def _residues(group: Group, prefix: str) -> list[Residue]:
             kind = "reservation" if holder.token.endswith(":reserved") else "lock"
             detail = f"{group.store}: token {holder.token}, ttl {holder.ttl}"
             found.append(Residue(key, kind, holder.task_id, detail))
+        for state in backend.iter_state(prefix):
+            if state.kind != "limit" or state.detail.get("period") is not None:
+                continue  # a rate's starts count for their period, whatever the executions did
+            for hold in state.detail.get("holds") or ():
+                detail = (
+                    f"{group.store}: {hold.get('units')} units, token {hold.get('token')}, "
+                    f"ttl {hold.get('ttl')}"
+                )
+                found.append(Residue(state.key, "limit hold", hold.get("task_id"), detail,
+                                     group.store))  # fmt: skip
     finally:
         backend.close()
     records = {"redis": _redis_records, "sqlite": _sqlite_records}.get(group.store, _sql_records)

@@ -729,6 +729,24 @@ def test_a_refusal_for_want_of_room_names_a_limit_of_its_task_and_is_its_policys
     assert refused(CONFIG, skip("lock_limit")) == ["limit-refusal"]
 
 
+def test_a_named_limits_hold_the_idle_store_still_holds_is_a_violation() -> None:
+    """docs/sharing-limits.rst: units come back on every ending; a hold the store could not
+    drop (a give that failed, a take whose reply a fault lost) ends with its lease."""
+    hold = Residue("test:x:%limit:pool", "limit hold", "a", "redis: 1 units", "redis")
+    history = History(42, {POOLED.name: POOLED}, [send(0, "a", config=POOLED)],
+                      [taking("a", 0, 0.1)], {"a": done(0.1)}, [hold], observed=20.0)  # fmt: skip
+    assert rules(check(history)) == ["idle"]
+    # A fault of the workers' link to that store less than one lease before: documented
+    history.faults = [Fault("store-cut-at-run", 16.0, 16.0, "run", ("redis",))]
+    report = check(history)
+    assert report.violations == []
+    assert any("a fault of the workers' link to its store" in d for d in report.documented)
+    # ... not one of another store's link, nor one more than a lease before
+    history.faults = [Fault("store-cut-at-run", 16.0, 16.0, "run", ("postgresql",)),
+                      Fault("store-cut-at-run", 10.0, 10.0, "run", ("redis",))]  # fmt: skip
+    assert rules(check(history)) == ["idle"]
+
+
 def test_a_body_retry_that_spent_its_lock_retries_on_a_full_limit_is_documented() -> None:
     """docs/sharing-limits.rst, "No room": a retried attempt that finds no room retries
     whatever the policy, spending lock_retry_max; then TaskLocked names the limit (seed
@@ -793,11 +811,15 @@ def test_a_body_completing_twice_and_an_unexplained_failure_are_violations() -> 
 def test_the_idle_store_listing_reads_every_store_alike(
     store: str, redis_base_url: str, tmp_path: Path
 ) -> None:
-    """Locks (with their slots), open debounce windows, follow-up claims and rate records are
-    listed, on every store; a closed window (kept until it expires, by design) is not."""
+    """Locks (with their slots), open debounce windows, follow-up claims, rate records and
+    the holds of named limits' concurrencies are listed, on every store; a closed window (kept
+    until it expires, by design) and a named rate's starts (spent, whatever the executions do)
+    are not."""
     import uuid
 
     from singletask.backends import backend_from_url
+    from singletask.backends.base import Units
+    from singletask.protocol.limits import limit_key
 
     from ...servers import drop_sql_table
     from .runner import Group, _residues, _store_url
@@ -815,6 +837,11 @@ def test_the_idle_store_listing_reads_every_store_alike(
         backend.debounce(f"{key}closed", "c", 30)
         backend.debounce_take(f"{key}closed", "c")
         backend.claim_next(f"{key}claim", "n", 30)
+        # ... a named limit's concurrency held, and a start of its rate (it counts for its
+        # period whatever the execution does: not listed)
+        pool, budget = limit_key(prefix, "pool"), limit_key(prefix, "budget", rate=True)
+        taken = [Units(pool, 2, 1), Units(budget, 6, 2, 2.0)]
+        assert backend.take_units("t:0:-:0", 30, taken, meta={"task_id": "t"}).taken
         # When the run's keys are listed
         found = {(r.kind, r.task_id, r.key.strip("{").removeprefix(key).split("}")[0])
                  for r in _residues(Group(store, [], url, "q", table), prefix)}  # fmt: skip
@@ -825,7 +852,7 @@ def test_the_idle_store_listing_reads_every_store_alike(
     # Then each live record is there once, and the closed window is not
     assert found == {
         ("lock", None, "held"), ("rate record", None, "held"), ("open window", "w", "open"),
-        ("follow-up claim", "n", "claim"),
+        ("follow-up claim", "n", "claim"), ("limit hold", "t", pool),
     }  # fmt: skip
 
 
