@@ -944,8 +944,10 @@ class _Judge:
         violation: that take was judged by what it saw."""
         size, period = int(spec.rate_size or 0), float(spec.period or 0.0)
         first: dict[tuple[str, int], Body] = {}
+        charges: dict[tuple[str, int], list[Charge]] = collections.defaultdict(list)
         for body in bodies:
             first.setdefault(body.token, body)
+            charges[body.token] += [c for c in body.charges if c.name == name]
         for last in bodies:
             window = [
                 b for b in first.values()
@@ -955,7 +957,9 @@ class _Judge:
             if not window:
                 continue
             seen = max(b.acquired or 0.0 for b in window)  # the last take was no earlier
-            counted = sum(self._rate_units(b, name, seen, last.start) for b in window)
+            counted = sum(
+                self._rate_units(b.units[name], charges[b.token], seen, last.start) for b in window
+            )
             if counted <= size:
                 continue
             window.sort(key=lambda b: b.start)
@@ -967,12 +971,14 @@ class _Judge:
                 + ", ".join(self._unit_body(b, name) for b in window),
             )  # fmt: skip
 
-    def _rate_units(self, body: Body, name: str, seen: float, until: float) -> int:
-        """The fewest units ``body``'s start of rate ``name`` may have counted at a take made
-        between ``seen`` and ``until``: its estimate, or a charge written before that take (one
-        that returned before ``seen`` surely was; one sent before ``until`` may have been)."""
-        value, maybe = body.units[name], []
-        for charge in sorted((c for c in body.charges if c.name == name), key=lambda c: c.before):
+    @staticmethod
+    def _rate_units(estimate: int, charges: Sequence[Charge], seen: float, until: float) -> int:
+        """The fewest units a start may have counted at a take made between ``seen`` and
+        ``until``: its ``estimate``, or one of its ``charges`` (its attempt's bodies' calls)
+        written before that take (one that returned before ``seen`` surely was; one sent
+        before ``until`` may have been)."""
+        value, maybe = estimate, []
+        for charge in sorted(charges, key=lambda c: c.before):
             if charge.error is None and charge.after < seen:
                 value, maybe = charge.units, []  # written before the take: it replaces the rest
             elif charge.before < until:

@@ -704,6 +704,11 @@ def test_a_redelivered_copy_counts_its_attempts_start_once() -> None:
     assert judge([], copies, {}).violations == []
     copies[1].retries = 1  # another attempt: a start of its own
     assert rules(judge([], copies, {})) == ["limit-rate"]
+    # The copy's charge is its attempt's start's: taken back before the third start
+    copies[1].retries = 0
+    copies[1].charges = [Charge("budget", 0, 0.55, 0.56)]
+    copies.append(taking("c", 1.5, 1.6, BUDGETED, cost=3, key="k3"))
+    assert judge([], copies, {}).violations == []
 
 
 def test_a_refusal_for_want_of_room_names_a_limit_of_its_task_and_is_its_policys() -> None:
