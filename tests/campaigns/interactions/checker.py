@@ -399,8 +399,17 @@ class _Judge:
             if send.task_id is not None:
                 send.own = send.task_id if send.returned == send.task_id else None
         taken = {s.own for s in self.h.sends if s.own}
+        # A body runs the arguments of the send that published its message: of two ``delay``
+        # sends that got the same id (one published, the other joined it), the one whose
+        # ``seq`` the body ran is its own, whichever replied first.
+        ran: dict[str, set[int]] = collections.defaultdict(set)
+        for body in self.h.bodies:
+            ran[body.task_id].add(body.seq)
         for send in sorted(self.h.sends, key=lambda s: s.t_after or 0.0):
             fresh = send.returned not in chosen and send.returned not in taken
+            seqs = ran.get(send.returned or "")
+            if seqs and send.seq not in seqs:
+                continue  # its id's body ran another send's arguments: it joined that send
             if send.task_id is None and send.returned and send.error is None and fresh:
                 send.own = send.returned
                 taken.add(send.returned)
@@ -535,6 +544,17 @@ class _Judge:
     def _joined(self, send: Send, target: str, here: str) -> None:
         ended = self.ended_at(target)
         if ended is not None and ended < send.t_before - SLACK:
+            config = self.h.configs.get(send.config)
+            lease = float(config.task_options()["lock_ttl"]) if config else FIXED["lock_ttl"]
+            store = config.store if config else None
+            if send.t_before <= ended + lease + SLACK and self.store_fault_near(ended, 0, store):
+                # docs/guarantees.rst: the lock store unreachable at the release (a fault of
+                # the workers' link as the target ended): its key stays until its lease ends
+                self.report.documented.append(
+                    f"{here}: {send.describe()} joined {target}, whose release a store fault "
+                    "lost, within its lease"
+                )
+                return
             self.violation(
                 "joined-ended", here, [send, *self.sends_of(target)][:3],
                 f"deduplicated onto {target}, which had ended {send.t_before - ended:.2f}s "

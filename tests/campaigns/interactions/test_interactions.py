@@ -414,6 +414,38 @@ def test_a_send_deduplicated_onto_one_that_had_ended_is_a_violation() -> None:
     assert "which had ended 4.50s before the send" in report.violations[0]
 
 
+def test_a_send_joined_within_a_lease_of_a_release_a_store_fault_lost_is_documented() -> None:
+    """docs/guarantees.rst: a send deduplicated onto one that had ended, while the lock store
+    was unreachable at its release (seed 460816040 on PostgreSQL: the main process could not
+    look up the lock after a hard time limit during a store stop; the key stayed for its
+    lease), is documented; long after, or with no fault, a violation."""
+    first = send(0, "a", config=QUEUED)
+    first.ending = "hard"
+    late = send(1, "b", 2.5, config=QUEUED, returned="a")
+    ended = {"a": Outcome("FAILURE", kind="exception", exception="TimeLimitExceeded",
+                          date_done=1.0)}  # fmt: skip
+    fault = Fault("store-stop-at-run", 0.9, 1.2, "run")
+    report = judge([first, late], [], ended, faults=[fault])
+    assert report.violations == []
+    assert any("whose release a store fault lost" in d for d in report.documented)
+    assert rules(judge([first, late], [], ended)) == ["joined-ended"]
+    much_later = send(1, "b", 9.0, config=QUEUED, returned="a")
+    assert rules(judge([first, much_later], [], ended, faults=[fault])) == ["joined-ended"]
+
+
+def test_of_two_delay_sends_given_one_id_the_one_whose_arguments_ran_published_it() -> None:
+    """Seed 460816040 (queue scope): two ``delay`` sends, one published and one joined it;
+    the joiner replied first. The body ran the publisher's arguments: its ending explains the
+    failure, not the joiner's."""
+    joiner = Send(0, "p0", QUEUED.name, "k", "delay", "retry", 0.0, returned="a", t_after=0.1)
+    publisher = Send(1, "p1", QUEUED.name, "k", "delay", "raise", 0.0, returned="a", t_after=0.2)
+    failed = Outcome("FAILURE", kind="exception", exception="RuntimeError", date_done=0.5)
+    ran = [body("a", 0.2, 0.4, 1, QUEUED, how="raise", seq=1)]
+    assert judge([joiner, publisher], ran, {"a": failed}).violations == []
+    assert publisher.own == "a"
+    assert joiner.own is None
+
+
 def test_refused_as_held_by_an_ended_holder_unless_a_store_fault_lost_its_release() -> None:
     sends = [send(0, "a"), send(1, "b", 3.0)]
     outcomes = {"a": done(1.0), "b": skipped(3.1, "held", "a")}
