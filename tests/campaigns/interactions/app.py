@@ -3,10 +3,16 @@ tests.campaigns.interactions.app worker`` and the test's producers), with one ta
 configuration.
 
 Every task runs :func:`body`, which records its start and its end in the probe (a list on a
-private Redis database: args, task id, attempt, pid, fence, time) and then ends the way its
-send asked: return, raise, ``self.retry()`` with a countdown, ``Ignore``, ``Reject``, a soft or
-hard time limit (the send sets the limit, the body outlasts it), or a killed pool child (the
-body sends itself SIGKILL, once per task id: a redelivered copy returns).
+private Redis database: args, task id, attempt, pid, fence, time, when its acquire was sent and
+the units it took of each named limit) and then ends the way its send asked: return, raise,
+``self.retry()`` with a countdown, ``Ignore``, ``Reject``, a soft or hard time limit (the send
+sets the limit, the body outlasts it), or a killed pool child (the body sends itself SIGKILL,
+once per task id: a redelivered copy returns). A body whose send drew a ``charge`` and that
+started a rate of a named limit calls ``self.lock.charge`` halfway through its work, and records
+the call (its units, and the times just before and just after it).
+
+The app's ``singletask_limits`` are the campaign's named limits (space.LIMITS), in every lock
+store: the configurations of one store share them.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from kombu import Exchange, Queue
 
 from singletask import SingletonTask
 
-from .space import Config
+from .space import LIMITS, Config
 
 #: Environment of the worker subprocess (and of a producer subprocess).
 ENV_CONFIGS = "SINGLETASK_INTERACTIONS_CONFIGS"
@@ -73,6 +79,30 @@ def _record(run: str, event: str, **fields: Any) -> None:
         pipe.execute()
 
 
+#: The configuration of each task registered in this process, by task name.
+CONFIGS: dict[str, Config] = {}
+
+
+def acquire_sent(lock: Any) -> float | None:
+    """When (``time.time()``) the request that acquired ``lock`` was sent: no store step of the
+    execution (its key's acquire, its units' take) is earlier. The handle keeps it as
+    ``time.monotonic()`` (lease.py: the lease counts from it)."""
+    sent = getattr(lock, "_started", None)
+    return None if sent is None else time.time() - (time.monotonic() - sent)
+
+
+def _charge(lock: Any, run: str, fields: Mapping[str, Any], name: str, units: int) -> None:
+    """``lock.charge(name, units)``, recorded with the times just before and just after it."""
+    before, error = time.time(), None
+    try:
+        lock.charge(name, units)
+    except Exception as exc:  # a store fault: the charge may or may not have been written
+        error = type(exc).__name__
+    after = time.time()
+    _record(run, "charge", name=name, units=units, before=before, after=after, error=error,
+            **{k: fields[k] for k in ("task_id", "retries")})  # fmt: skip
+
+
 def body(
     self: SingletonTask,
     key: str,
@@ -81,11 +111,15 @@ def body(
     sleep: float = 0.05,
     countdown: float = 0.3,
     run: str = "",
+    cost: int = 1,
+    charge: int | None = None,
     **payload: Any,
 ) -> int:
-    """A campaign body: record the start, work ``sleep`` seconds, end as ``ending`` says."""
+    """A campaign body: record the start, work ``sleep`` seconds (charging a rate halfway when
+    the send drew a charge), end as ``ending`` says."""
     request = self.request
     lock = self.lock
+    config = CONFIGS.get(self.name)
     fields = {
         "task": self.name,
         "key": key,
@@ -96,6 +130,8 @@ def body(
         "slot": lock.key if lock is not None else None,
         "ending": ending,
         "redelivered": bool((request.delivery_info or {}).get("redelivered")),
+        "acquired": acquire_sent(lock),
+        "units": config.costs(cost) if config is not None else {},
     }
     _record(run, "start", **fields)
     how = "unwound"
@@ -104,7 +140,13 @@ def body(
             first = _probe().set(f"interactions:{run}:killed:{request.id}", 1, nx=True, ex=600)
             if first:
                 os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(sleep)
+        rated = config.rated() if config is not None else []
+        if charge is not None and rated and lock is not None:
+            time.sleep(sleep / 2)
+            _charge(lock, run, fields, rated[0], charge)
+            time.sleep(sleep / 2)
+        else:
+            time.sleep(sleep)
         if ending == "raise":
             how = "raise"
             raise RuntimeError(f"body of send {seq} raised")
@@ -123,12 +165,14 @@ def body(
         how = "return"
         return seq
     finally:
-        _record(run, "end", how=how, **fields)
+        lost = lock is not None and lock.lost
+        _record(run, "end", how=how, lost=lost, **{k: v for k, v in fields.items() if k != "units"})
 
 
 def register(app: Celery, configs: Sequence[Config]) -> None:
     """One task per configuration, named after its index."""
     for config in configs:
+        CONFIGS[config.name] = config
         app.task(
             base=SingletonTask, bind=True, shared=False, name=config.name, max_retries=1,
             **config.task_options(),
@@ -150,6 +194,7 @@ def make_app(
     app.conf.update(
         singletask_backend_url=locks,
         singletask_key_prefix=prefix,
+        singletask_limits=LIMITS,
         task_queues=[Queue(queue, exchange, routing_key=queue, durable=False, auto_delete=True)],
         task_default_queue=queue,
         task_default_exchange=queue,

@@ -27,7 +27,9 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
   holder it names), or ``lock_replace_terminate`` revoked its task id (REVOKED: Celery
   discards every later message of a revoked id), or the retried attempt met the lock store
   unreachable through its whole ``lock_backend_retry_max`` budget (FAILURE
-  ``BackendUnavailable``, documented in docs/configuration.rst).
+  ``BackendUnavailable``, documented in docs/configuration.rst), or found a named limit
+  without room through its whole ``lock_retry_max`` (``TaskLocked`` naming the limit:
+  docs/sharing-limits.rst, "No room").
 * ``superseded``: a ``Skipped(reason="debounced")`` (``lock_debounce``) or
   ``Skipped(reason="superseded")`` (a coalescing follow-up of ``lock_coalesce = "latest"``)
   names a later send that was published and whose body ran (or that met a visible refusal of
@@ -45,7 +47,8 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
   the revoke's SIGTERM can reach it just after the body returned).
 * ``holder-alive``: a refusal as "held" names holders that had not ended (a lease whose release
   a store fault lost is excused for one lease).
-* ``exclusion``: never more than ``lock_limit`` bodies of a key at once. With ``lock_policy =
+* ``exclusion``: never more than ``lock_limit`` bodies of a key at once (with ``lock_cost``, as
+  many as their units fit in it). With ``lock_policy =
   "replace"``, exclusion is by fence: a body that starts while every slot is held by a running
   body preempted the one with the smallest fence (the oldest), which must be smaller than its
   own; that preempted body holds nothing from then on and may run on beside its successor until
@@ -54,14 +57,31 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
   not check"). A body over the limit that cannot have preempted (no smaller fence) is a
   violation.
 * ``fences``: a body's fence is larger than that of every holder of its key that started
-  before it.
+  before it (before its acquire was sent: the units of its named limits are taken between its
+  acquire and its start).
 * ``rate``: no two starts of a rated key closer than its interval, by the lock store's clock
   (docs/limits.rst): two bodies whose starts are closer are no violation if their fences, which
   carry the store's clock at the acquire, are an interval apart (:func:`spaced_by_the_store`).
+* ``limit-held`` (named limits, docs/sharing-limits.rst): never more units of a limit's
+  concurrency held at once than its size, on each lock store (its configurations share the
+  limit): at each body's start, the units of the bodies that had started and not recorded
+  their end (a body records its start after its units are taken and its end before they are
+  given back).
+* ``limit-rate``: never more units of a limit's rate started in a window of its period than it
+  allows, by the store's clock: the bodies whose acquires were sent less than a period before
+  a body started, and that started no later, took their units in one window; they add up to
+  at most the rate (each start counted at the least it may have counted then: its estimate,
+  or a charge that may have been written before; an attempt's start once).
+* ``limit-refusal``: a ``Skipped(reason="limit")`` or a ``TaskLocked`` naming a limit names one
+  its task takes (``"lock_limit"`` with ``lock_cost``) and is its policy's (a Skipped for
+  "skip", a TaskLocked for "raise" or for lock retries spent; a retried attempt of the body is
+  never skipped for want of room).
 * ``idle``: once the fleet is idle the store holds no live lock, reservation, open debounce
-  window, pending follow-up claim or rate record of a key (records naming a send whose producer
-  was killed in flight excepted, until they expire, and the claim of a follow-up still waiting
-  behind such a record).
+  window, pending follow-up claim, rate record of a key or hold of a named limit's
+  concurrency (records naming a send whose producer was killed in flight excepted, until they
+  expire, and the claim of a follow-up still waiting behind such a record; units come back on
+  every ending, and a hold that a fault of the workers' store link left, or a killed
+  process's, is excused for one lease).
 * ``failures``: a FAILURE carries an exception its send's ending or configuration explains.
 
 Every violation names the seed, the configuration, the key, the sends involved and the rule.
@@ -77,10 +97,13 @@ from typing import Any
 
 from celery import VERSION as CELERY_VERSION
 
-from .space import FIXED, Config
+from singletask.conf.limits import LimitSpec, check_spec
+
+from .space import FIXED, LIMITS, Config
 
 __all__ = [
     "Body",
+    "Charge",
     "Fault",
     "History",
     "Outcome",
@@ -108,6 +131,10 @@ COMPLETED = frozenset({"return", "raise", "retry", "ignore", "reject", "soft"})
 SLACK = 1.0
 #: Two starts this close are in no order the probe can tell.
 TIE = 0.05
+#: Seconds a named rate's window may be longer than its period as a store keeps it (Redis
+#: rounds it up to the millisecond) or its starts' times rounded: a start this close to the
+#: edge of a window is not counted in it.
+RATE_EDGE = 0.002
 
 #: The exceptions a FAILURE may carry, by the body's ending (any ending: the policy's).
 EXPECTED_FAILURES: dict[str, frozenset[str]] = {
@@ -164,8 +191,26 @@ class Send:
 
 
 @dataclass
+class Charge:
+    """A body's call of ``self.lock.charge(name, units)``: the times just before and just after
+    it, and the exception it raised (the store may have written it all the same)."""
+
+    name: str
+    units: int
+    before: float
+    after: float
+    error: str | None = None
+
+
+@dataclass
 class Body:
-    """One body, from the probe: its start and, if it got there, its end."""
+    """One body, from the probe: its start and, if it got there, its end.
+
+    ``acquired`` is when its execution sent the request that acquired its key (no store step of
+    it is earlier: its units are taken after it); ``units``, what it took of each named limit
+    (recorded after they were taken, as its start is; its end is recorded before they are given
+    back); ``charges``, its calls of ``self.lock.charge``; ``lost``, whether its lease was lost
+    (preempted, or run out) by its end."""
 
     task_id: str
     retries: int
@@ -179,6 +224,16 @@ class Body:
     how: str | None = None  # return, raise, retry, ignore, reject, soft, hard, unwound
     ending: str = "return"
     redelivered: bool = False
+    acquired: float | None = None
+    units: dict[str, int] = field(default_factory=dict)
+    charges: list[Charge] = field(default_factory=list)
+    lost: bool = False
+
+    @property
+    def token(self) -> tuple[str, int]:
+        """Its attempt (task id, retries): its owner token in the stores, one per attempt (a
+        redelivered copy takes with the same one)."""
+        return (self.task_id, self.retries)
 
     def describe(self) -> str:
         end = "no end" if self.end is None else f"{self.end:.3f} {self.how}"
@@ -239,12 +294,14 @@ class Outcome:
     holders: tuple[str, ...] = ()
     exception: str | None = None  # the exception's class name
     date_done: float | None = None  # time.time() when it was stored
+    limit: str | None = None  # the limit without room (Skipped(reason="limit"), TaskLocked)
 
     def describe(self) -> str:
+        limit = f", limit={self.limit}" if self.limit is not None else ""
         if self.kind == "skipped":
-            return f"Skipped(reason={self.reason}, holder={self.holder})"
+            return f"Skipped(reason={self.reason}, holder={self.holder}{limit})"
         if self.kind == "exception":
-            return f"{self.state}({self.exception}, holder={self.holder})"
+            return f"{self.state}({self.exception}, holder={self.holder}{limit})"
         return self.state
 
 
@@ -253,9 +310,10 @@ class Residue:
     """A record the lock store still holds once the fleet is idle."""
 
     key: str
-    kind: str  # lock, reservation, window, claim, rate
+    kind: str  # lock, reservation, window, claim, rate, limit hold
     task_id: str | None
     detail: str
+    store: str | None = None  # the lock store that holds it, when the reader says
 
 
 @dataclass
@@ -341,8 +399,17 @@ class _Judge:
             if send.task_id is not None:
                 send.own = send.task_id if send.returned == send.task_id else None
         taken = {s.own for s in self.h.sends if s.own}
+        # A body runs the arguments of the send that published its message: of two ``delay``
+        # sends that got the same id (one published, the other joined it), the one whose
+        # ``seq`` the body ran is its own, whichever replied first.
+        ran: dict[str, set[int]] = collections.defaultdict(set)
+        for body in self.h.bodies:
+            ran[body.task_id].add(body.seq)
         for send in sorted(self.h.sends, key=lambda s: s.t_after or 0.0):
             fresh = send.returned not in chosen and send.returned not in taken
+            seqs = ran.get(send.returned or "")
+            if seqs and send.seq not in seqs:
+                continue  # its id's body ran another send's arguments: it joined that send
             if send.task_id is None and send.returned and send.error is None and fresh:
                 send.own = send.returned
                 taken.add(send.returned)
@@ -477,6 +544,17 @@ class _Judge:
     def _joined(self, send: Send, target: str, here: str) -> None:
         ended = self.ended_at(target)
         if ended is not None and ended < send.t_before - SLACK:
+            config = self.h.configs.get(send.config)
+            lease = float(config.task_options()["lock_ttl"]) if config else FIXED["lock_ttl"]
+            store = config.store if config else None
+            if send.t_before <= ended + lease + SLACK and self.store_fault_near(ended, 0, store):
+                # docs/guarantees.rst: the lock store unreachable at the release (a fault of
+                # the workers' link as the target ended): its key stays until its lease ends
+                self.report.documented.append(
+                    f"{here}: {send.describe()} joined {target}, whose release a store fault "
+                    "lost, within its lease"
+                )
+                return
             self.violation(
                 "joined-ended", here, [send, *self.sends_of(target)][:3],
                 f"deduplicated onto {target}, which had ended {send.t_before - ended:.2f}s "
@@ -513,6 +591,16 @@ class _Judge:
             if outcome.state == "REVOKED" and self._terminates(body.config):
                 continue  # revoked by the execution that replaced it
             send = self.by_seq.get(body.seq)
+            if outcome.exception == "TaskLocked" and outcome.limit is not None:
+                # docs/sharing-limits.rst, "No room": the retried attempt that finds no room
+                # retries whatever the policy, spending lock_retry_max as any lock retry; a
+                # named limit kept full by the others for that long spends it (`limit-refusal`
+                # checks the limit it names)
+                self.report.documented.append(
+                    f"{self.where(send, body.key, body.config)}: the retry of {body.task_id} "
+                    f"spent its lock retries waiting for room in limit {outcome.limit!r}"
+                )
+                continue
             if outcome.state == "FAILURE" and outcome.exception == "BackendUnavailable":
                 # docs/configuration.rst, lock_backend_retry_max: the retried attempt met the
                 # lock store unreachable through its whole store-error budget, and failed so
@@ -649,7 +737,7 @@ class _Judge:
             here = self.where(None, key, config_name)
             bodies.sort(key=lambda b: b.start)
             replace = config.options.get("lock_policy") == "replace"
-            preempted = self._exclusion(here, config.options["lock_limit"], bodies, replace)
+            preempted = self._exclusion(here, config.key_units, bodies, replace)
             if replace and config.options["lock_limit"] == 1:
                 self._ended_replaced(here, bodies, preempted)
             self._fences(here, bodies)
@@ -780,8 +868,12 @@ class _Judge:
         for i, body in enumerate(bodies):
             if body.fence is None:
                 continue
+            # Its acquire was sent at `acquired`: a holder whose body had started before then
+            # had acquired before it. (Its start may come long after its acquire: the units of
+            # its named limits are taken in between, over a link that a fault may stall.)
+            acquired = body.start if body.acquired is None else min(body.acquired, body.start)
             for earlier in bodies[:i]:
-                if earlier.fence is None or earlier.start >= body.start - TIE:
+                if earlier.fence is None or earlier.start >= acquired - TIE:
                     continue
                 if earlier.fence >= body.fence:
                     self.violation(
@@ -800,6 +892,176 @@ class _Judge:
                     f"{interval:.3f}s: {earlier.describe()}, {later.describe()}",
                 )  # fmt: skip
 
+    # -- named limits (docs/sharing-limits.rst, "What is guaranteed") ------------------
+
+    def named_limits(self) -> None:
+        """``limit-held`` and ``limit-rate``, for each named limit of each lock store (the
+        configurations of a store share its limits; each store keeps its own)."""
+        by_limit: dict[tuple[str, str], list[Body]] = collections.defaultdict(list)
+        for body in self.h.bodies:
+            config = self.h.configs.get(body.config)
+            for name in body.units if config is not None else ():
+                by_limit[(config.store, name)].append(body)
+        for (store, name), bodies in sorted(by_limit.items()):
+            if name not in LIMITS:
+                continue
+            spec = check_spec(LIMITS[name], name)
+            bodies.sort(key=lambda b: b.start)
+            here = f"seed={self.h.seed} limit {name!r} {LIMITS[name]} store={store}"
+            if spec.concurrency is not None:
+                self._limit_held(here, name, spec.concurrency, bodies)
+            if spec.rate_size is not None:
+                self._limit_rate(here, name, spec, bodies)
+
+    def _limit_held(self, here: str, name: str, size: int, bodies: Sequence[Body]) -> None:
+        """Never more units of a concurrency held at once than its size. A body's start is
+        recorded after its units were taken and its end before they are given back, on the
+        clock every process of the host reads: at the instant a body starts, every body that
+        had started and not yet recorded its end holds its units. A body with no end (its
+        process killed) is counted at its own start only (its units come back once the worker
+        sees the process gone, or with the lease); a redelivered copy holds its attempt's units
+        (the store counts one hold per attempt)."""
+        for i, body in enumerate(bodies):
+            along = [
+                b for b in bodies[:i + 1]
+                if b is not body and b.token != body.token and b.end is not None
+                and b.start <= body.start <= b.end
+            ]  # fmt: skip
+            held = body.units[name] + sum(b.units[name] for b in along)
+            if held <= size:
+                continue
+            bodies_at = [*along, body]
+            if any(b.lost for b in bodies_at):
+                self.report.documented.append(
+                    f"{here}: {held} units held at {body.start:.3f} by bodies one of which had "
+                    "lost its lease (its units may have expired in the store)"
+                )
+                continue
+            self.violation(
+                "limit-held", here, self._sends(bodies_at),
+                f"{held} units held at once at {body.start:.3f}, over the size {size}: "
+                + ", ".join(self._unit_body(b, name) for b in bodies_at),
+            )  # fmt: skip
+
+    def _limit_rate(self, here: str, name: str, spec: LimitSpec, bodies: Sequence[Body]) -> None:
+        """Never more units started in a window of a rate's period than its size, by the
+        store's clock, counting each start's estimate until it is charged and its charged
+        units after (docs/sharing-limits.rst). The store checks it at each take: the starts in
+        the period before it, at what they count at that moment, plus the take's own units.
+
+        The store's clock is the host's (every store of the campaign runs on it), and a start's
+        time is its take's, which falls between its body's ``acquired`` (its acquire was sent
+        before the take) and its recorded start. So for every body L, the starts of the bodies
+        that started no later than L and whose acquire was sent less than a period (less
+        ``RATE_EDGE``) before L started all lie in one window that ends at the last take among
+        them, which saw all the others: their units may not add up to more than the size.
+        Judged conservatively, so that a correct run cannot fail: each start counts at most what
+        the last take may have seen (its estimate, or the smallest charge that may have been
+        written before it: a charge sent before L started); an attempt's starts count once,
+        from its first body (a redelivered copy's take finds its attempt's start counted and
+        adds none); a start the ledger has no body for (a take whose reply was lost) counts
+        nothing. A charge that raises a start's units after a later take counted it is no
+        violation: that take was judged by what it saw."""
+        size, period = int(spec.rate_size or 0), float(spec.period or 0.0)
+        first: dict[tuple[str, int], Body] = {}
+        charges: dict[tuple[str, int], list[Charge]] = collections.defaultdict(list)
+        for body in bodies:
+            first.setdefault(body.token, body)
+            charges[body.token] += [c for c in body.charges if c.name == name]
+        for last in bodies:
+            window = [
+                b for b in first.values()
+                if b.start <= last.start and b.acquired is not None
+                and b.acquired > last.start - period + RATE_EDGE
+            ]  # fmt: skip
+            if not window:
+                continue
+            seen = max(b.acquired or 0.0 for b in window)  # the last take was no earlier
+            counted = sum(
+                self._rate_units(b.units[name], charges[b.token], seen, last.start) for b in window
+            )
+            if counted <= size:
+                continue
+            window.sort(key=lambda b: b.start)
+            span = last.start - min(b.acquired or 0.0 for b in window)
+            self.violation(
+                "limit-rate", here, self._sends(window),
+                f"{counted} units started within {span:.3f}s (from the first acquire sent to "
+                f"the last start), over the rate {spec.rate}: "
+                + ", ".join(self._unit_body(b, name) for b in window),
+            )  # fmt: skip
+
+    @staticmethod
+    def _rate_units(estimate: int, charges: Sequence[Charge], seen: float, until: float) -> int:
+        """The fewest units a start may have counted at a take made between ``seen`` and
+        ``until``: its ``estimate``, or one of its ``charges`` (its attempt's bodies' calls)
+        written before that take (one that returned before ``seen`` surely was; one sent
+        before ``until`` may have been)."""
+        value, maybe = estimate, []
+        for charge in sorted(charges, key=lambda c: c.before):
+            if charge.error is None and charge.after < seen:
+                value, maybe = charge.units, []  # written before the take: it replaces the rest
+            elif charge.before < until:
+                maybe.append(charge.units)
+        return min([value, *maybe])
+
+    @staticmethod
+    def _unit_body(body: Body, name: str) -> str:
+        charged = ",".join(f"{c.units}@{c.before:.3f}" for c in body.charges if c.name == name)
+        acquired = "?" if body.acquired is None else f"{body.acquired:.3f}"
+        return (
+            f"{body.config}:{body.key} {body.describe()} {body.units[name]}u acquired {acquired}"
+            + (f" charged {charged}" if charged else "")
+        )
+
+    def limit_refusals(self) -> None:
+        """A refusal for want of room (``Skipped(reason="limit")``, ``TaskLocked`` with a
+        ``limit``) names a limit its configuration takes (of ``lock_limits``; ``"lock_limit"``,
+        the key's own, with ``lock_cost``), and is its policy's: a Skipped for "skip", a
+        TaskLocked for "raise" (or "retry", its lock retries spent). The retried attempt of a
+        body that called ``self.retry()`` retries whatever the policy: it is never skipped for
+        want of room, and ends TaskLocked once its lock retries are spent."""
+        for task_id, outcome in self.h.outcomes.items():
+            skipped = outcome.kind == "skipped" and outcome.reason == "limit"
+            locked = outcome.exception == "TaskLocked" and outcome.limit is not None
+            if not (skipped or locked):
+                continue
+            send = next(iter(self.sends_of(task_id)), None)
+            config = self.h.configs.get(send.config) if send is not None else None
+            if send is None or config is None:
+                continue
+            names = set(config.costs(1)) | (
+                {"lock_limit"} if config.options.get("lock_cost") else set()
+            )
+            policy = config.options["lock_policy"]
+            retried = any(b.how == "retry" for b in self.bodies.get(task_id, ()))
+            wrong = []
+            if outcome.limit not in names:
+                wrong.append(f"names limit {outcome.limit!r}, which its task does not take "
+                             f"(it takes {sorted(names) or 'none'})")  # fmt: skip
+            if skipped and retried:
+                wrong.append("is a Skipped of the retry its body asked for (it must retry)")
+            elif skipped and policy != "skip":
+                wrong.append(f"is a Skipped, and the policy is {policy!r}")
+            if locked and policy not in ("raise", "retry") and not retried:
+                wrong.append(f"is a TaskLocked, and the policy is {policy!r}")
+            if wrong:
+                self.violation(
+                    "limit-refusal", self.where(send), [send],
+                    f"{task_id} ended {outcome.describe()}, which " + "; ".join(wrong),
+                )  # fmt: skip
+
+    def _run_fault_within_lease(self, store: str | None) -> bool:
+        """Whether the workers' link to ``store`` met a fault less than one lease (``lock_ttl``)
+        before the idle store was read."""
+        if self.h.observed is None:
+            return True
+        lease = float(FIXED["lock_ttl"])
+        return any(
+            f.side == "run" and f.hits(store) and f.end + lease + SLACK >= self.h.observed
+            for f in self.h.faults
+        )
+
     def idle(self) -> None:
         for residue in self.h.residues:
             if residue.task_id in self.killed:
@@ -807,10 +1069,20 @@ class _Judge:
                 continue
             if residue.task_id in self.failed:
                 continue  # reported by the accounted rule, naming the failed send
-            if residue.kind == "lock" and self._killed_within_lease(residue.task_id):
+            if residue.kind in ("lock", "limit hold") and self._killed_within_lease(
+                residue.task_id
+            ):
                 self.report.documented.append(
-                    f"{residue.key}: lock of {residue.task_id}, whose pool process was killed "
-                    "less than one lease before the idle store was read"
+                    f"{residue.key}: {residue.kind} of {residue.task_id}, whose pool process was "
+                    "killed less than one lease before the idle store was read"
+                )
+                continue
+            if residue.kind == "limit hold" and self._run_fault_within_lease(residue.store):
+                # docs/sharing-limits.rst: a hold the store could not drop (a give that failed),
+                # or a take whose reply a fault lost, ends with its lease (lock_ttl)
+                self.report.documented.append(
+                    f"{residue.key}: limit hold of {residue.task_id}, less than one lease after "
+                    "a fault of the workers' link to its store"
                 )
                 continue
             waiting = [
@@ -897,6 +1169,8 @@ def check(history: History) -> Report:
     judge.last_runs()
     judge.holder_alive()
     judge.exclusion_fences_rate()
+    judge.named_limits()
+    judge.limit_refusals()
     judge.idle()
     judge.failures()
     judge.figures()

@@ -21,6 +21,7 @@ host) has no link to cut, stall or stop. A SQL server's group uses a table of th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import gc
 import json
@@ -53,6 +54,7 @@ from ...servers import SQL_URLS, drop_sql_table, free_port
 from . import app as interactions_app
 from .checker import (
     Body,
+    Charge,
     Fault,
     History,
     Outcome,
@@ -125,7 +127,29 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "fault_share": 0.3,
         "sleep": (0.3, 0.6),
     },
+    # Named limits shared by three tasks of one store, each with its own policy, form of
+    # lock_limits and key limit (one with lock_cost), bodies long enough to fill them.
+    "limits-shared": {
+        "configs": [
+            {"lock_limits": "pool+budget"},
+            {"lock_limits": "gate", "lock_policy": "retry", "lock_limit": 2},
+            {"lock_limits": "budget", "lock_policy": "raise", "lock_limit": 3, "lock_cost": 2},
+        ],
+        "endings": {"return": 4, "retry": 1, "raise": 1, "kill": 1},
+        "fault_share": 0.1,
+        "sleep": (0.2, 0.5),
+    },
+    # lock_cost with lock_rate: the key's rate still spaces its starts.
+    "cost-rate": {
+        "options": {"lock_limit": 2, "lock_cost": 2, "lock_rate": "2/s"},
+        "endings": {"return": 1},
+        "fault_share": 0.0,
+    },
 }
+
+#: The share of rounds made of the configurations of one lock store that name one same limit
+#: (when two or more do), rather than drawn from all: their executions compete for its units.
+SHARED_ROUNDS = 0.5
 
 
 def campaign_seed() -> int:
@@ -306,8 +330,24 @@ def _dead_broker(app_kwargs: dict[str, Any]) -> Celery:
 def _configs(rng: random.Random, settings: Settings) -> list[Config]:
     if settings.scenario is None:
         return draw(rng, settings.configs, settings.stores)
-    options = find(SCENARIOS[settings.scenario]["options"])
-    return [Config(0, options, settings.stores[0])]
+    scenario = SCENARIOS[settings.scenario]
+    chosen = scenario.get("configs") or [scenario["options"]]
+    return [Config(n, find(options), settings.stores[0]) for n, options in enumerate(chosen)]
+
+
+def _round_configs(rng: random.Random, configs: Sequence[Config], count: int) -> list[Config]:
+    """The configurations of a round: ``count`` of ``configs``; or, in a share of the rounds
+    (SHARED_ROUNDS), those of one store that name one same limit, when two or more do."""
+    chosen = rng.sample(list(configs), min(count, len(configs)))
+    sharing: dict[tuple[str, str], list[Config]] = {}
+    for config in configs:
+        for name in config.costs(1):
+            sharing.setdefault((config.store, name), []).append(config)
+    groups = [group for _, group in sorted(sharing.items()) if len(group) > 1]
+    if groups and rng.random() < SHARED_ROUNDS:
+        group = rng.choice(groups)
+        chosen = rng.sample(group, min(count, len(group)))
+    return chosen
 
 
 @contextlib.contextmanager
@@ -508,11 +548,13 @@ def _outcome(app: Celery, task_id: str) -> Outcome:
         outcome.kind, outcome.reason = "skipped", result.reason
         outcome.holder = result.holder
         outcome.holders = tuple(h for h in result.holders if h)
+        outcome.limit = result.limit
     elif isinstance(result, BaseException):
         outcome.kind, outcome.exception = "exception", type(result).__name__
         if isinstance(result, TaskLocked):
             outcome.holder = result.holder
             outcome.holders = tuple(h for h in getattr(result, "holders", ()) or () if h)
+            outcome.limit = getattr(result, "limit", None)
     elif state in ("SUCCESS",):
         outcome.kind = "value"
     return outcome
@@ -529,19 +571,25 @@ def _bodies(probe: redis.Redis, run: str) -> list[Body]:
             body = Body(
                 e["task_id"], e["retries"], e["seq"], e["key"], e["task"], e["pid"], e["fence"],
                 e["t"], ending=e["ending"], redelivered=e["redelivered"],
+                acquired=e.get("acquired"), units=dict(e.get("units") or {}),
             )  # fmt: skip
             open_[ident] = body
             bodies.append(body)
-        elif ident in open_:
+        elif e["event"] == "charge" and ident in open_:
+            open_[ident].charges.append(
+                Charge(e["name"], e["units"], e["before"], e["after"], e.get("error"))
+            )
+        elif e["event"] == "end" and ident in open_:
             body = open_.pop(ident)
-            body.end, body.how = e["t"], e["how"]
+            body.end, body.how, body.lost = e["t"], e["how"], bool(e.get("lost"))
     return bodies
 
 
 def _residues(group: Group, prefix: str) -> list[Residue]:
     """What ``group``'s store still holds of the run's keys: every lock and reservation (the
-    store's own listing), then the records it keeps beside them that still act: open debounce
-    windows, pending follow-up claims, rate records. Kept by design, and so not listed: closed
+    store's own listing) and hold of a named limit's concurrency (its listing of limits), then
+    the records it keeps beside them that still act: open debounce windows, pending follow-up
+    claims, rate records. Kept by design, and so not listed: closed
     windows, fencing tokens, completion markers (docs/guarantees.rst)."""
     found: list[Residue] = []
     backend: LockBackend = backend_from_url(group.url)
@@ -550,6 +598,16 @@ def _residues(group: Group, prefix: str) -> list[Residue]:
             kind = "reservation" if holder.token.endswith(":reserved") else "lock"
             detail = f"{group.store}: token {holder.token}, ttl {holder.ttl}"
             found.append(Residue(key, kind, holder.task_id, detail))
+        for state in backend.iter_state(prefix):
+            if state.kind != "limit" or state.detail.get("period") is not None:
+                continue  # a rate's starts count for their period, whatever the executions did
+            for hold in state.detail.get("holds") or ():
+                detail = (
+                    f"{group.store}: {hold.get('units')} units, token {hold.get('token')}, "
+                    f"ttl {hold.get('ttl')}"
+                )
+                found.append(Residue(state.key, "limit hold", hold.get("task_id"), detail,
+                                     group.store))  # fmt: skip
     finally:
         backend.close()
     records = {"redis": _redis_records, "sqlite": _sqlite_records}.get(group.store, _sql_records)
@@ -697,7 +755,7 @@ def run(servers: Servers, seed: int, settings: Settings, workdir: Path) -> tuple
         }
         round_no, seq = 0, 0
         while True:
-            chosen = rng.sample(configs, min(settings.configs_per_round, len(configs)))
+            chosen = _round_configs(rng, configs, settings.configs_per_round)
             producers = ["p0", "p1"] + (["store-link"] if settings.store_faults_at_send else [])
             if settings.killed_producer:
                 producers.append("killed")
@@ -760,6 +818,8 @@ def run(servers: Servers, seed: int, settings: Settings, workdir: Path) -> tuple
         # would hold the process at exit.
         gc.collect()
     probe.close()
+    # The whole history beside the workers' logs: a violation's evidence, to read afterwards.
+    (workdir / "history.json").write_text(json.dumps(dataclasses.asdict(history), default=str))
     return check(history), history
 
 

@@ -3,9 +3,11 @@
 :func:`plan_round` draws, from one ``random.Random``, the sends of a round: for each
 configuration a few keys, each with a burst of sends from several producers, each send with
 its method (``delay``, ``apply_async``, with a countdown sometimes, ``send_task``, a ``group``
-of two), the way its body is to end, and now and then a fault at the hand-off (a publish that
-fails: the broker down, an argument the serializer refuses). :func:`perform` makes one send
-and writes down what its caller got.
+of two), the way its body is to end, the units it costs where a callable cost reads them
+(``cost``: space.drawn_cost) and sometimes the real cost its body charges a rate it started
+(``charge``), and now and then a fault at the hand-off (a publish that fails: the broker down,
+an argument the serializer refuses). :func:`perform` makes one send and writes down what its
+caller got.
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ METHOD_WEIGHTS: dict[str, float] = {"delay": 30, "apply_async": 38, "send_task":
 FAULT_SHARE = 0.12
 FAULTS = ("broker-down", "encode")
 
+#: The units a send's callable costs answer (space.drawn_cost), each as often as listed; every
+#: one fits every limit with a callable cost (space.LIMITS).
+COSTS = (1, 1, 2, 3)
+#: The share of sends whose body charges a rate it started, and the units charged (0: the
+#: start taken back).
+CHARGE_SHARE = 0.4
+CHARGES = (0, 1, 2, 3, 4)
+
 #: Time limits a send sets for its body's "soft" and "hard" endings.
 SOFT_LIMIT = 0.4
 HARD_LIMIT = 0.6
@@ -61,6 +71,8 @@ class SendPlan:
     fault: str | None = None
     task_id: str | None = None
     partner: int | None = None  # the other member of a group
+    cost: int = 1  # what a callable cost of lock_limits answers for it
+    charge: int | None = None  # the units its body charges a rate it started (None: none)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,6 +128,8 @@ def plan_round(
                     retry_countdown=round(rng.uniform(0.1, 0.8), 3), countdown=countdown,
                     fault=fault,
                     task_id=None if method == "delay" and fault is None else new_id(),
+                    cost=rng.choice(COSTS),
+                    charge=rng.choice(CHARGES) if rng.random() < CHARGE_SHARE else None,
                 )  # fmt: skip
                 plans.append(plan)
                 seq += 1
@@ -134,6 +148,7 @@ def plan_round(
 def _kwargs(plan: SendPlan, run: str) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "ending": plan.ending, "sleep": plan.sleep, "countdown": plan.retry_countdown, "run": run,
+        "cost": plan.cost, "charge": plan.charge,
     }  # fmt: skip
     if plan.fault == "encode":
         kwargs["payload"] = Unserializable()

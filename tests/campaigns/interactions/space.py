@@ -15,13 +15,42 @@ task is defined, so the space the generator draws from is exactly the accepted o
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-__all__ = ["FIXED", "NOT_DRAWN", "OPTIONS", "STORES", "Config", "draw", "space", "valid"]
+__all__ = [
+    "FIXED", "LIMITS", "NAMED", "NAMED_SHARE", "NOT_DRAWN", "OPTIONS", "STORES", "Config", "draw",
+    "drawn_cost", "names_limits", "space", "valid",
+]  # fmt: skip
+
+#: The named limits of the campaign's app (``singletask_limits``, docs/sharing-limits.rst):
+#: small, so that they are met, and shared: every configuration that names one takes its units
+#: of the same limit as the other configurations of its lock store (each store keeps its own).
+LIMITS: Final[dict[str, dict[str, Any]]] = {
+    "pool": {"concurrency": 2},
+    "budget": {"rate": "6/2s"},
+    "gate": {"concurrency": 3, "rate": "8/2s"},
+}
+
+
+def drawn_cost(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
+    """A callable cost (``lock_limits``): the units the send drew (sends.py: ``cost``)."""
+    return int(kwargs.get("cost") or 1)
+
+
+#: The values of ``lock_limits`` the campaign draws, by the name a configuration carries (its
+#: options are JSON): a sequence of names (one unit each), a mapping of constant costs, and
+#: mappings with a callable cost that reads the units each send drew (:func:`drawn_cost`).
+NAMED: Final[dict[str, Any]] = {
+    "pool": ("pool",),
+    "budget": {"budget": drawn_cost},
+    "pool+budget": {"pool": 1, "budget": 2},
+    "gate": {"gate": drawn_cost, "pool": 1},
+}
 
 #: The options drawn, and the values each is drawn from (``None``: the option left unset).
 #: ``acks_late`` goes with ``reject_on_worker_lost`` (a killed pool child's message is
@@ -36,10 +65,15 @@ OPTIONS: Final[dict[str, tuple[Any, ...]]] = {
     "lock_replace_terminate": (False, True),
     "lock_coalesce": ("first", "latest"),
     "acks_late": (False, True),
+    # Named limits (docs/sharing-limits.rst): a name of NAMED, and the units an execution takes
+    # of its key's own lock_limit.
+    "lock_limits": (None, *NAMED),
+    "lock_cost": (None, 2),
 }
 
 #: The options set to one value in every configuration: leases and retries short enough for a
-#: round of seconds, budgets large enough that a burst never spends them.
+#: round of seconds, budgets large enough that a burst never spends them (but a named limit
+#: that other tasks keep full for longer than lock_retry_max retries: see checker.py).
 FIXED: Final[dict[str, Any]] = {
     "lock_ttl": 5.0,
     "lock_queue_ttl": 60.0,
@@ -68,11 +102,19 @@ def valid(options: Mapping[str, Any]) -> bool:
     with the "execution" scope only, and without ``lock_rate``; ``lock_replace_terminate`` goes
     with it alone. ``lock_coalesce = "latest"`` goes with the "coalesce" scope only ("first",
     the default, is the only choice of every other scope: :meth:`Config.task_options` sets the
-    option only for "coalesce")."""
+    option only for "coalesce"). Named limits (docs/sharing-limits.rst): ``lock_limits`` and
+    ``lock_cost`` go with the "execution" scope only, without ``lock_debounce`` and without
+    "replace"; a constant ``lock_cost`` is at most ``lock_limit`` (the campaign's costs fit the
+    sizes of :data:`LIMITS`, which the task is bound to)."""
     queueing = options["lock_scope"] != "execution"
     if queueing and (options["lock_limit"] > 1 or options["lock_debounce"] is not None):
         return False
     replace = options["lock_policy"] == "replace"
+    named = options["lock_limits"] is not None or options["lock_cost"] is not None
+    if named and (queueing or replace or options["lock_debounce"] is not None):
+        return False
+    if options["lock_cost"] is not None and options["lock_cost"] > options["lock_limit"]:
+        return False
     if replace and (queueing or options["lock_rate"] is not None):
         return False
     if options["lock_replace_terminate"] and not replace:
@@ -93,9 +135,14 @@ def product() -> Iterator[dict[str, Any]]:
         yield dict(zip(names, values, strict=True))
 
 
+@functools.cache
+def _space() -> tuple[dict[str, Any], ...]:
+    return tuple(options for options in product() if valid(options))
+
+
 def space() -> list[dict[str, Any]]:
     """Every combination a task accepts: what the generator draws from."""
-    return [options for options in product() if valid(options)]
+    return [dict(options) for options in _space()]
 
 
 @dataclass(frozen=True)
@@ -120,6 +167,10 @@ class Config:
         if o["lock_debounce"] is not None:
             bound = o["lock_debounce_max"]
             parts.append(f"debounce={o['lock_debounce']}" + (f"/max={bound}" if bound else ""))
+        if o.get("lock_limits") is not None:
+            parts.append(f"limits={o['lock_limits']}")
+        if o.get("lock_cost") is not None:
+            parts.append(f"cost={o['lock_cost']}")
         parts.append("acks_late" if o["acks_late"] else "acks_early")
         return f"{self.name}[{' '.join(parts)} store={self.store}]"
 
@@ -129,7 +180,27 @@ class Config:
         options["reject_on_worker_lost"] = bool(self.options["acks_late"])
         if self.options["lock_scope"] != "coalesce" and options["lock_coalesce"] == "first":
             del options["lock_coalesce"]  # the default: only "coalesce" takes the option
+        if "lock_limits" in options:
+            options["lock_limits"] = NAMED[options["lock_limits"]]
         return options
+
+    def costs(self, cost: int) -> dict[str, int]:
+        """The units an execution takes of each named limit, for a send that drew ``cost``
+        (what :data:`NAMED`'s callables answer for it)."""
+        named = NAMED.get(self.options.get("lock_limits") or "", ())
+        pairs = named.items() if isinstance(named, Mapping) else ((n, 1) for n in named)
+        return {name: cost if callable(units) else int(units) for name, units in pairs}
+
+    def rated(self) -> list[str]:
+        """The named limits with a rate that an execution of this configuration starts."""
+        return [name for name in self.costs(1) if "rate" in LIMITS[name]]
+
+    @property
+    def key_units(self) -> int:
+        """How many executions of one key may run at once: ``lock_limit``, or with
+        ``lock_cost`` as many as their units fit in it."""
+        cost = self.options.get("lock_cost")
+        return self.options["lock_limit"] // (cost or 1)
 
     @property
     def rate_interval(self) -> float | None:
@@ -147,13 +218,29 @@ class Config:
         return cls(int(data["index"]), dict(data["options"]), str(data["store"]))
 
 
+def names_limits(options: Mapping[str, Any]) -> bool:
+    """Whether a combination takes units of named limits (``lock_limits``, ``lock_cost``)."""
+    return options.get("lock_limits") is not None or options.get("lock_cost") is not None
+
+
+#: The share of a run's configurations drawn among the combinations that name limits (a third
+#: of the space): enough of them, on each store, to meet each other in their limits.
+NAMED_SHARE = 0.5
+
+
 def draw(rng: random.Random, count: int, stores: Sequence[str] = ("redis",)) -> list[Config]:
     """``count`` configurations drawn from :func:`space`, without repeats while there are
-    combinations left; the ``stores`` (of :data:`STORES`) take turns, the first one first, so
-    each carries some (the draws of the options do not depend on them)."""
-    accepted = space()
-    picks = rng.sample(range(len(accepted)), min(count, len(accepted)))
-    return [Config(n, accepted[i], stores[n % len(stores)]) for n, i in enumerate(picks)]
+    combinations left, half of them (:data:`NAMED_SHARE`, rounded down) among those that name
+    limits, in a drawn order; the ``stores`` (of :data:`STORES`) take turns, the first one
+    first, so each carries some (the draws of the options do not depend on them)."""
+    accepted = _space()
+    count = min(count, len(accepted))
+    named = [i for i, options in enumerate(accepted) if names_limits(options)]
+    others = [i for i, options in enumerate(accepted) if not names_limits(options)]
+    wanted = min(int(count * NAMED_SHARE), len(named))
+    picks = rng.sample(named, wanted) + rng.sample(others, min(count - wanted, len(others)))
+    rng.shuffle(picks)
+    return [Config(n, dict(accepted[i]), stores[n % len(stores)]) for n, i in enumerate(picks)]
 
 
 def find(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -161,6 +248,6 @@ def find(options: Mapping[str, Any]) -> dict[str, Any]:
     value): a targeted scenario names its combination this way, and it must be drawable."""
     wanted = {name: values[0] for name, values in OPTIONS.items()}
     wanted.update(options)
-    if wanted not in space():
+    if wanted not in _space():
         raise ValueError(f"not in the accepted space: {wanted}")
     return wanted

@@ -20,7 +20,9 @@ figures; ``SINGLETASK_INTERACTIONS_SEED=<seed>`` replays its draws, and
 from __future__ import annotations
 
 import collections
+import itertools
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import celery
@@ -33,9 +35,33 @@ from singletask.exceptions import ConfigurationError
 
 from ...e2e.conftest import CLIENT_GARBAGE
 from ...servers import CI, sql_problem, unavailable
-from .checker import REJECT_STORED, Body, Fault, History, Outcome, Report, Residue, Send, check
+from .checker import (
+    REJECT_STORED,
+    Body,
+    Charge,
+    Fault,
+    History,
+    Outcome,
+    Report,
+    Residue,
+    Send,
+    check,
+)
 from .runner import SCENARIOS, Servers, Settings, campaign_seed, run
-from .space import FIXED, NOT_DRAWN, OPTIONS, STORES, Config, draw, find, product, space, valid
+from .space import (
+    FIXED,
+    LIMITS,
+    NOT_DRAWN,
+    OPTIONS,
+    STORES,
+    Config,
+    draw,
+    find,
+    names_limits,
+    product,
+    space,
+    valid,
+)
 
 # -- the option space ------------------------------------------------------------------------
 
@@ -44,6 +70,7 @@ def accepted_by_singletask(options: dict[str, object]) -> bool:
     """Whether defining a task with these options succeeds."""
     app = Celery("space", set_as_current=False, broker="memory://")
     app.conf.singletask_backend_url = "memory://"
+    app.conf.singletask_limits = LIMITS  # as the campaign's app (app.py)
     config = Config(0, dict(options))
 
     def body(self: object, key: str, seq: int) -> None: ...
@@ -66,15 +93,46 @@ def test_the_table_names_every_task_option() -> None:
     assert options <= covered, f"options the campaign does not know: {options - covered}"
 
 
+#: The options of named limits, and those the tasks' checks weigh them against.
+NAMED_OPTIONS = ("lock_limits", "lock_cost")
+NAMED_WITH = ("lock_scope", "lock_policy", "lock_limit", "lock_rate", "lock_debounce")
+#: How many more combinations of the whole table are checked, drawn with a fixed seed.
+SAMPLED = 2000
+
+
+def checked_combinations() -> list[dict[str, object]]:
+    """The combinations whose acceptance is checked: the whole table is too large to define a
+    task for each (over 100,000), so every combination without named limits (the table
+    before them), every combination of the named limits' options with the options their
+    checks weigh them against (the others at their first value: no check reads them), and a
+    seeded sample of the whole table."""
+    import random
+
+    first = {name: values[0] for name, values in OPTIONS.items()}
+    plain = [o for o in product() if all(o[name] is None for name in NAMED_OPTIONS)]
+    names = [*NAMED_OPTIONS, *NAMED_WITH]
+    named = [
+        {**first, **dict(zip(names, values, strict=True))}
+        for values in itertools.product(*(OPTIONS[name] for name in names))
+    ]
+    everything = list(product())
+    sample = random.Random(20261127).sample(everything, SAMPLED)
+    return plain + named + sample
+
+
 def test_the_generators_space_is_what_singletask_accepts() -> None:
-    # Given every combination of the table's values
+    # Given the combinations of the table's values (every one without named limits, every one
+    # of the named limits' options with what they are weighed against, a seeded sample)
+    combinations = checked_combinations()
     # Then the generator's rule and SingletonTask agree on every one
     disagreements = [
-        options for options in product() if valid(options) != accepted_by_singletask(options)
+        options for options in combinations if valid(options) != accepted_by_singletask(options)
     ]
     assert disagreements == []
-    # And the space is neither empty nor everything
+    # And the space is neither empty nor everything, and draws named limits
     assert 0 < len(space()) < len(list(product()))
+    assert any(o["lock_limits"] is not None for o in combinations if valid(o))
+    assert any(o["lock_cost"] is not None for o in combinations if valid(o))
 
 
 def test_the_generator_draws_only_accepted_combinations_and_replays_by_seed() -> None:
@@ -82,6 +140,7 @@ def test_the_generator_draws_only_accepted_combinations_and_replays_by_seed() ->
 
     drawn = draw(random.Random(5), 12)
     assert all(valid(c.options) for c in drawn)
+    assert sum(names_limits(c.options) for c in drawn) == 6  # half name limits
     assert [c.options for c in drawn] == [c.options for c in draw(random.Random(5), 12)]
     assert len({c.describe().split("[")[1] for c in drawn}) == 12
 
@@ -104,7 +163,8 @@ def test_the_stores_take_turns_over_the_drawn_configurations_without_changing_th
 
 def test_every_targeted_scenario_is_a_combination_the_generator_can_draw() -> None:
     for name, scenario in SCENARIOS.items():
-        assert find(scenario["options"]) in space(), name
+        for options in scenario.get("configs") or [scenario["options"]]:
+            assert find(options) in space(), name
 
 
 # -- the checker, on ledgers written by hand -------------------------------------------------
@@ -117,6 +177,10 @@ REPLACING = Config(4, find({"lock_policy": "replace"}))
 REPLACING_2 = Config(5, find({"lock_policy": "replace", "lock_limit": 2}))
 LATEST = Config(6, find({"lock_scope": "coalesce", "lock_coalesce": "latest"}))
 TERMINATING = Config(7, find({"lock_policy": "replace", "lock_replace_terminate": True}))
+POOLED = Config(8, find({"lock_limits": "pool"}))  # 1 unit of "pool", a concurrency of 2
+BUDGETED = Config(9, find({"lock_limits": "budget"}))  # the drawn units of "budget", 6/2s
+RAISING = Config(10, find({"lock_limits": "pool+budget", "lock_policy": "raise"}))
+COSTLY = Config(11, find({"lock_limit": 3, "lock_cost": 2}))  # one at a time per key
 
 
 def send(seq: int, tid: str | None, t: float = 0.0, config: Config = CONFIG, **kw: object) -> Send:
@@ -139,8 +203,9 @@ def judge(
     *,
     rejects_stored: bool = True,
 ) -> Report:
-    configs = {c.name: c for c in (CONFIG, DEBOUNCED, QUEUED, LIMITED, REPLACING, REPLACING_2,
-                                   LATEST, TERMINATING)}  # fmt: skip
+    every = (CONFIG, DEBOUNCED, QUEUED, LIMITED, REPLACING, REPLACING_2, LATEST, TERMINATING,
+             POOLED, BUDGETED, RAISING, COSTLY)  # fmt: skip
+    configs = {c.name: c for c in every}
     return check(History(
         42, configs, sends, bodies, outcomes, residues or [], faults or [],
         rejects_stored=rejects_stored,
@@ -349,6 +414,38 @@ def test_a_send_deduplicated_onto_one_that_had_ended_is_a_violation() -> None:
     assert "which had ended 4.50s before the send" in report.violations[0]
 
 
+def test_a_send_joined_within_a_lease_of_a_release_a_store_fault_lost_is_documented() -> None:
+    """docs/guarantees.rst: a send deduplicated onto one that had ended, while the lock store
+    was unreachable at its release (seed 460816040 on PostgreSQL: the main process could not
+    look up the lock after a hard time limit during a store stop; the key stayed for its
+    lease), is documented; long after, or with no fault, a violation."""
+    first = send(0, "a", config=QUEUED)
+    first.ending = "hard"
+    late = send(1, "b", 2.5, config=QUEUED, returned="a")
+    ended = {"a": Outcome("FAILURE", kind="exception", exception="TimeLimitExceeded",
+                          date_done=1.0)}  # fmt: skip
+    fault = Fault("store-stop-at-run", 0.9, 1.2, "run")
+    report = judge([first, late], [], ended, faults=[fault])
+    assert report.violations == []
+    assert any("whose release a store fault lost" in d for d in report.documented)
+    assert rules(judge([first, late], [], ended)) == ["joined-ended"]
+    much_later = send(1, "b", 9.0, config=QUEUED, returned="a")
+    assert rules(judge([first, much_later], [], ended, faults=[fault])) == ["joined-ended"]
+
+
+def test_of_two_delay_sends_given_one_id_the_one_whose_arguments_ran_published_it() -> None:
+    """Seed 460816040 (queue scope): two ``delay`` sends, one published and one joined it;
+    the joiner replied first. The body ran the publisher's arguments: its ending explains the
+    failure, not the joiner's."""
+    joiner = Send(0, "p0", QUEUED.name, "k", "delay", "retry", 0.0, returned="a", t_after=0.1)
+    publisher = Send(1, "p1", QUEUED.name, "k", "delay", "raise", 0.0, returned="a", t_after=0.2)
+    failed = Outcome("FAILURE", kind="exception", exception="RuntimeError", date_done=0.5)
+    ran = [body("a", 0.2, 0.4, 1, QUEUED, how="raise", seq=1)]
+    assert judge([joiner, publisher], ran, {"a": failed}).violations == []
+    assert publisher.own == "a"
+    assert joiner.own is None
+
+
 def test_refused_as_held_by_an_ended_holder_unless_a_store_fault_lost_its_release() -> None:
     sends = [send(0, "a"), send(1, "b", 3.0)]
     outcomes = {"a": done(1.0), "b": skipped(3.1, "held", "a")}
@@ -524,6 +621,205 @@ def test_starts_the_store_clock_spaced_are_no_violation_when_a_stall_delayed_the
     assert rules(judge([], close, {})) == ["rate"]
 
 
+# -- the checker: named limits ---------------------------------------------------------------
+
+
+def taking(tid: str, start: float, end: float | None, config: Config = POOLED, *,
+           key: str = "k", acquired: float | None = None, cost: int = 1,
+           charges: Sequence[Charge] = (), retries: int = 0, fence: int | None = None,
+           ) -> Body:  # fmt: skip
+    """A body of ``config`` that took its named limits' units (``cost``: what a callable cost
+    answered), its acquire sent ``acquired`` (by default 5 ms before its start), its fence the
+    store's clock then (unless given); with no ``end``, killed."""
+    fence = int(start * 1_000_000) + 1 if fence is None else fence
+    how = None if end is None else "return"
+    taken = Body(tid, retries, 0, key, config.name, 1, fence, start, end, how)
+    taken.acquired = start - 0.005 if acquired is None else acquired
+    taken.units = config.costs(cost)
+    taken.charges = list(charges)
+    return taken
+
+
+def test_more_units_of_a_concurrency_held_at_once_than_its_size_is_a_violation() -> None:
+    """docs/sharing-limits.rst: never more units held than a concurrency's size. "pool" has 2:
+    two bodies of two keys, or of two tasks naming it, may hold it at once; a third may not."""
+    two = [taking("a", 0, 1), taking("b", 0.5, 1.5, key="k2")]
+    assert judge([], two, {}).violations == []
+    # Another task naming the limit, on the same store, holds its third unit: over
+    over = [*two, taking("c", 0.7, 0.8, RAISING)]
+    report = judge([], over, {})
+    assert rules(report) == ["limit-held"]
+    assert "3 units held at once at 0.700, over the size 2" in report.violations[0]
+    assert "limit 'pool'" in report.violations[0]
+    # A body that had recorded its end had given its units back (or was about to): no overlap
+    assert judge([], [*two, taking("c", 1.01, 1.2, RAISING)], {}).violations == []
+    # Each store keeps its own limits
+    elsewhere = Config(RAISING.index, RAISING.options, "sqlite")
+    history = History(42, {c.name: c for c in (POOLED, elsewhere)}, [], over, {}, [])
+    assert check(history).violations == []
+
+
+def test_a_killed_body_holds_its_units_only_as_far_as_the_ledger_shows() -> None:
+    """A body with no end (its process killed) is counted at its start only: the worker gives
+    its units back once it sees the process gone, or its lease ends."""
+    killed = [
+        taking("a", 0, None),
+        taking("b", 0.1, 0.5, key="k2"),
+        taking("c", 0.2, 0.6, key="k3"),
+    ]
+    assert judge([], killed, {}).violations == []
+    ended = [taking("a", 0, 0.3), *killed[1:]]
+    assert rules(judge([], ended, {})) == ["limit-held"]
+
+
+def test_units_over_a_concurrency_of_a_body_that_lost_its_lease_are_documented() -> None:
+    lost = taking("a", 0, 1)
+    lost.lost = True
+    report = judge([], [lost, taking("b", 0.5, 1.5, key="k2"), taking("c", 0.7, 0.8, key="k3")], {})
+    assert report.violations == []
+    assert any("lost its lease" in d for d in report.documented)
+
+
+def test_more_units_of_a_rate_started_in_a_window_than_it_allows_is_a_violation() -> None:
+    """docs/sharing-limits.rst: never more units started in a window than a rate allows, by
+    the store's clock. "budget" allows 6 units per 2 s; each start is taken between its
+    acquire and its recorded start."""
+    six = [taking("a", 0, 0.1, BUDGETED, cost=3), taking("b", 1.0, 1.1, BUDGETED, cost=3)]
+    assert judge([], six, {}).violations == []
+    seven = [*six, taking("c", 1.9, 2.0, BUDGETED, cost=1, key="k2")]
+    report = judge([], seven, {})
+    assert rules(report) == ["limit-rate"]
+    assert "7 units started within" in report.violations[0]
+    # A window later: the first start left it
+    assert judge([], [*six, taking("c", 2.1, 2.2, BUDGETED, cost=1)], {}).violations == []
+    # Within the period by the bodies' starts, but the first start may have been taken more
+    # than a period before the last (a stalled link held its body back): not judged
+    late = [taking("a", 0.5, 0.6, BUDGETED, cost=3, acquired=-0.2), *seven[1:]]
+    assert judge([], late, {}).violations == []
+    # Tasks of one store share the rate; "pool+budget" costs 2 units of it
+    shared = [*six, taking("c", 1.9, 2.0, RAISING)]
+    assert rules(judge([], shared, {})) == ["limit-rate"]
+
+
+def test_a_charged_start_counts_its_charge_once_written_and_its_estimate_until_then() -> None:
+    """charge: the start counts its real units from the call on, at its start's time. A take
+    that may have come after the charge was written is judged with the smaller of the two."""
+    back = Charge("budget", 0, 0.05, 0.06)  # the first start taken back, before the others
+    taken_back = [
+        taking("a", 0, 0.1, BUDGETED, cost=3, charges=[back]),
+        taking("b", 1.0, 1.1, BUDGETED, cost=3),
+        taking("c", 1.9, 2.0, BUDGETED, cost=3, key="k2"),
+    ]
+    assert judge([], taken_back, {}).violations == []
+    # Charged only after the last start: its estimate counted
+    after = Charge("budget", 0, 1.95, 1.96)
+    late = [taking("a", 0, 2.1, BUDGETED, cost=3, key="k0", charges=[after]), *taken_back[1:]]
+    assert rules(judge([], late, {})) == ["limit-rate"]
+    # A charge above the estimate, written before the later takes: they had to count it
+    more = Charge("budget", 5, 0.05, 0.06)
+    raised = [taking("a", 0, 0.1, BUDGETED, cost=1, charges=[more]),
+              taking("b", 1.0, 1.1, BUDGETED, cost=2)]  # fmt: skip
+    assert rules(judge([], raised, {})) == ["limit-rate"]
+    # ... but not a charge that may have come after them (no take saw it), nor one that failed
+    maybe = Charge("budget", 5, 0.5, 1.0)
+    failed = Charge("budget", 5, 0.05, 0.06, error="BackendUnavailable")
+    for charge in (maybe, failed):
+        raised[0].charges = [charge]
+        assert judge([], raised, {}).violations == [], charge
+
+
+def test_a_redelivered_copy_counts_its_attempts_start_once() -> None:
+    """A redelivered copy (acks_late, its pool process killed) takes with its attempt's token:
+    the store finds that start counted and adds none."""
+    copies = [taking("a", 0, None, BUDGETED, cost=3), taking("a", 0.5, 0.6, BUDGETED, cost=3),
+              taking("b", 1.0, 1.1, BUDGETED, cost=3, key="k2")]  # fmt: skip
+    assert judge([], copies, {}).violations == []
+    copies[1].retries = 1  # another attempt: a start of its own
+    assert rules(judge([], copies, {})) == ["limit-rate"]
+    # The copy's charge is its attempt's start's: taken back before the third start
+    copies[1].retries = 0
+    copies[1].charges = [Charge("budget", 0, 0.55, 0.56)]
+    copies.append(taking("c", 1.5, 1.6, BUDGETED, cost=3, key="k3"))
+    assert judge([], copies, {}).violations == []
+
+
+def test_a_refusal_for_want_of_room_names_a_limit_of_its_task_and_is_its_policys() -> None:
+    """docs/sharing-limits.rst, "No room": "skip" ends Skipped(reason="limit", limit=name),
+    "raise" TaskLocked with the limit; "lock_limit" names the key's own with lock_cost."""
+
+    def refused(config: Config, outcome: Outcome) -> list[str]:
+        return rules(judge([send(0, "a", config=config)], [], {"a": outcome}))
+
+    def skip(limit: str) -> Outcome:
+        return Outcome("SUCCESS", kind="skipped", reason="limit", date_done=1.0, limit=limit)
+
+    def locked(limit: str) -> Outcome:
+        return Outcome("FAILURE", kind="exception", exception="TaskLocked", date_done=1.0,
+                       limit=limit)  # fmt: skip
+
+    assert refused(POOLED, skip("pool")) == []
+    assert refused(RAISING, locked("budget")) == []
+    assert refused(COSTLY, skip("lock_limit")) == []
+    assert refused(POOLED, skip("budget")) == ["limit-refusal"]  # a limit it does not take
+    assert refused(RAISING, skip("pool")) == ["limit-refusal"]  # not its policy's
+    assert refused(POOLED, locked("pool")) == ["limit-refusal"]
+    assert refused(CONFIG, skip("lock_limit")) == ["limit-refusal"]
+
+
+def test_a_named_limits_hold_the_idle_store_still_holds_is_a_violation() -> None:
+    """docs/sharing-limits.rst: units come back on every ending; a hold the store could not
+    drop (a give that failed, a take whose reply a fault lost) ends with its lease."""
+    hold = Residue("test:x:%limit:pool", "limit hold", "a", "redis: 1 units", "redis")
+    history = History(42, {POOLED.name: POOLED}, [send(0, "a", config=POOLED)],
+                      [taking("a", 0, 0.1)], {"a": done(0.1)}, [hold], observed=20.0)  # fmt: skip
+    assert rules(check(history)) == ["idle"]
+    # A fault of the workers' link to that store less than one lease before: documented
+    history.faults = [Fault("store-cut-at-run", 16.0, 16.0, "run", ("redis",))]
+    report = check(history)
+    assert report.violations == []
+    assert any("a fault of the workers' link to its store" in d for d in report.documented)
+    # ... not one of another store's link, nor one more than a lease before
+    history.faults = [Fault("store-cut-at-run", 16.0, 16.0, "run", ("postgresql",)),
+                      Fault("store-cut-at-run", 10.0, 10.0, "run", ("redis",))]  # fmt: skip
+    assert rules(check(history)) == ["idle"]
+
+
+def test_a_body_retry_that_spent_its_lock_retries_on_a_full_limit_is_documented() -> None:
+    """docs/sharing-limits.rst, "No room": a retried attempt that finds no room retries
+    whatever the policy, spending lock_retry_max; then TaskLocked names the limit (seed
+    1733704974 on SQLite: "gate" kept full by two tasks' bursts for 28 s). Skipped for want of
+    room, the retry it asked for would be lost: a violation, whatever the policy."""
+    retried = [taking("a", 0, 0.1), taking("b", 0.2, 0.3, key="k2")]
+    retried[0].how = "retry"
+    spent = Outcome("FAILURE", kind="exception", exception="TaskLocked", date_done=20.0,
+                    limit="pool")  # fmt: skip
+    report = judge([send(0, "a", config=POOLED)], retried, {"a": spent, "b": done(0.3)})
+    assert report.violations == []
+    assert any("spent its lock retries waiting for room in limit 'pool'" in d
+               for d in report.documented)  # fmt: skip
+    lost = Outcome("SUCCESS", kind="skipped", reason="limit", date_done=0.5, limit="pool")
+    report = judge([send(0, "a", config=POOLED)], retried, {"a": lost, "b": done(0.3)})
+    assert sorted(rules(report)) == ["limit-refusal", "retry-runs"]
+
+
+def test_lock_cost_counts_the_keys_executions_in_units() -> None:
+    """lock_limit 3 with lock_cost 2: one execution of a key at a time (2 of its 3 units)."""
+    one_at_a_time = [body("a", 0, 1, 1, COSTLY), body("b", 1.1, 1.5, 2, COSTLY)]
+    assert judge([], one_at_a_time, {}).violations == []
+    two = [body("a", 0, 1, 1, COSTLY), body("b", 0.5, 1.5, 2, COSTLY)]
+    assert rules(judge([], two, {})) == ["exclusion"]
+
+
+def test_a_fence_is_judged_against_the_holders_that_started_before_its_acquire() -> None:
+    """An execution takes its named limits' units between its acquire and its body's start: a
+    body whose take a stalled link held back starts after a later holder of its key, with the
+    smaller fence. Bodies that started before its acquire was sent still have smaller ones."""
+    held_back = taking("a", 1.0, 1.2, POOLED, acquired=0.1, fence=5)
+    later = taking("b", 0.3, 0.5, POOLED, fence=9)
+    assert judge([], [later, held_back], {}).violations == []
+    assert rules(judge([], [later, taking("a", 1.0, 1.2, POOLED, fence=5)], {})) == ["fences"]
+
+
 def test_what_the_idle_store_still_holds_is_a_violation_unless_a_killed_producer_left_it() -> None:
     residue = Residue("test:x:interactions.c0:k", "reservation", "a", "token a:0:-:0:reserved")
     report = judge([send(0, "a")], [body("a", 0, 0.1, 1)], {"a": done(0.1)}, [residue])
@@ -552,11 +848,15 @@ def test_a_body_completing_twice_and_an_unexplained_failure_are_violations() -> 
 def test_the_idle_store_listing_reads_every_store_alike(
     store: str, redis_base_url: str, tmp_path: Path
 ) -> None:
-    """Locks (with their slots), open debounce windows, follow-up claims and rate records are
-    listed, on every store; a closed window (kept until it expires, by design) is not."""
+    """Locks (with their slots), open debounce windows, follow-up claims, rate records and
+    the holds of named limits' concurrencies are listed, on every store; a closed window (kept
+    until it expires, by design) and a named rate's starts (spent, whatever the executions do)
+    are not."""
     import uuid
 
     from singletask.backends import backend_from_url
+    from singletask.backends.base import Units
+    from singletask.protocol.limits import limit_key
 
     from ...servers import drop_sql_table
     from .runner import Group, _residues, _store_url
@@ -574,6 +874,11 @@ def test_the_idle_store_listing_reads_every_store_alike(
         backend.debounce(f"{key}closed", "c", 30)
         backend.debounce_take(f"{key}closed", "c")
         backend.claim_next(f"{key}claim", "n", 30)
+        # ... a named limit's concurrency held, and a start of its rate (it counts for its
+        # period whatever the execution does: not listed)
+        pool, budget = limit_key(prefix, "pool"), limit_key(prefix, "budget", rate=True)
+        taken = [Units(pool, 2, 1), Units(budget, 6, 2, 2.0)]
+        assert backend.take_units("t:0:-:0", 30, taken, meta={"task_id": "t"}).taken
         # When the run's keys are listed
         found = {(r.kind, r.task_id, r.key.strip("{").removeprefix(key).split("}")[0])
                  for r in _residues(Group(store, [], url, "q", table), prefix)}  # fmt: skip
@@ -584,7 +889,7 @@ def test_the_idle_store_listing_reads_every_store_alike(
     # Then each live record is there once, and the closed window is not
     assert found == {
         ("lock", None, "held"), ("rate record", None, "held"), ("open window", "w", "open"),
-        ("follow-up claim", "n", "claim"),
+        ("follow-up claim", "n", "claim"), ("limit hold", "t", pool),
     }  # fmt: skip
 
 
