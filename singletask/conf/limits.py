@@ -333,14 +333,26 @@ def check_combination(
     debounce: float | None,
     scope: str | None,
     policy: str | None,
+    rate: str | None = None,
+    keyed: bool = False,
 ) -> None:
     """Refuse task options that cannot go with ``lock_limits`` or ``lock_cost``: a scope but
     "execution", ``lock_debounce``, the policy "replace"; ``lock_cost`` without ``lock_limit``
-    or, constant, above it. ``scope`` and ``policy`` are those in effect (None: not known yet).
+    or, constant, above it; ``lock_rate`` for a task that holds no key of its own (``keyed``:
+    it names ``lock_args`` or ``lock_key``). ``scope`` and ``policy`` are those in effect
+    (None: not known yet).
 
     Raises:
         ConfigurationError: They cannot; the message starts with ``where``.
     """
+    keyless = cost is not None or (limits is not None and not keyed and (limit or 1) == 1)
+    if rate is not None and keyless:
+        attribute = "lock_cost" if cost is not None else "lock_limits"
+        raise ConfigurationError(
+            f"{where} lock_rate: counts the starts of the task's key, and with {attribute} "
+            "an execution holds a key of its message alone; put the rate in a named limit "
+            "instead (singletask_limits = {'name': {'rate': '10/m'}}, lock_limits=['name'])"
+        )
     for attribute, value in (("lock_limits", limits), ("lock_cost", cost)):
         if value is None:
             continue

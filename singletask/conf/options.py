@@ -279,7 +279,8 @@ class TaskOptions:
         check_combination(
             where, limits=self.limits, cost=self.cost, limit=self.limit, debounce=self.debounce,
             scope=self.scope if self.scope is not None else scope,
-            policy=self.policy if self.policy is not None else policy,
+            policy=self.policy if self.policy is not None else policy, rate=self.rate,
+            keyed=self.keys.lock_args is not None or self.keys.lock_key is not None,
         )  # fmt: skip
 
     def _check_replace(self, where: str, scope: str | None = None) -> None:

@@ -336,6 +336,8 @@ def test_a_message_sent_without_the_check_fails_before_its_body(app: celery.Cele
         ({"lock_cost": 2}, "lock_limit, which the task does not set"),
         ({"lock_cost": 3, "lock_limit": 2}, "can never fit"),
         ({"lock_limits": ["a\\nb"]}, "control characters"),
+        ({"lock_cost": 1, "lock_limit": 2, "lock_rate": "1/s"}, "lock_rate: counts the starts"),
+        ({"lock_limits": ["warehouse"], "lock_rate": "1/s"}, "put the rate in a named limit"),
     ],
 )
 def test_bad_limit_options_are_refused_when_the_task_is_defined(

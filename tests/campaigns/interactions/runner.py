@@ -139,9 +139,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "fault_share": 0.1,
         "sleep": (0.2, 0.5),
     },
-    # lock_cost with lock_rate: the key's rate still spaces its starts.
+    # lock_cost with a named limit's rate (lock_rate is refused with lock_cost: an execution
+    # holds a key of its own).
     "cost-rate": {
-        "options": {"lock_limit": 2, "lock_cost": 2, "lock_rate": "2/s"},
+        "options": {"lock_limit": 2, "lock_cost": 2, "lock_limits": "budget"},
         "endings": {"return": 1},
         "fault_share": 0.0,
     },

@@ -104,7 +104,8 @@ def valid(options: Mapping[str, Any]) -> bool:
     the default, is the only choice of every other scope: :meth:`Config.task_options` sets the
     option only for "coalesce"). Named limits (docs/sharing-limits.rst): ``lock_limits`` and
     ``lock_cost`` go with the "execution" scope only, without ``lock_debounce`` and without
-    "replace"; a constant ``lock_cost`` is at most ``lock_limit`` (the campaign's costs fit the
+    "replace"; ``lock_cost`` goes without ``lock_rate``; a constant ``lock_cost`` is at most
+    ``lock_limit`` (the campaign's costs fit the
     sizes of :data:`LIMITS`, which the task is bound to)."""
     queueing = options["lock_scope"] != "execution"
     if queueing and (options["lock_limit"] > 1 or options["lock_debounce"] is not None):
@@ -115,6 +116,8 @@ def valid(options: Mapping[str, Any]) -> bool:
         return False
     if options["lock_cost"] is not None and options["lock_cost"] > options["lock_limit"]:
         return False
+    if options["lock_cost"] is not None and options["lock_rate"] is not None:
+        return False  # an execution of lock_cost holds a key of its own: no rate to count
     if replace and (queueing or options["lock_rate"] is not None):
         return False
     if options["lock_replace_terminate"] and not replace:
