@@ -32,6 +32,8 @@ class Event:
         task: The task name, for task events.
         key: The lock key, for task events.
         holder: For a conflict, the task id of the execution that held the lock.
+        fence: For a start, the fencing token of the run's lock (the store's clock at its
+            acquire, in microseconds, on the built-in stores), when it has one.
     """
 
     kind: str
@@ -41,6 +43,7 @@ class Event:
     task: str | None = None
     key: str | None = None
     holder: str | None = None
+    fence: int | None = None
 
     @classmethod
     def from_json(cls, line: str) -> Event:
@@ -53,6 +56,7 @@ class Event:
             task=data.get("task"),
             key=data.get("key"),
             holder=data.get("holder"),
+            fence=int(data["fence"]) if data.get("fence") is not None else None,
         )
 
 
@@ -64,7 +68,7 @@ class EventLog:
         self._offset = 0
         self._partial = b""
 
-    def record(self, kind: str, **fields: str | None) -> None:
+    def record(self, kind: str, **fields: str | int | None) -> None:
         """Append one event, stamped with the time and this process's pid."""
         data = {"kind": kind, "t": time.time(), "pid": os.getpid(), **fields}
         line = (json.dumps(data, separators=(",", ":")) + "\n").encode()

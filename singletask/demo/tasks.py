@@ -37,7 +37,7 @@ def work(task: SingletonTask, duration: float, checked: bool = False) -> dict[st
     fields = {"task_id": task.request.id, "task": task.name, "key": lock.key if lock else None}
     started = time.time()
     if log is not None:
-        log.record("start", **fields)
+        log.record("start", **fields, fence=lock.fence if lock else None)
     try:
         if checked and lock is not None:
             deadline = time.monotonic() + duration

@@ -61,6 +61,8 @@ class Run:
     key: str
     start: float
     end: float | None = None
+    #: The fencing token of its lock: the store's clock at the acquire, in microseconds.
+    fence: int | None = None
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ class Board:
         if event.pid not in self.rows:
             self.rows.append(event.pid)
         if event.kind == "start":
-            self.runs.append(Run(event.task_id, event.pid, event.key, t))
+            self.runs.append(Run(event.task_id, event.pid, event.key, t, fence=event.fence))
         elif event.kind == "end":
             for run in reversed(self.runs):
                 if run.task_id == event.task_id and run.end is None:

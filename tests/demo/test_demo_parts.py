@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -405,3 +406,25 @@ def test_the_sqlite_cleanup_deletes_the_runs_rows_of_every_table_and_only_those(
         keys = [row[0] for row in conn.execute(f"SELECT key FROM {table}")]
         assert keys == ["theirs:k"], table
     conn.close()
+
+
+def test_starts_are_judged_by_the_store_clock_when_the_runs_carry_fences() -> None:
+    """The rate promises spacing by the lock store's clock: runs whose fences (its clock at the
+    acquire, in microseconds) are far enough apart pass, however late a body wrote its start
+    on a loaded host; fences closer than the interval fail, to the millisecond."""
+    base = 1_795_000_000_000_000
+    late = [
+        dataclasses.replace(run, fence=base + i * 250_000)
+        for i, run in enumerate(runs((0.0, 0.1), (0.28, 0.38), (0.51, 0.61)))
+    ]  # the timeline says 0.23 s apart
+    close = [
+        dataclasses.replace(run, fence=base + i * 240_000)
+        for i, run in enumerate(runs((0.0, 0.1), (0.25, 0.35)))
+    ]
+    rate = Limits(limit=3, interval=0.25)
+
+    assert problems("rate", late, rate) == []
+    assert spacing_line(late, rate).endswith("[ok].")
+    found = problems("rate", close, rate)
+    assert len(found) == 1
+    assert "0.240s apart (by the store's clock)" in found[0]

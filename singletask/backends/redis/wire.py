@@ -387,7 +387,7 @@ def driver_error(exc: BaseException, where: str) -> BackendError:
         )
     if isinstance(exc, redis.exceptions.ConnectionError):
         return BackendUnavailable(f"{where} failed: {exc}")
-    if str(exc).startswith("WRONGTYPE"):
+    if "WRONGTYPE" in str(exc):  # also within a script's error, as some servers word it
         return BackendError(
             f"{where} failed: the key holds a value that is not a singletask lock (another "
             f"application's key? give singletask a key prefix of its own): {exc}"
