@@ -284,13 +284,13 @@ class RedisBackend(LockBackend):
         takeover_prefix: str | None = None,
         units: Sequence[Units] = (),
     ) -> AcquireResult:
+        if units and not self._units_with_lock():  # the key, then its units (two steps)
+            result = self.acquire(key, token, ttl, meta=meta, takeover_prefix=takeover_prefix)
+            return self._take_units_after(result, key, token, ttl, units, meta)
         self._check_key(key, "acquire")
         since, fields = encode_meta(key, token, meta or {})
         lease = lease_ms(ttl, "acquire")
         args: list[str | int] = [token, lease, takeover_prefix or "", since, *fields]
-        if units and not self._units_with_lock():
-            result = self.acquire(key, token, ttl, meta=meta, takeover_prefix=takeover_prefix)
-            return self._take_units_after(result, key, token, ttl, units, meta)
         if units:  # the key and its units in one script
             unit_keys, unit_args = take_request(token, ttl, units, units_meta(meta))
             self.check_units_together([item.key for item in units], f"{self!r}: acquire")
