@@ -564,6 +564,12 @@ def test_a_retry_that_never_runs_does_not_keep_its_reservation(
     )
     (first,) = cluster.probe.wait_for(label, "end", timeout=BOUND)
     assert reserved_for(cluster, key) == attempt.id
+    # ... and has ended: its worker wrote RETRY (a revoke that reaches the worker before that
+    # write is recorded as REVOKED and then overwritten by it, Celery's own race)
+    deadline = time.monotonic() + BOUND
+    while attempt.state != "RETRY":
+        assert time.monotonic() < deadline, f"the attempt is still {attempt.state}"
+        time.sleep(0.05)
 
     # When the retry never runs (revoked during the countdown, or expired before it)
     if lost == "revoked":
