@@ -52,6 +52,7 @@ from .holders import (
     AcquireResult,
     Holder,
     StoreState,
+    Turn,
     Units,
     UnitsResult,
     check_lease,
@@ -64,7 +65,7 @@ from .urls import TABLE_SCHEMES
 # stores import them here.
 __all__ = [
     "MAX_LEASE", "MAX_UNITS", "STATE_KINDS", "AcquireResult", "Holder", "LockBackend",
-    "StoreState", "Units", "UnitsResult", "check_lease", "check_taken", "check_units",
+    "StoreState", "Turn", "Units", "UnitsResult", "check_lease", "check_taken", "check_units",
     "units_meta",
 ]  # fmt: skip
 
