@@ -139,6 +139,7 @@ MAX_PRIORITY = 10
 #: The largest ``lock_weight`` (the smallest is above 0).
 MAX_WEIGHT = 1000.0
 
+
 @dataclass(frozen=True)
 class Turn:
     """How an execution waits for a limit's room, when it has to.

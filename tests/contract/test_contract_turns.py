@@ -41,9 +41,10 @@ def take(
 
 
 def served_in_turn(backend: LockBackend, limit: Units, waiting: dict[str, str]) -> list[str]:
-    """Free the one unit of ``limit`` (held by ``first``) again and again; each time every waiting ticket comes back
-    (the last to wait first, so that the order is the line's, not the order of coming back),
-    and the one let in holds the unit until the next round. The tickets in the order served."""
+    """Free the one unit of ``limit`` (held by ``first``) again and again; each time every
+    waiting ticket comes back (the last to wait first, so that the order is the line's, not the
+    order of coming back), and the one let in holds the unit until the next round. The tickets
+    in the order served."""
     order: list[str] = []
     holder = "first"
     left = dict(waiting)
@@ -198,7 +199,8 @@ def test_a_ticket_holds_back_only_the_limit_it_waits_for(
     other = Units(limit_key(key_prefix, "other"), 1, 1)
     both = [Units(u.key, u.size, 1, None, turn("a1", "A")) for u in (other, full)]
     result = limited.take_units("a1", LEASE, both)
-    assert not result.taken and result.limit == full.key
+    assert not result.taken
+    assert result.limit == full.key
     assert limited.take_units("stranger", LEASE, [other]).taken
 
 
@@ -223,7 +225,8 @@ def test_an_acquire_with_units_waits_in_line_in_its_one_step(
     the next acquire of its owner."""
     waiting = [Units(full.key, full.size, 1, None, turn("a1", "A"))]
     result = limited.acquire("key-a", "a1", LEASE, units=waiting)
-    assert not result.acquired and result.limit == full.key
+    assert not result.acquired
+    assert result.limit == full.key
     assert limited.holder("key-a") is None
     limited.give_units("first", [full])
     assert not limited.acquire("key-b", "b1", LEASE, units=[full]).acquired
