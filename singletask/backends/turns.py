@@ -1,6 +1,6 @@
 """Fair turns: the waiting line a limit keeps for the executions that wait for its room.
 
-A take of :class:`~singletask.backends.holders.Units` that carries a :class:`Turn` (an
+A take of :class:`~singletask.backends.holders.Units` that carries a :class:`~singletask.backends.base.Turn` (an
 execution with ``lock_policy = "retry"``) waits in line when it finds no room: the limit keeps
 a *ticket* for it, in the same atomic step as the refused take. Room that frees up goes to
 the tickets in their order, and a take with room is refused while the room is promised to
@@ -39,7 +39,7 @@ from .holders import Turn, Units
 
 __all__ = ["MAX_TICKETS", "Line", "Ticket", "fits", "settle"]
 
-#: The most tickets one limit keeps: a take that would add one more is refused without one
+#: The most tickets one limit keeps. A take that would add one more is refused without one
 #: (its owner retries as before fair turns), so a line's cost stays bounded.
 MAX_TICKETS = 10_000
 
