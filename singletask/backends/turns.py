@@ -188,10 +188,12 @@ class Line:
         ]  # fmt: skip
 
 
-def fits(line: Line | None, item: Units, used: int, now: float) -> bool:
+def fits(line: Line | None, item: Units, used: int, now: float, *, holding: bool = False) -> bool:
     """Whether ``item`` has room in its limit, ``used`` units being held (or started) by
-    others: its units, and those promised to the tickets ahead of it in ``line``."""
-    ahead = line.ahead(item.turn, item.units, now) if line else 0
+    others: its units, and those promised to the tickets ahead of it in ``line``. A take by a
+    token that holds units of the limit already (``holding``: a holder renewing its lease) is
+    not held back by the line: it only keeps what it has."""
+    ahead = line.ahead(item.turn, item.units, now) if line and not holding else 0
     return used + ahead + item.units <= item.size
 
 

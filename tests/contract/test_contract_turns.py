@@ -141,6 +141,20 @@ def test_a_priority_moves_a_ticket_ahead_by_at_most_that_many_turns(
     assert order == ["a1", "a2", "a3", "a4", "a6", "a5"]
 
 
+def test_a_holder_renewing_its_units_is_never_held_back_by_the_line(
+    limited: LockBackend,  # noqa: F811
+    key_prefix: str,
+) -> None:
+    """A take by a token that holds units already renews its lease (the renewer's take):
+    tickets waiting for the limit do not refuse it."""
+    limit = Units(limit_key(key_prefix, "renewed"), 2, 1)
+    assert limited.take_units("x", LEASE, [limit]).taken
+    assert limited.take_units("y", LEASE, [limit]).taken
+    wait_in_line(limited, limit, [("a1", "A"), ("b1", "B")])
+    assert limited.take_units("x", LEASE, [limit]).taken
+    assert take(limited, limit, "y", "Y")
+
+
 def test_a_ticket_renewed_by_its_owner_keeps_its_place(
     limited: LockBackend,  # noqa: F811
     full: Units,

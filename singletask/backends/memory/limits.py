@@ -74,7 +74,8 @@ class Limits:
                 seen.append((item, used, True))  # a retried take: this start is counted already
                 continue
             line = self.lines.get(item.key)
-            fitted = fits(line.live(now) if line is not None else None, item, used, now)
+            line = line.live(now) if line is not None else None
+            fitted = fits(line, item, used, now, holding=token in holds)
             seen.append((item, used, fitted))
             if fitted or refusal is not None:
                 continue
