@@ -129,6 +129,13 @@ def _sqlite(
                 until = None if at is None else at + (period or 0.0)
                 if until is None or until > now:
                     found[f"limit {key} {token}"] = None if until is None else until - now
+        # A limit's waiting line expires with its last ticket (``until``)
+        if "singletask_lines" in tables:
+            for key, until in conn.execute(
+                "SELECT key, until FROM singletask_lines WHERE key LIKE ?", (pattern,)
+            ):
+                if until is None or until > now:
+                    found[f"line {key}"] = None if until is None else until - now
         return found
     finally:
         conn.close()

@@ -170,6 +170,7 @@ class Limits:
         shape: dict[str, Any] = {
             "size": limit.size, "period": limit.period,
             "used": sum(h.units for h in holds.values()), "holds": shown,
+            "waiting": len(self.lines[key].live(now).tickets) if key in self.lines else 0,
         }  # fmt: skip
         last = max(limit.until(h) for h in holds.values())
         return StoreState("limit", key, None, last - now, shape)

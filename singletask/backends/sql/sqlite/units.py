@@ -21,23 +21,34 @@ Every row expires at ``at + coalesce(period, 0)`` (:data:`UNTIL`): a hold at its
 start ``period`` after it. Reads ignore rows past it; a take or give deletes those of the
 limits it names, and the rest go when a process opens the database and every
 :data:`~.windows.PRUNE_EVERY` writes of this process.
+
+A limit's waiting line (fair turns, :mod:`singletask.backends.turns`) is one row of
+``singletask_lines`` (:data:`LINES`): ``key``, the line as JSON (``Line.to_json``, times of
+the store's clock) and ``until``, its last ticket's expiry; read and written in the same
+transaction as the limit's holds, deleted when it has no ticket left, pruned with them.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import sqlite3
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 from ...base import StoreState, Units, UnitsResult
 from ...holders import MAX_SHOWN
+from ...turns import Line, fits, settle
 from .windows import PRUNE_EVERY
 
-__all__ = ["SCHEMA", "TABLE", "UNTIL", "give", "prune", "state", "take"]
+__all__ = ["LINES", "SCHEMA", "TABLE", "UNTIL", "give", "prune", "state", "take"]
 
 #: The table of holds and starts.
 TABLE: Final = "singletask_units"
+
+#: The table of the limits' waiting lines.
+LINES: Final = "singletask_lines"
 
 SCHEMA: Final = (
     # Per (limit key, token): a concurrency hold (period NULL, at: its deadline) or a rate's
@@ -55,6 +66,14 @@ SCHEMA: Final = (
         PRIMARY KEY (key, token)
     )
     """,
+    # Per limit key: its waiting line, as JSON, until its last ticket's lease runs out.
+    f"""
+    CREATE TABLE IF NOT EXISTS {LINES} (
+        key TEXT PRIMARY KEY,
+        line TEXT NOT NULL,
+        until REAL NOT NULL
+    )
+    """,
 )
 
 #: When a row stops counting (its expiry): a hold's deadline, a start's time plus the period.
@@ -66,6 +85,7 @@ _writes = itertools.count(1)
 def prune(conn: sqlite3.Connection, now: float) -> None:
     """Delete the holds and starts that stopped counting, of every limit."""
     conn.execute(f"DELETE FROM {TABLE} WHERE {UNTIL} <= ?", (now,))
+    conn.execute(f"DELETE FROM {LINES} WHERE until <= ?", (now,))
 
 
 def _wrote(conn: sqlite3.Connection, now: float) -> None:
@@ -78,20 +98,59 @@ def _drop_expired(conn: sqlite3.Connection, key: str, now: float) -> None:
     conn.execute(f"DELETE FROM {TABLE} WHERE key = ? AND {UNTIL} <= ?", (key, now))
 
 
-def _room(conn: sqlite3.Connection, token: str, item: Units, now: float) -> UnitsResult | None:
-    """None when the limit of ``item`` has room for ``token``'s take, else the refusal."""
+def _line(conn: sqlite3.Connection, key: str, now: float) -> Line | None:
+    """The live waiting line of limit ``key``, if it has one."""
+    row = conn.execute(f"SELECT line FROM {LINES} WHERE key = ? AND until > ?", (key, now))
+    found = row.fetchone()
+    return Line.from_json(json.loads(found[0])).live(now) if found else None
+
+
+def _keep_line(conn: sqlite3.Connection, key: str, line: Line) -> None:
+    """Write limit ``key``'s line back, or delete it when no ticket is left."""
+    until = line.last()
+    if until is None:
+        conn.execute(f"DELETE FROM {LINES} WHERE key = ?", (key,))
+        return
+    conn.execute(
+        f"INSERT INTO {LINES} (key, line, until) VALUES (?, ?, ?) "
+        "ON CONFLICT (key) DO UPDATE SET line = excluded.line, until = excluded.until",
+        (key, json.dumps(line.to_json()), until),
+    )
+
+
+@dataclass
+class _Seen:
+    """What a take found of one limit: the units others use, whether a start of the token is
+    counted already (a retried take), whether it fits, and its line."""
+
+    item: Units
+    used: int
+    counted: bool
+    fitted: bool = True
+    line: Line | None = None
+
+
+def _room(conn: sqlite3.Connection, token: str, item: Units, now: float) -> _Seen:
+    """What limit ``item`` has for ``token``'s take: its units used by others, its line, and
+    whether it fits (a rate start of ``token`` already counted fits: a retried take)."""
     _drop_expired(conn, item.key, now)
     used, mine = conn.execute(
         f"SELECT coalesce(sum(CASE WHEN token != :token THEN units END), 0), "
         f"coalesce(max(token = :token), 0) FROM {TABLE} WHERE key = :key AND {UNTIL} > :now",
         {"token": token, "key": item.key, "now": now},
     ).fetchone()
-    if item.period is not None and mine:
-        return None  # a retried take: this start is counted already
-    if used + item.units <= item.size:
-        return None
+    seen = _Seen(item, int(used), bool(mine) and item.period is not None)
+    if not seen.counted:
+        seen.line = _line(conn, item.key, now)
+        seen.fitted = fits(seen.line, item, seen.used, now, holding=bool(mine))
+    return seen
+
+
+def _refusal(conn: sqlite3.Connection, seen: _Seen, now: float) -> UnitsResult:
+    """The refusal of a take that limit ``seen.item`` had no room for."""
+    item, used = seen.item, seen.used
     retry_after = None
-    if item.period is not None:
+    if item.period is not None and used + item.units > item.size:
         # The oldest starts leave the window first: wait for enough of them.
         free, need = 0, used + item.units - item.size
         for units, at in conn.execute(
@@ -102,7 +161,7 @@ def _room(conn: sqlite3.Connection, token: str, item: Units, now: float) -> Unit
             if free >= need:
                 retry_after = max(at + item.period - now, 0.001)
                 break
-    return UnitsResult(False, item.key, int(used), retry_after)
+    return UnitsResult(False, item.key, used, retry_after)
 
 
 def take(
@@ -115,10 +174,15 @@ def take(
 ) -> UnitsResult:
     """:meth:`~singletask.backends.base.LockBackend.take_units`, ``ttl`` and ``units``
     checked, inside the caller's transaction."""
-    for item in units:
-        refused = _room(conn, token, item, now)
-        if refused is not None:
-            return refused
+    found = [_room(conn, token, item, now) for item in units]
+    refused = next((seen for seen in found if not seen.fitted), None)
+    for seen in found:  # the lines of the limits named, whether taken or not
+        if not seen.counted and (seen.line is not None or seen.item.turn is not None):
+            line = seen.line if seen.line is not None else Line()
+            settle(line, seen.item, seen.used, seen.fitted, refused is None, now, meta)
+            _keep_line(conn, seen.item.key, line)
+    if refused is not None:
+        return _refusal(conn, refused, now)
     task_id, task = (meta or {}).get("task_id"), (meta or {}).get("task")
     for item in units:
         values: dict[str, Any] = {
@@ -152,6 +216,9 @@ def give(conn: sqlite3.Connection, token: str, units: Sequence[Units], now: floa
     caller's transaction."""
     found = []
     for item in units:
+        line = _line(conn, item.key, now) if item.turn is not None else None
+        if line is not None and item.turn is not None and line.drop(item.turn.ticket):
+            _keep_line(conn, item.key, line)
         _drop_expired(conn, item.key, now)
         where = f"WHERE key = ? AND token = ? AND {UNTIL} > ?"
         if item.period is None or item.units == 0:
@@ -183,5 +250,20 @@ def state(conn: sqlite3.Connection, key: str, raw: bytes, now: float) -> StoreSt
         for token, units, _, _, until, task_id, task in rows
     ]
     _, _, size, period, _, _, _ = rows[0]  # every row of a limit has its size and period
-    detail = {"size": size, "period": period, "used": used, "holds": holds}
+    waiting = _waiting(conn, raw, now)
+    detail = {"size": size, "period": period, "used": used, "holds": holds, "waiting": waiting}
     return StoreState("limit", key, None, last - now, detail)
+
+
+def _waiting(conn: sqlite3.Connection, raw: bytes, now: float) -> int:
+    """The tickets in the line of the limit stored under ``raw`` (0 in a file of a version
+    without lines, read before any process of this version wrote it)."""
+    try:
+        row = conn.execute(
+            f"SELECT line FROM {LINES} WHERE key = CAST(? AS TEXT) AND until > ?", (raw, now)
+        ).fetchone()
+    except sqlite3.OperationalError as exc:
+        if "no such table" in str(exc):
+            return 0
+        raise
+    return len(Line.from_json(json.loads(row[0])).live(now).tickets) if row else 0
