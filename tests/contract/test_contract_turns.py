@@ -205,12 +205,13 @@ def test_a_ticket_given_back_leaves_the_line(
 
 def test_a_ticket_holds_back_only_the_limit_it_waits_for(
     limited: LockBackend,  # noqa: F811
-    full: Units,
     key_prefix: str,
 ) -> None:
     """A take of two limits refused by one waits there alone: the other, with room, is taken by
     others as if nobody waited."""
-    other = Units(limit_key(key_prefix, "other"), 1, 1)
+    full = Units(limit_key(key_prefix, "{t}-full"), 1, 1)  # one hash tag: one cluster slot
+    assert limited.take_units("first", LEASE, [full]).taken
+    other = Units(limit_key(key_prefix, "{t}-other"), 1, 1)
     both = [Units(u.key, u.size, 1, None, turn("a1", "A")) for u in (other, full)]
     result = limited.take_units("a1", LEASE, both)
     assert not result.taken

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from typing import Final
 
-from ..holders import MAX_UNITS
+from ..holders import MAX_PRIORITY, MAX_UNITS, MAX_WEIGHT
+from ..turns import MAX_TICKETS
 from .scripts import ACQUIRE_SCRIPT, MAX_LEASE_MS, RELEASE_SCRIPT
 
 __all__ = [
@@ -117,6 +118,121 @@ local function settle(k, z, h, n, span, now)
 end
 """
 
+
+# Lua functions of fair turns (singletask.backends.turns, the same rules): a limit's line is a
+# string key, the JSON {v: virtual time, q: next ticket number, k: {ticket: {g: group,
+# f: finish, t: tag, q: number, u: units, e: expiry, h: hold, r: ready since}}}, times in ms of
+# the server's clock (JSON keeps 14 digits: ms fit, microseconds would not).
+# line_load(key, now): the line's live tickets (nil without a line);
+# line_keep(key, line, now): written back with the expiry of its last ticket, or deleted;
+# ahead(line, turn, units, now): the units of the tickets before a take (turn nil: all);
+# line_settle(line, l, taken, turn, now): a take's decision applied to limit l's line.
+_TURN_FUNCTIONS = f"""
+local MAX_TICKETS = {MAX_TICKETS}
+local function line_load(key, now)
+  local raw = redis.call('GET', key)
+  if not raw then return nil end
+  local line = cjson.decode(raw)
+  local live = {{}}
+  for name, t in pairs(line.k) do
+    if t.r == cjson.null then t.r = nil end
+    if t.e > now then live[name] = t end
+  end
+  line.k = live
+  return line
+end
+local function line_keep(key, line, now)
+  local last = nil
+  for _, t in pairs(line.k) do
+    if last == nil or t.e > last then last = t.e end
+  end
+  if last == nil or last <= now then
+    redis.call('DEL', key)
+    return
+  end
+  redis.call('SET', key, cjson.encode(line), 'PX', math.max(1, math.ceil(last - now)))
+end
+local function lapsed(t, now) return t.r ~= nil and now - t.r > t.h end
+local function finish(line, turn, units)
+  local start = line.v
+  for _, t in pairs(line.k) do
+    if t.g == turn.group and t.f > start then start = t.f end
+  end
+  return start + units / turn.weight
+end
+local function ahead(line, turn, units, now)
+  local n, tag, seq = 0, nil, nil
+  if turn then
+    local mine = line.k[turn.ticket]
+    if mine then tag, seq = mine.t, mine.q
+    else tag, seq = finish(line, turn, units) - turn.priority, line.q end
+  end
+  for name, t in pairs(line.k) do
+    local before = tag == nil or (name ~= turn.ticket and (t.t < tag or (t.t == tag and t.q < seq)))
+    if before and not lapsed(t, now) then n = n + t.u end
+  end
+  return n
+end
+local function line_wait(line, turn, units, now)
+  local mine = line.k[turn.ticket]
+  if not mine then
+    local count = 0
+    for _ in pairs(line.k) do count = count + 1 end
+    if count >= MAX_TICKETS then return end
+    local f = finish(line, turn, units)
+    mine = {{g = turn.group, f = f, t = f - turn.priority, q = line.q, u = units}}
+    line.q = line.q + 1
+    line.k[turn.ticket] = mine
+  end
+  mine.e, mine.h = now + turn.lease, turn.hold
+end
+local function line_mark(line, room, now)
+  local order = {{}}
+  for _, t in pairs(line.k) do order[#order + 1] = t end
+  table.sort(order, function(a, b) return a.t < b.t or (a.t == b.t and a.q < b.q) end)
+  local left = room
+  for _, t in ipairs(order) do
+    if not lapsed(t, now) then
+      if t.u <= left then
+        left = left - t.u
+        if t.r == nil then t.r = now end
+      else
+        left, t.r = -1, nil
+      end
+    end
+  end
+end
+local function line_settle(line, l, taken, turn, now)
+  local room
+  if taken then
+    if turn then
+      local mine = line.k[turn.ticket]
+      if mine then
+        line.k[turn.ticket] = nil
+        if mine.f > line.v then line.v = mine.f end
+      end
+    end
+    room = l.size - l.used - l.want
+  else
+    if turn and (not l.fits or line.k[turn.ticket]) then line_wait(line, turn, l.want, now) end
+    room = l.size - l.used
+  end
+  line_mark(line, room, now)
+end
+local function turn_arg(a)
+  if ARGV[a] == '' then return nil end
+  local weight, priority = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+  if weight == nil or weight <= 0 or weight > {MAX_WEIGHT} then
+    error('singletask: weight out of range: ' .. tostring(ARGV[a + 2]))
+  end
+  if priority == nil or math.abs(priority) > {MAX_PRIORITY} or priority ~= math.floor(priority) then
+    error('singletask: priority out of range: ' .. tostring(ARGV[a + 3]))
+  end
+  return {{ticket = ARGV[a], group = ARGV[a + 1], weight = weight, priority = priority,
+    lease = ms(ARGV[a + 4]), hold = ms(ARGV[a + 5])}}
+end
+"""
+
 # Lua: wait(l, used, now): the microseconds until rate l (a limit of TAKE_UNITS_SCRIPT) has
 # room for its units, if nothing else starts: the oldest starts leave the window first, so the
 # time until enough of them have left (their start plus the period), at least 1 ms.
@@ -135,38 +251,46 @@ local function wait(l, used, now)
 end
 """
 
-# KEYS[3i-2]  limit i's record (its limit key: protocol.limits.limit_key)
-# KEYS[3i-1]  limit i's log (units.log_key); KEYS[3i] its units hash (units.units_key); every
-#             key of every limit in one cluster slot
+# KEYS[4i-3]  limit i's record (its limit key: protocol.limits.limit_key)
+# KEYS[4i-2]  limit i's log (units.log_key); KEYS[4i-1] its units hash (units.units_key);
+#             KEYS[4i] its line (units.line_key); every key of every limit in one cluster slot
 # ARGV[1]     owner token
 # ARGV[2]     lease of a concurrency hold, in milliseconds
 # ARGV[3]     the metadata given: 'i' when ARGV[4] is a task id, 't' when ARGV[5] is a task
 #             name, both, or ''
 # ARGV[4]     task id (or ''); ARGV[5] task name (or '')
-# ARGV[3i+3]  limit i's size; ARGV[3i+4] the units taken (at most the size); ARGV[3i+5] its
-#             period in milliseconds, 0 for a concurrency limit
+# ARGV[6..11] the take's turn: ticket ('' for none: the take does not wait), group, weight,
+#             priority, ticket lease in ms, hold in ms (singletask.backends.holders.Turn)
+# ARGV[4i+8]  limit i's size; ARGV[4i+9] the units taken (at most the size); ARGV[4i+10] its
+#             period in milliseconds, 0 for a concurrency limit; ARGV[4i+11] 1 when the take
+#             waits in limit i's line with the turn, else 0
 # Returns {1} when every limit had room: each recorded the take (a concurrency limit holds the
 # units for ARGV[1] until now + ARGV[2], replacing a hold ARGV[1] had: its renewal; a rate logs
 # a start of the units now, unless ARGV[1] has a start counted already: a retried take), and
 # its record keeps the size and period given. Otherwise {0, i, units in use of limit i (the
 # first in order without room; the caller's own not counted), microseconds until it has room
-# (a rate), or -1 (a concurrency limit)}, and nothing changes but the entries that stopped
-# counting, dropped (each limit's keys keep an expiry). Room: concurrency: the units held by
-# other tokens plus those asked are at most the size; rate: the units started in the last
-# period plus those asked are at most the size.
-# Errors (before any write) when ARGV[2], a size, units or period is out of range, or the units
-# are more than the size.
+# (a rate without room for the units itself), or -1}, and nothing changes but the entries that
+# stopped counting, dropped (each limit's keys keep an expiry), and the lines. Room:
+# concurrency: the units held by other tokens, those promised to the tickets ahead in the
+# limit's line (none for a renewal: ARGV[1] holds units there) and those asked are at most the
+# size; rate: the same with the units started in the last period. Each limit's line, when it
+# has one or the take waits there, is settled as singletask.backends.turns.settle does.
+# Errors (before any write) when ARGV[2], a size, units, period or the turn is out of range, or
+# the units are more than the size.
 TAKE_UNITS_SCRIPT: Final = (
     _UNITS_FUNCTIONS
+    + _TURN_FUNCTIONS
     + _WAIT_FUNCTION
     + """
 local token, lease = ARGV[1], ms(ARGV[2])
+local turn = turn_arg(6)
 local limits = {}
-for i = 1, #KEYS / 3 do
-  local a = 3 * i + 3
-  local l = {k = KEYS[3 * i - 2], z = KEYS[3 * i - 1], h = KEYS[3 * i]}
+for i = 1, #KEYS / 4 do
+  local a = 4 * i + 8
+  local l = {k = KEYS[4 * i - 3], z = KEYS[4 * i - 2], h = KEYS[4 * i - 1], t = KEYS[4 * i]}
   l.size, l.want, l.span = count(ARGV[a], 1), count(ARGV[a + 1], 1), keep(ARGV[a + 2]) * 1000
   if l.want > l.size then error('singletask: more units than the size: ' .. ARGV[a + 1]) end
+  if ARGV[a + 3] == '1' then l.turn = turn end
   limits[i] = l
 end
 local meta = {}
@@ -177,20 +301,39 @@ for j, letter in ipairs({'i', 't'}) do
   end
 end
 local now = clock()
+local now_ms = math.floor(now / 1000)
+local refused, after = nil, -1
 for i, l in ipairs(limits) do
   l.n, l.changed = prune(l.k, l.z, l.h, now - l.span)
   l.mine = tonumber(redis.call('HGET', l.h, 'u' .. token))
-  local used = l.n
-  if l.span == 0 then used = l.n - (l.mine or 0) end
-  if not (l.span > 0 and l.mine) and used + l.want > l.size then
-    local after = -1
-    if l.span > 0 then after = wait(l, used, now) end
-    for j = 1, i do
-      local m = limits[j]
-      if m.changed then settle(m.k, m.z, m.h, m.n, m.span, now) end
+  l.used, l.fits = l.n, true
+  if l.span == 0 then l.used = l.n - (l.mine or 0) end
+  l.counted = l.span > 0 and l.mine ~= nil
+  if not l.counted then
+    l.line = line_load(l.t, now_ms)
+    local promised = 0
+    if l.line and not (l.span == 0 and l.mine) then
+      promised = ahead(l.line, l.turn, l.want, now_ms)
     end
-    return {0, i, used, after}
+    l.fits = l.used + promised + l.want <= l.size
+    if not l.fits and not refused then
+      refused = i
+      if l.span > 0 and l.used + l.want > l.size then after = wait(l, l.used, now) end
+    end
   end
+end
+for _, l in ipairs(limits) do
+  if not l.counted and (l.line or l.turn) then
+    local line = l.line or {v = 0, q = 0, k = {}}
+    line_settle(line, l, refused == nil, l.turn, now_ms)
+    line_keep(l.t, line, now_ms)
+  end
+end
+if refused then
+  for _, l in ipairs(limits) do
+    if l.changed then settle(l.k, l.z, l.h, l.n, l.span, now) end
+  end
+  return {0, refused, limits[refused].used, after}
 end
 for _, l in ipairs(limits) do
   if l.span == 0 then
@@ -214,28 +357,42 @@ return {1}
 """
 )
 
-# KEYS[3i-2], KEYS[3i-1], KEYS[3i]  limit i's record, log and units hash, as TAKE_UNITS_SCRIPT's
+# KEYS[4i-3], KEYS[4i-2], KEYS[4i-1], KEYS[4i]  limit i's record, log, units hash and line,
+#             as TAKE_UNITS_SCRIPT's
 # ARGV[1]     owner token
-# ARGV[2i]    limit i's units: a rate start's real cost (0 removes the start); not read for a
+# ARGV[2]     a ticket that leaves the lines of the limits marked (or '')
+# ARGV[3i]    limit i's units: a rate start's real cost (0 removes the start); not read for a
 #             concurrency limit
-# ARGV[2i+1]  limit i's period in milliseconds, 0 for a concurrency limit
+# ARGV[3i+1]  limit i's period in milliseconds, 0 for a concurrency limit
+# ARGV[3i+2]  1 when ARGV[2] leaves limit i's line, else 0
 # Returns a list with, per limit in order, 1 when ARGV[1] had a hold or a counted start there,
-# else 0. A concurrency limit drops ARGV[1]'s hold; a rate sets its start's units to ARGV[2i]
+# else 0. A concurrency limit drops ARGV[1]'s hold; a rate sets its start's units to ARGV[3i]
 # (keeping its time), or removes it for 0. Entries that stopped counting are left alone (the
-# next take drops them). A limit left with nothing counting is deleted.
+# next take drops them). A limit left with nothing counting is deleted. A line left without a
+# ticket is deleted.
 # Errors (before any write) when a units or period is out of range.
 GIVE_UNITS_SCRIPT: Final = (
     _UNITS_FUNCTIONS
+    + _TURN_FUNCTIONS
     + """
-local token = ARGV[1]
+local token, ticket = ARGV[1], ARGV[2]
 local limits = {}
-for i = 1, #KEYS / 3 do
-  limits[i] = {k = KEYS[3 * i - 2], z = KEYS[3 * i - 1], h = KEYS[3 * i],
-    units = count(ARGV[2 * i], 0), span = keep(ARGV[2 * i + 1]) * 1000}
+for i = 1, #KEYS / 4 do
+  limits[i] = {k = KEYS[4 * i - 3], z = KEYS[4 * i - 2], h = KEYS[4 * i - 1], t = KEYS[4 * i],
+    units = count(ARGV[3 * i], 0), span = keep(ARGV[3 * i + 1]) * 1000,
+    leaves = ticket ~= '' and ARGV[3 * i + 2] == '1'}
 end
 local now = clock()
 local out = {}
 for i, l in ipairs(limits) do
+  if l.leaves then
+    local now_ms = math.floor(now / 1000)
+    local line = line_load(l.t, now_ms)
+    if line and line.k[ticket] then
+      line.k[ticket] = nil
+      line_keep(l.t, line, now_ms)
+    end
+  end
   local score = tonumber(redis.call('ZSCORE', l.z, token))
   if score == nil or score + l.span <= now then
     out[i] = 0

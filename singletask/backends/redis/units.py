@@ -13,9 +13,11 @@ Cluster slot (when the key has a hash tag, or no ``}`` at all):
 * ``{<limit key>}:holds`` (:func:`log_key`): the log, a sorted set of owner tokens, scored by a
   concurrency hold's deadline or a rate start's time, in microseconds of the server's clock;
 * ``{<limit key>}:units`` (:func:`units_key`): per token, ``u<token>`` its units, and
-  ``i<token>`` / ``t<token>`` the task id and task name of the take's metadata.
+  ``i<token>`` / ``t<token>`` the task id and task name of the take's metadata;
+* ``{<limit key>}:turns`` (:func:`line_key`): the limit's waiting line (fair turns), a string
+  of JSON, while a ticket waits; it expires with its last ticket's lease.
 
-The three expire together, when the last hold or start stops counting. A take costs a few
+The first three expire together, when the last hold or start stops counting. A take costs a few
 commands on the log whatever its length (entries that stopped counting are dropped as the
 scripts meet them); a refused rate reads the oldest starts it has to wait for.
 
@@ -33,7 +35,7 @@ from redis.crc import key_slot
 
 from ...exceptions import ConfigurationError
 from ...protocol.slots import companion_key
-from ..base import StoreState, Units, UnitsResult, check_taken
+from ..base import StoreState, Turn, Units, UnitsResult, check_taken
 from ..holders import MAX_SHOWN
 from .limit_scripts import (
     ACQUIRE_UNITS_SCRIPT,
@@ -46,7 +48,8 @@ from .wire import Script, as_text, lease_ms
 
 __all__ = [
     "ACQUIRE_UNITS", "GIVE_UNITS", "LIMIT_ENDS", "LIMIT_STATE_SCRIPT", "RELEASE_UNITS",
-    "TAKE_UNITS", "check_limit_keys", "give_request", "limit_keys", "limit_state", "log_key",
+    "TAKE_UNITS", "check_limit_keys", "give_request", "limit_keys", "limit_state", "line_key",
+    "log_key",
     "take_request", "take_result", "units_key", "with_lock",
 ]  # fmt: skip
 
@@ -70,7 +73,7 @@ def with_lock(
 
 #: How the names of a limit's log and units hash end (companion records: never listed as
 #: locks, refused as raw lock keys and as limit keys).
-LIMIT_ENDS = ("}:holds", "}:units")
+LIMIT_ENDS = ("}:holds", "}:units", "}:turns")
 
 
 def log_key(key: str) -> str:
@@ -83,9 +86,38 @@ def units_key(key: str) -> str:
     return companion_key(key, "units")
 
 
+def line_key(key: str) -> str:
+    """The key of limit ``key``'s waiting line (fair turns)."""
+    return companion_key(key, "turns")
+
+
 def limit_keys(key: str) -> tuple[str, str, str]:
-    """The three keys of limit ``key``: its record, log and units hash."""
+    """The three keys of limit ``key``'s record: its record, log and units hash."""
     return key, log_key(key), units_key(key)
+
+
+def _script_keys(key: str) -> tuple[str, str, str, str]:
+    """The four keys of limit ``key`` its take and give scripts name: with its line."""
+    return (*limit_keys(key), line_key(key))
+
+
+def _turn_of(units: Sequence[Units], operation: str) -> Turn | None:
+    """The one turn of a take's units (the scripts take one per call).
+
+    Raises:
+        ConfigurationError: The units carry different turns.
+    """
+    turns = {item.turn for item in units if item.turn is not None}
+    if len(turns) > 1:
+        raise ConfigurationError(f"{operation}: the limits of one take wait with one turn")
+    return turns.pop() if turns else None
+
+
+def _turn_args(turn: Turn | None) -> list[str | int]:
+    if turn is None:
+        return ["", "", "", "", "", ""]
+    return [turn.ticket, turn.group, repr(float(turn.weight)), turn.priority,
+            lease_ms(turn.lease, "turn lease"), lease_ms(turn.hold, "turn hold")]  # fmt: skip
 
 
 def check_limit_keys(keys: Sequence[str], where: str, *, cluster: bool) -> None:
@@ -106,7 +138,7 @@ def check_limit_keys(keys: Sequence[str], where: str, *, cluster: bool) -> None:
         return
     slots: dict[int, list[str]] = {}
     for key in keys:
-        own = {key_slot(name.encode()) for name in limit_keys(key)}
+        own = {key_slot(name.encode()) for name in _script_keys(key)}
         if len(own) > 1:
             raise ConfigurationError(
                 f"{where}: the records of limit {key!r} (a name with a '}}' but no hash tag) "
@@ -143,12 +175,13 @@ def take_request(
     meta = meta or {}
     task_id, task = meta.get("task_id"), meta.get("task")
     given = ("i" if task_id is not None else "") + ("t" if task is not None else "")
+    turn = _turn_of(units, "take_units")
     keys: list[str] = []
-    args: list[str | int] = [token, lease, given, task_id or "", task or ""]
+    args: list[str | int] = [token, lease, given, task_id or "", task or "", *_turn_args(turn)]
     for item in units:
-        keys += limit_keys(item.key)
+        keys += _script_keys(item.key)
         period = 0 if item.period is None else _period_ms(item.period)
-        args += [item.size, item.units, period]
+        args += [item.size, item.units, period, 0 if item.turn is None else 1]
     return keys, args
 
 
@@ -168,11 +201,13 @@ def give_request(token: str, units: Sequence[Units]) -> tuple[list[str], list[st
         ConfigurationError: One of ``units`` is out of range.
     """
     check_taken(units, "give_units", give=True)
+    turn = _turn_of(units, "give_units")
     keys: list[str] = []
-    args: list[str | int] = [token]
+    args: list[str | int] = [token, "" if turn is None else turn.ticket]
     for item in units:
-        keys += limit_keys(item.key)
-        args += [item.units, 0 if item.period is None else _period_ms(item.period)]
+        keys += _script_keys(item.key)
+        period = 0 if item.period is None else _period_ms(item.period)
+        args += [item.units, period, 0 if item.turn is None else 1]
     return keys, args
 
 
