@@ -1,12 +1,13 @@
 """Fair turns: the waiting line a limit keeps for the executions that wait for its room.
 
-A take of :class:`~singletask.backends.holders.Units` that carries a :class:`~singletask.backends.base.Turn` (an
-execution with ``lock_policy = "retry"``) waits in line when it finds no room: the limit keeps
-a *ticket* for it, in the same atomic step as the refused take. Room that frees up goes to
-the tickets in their order, and a take with room is refused while the room is promised to
-tickets ahead of it. This module is that line, as plain data and pure functions of the
-store's clock, so that every store that keeps it in Python (memory, SQLite, PostgreSQL,
-MySQL) keeps it the same way; the Redis scripts keep the same rules in Lua.
+A take of :class:`~singletask.backends.holders.Units` that carries a
+:class:`~singletask.backends.base.Turn` (an execution with ``lock_policy = "retry"``) waits in
+line when it finds no room: the limit keeps a *ticket* for it, in the same atomic step as the
+refused take. Room that frees up goes to the tickets in their order, and a take with room is
+refused while the room is promised to tickets ahead of it. This module is that line, as plain
+data and pure functions of the store's clock, so that every store that keeps it in Python
+(memory, SQLite) keeps it the same way; the Redis scripts keep the same rules in Lua.
+(PostgreSQL and MySQL keep no lines yet: ``supports_turns``.)
 
 The order (start-time fair queuing over the groups, the lock keys):
 

@@ -223,7 +223,8 @@ class _Run:
         if options.limits is not None or options.cost is not None:
             want = wanted(task, options, state, key, args, kwargs)  # a bad cost fails here
             waits = options.policy == "retry" or retries > 0  # see _no_room
-            if want and waits and state.settings.limit_turns and not (direct or request.is_eager):
+            turns = state.settings.limit_turns and state.backend.supports_turns
+            if want and waits and turns and not (direct or request.is_eager):
                 want.turn = units.turn(task, options, key, str(task_id), args, kwargs)
         if direct:
             attempt, token, takeover = None, direct_token(), None

@@ -17,6 +17,7 @@ from singletask import ConfigurationError
 from singletask.backends.base import LockBackend, Turn, Units
 from singletask.protocol.limits import limit_key
 
+from ..conftest import NO_TURN_BACKENDS
 from .test_contract import (
     LEASE,
     every_record_expires,  # noqa: F401 - the contract's autouse check
@@ -65,62 +66,86 @@ def wait_in_line(backend: LockBackend, limit: Units, tickets: Sequence[tuple[str
 
 
 @pytest.fixture
-def full(limited: LockBackend, key_prefix: str) -> Units:  # noqa: F811
+def lined(limited: LockBackend) -> LockBackend:  # noqa: F811
+    """A store that keeps the limits' lines (``supports_turns``): tests that use it are not
+    collected for the stores of ``NO_TURN_BACKENDS`` (tests/conftest.py); the test below
+    checks that those take as though no turn were given."""
+    return limited
+
+
+def test_a_store_without_lines_takes_as_though_no_turn_were_given(
+    limited: LockBackend,  # noqa: F811
+    key_prefix: str,
+    request: pytest.FixtureRequest,
+) -> None:
+    if request.node.callspec.params["backend"] not in NO_TURN_BACKENDS:
+        assert limited.supports_turns
+        return
+    assert not limited.supports_turns
+    limit = Units(limit_key(key_prefix, "unlined"), 1, 1)
+    assert limited.take_units("first", LEASE, [limit]).taken
+    assert not take(limited, limit, "a1", "A")
+    limited.give_units("first", [limit])
+    assert limited.take_units("stranger", LEASE, [limit]).taken
+
+
+@pytest.fixture
+def full(lined: LockBackend, key_prefix: str) -> Units:
     """A concurrency limit of 1, held by ``first``."""
     limit = Units(limit_key(key_prefix, "turns"), 1, 1)
-    assert limited.take_units("first", LEASE, [limit]).taken
+    assert lined.take_units("first", LEASE, [limit]).taken
     return limit
 
 
 def test_a_take_with_room_and_nobody_waiting_is_taken_as_without_a_turn(
-    limited: LockBackend,  # noqa: F811
+    lined: LockBackend,
     key_prefix: str,
 ) -> None:
     limit = Units(limit_key(key_prefix, "open"), 2, 1)
-    assert take(limited, limit, "a1", "A")
-    assert take(limited, limit, "b1", "B")
-    assert not take(limited, limit, "c1", "C")
+    assert take(lined, limit, "a1", "A")
+    assert take(lined, limit, "b1", "B")
+    assert not take(lined, limit, "c1", "C")
 
 
 def test_a_refused_turn_waits_and_the_room_freed_is_kept_for_it(
-    limited: LockBackend,  # noqa: F811
+    lined: LockBackend,
     full: Units,
 ) -> None:
     """The ticket's owner is let in when room frees; a take without a turn, and another turn
     behind it, are refused meanwhile, though a unit is free."""
-    wait_in_line(limited, full, [("a1", "A")])
-    limited.give_units("first", [full])
-    assert not limited.take_units("stranger", LEASE, [full]).taken
-    assert not take(limited, full, "b1", "B")
-    assert take(limited, full, "a1", "A")
+    wait_in_line(lined, full, [("a1", "A")])
+    lined.give_units("first", [full])
+    assert not lined.take_units("stranger", LEASE, [full]).taken
+    assert not take(lined, full, "b1", "B")
+    assert take(lined, full, "a1", "A")
 
 
 def test_freed_room_goes_round_robin_over_the_groups_and_first_come_within_one(
-    limited: LockBackend,  # noqa: F811
+    lined: LockBackend,
     full: Units,
 ) -> None:
     """A floods with four, B and C wait with one each after it: B and C are served right after
     A's first, not after all of A's."""
     waiting = {"a1": "A", "a2": "A", "a3": "A", "a4": "A", "b1": "B", "c1": "C"}
-    wait_in_line(limited, full, waiting.items())
-    assert served_in_turn(limited, full, waiting) == ["a1", "b1", "c1", "a2", "a3", "a4"]
+    wait_in_line(lined, full, waiting.items())
+    assert served_in_turn(lined, full, waiting) == ["a1", "b1", "c1", "a2", "a3", "a4"]
 
 
 def test_a_group_of_twice_the_weight_takes_twice_the_turns(
-    limited: LockBackend,  # noqa: F811
+    lined: LockBackend,
     full: Units,
 ) -> None:
     waiting = {f"a{i}": "A" for i in range(1, 7)} | {f"b{i}": "B" for i in range(1, 7)}
     for ticket, group in waiting.items():
         weight = 2.0 if group == "A" else 1.0
-        assert not take(limited, full, ticket, group, weight=weight)
+        assert not take(lined, full, ticket, group, weight=weight)
     order = []
     holder = "first"
     for _ in range(6):
-        limited.give_units(holder, [full])
+        lined.give_units(holder, [full])
         admitted = [
             t for t in waiting
-            if t not in order and take(limited, full, t, waiting[t],
+            if t not in order and take(lined, full, t, waiting[t],
                                        weight=2.0 if waiting[t] == "A" else 1.0)
         ]  # fmt: skip
         assert len(admitted) == 1
@@ -130,123 +155,123 @@ def test_a_group_of_twice_the_weight_takes_twice_the_turns(
 
 
 def test_a_priority_moves_a_ticket_ahead_by_at_most_that_many_turns(
-    limited: LockBackend,  # noqa: F811
+    lined: LockBackend,
     full: Units,
 ) -> None:
     waiting = {f"a{i}": "A" for i in range(1, 6)}
-    wait_in_line(limited, full, waiting.items())
-    assert not take(limited, full, "a6", "A", priority=2)
+    wait_in_line(lined, full, waiting.items())
+    assert not take(lined, full, "a6", "A", priority=2)
     waiting["a6"] = "A"
-    order = served_in_turn(limited, full, waiting)
+    order = served_in_turn(lined, full, waiting)
     assert order == ["a1", "a2", "a3", "a4", "a6", "a5"]
 
 
 def test_a_holder_renewing_its_units_is_never_held_back_by_the_line(
-    limited: LockBackend,  # noqa: F811
+    lined: LockBackend,
     key_prefix: str,
 ) -> None:
     """A take by a token that holds units already renews its lease (the renewer's take):
     tickets waiting for the limit do not refuse it."""
     limit = Units(limit_key(key_prefix, "renewed"), 2, 1)
-    assert limited.take_units("x", LEASE, [limit]).taken
-    assert limited.take_units("y", LEASE, [limit]).taken
-    wait_in_line(limited, limit, [("a1", "A"), ("b1", "B")])
-    assert limited.take_units("x", LEASE, [limit]).taken
-    assert take(limited, limit, "y", "Y")
+    assert lined.take_units("x", LEASE, [limit]).taken
+    assert lined.take_units("y", LEASE, [limit]).taken
+    wait_in_line(lined, limit, [("a1", "A"), ("b1", "B")])
+    assert lined.take_units("x", LEASE, [limit]).taken
+    assert take(lined, limit, "y", "Y")
 
 
 def test_a_ticket_renewed_by_its_owner_keeps_its_place(
-    limited: LockBackend,  # noqa: F811
+    lined: LockBackend,
     full: Units,
 ) -> None:
-    wait_in_line(limited, full, [("a1", "A"), ("a2", "A")])
-    assert not take(limited, full, "a2", "A")  # a2 comes back first: still behind a1
-    limited.give_units("first", [full])
-    assert not take(limited, full, "a2", "A")
-    assert take(limited, full, "a1", "A")
+    wait_in_line(lined, full, [("a1", "A"), ("a2", "A")])
+    assert not take(lined, full, "a2", "A")  # a2 comes back first: still behind a1
+    lined.give_units("first", [full])
+    assert not take(lined, full, "a2", "A")
+    assert take(lined, full, "a1", "A")
 
 
 def test_room_kept_for_a_ticket_whose_owner_does_not_come_back_lapses_after_its_hold(
-    limited: LockBackend,  # noqa: F811
+    lined: LockBackend,
     full: Units,
 ) -> None:
     """The room is kept for ``hold`` seconds after a take found it free for the ticket; then
     others may take it; the ticket keeps its place for when its owner comes back."""
-    assert not take(limited, full, "a1", "A", hold=0.5)
-    limited.give_units("first", [full])
-    assert not take(limited, full, "b1", "B")  # marks a1 ready: its hold starts
+    assert not take(lined, full, "a1", "A", hold=0.5)
+    lined.give_units("first", [full])
+    assert not take(lined, full, "b1", "B")  # marks a1 ready: its hold starts
     time.sleep(1.0)
-    assert take(limited, full, "b1", "B")
-    assert not take(limited, full, "a1", "A", hold=0.5)  # no room: still waiting
-    limited.give_units("b1", [full])
-    assert take(limited, full, "a1", "A", hold=0.5)
+    assert take(lined, full, "b1", "B")
+    assert not take(lined, full, "a1", "A", hold=0.5)  # no room: still waiting
+    lined.give_units("b1", [full])
+    assert take(lined, full, "a1", "A", hold=0.5)
 
 
 def test_a_ticket_whose_owner_never_comes_back_ends_with_its_lease(
-    limited: LockBackend,  # noqa: F811
+    lined: LockBackend,
     full: Units,
 ) -> None:
-    assert not take(limited, full, "a1", "A", lease=0.5)
-    limited.give_units("first", [full])
+    assert not take(lined, full, "a1", "A", lease=0.5)
+    lined.give_units("first", [full])
     time.sleep(1.0)
-    assert limited.take_units("stranger", LEASE, [full]).taken
+    assert lined.take_units("stranger", LEASE, [full]).taken
 
 
 def test_a_ticket_given_back_leaves_the_line(
-    limited: LockBackend,  # noqa: F811
+    lined: LockBackend,
     full: Units,
 ) -> None:
-    wait_in_line(limited, full, [("a1", "A")])
-    limited.give_units("first", [full])
+    wait_in_line(lined, full, [("a1", "A")])
+    lined.give_units("first", [full])
     item = Units(full.key, full.size, 1, None, turn("a1", "A"))
-    assert limited.give_units("a1", [item]) == [False]  # it held nothing; its ticket is gone
-    assert limited.take_units("stranger", LEASE, [full]).taken
+    assert lined.give_units("a1", [item]) == [False]  # it held nothing; its ticket is gone
+    assert lined.take_units("stranger", LEASE, [full]).taken
 
 
 def test_a_ticket_holds_back_only_the_limit_it_waits_for(
-    limited: LockBackend,  # noqa: F811
+    lined: LockBackend,
     key_prefix: str,
 ) -> None:
     """A take of two limits refused by one waits there alone: the other, with room, is taken by
     others as if nobody waited."""
     full = Units(limit_key(key_prefix, "{t}-full"), 1, 1)  # one hash tag: one cluster slot
-    assert limited.take_units("first", LEASE, [full]).taken
+    assert lined.take_units("first", LEASE, [full]).taken
     other = Units(limit_key(key_prefix, "{t}-other"), 1, 1)
     both = [Units(u.key, u.size, 1, None, turn("a1", "A")) for u in (other, full)]
-    result = limited.take_units("a1", LEASE, both)
+    result = lined.take_units("a1", LEASE, both)
     assert not result.taken
     assert result.limit == full.key
-    assert limited.take_units("stranger", LEASE, [other]).taken
+    assert lined.take_units("stranger", LEASE, [other]).taken
 
 
 def test_a_rate_serves_its_line_in_turn_as_its_window_frees(
-    limited: LockBackend,  # noqa: F811
+    lined: LockBackend,
     key_prefix: str,
 ) -> None:
     rate = Units(limit_key(key_prefix, "per-second", rate=True), 1, 1, 1.0)
-    assert limited.take_units("first", LEASE, [rate]).taken
-    wait_in_line(limited, rate, [("a1", "A"), ("a2", "A"), ("b1", "B")])
+    assert lined.take_units("first", LEASE, [rate]).taken
+    wait_in_line(lined, rate, [("a1", "A"), ("a2", "A"), ("b1", "B")])
     time.sleep(1.2)
-    assert not take(limited, rate, "a2", "A")
-    assert not take(limited, rate, "b1", "B")
-    assert take(limited, rate, "a1", "A")
+    assert not take(lined, rate, "a2", "A")
+    assert not take(lined, rate, "b1", "B")
+    assert take(lined, rate, "a1", "A")
 
 
 def test_an_acquire_with_units_waits_in_line_in_its_one_step(
-    limited: LockBackend,  # noqa: F811
+    lined: LockBackend,
     full: Units,
 ) -> None:
     """The key is given back with the refusal; the ticket stays, and the room freed is kept for
     the next acquire of its owner."""
     waiting = [Units(full.key, full.size, 1, None, turn("a1", "A"))]
-    result = limited.acquire("key-a", "a1", LEASE, units=waiting)
+    result = lined.acquire("key-a", "a1", LEASE, units=waiting)
     assert not result.acquired
     assert result.limit == full.key
-    assert limited.holder("key-a") is None
-    limited.give_units("first", [full])
-    assert not limited.acquire("key-b", "b1", LEASE, units=[full]).acquired
-    assert limited.acquire("key-a", "a1", LEASE, units=waiting).acquired
-    assert limited.release("key-a", "a1", units=waiting)
+    assert lined.holder("key-a") is None
+    lined.give_units("first", [full])
+    assert not lined.acquire("key-b", "b1", LEASE, units=[full]).acquired
+    assert lined.acquire("key-a", "a1", LEASE, units=waiting).acquired
+    assert lined.release("key-a", "a1", units=waiting)
 
 
 @pytest.mark.parametrize(
@@ -255,7 +280,7 @@ def test_an_acquire_with_units_waits_in_line_in_its_one_step(
      ("priority", 1.5), ("lease", 0), ("hold", -1.0)],
 )  # fmt: skip
 def test_a_turn_out_of_range_is_refused_before_anything_is_written(
-    limited: LockBackend,  # noqa: F811
+    lined: LockBackend,
     key_prefix: str,
     field: str,
     value: float,
@@ -264,5 +289,5 @@ def test_a_turn_out_of_range_is_refused_before_anything_is_written(
     fields = {"lease": LONG, "hold": LONG, field: value}
     bad = Units(limit.key, 1, 1, None, Turn("a1", "A", **fields))  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match=field):
-        limited.take_units("a1", LEASE, [bad])
-    assert limited.take_units("other", LEASE, [limit]).taken
+        lined.take_units("a1", LEASE, [bad])
+    assert lined.take_units("other", LEASE, [limit]).taken

@@ -143,6 +143,7 @@ class RedisBackend(LockBackend):
     supports_debounce = True
     supports_replace = True
     supports_units = True
+    supports_turns = True
 
     #: Whether the stores of this class are Redis Clusters (by their URL: the limits one
     #: take names must share a hash slot, :meth:`check_units_keys`).

@@ -84,6 +84,7 @@ class SQLiteBackend(LockBackend):
     supports_debounce = True
     supports_replace = True
     supports_units = True
+    supports_turns = True
 
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 5.0) -> None:
         self.path = Path(path)
