@@ -106,7 +106,8 @@ def decide(
             continue
         line = found.line if found.line is not None else Line()
         settle(line, item, found.used, fit, refusal is None, now, meta)
-        lines.append((n, line))
+        if found.line is not None or line:  # no row and still no ticket: nothing to write
+            lines.append((n, line))
     return Decision(refusal, lines)
 
 
