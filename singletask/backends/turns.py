@@ -6,7 +6,7 @@ line when it finds no room: the limit keeps a *ticket* for it, in the same atomi
 refused take. Room that frees up goes to the tickets in their order, and a take with room is
 refused while the room is promised to tickets ahead of it. This module is that line, as plain
 data and pure functions of the store's clock, so that every store that keeps it in Python
-(memory, SQLite, PostgreSQL, MySQL: :mod:`singletask.backends.sql.lines`) keeps it the same
+(memory, SQLite, PostgreSQL, MySQL: ``singletask.backends.sql.lines``) keeps it the same
 way; the Redis scripts keep the same rules in Lua.
 
 The order (start-time fair queuing over the groups, the lock keys):

@@ -38,6 +38,8 @@ def e2e_limits(name: str) -> dict[str, Any] | None:
         return {"concurrency": 3}
     if name.startswith("{e2e}-tokens:"):
         return {"rate": "10/2s"}
+    if name.startswith("{e2e}-turns:"):  # tests/e2e/test_fair_turns.py
+        return {"concurrency": 1}
     return None
 
 
@@ -47,6 +49,10 @@ TRANSPORT_ENV = "SINGLETASK_E2E_TRANSPORT"
 
 #: Optional: a JSON object, the lock store's ``singletask_backend_transport_options``.
 LOCK_OPTIONS_ENV = "SINGLETASK_E2E_LOCK_OPTIONS"
+
+#: Optional: "0" runs the apps with ``singletask_limit_turns = False`` (fair turns off: the
+#: comparison of bench/suites/turns.py).
+TURNS_ENV = "SINGLETASK_E2E_LIMIT_TURNS"
 
 
 def make_app(
@@ -64,6 +70,7 @@ def make_app(
         singletask_backend_url=locks,
         singletask_backend_transport_options=dict(lock_options or {}),
         singletask_limits=e2e_limits,
+        singletask_limit_turns=os.environ.get(TURNS_ENV, "1") != "0",
         task_queues=[Queue(queue, exchange, routing_key=queue, durable=False, auto_delete=True)],
         task_default_queue=queue,
         task_default_exchange=queue,
