@@ -263,6 +263,8 @@ local function line_settle(line, l, used, fitted, taken, now, meta)
     room = room - l.want
   elseif turn ~= nil and (not fitted or line.k[turn.ticket] ~= nil) then
     line_wait(line, turn, l.want, now, meta)
+    local mine = line.k[turn.ticket]
+    if fitted and mine ~= nil then mine.r = now - mine.h - 1 end
   end
   line_mark(line, room, now)
 end
