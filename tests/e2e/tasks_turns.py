@@ -30,7 +30,7 @@ SIZE = 2
 
 #: Syncs of one tenant that may run at once as far as its key goes: more than any test sends,
 #: so that only the shared limit holds a tenant back.
-PER_TENANT = 100
+PER_TENANT = 50
 
 #: Seconds between a refused sync's lock retries.
 COUNTDOWN = 0.5
