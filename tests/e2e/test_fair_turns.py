@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -83,17 +83,23 @@ def env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FaultEnv]:
             faults.close()
 
 
-def flood(env: FaultEnv, label: str) -> dict[str, float]:
-    """Send :data:`FLOOD` (a's all at once, then b's, then c's); wait for every sync to
-    return; return each tenant's first send time."""
+def flood(
+    env: FaultEnv,
+    label: str,
+    sends: Mapping[str, int] = FLOOD,
+    weights: Mapping[str, float] | None = None,
+) -> dict[str, float]:
+    """Send ``sends`` (each tenant's all at once, in order), with the tenants' ``weights``;
+    wait for every sync to return; return each tenant's first send time."""
     sync = env.app.tasks[PREFIX + "sync"]
     sent: dict[str, float] = {}
     results = []
-    for tenant, count in FLOOD.items():
+    for tenant, count in sends.items():
         sent[tenant] = time.time()
-        results += [sync.apply_async((label, tenant)) for _ in range(count)]
+        kwargs = {"weight": (weights or {}).get(tenant, 1)}
+        results += [sync.apply_async((label, tenant), kwargs) for _ in range(count)]
     returned = [result.get(timeout=BOUND) for result in results]
-    assert returned == [t for t, n in FLOOD.items() for _ in range(n)], env.explain()
+    assert returned == [t for t, n in sends.items() for _ in range(n)], env.explain()
     return sent
 
 
@@ -103,11 +109,11 @@ def report(record_property: Callable[[str, Any], None], name: str, found: Figure
 
 
 def assert_every_send_started_once_within_the_limit(
-    env: FaultEnv, label: str, starts: list[dict[str, Any]]
+    env: FaultEnv, label: str, starts: list[dict[str, Any]], sends: Mapping[str, int] = FLOOD
 ) -> None:
-    assert len(starts) == sum(FLOOD.values()), env.explain()
+    assert len(starts) == sum(sends.values()), env.explain()
     assert len({s["task_id"] for s in starts}) == len(starts), "a send started twice"
-    assert {t: sum(s["tenant"] == t for s in starts) for t in FLOOD} == FLOOD
+    assert {t: sum(s["tenant"] == t for s in starts) for t in sends} == sends
     assert most_held(env.probe.events(label)) <= SIZE
 
 
@@ -153,3 +159,29 @@ def test_with_turns_off_every_send_still_starts_once_within_the_limit(
     starts = env.probe.starts(label)
     assert_every_send_started_once_within_the_limit(env, label, starts)
     report(record_property, "turns off", figures(starts, sent, flood="a"))
+
+
+@pytest.mark.parametrize("env", ["redis"], indirect=True)
+def test_a_tenant_of_twice_the_weight_takes_two_turns_to_the_others_one(
+    env: FaultEnv, record_property: Callable[[str, Any], None]
+) -> None:
+    # Given the worker, fair turns on
+    env.start_worker(f"--concurrency={PROCESSES}")
+    label = f"turns-weight-{uuid.uuid4().hex[:10]}"
+    sends = {"a": 30, "b": 10}
+    weights = {"a": 1.0, "b": 2.0}
+
+    # When tenant a floods the limit and b, of weight 2, sends 10 syncs right after
+    sent = flood(env, label, sends, weights)
+
+    # Then every sync started exactly once within the limit
+    starts = env.probe.starts(label)
+    assert_every_send_started_once_within_the_limit(env, label, starts, sends)
+    # and b's 10 took two turns to each of a's while both waited: about 6 of a's started
+    # before b's last (about 11 when b's weight is 1, as the line alternates one each), so that
+    # the starts divided by the weights are about even
+    found = figures(starts, sent, flood="a", weights=weights)
+    report(record_property, "weight 2", found)
+    assert found.flood_before_last["b"] <= 8, found
+    assert found.jain is not None
+    assert found.jain >= 0.9, found
