@@ -17,10 +17,10 @@ SUITES: dict[str, str] = {
     "stores": "the lock stores side by side: Redis, PostgreSQL, MariaDB/MySQL, SQLite",
     "cache_stores": "memcached and Django's cache beside Redis",
     "beyond": "lock_limit, lock_rate, lock_debounce beside the singleton; a fleet under a rate",
-    "turns": "fair turns: a flood from one tenant on a shared limit, turns on and off",
     "deployments": "one Redis, a Cluster, Sentinel: cost per execution, locks lost in failovers",
     "layouts": "Redis memory per lock record, for candidate record layouts",
     "locks_scale": "`singletask locks` on a large database with KEYS disabled: time, memory",
+    "turns": "fair turns on a flooded limit, on and off: who starts when, Jain's index, cost",
 }
 
 

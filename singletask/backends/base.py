@@ -117,9 +117,9 @@ class LockBackend(abc.ABC):
     #: Whether the store implements :meth:`take_units` and :meth:`give_units` (named limits,
     #: ``lock_limits``).
     supports_units: ClassVar[bool] = False
-    #: Whether the store keeps the limits' waiting lines (fair turns): a take whose
-    #: :class:`Units` carry a ``turn`` waits in line when refused. A store without them takes
-    #: as though no turn were given (singletask gives none there).
+    #: True when the store keeps the limits' waiting lines of fair turns. A take whose
+    #: :class:`Units` carry a ``turn`` then waits in line when refused; a store without them
+    #: takes as though no turn were given (singletask gives none there).
     supports_turns: ClassVar[bool] = False
 
     @classmethod

@@ -12,14 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..exceptions import ConfigurationError
 
 __all__ = [
     "MAX_LEASE", "MAX_PRIORITY", "MAX_SHOWN", "MAX_UNITS", "MAX_WEIGHT", "STATE_KINDS",
     "AcquireResult", "Holder", "StoreState", "Turn", "Units", "UnitsResult", "check_lease",
-    "check_taken", "check_turn", "check_units",
+    "check_taken", "check_turn", "check_units", "is_priority", "is_weight",
 ]  # fmt: skip
 
 #: The longest lease, in seconds, any backend accepts (366 days). It is far above every lease
@@ -162,6 +162,23 @@ class Turn:
     hold: float = 5.0
 
 
+def is_weight(value: object) -> TypeGuard[float]:
+    """Whether ``value`` is a weight of fair turns: a finite number above 0, at most
+    :data:`MAX_WEIGHT`."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and 0 < value <= MAX_WEIGHT
+    )
+
+
+def is_priority(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is a priority of fair turns: a whole number within
+    :data:`MAX_PRIORITY` of 0."""
+    return not isinstance(value, bool) and isinstance(value, int) and abs(value) <= MAX_PRIORITY
+
+
 def check_turn(turn: Turn, operation: str) -> None:
     """Check a :class:`Turn` before anything is written.
 
@@ -173,18 +190,12 @@ def check_turn(turn: Turn, operation: str) -> None:
         raise ConfigurationError(f"{where}: a ticket needs a name, got {turn.ticket!r}")
     if not isinstance(turn.group, str):
         raise ConfigurationError(f"{where}: a group is a string, got {turn.group!r}")
-    weight = turn.weight
-    if (
-        isinstance(weight, bool)
-        or not isinstance(weight, int | float)
-        or not math.isfinite(weight)
-        or not 0 < weight <= MAX_WEIGHT
-    ):
+    weight, priority = turn.weight, turn.priority
+    if not is_weight(weight):
         raise ConfigurationError(
             f"{where}: weight must be a number above 0 and at most {MAX_WEIGHT:g}, got {weight!r}"
         )
-    priority = turn.priority
-    if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
+    if not is_priority(priority):
         raise ConfigurationError(
             f"{where}: priority must be a whole number from {-MAX_PRIORITY} to {MAX_PRIORITY}, "
             f"got {priority!r}"

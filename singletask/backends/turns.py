@@ -6,8 +6,8 @@ line when it finds no room: the limit keeps a *ticket* for it, in the same atomi
 refused take. Room that frees up goes to the tickets in their order, and a take with room is
 refused while the room is promised to tickets ahead of it. This module is that line, as plain
 data and pure functions of the store's clock, so that every store that keeps it in Python
-(memory, SQLite) keeps it the same way; the Redis scripts keep the same rules in Lua.
-(PostgreSQL and MySQL keep no lines yet: ``supports_turns``.)
+(memory, SQLite, PostgreSQL, MySQL: ``singletask.backends.sql.lines``) keeps it the same
+way; the Redis scripts keep the same rules in Lua.
 
 The order (start-time fair queuing over the groups, the lock keys):
 
@@ -26,7 +26,10 @@ The order (start-time fair queuing over the groups, the lock keys):
 Room is promised in that order: a take (with or without a ticket) fits when the units held,
 the units of the tickets ahead of it, and its own are at most the size. Each take marks the
 tickets the room left over can serve as *ready*; a ready ticket whose owner has not come back
-within its ``hold`` seconds *lapses*: it keeps its place, but holds no room back any more. A
+within its ``hold`` seconds *lapses*: it keeps its place, but holds no room back any more; so
+does, at once, a ticket whose owner found its room here but was refused by another limit of
+its take (else two takes, each first in one line and behind the other in the next, would keep
+each other out until a hold ran out). A
 ticket not taken again within its ``lease`` seconds ends (as a lock whose holder vanished).
 """
 
@@ -219,5 +222,11 @@ def settle(
     else:
         if turn is not None and (not fitted or turn.ticket in line.tickets):
             line.wait(turn, item.units, now, meta)
+            if fitted:
+                # Its room was here and another limit of the take refused it: it gives the
+                # room up at once (two takes each first in one line and second in the other
+                # would otherwise keep each other out for a hold), and keeps its place.
+                mine = line.tickets[turn.ticket]
+                mine.ready = now - mine.hold - 1.0
         room = item.size - used
     line.mark(room, now)

@@ -8,11 +8,10 @@ turns ahead. Each is a constant or a callable ``(args, kwargs) -> value``, as a 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
-from ..backends.holders import MAX_PRIORITY, MAX_WEIGHT
+from ..backends.holders import MAX_PRIORITY, MAX_WEIGHT, is_priority, is_weight
 from ..exceptions import ConfigurationError
 
 __all__ = ["Priority", "Weight", "check_priority", "check_weight", "priority_of", "weight_of"]
@@ -22,12 +21,7 @@ Priority: TypeAlias = int | Callable[[Sequence[Any], Mapping[str, Any]], int]
 
 
 def _weight(value: object, where: str) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or not 0 < value <= MAX_WEIGHT
-    ):
+    if not is_weight(value):
         raise ConfigurationError(
             f"{where}: a weight is a number above 0 and at most {MAX_WEIGHT:g}, or a callable "
             f"(args, kwargs) -> weight, got {value!r}"
@@ -36,7 +30,7 @@ def _weight(value: object, where: str) -> float:
 
 
 def _priority(value: object, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or abs(value) > MAX_PRIORITY:
+    if not is_priority(value):
         raise ConfigurationError(
             f"{where}: a priority is a whole number from {-MAX_PRIORITY} to {MAX_PRIORITY}, "
             f"or a callable (args, kwargs) -> priority, got {value!r}"

@@ -244,6 +244,28 @@ def test_a_ticket_holds_back_only_the_limit_it_waits_for(
     assert lined.take_units("stranger", LEASE, [other]).taken
 
 
+def test_two_takes_each_first_in_one_line_never_keep_each_other_out(
+    lined: LockBackend,
+    key_prefix: str,
+) -> None:
+    """x is first in one limit's line and y in the other's, and each take names both: the
+    first to come back and find its own room but not the other's gives that room up at once,
+    and the other is let in."""
+    one, two = (Units(limit_key(key_prefix, f"{{t}}-{n}"), 1, 1) for n in ("one", "two"))
+    assert lined.take_units("first", LEASE, [one, two]).taken
+
+    def both(ticket: str, *limits: Units) -> bool:
+        items = [Units(u.key, u.size, 1, None, turn(ticket, ticket)) for u in limits]
+        return lined.take_units(ticket, LEASE, items).taken
+
+    assert not both("y", two)  # y waits first in two's line
+    assert not both("x", one, two)  # x first in one's line, behind y in two's
+    assert not both("y", two, one)  # y behind x in one's line
+    lined.give_units("first", [one, two])
+    assert not both("x", one, two)  # x has one's room, not two's: it gives one's up
+    assert both("y", two, one)
+
+
 def test_a_rate_serves_its_line_in_turn_as_its_window_frees(
     lined: LockBackend,
     key_prefix: str,

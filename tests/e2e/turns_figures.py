@@ -39,6 +39,9 @@ class Figures:
     starts_in_window: dict[str, int] = field(default_factory=dict)
     #: Jain's index of the starts within the window, each divided by its tenant's weight.
     jain: float | None = None
+    #: The tenants in the order their starts were recorded (``"aabcabc..."``, tenants'
+    #: first letters).
+    order: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -47,6 +50,7 @@ class Figures:
             "window_s": None if self.window is None else self.window[1] - self.window[0],
             "starts_in_window": self.starts_in_window,
             "jain": self.jain,
+            "order": self.order,
         }
 
     def __str__(self) -> str:
@@ -54,7 +58,8 @@ class Figures:
         window = ", ".join(f"{t} {n}" for t, n in sorted(self.starts_in_window.items()))
         jain = "—" if self.jain is None else f"{self.jain:.3f}"
         return (f"{self.flood}'s starts before each other tenant's last: {before}; "
-                f"starts while all waited: {window}; Jain's index {jain}")  # fmt: skip
+                f"starts while all waited: {window}; Jain's index {jain}; "
+                f"order {self.order}")  # fmt: skip
 
 
 def figures(
@@ -76,6 +81,7 @@ def figures(
       over the ``n`` tenants.
     """
     weights = weights or {}
+    order = "".join(str(s["tenant"])[:1] for s in starts)
     last: dict[str, int] = {}
     for i, start in enumerate(starts):
         last[str(start["tenant"])] = i
@@ -86,12 +92,12 @@ def figures(
     }
     tenants = sorted(sent)
     if any(t not in last for t in tenants):
-        return Figures(flood, before, None)
+        return Figures(flood, before, None, order=order)
     begin = max(sent.values())
     end = min(starts[last[t]]["t"] for t in tenants)
     if end < begin:
-        return Figures(flood, before, None)
+        return Figures(flood, before, None, order=order)
     within = {t: sum(1 for s in starts if s["tenant"] == t and begin <= s["t"] <= end)
               for t in tenants}  # fmt: skip
     index = jain([within[t] / weights.get(t, 1.0) for t in tenants])
-    return Figures(flood, before, (begin, end), within, index)
+    return Figures(flood, before, (begin, end), within, index, order)

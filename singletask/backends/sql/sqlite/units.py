@@ -17,37 +17,34 @@ one row per (limit key, token), a concurrency limit's hold or a rate's start:
   them: a take sets them on every row of the limit;
 * ``task_id``, ``task``: from the take's ``meta``, for operators (NULL when it gave none).
 
+The waiting lines of fair turns (:mod:`..lines`) live in ``singletask_lines`` (:data:`LINES`):
+one row per limit with tickets waiting (``key``, ``line``: its JSON, ``expires``: when its last
+ticket's lease runs out), read by a take in the same statement as the limit's holds.
+
 Every row expires at ``at + coalesce(period, 0)`` (:data:`UNTIL`): a hold at its deadline, a
 start ``period`` after it. Reads ignore rows past it; a take or give deletes those of the
 limits it names, and the rest go when a process opens the database and every
 :data:`~.windows.PRUNE_EVERY` writes of this process.
-
-A limit's waiting line (fair turns, :mod:`singletask.backends.turns`) is one row of
-``singletask_lines`` (:data:`LINES`): ``key``, the line as JSON (``Line.to_json``, times of
-the store's clock) and ``until``, its last ticket's expiry; read and written in the same
-transaction as the limit's holds, deleted when it has no ticket left, pruned with them.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import sqlite3
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Final
 
 from ...base import StoreState, Units, UnitsResult
 from ...holders import MAX_SHOWN
-from ...turns import Line, fits, settle
+from ...turns import Line
+from ..lines import Seen, decide, dump, leave, load
 from .windows import PRUNE_EVERY
 
 __all__ = ["LINES", "SCHEMA", "TABLE", "UNTIL", "give", "prune", "state", "take"]
 
 #: The table of holds and starts.
 TABLE: Final = "singletask_units"
-
-#: The table of the limits' waiting lines.
+#: The table of the limits' waiting lines (fair turns).
 LINES: Final = "singletask_lines"
 
 SCHEMA: Final = (
@@ -66,12 +63,12 @@ SCHEMA: Final = (
         PRIMARY KEY (key, token)
     )
     """,
-    # Per limit key: its waiting line, as JSON, until its last ticket's lease runs out.
+    # Per limit with tickets waiting: its line (JSON) and when its last ticket's lease ends.
     f"""
     CREATE TABLE IF NOT EXISTS {LINES} (
         key TEXT PRIMARY KEY,
         line TEXT NOT NULL,
-        until REAL NOT NULL
+        expires REAL NOT NULL
     )
     """,
 )
@@ -85,7 +82,7 @@ _writes = itertools.count(1)
 def prune(conn: sqlite3.Connection, now: float) -> None:
     """Delete the holds and starts that stopped counting, of every limit."""
     conn.execute(f"DELETE FROM {TABLE} WHERE {UNTIL} <= ?", (now,))
-    conn.execute(f"DELETE FROM {LINES} WHERE until <= ?", (now,))
+    conn.execute(f"DELETE FROM {LINES} WHERE expires <= ?", (now,))
 
 
 def _wrote(conn: sqlite3.Connection, now: float) -> None:
@@ -98,70 +95,48 @@ def _drop_expired(conn: sqlite3.Connection, key: str, now: float) -> None:
     conn.execute(f"DELETE FROM {TABLE} WHERE key = ? AND {UNTIL} <= ?", (key, now))
 
 
-def _line(conn: sqlite3.Connection, key: str, now: float) -> Line | None:
-    """The live waiting line of limit ``key``, if it has one."""
-    row = conn.execute(f"SELECT line FROM {LINES} WHERE key = ? AND until > ?", (key, now))
-    found = row.fetchone()
-    return Line.from_json(json.loads(found[0])).live(now) if found else None
-
-
-def _keep_line(conn: sqlite3.Connection, key: str, line: Line) -> None:
-    """Write limit ``key``'s line back, or delete it when no ticket is left."""
-    until = line.last()
-    if until is None:
-        conn.execute(f"DELETE FROM {LINES} WHERE key = ?", (key,))
-        return
-    conn.execute(
-        f"INSERT INTO {LINES} (key, line, until) VALUES (?, ?, ?) "
-        "ON CONFLICT (key) DO UPDATE SET line = excluded.line, until = excluded.until",
-        (key, json.dumps(line.to_json()), until),
-    )
-
-
-@dataclass
-class _Seen:
-    """What a take found of one limit: the units others use, whether a start of the token is
-    counted already (a retried take), whether it fits, and its line."""
-
-    item: Units
-    used: int
-    counted: bool
-    fitted: bool = True
-    line: Line | None = None
-
-
-def _room(conn: sqlite3.Connection, token: str, item: Units, now: float) -> _Seen:
-    """What limit ``item`` has for ``token``'s take: its units used by others, its line, and
-    whether it fits (a rate start of ``token`` already counted fits: a retried take)."""
+def _seen(conn: sqlite3.Connection, token: str, item: Units, now: float) -> Seen:
+    """The limit of ``item`` as a take by ``token`` finds it (its expired holds deleted): one
+    statement, and for a rate without room, its starts."""
     _drop_expired(conn, item.key, now)
-    used, mine = conn.execute(
+    used, mine, text = conn.execute(
         f"SELECT coalesce(sum(CASE WHEN token != :token THEN units END), 0), "
-        f"coalesce(max(token = :token), 0) FROM {TABLE} WHERE key = :key AND {UNTIL} > :now",
+        f"coalesce(max(token = :token), 0), "
+        f"(SELECT line FROM {LINES} WHERE key = :key AND expires > :now) "
+        f"FROM {TABLE} WHERE key = :key AND {UNTIL} > :now",
         {"token": token, "key": item.key, "now": now},
     ).fetchone()
-    seen = _Seen(item, int(used), bool(mine) and item.period is not None)
-    if not seen.counted:
-        seen.line = _line(conn, item.key, now)
-        seen.fitted = fits(seen.line, item, seen.used, now, holding=bool(mine))
-    return seen
-
-
-def _refusal(conn: sqlite3.Connection, seen: _Seen, now: float) -> UnitsResult:
-    """The refusal of a take that limit ``seen.item`` had no room for."""
-    item, used = seen.item, seen.used
-    retry_after = None
-    if item.period is not None and used + item.units > item.size:
-        # The oldest starts leave the window first: wait for enough of them.
-        free, need = 0, used + item.units - item.size
-        for units, at in conn.execute(
+    starts: list[tuple[int, float]] = []
+    if item.period is not None and not mine and used + item.units > item.size:
+        starts = conn.execute(
             f"SELECT units, at FROM {TABLE} WHERE key = ? AND {UNTIL} > ? ORDER BY at, rowid",
             (item.key, now),
-        ):
-            free += units
-            if free >= need:
-                retry_after = max(at + item.period - now, 0.001)
-                break
-    return UnitsResult(False, item.key, used, retry_after)
+        ).fetchall()
+    return Seen(int(used), bool(mine), load(text, now), starts)
+
+
+def _write_lines(
+    conn: sqlite3.Connection, units: Sequence[Units], lines: list[tuple[int, Line]]
+) -> None:
+    """Write the lines back (a line without tickets: its row deleted)."""
+    for n, line in lines:
+        key = units[n - 1].key
+        if not line:
+            conn.execute(f"DELETE FROM {LINES} WHERE key = ?", (key,))
+            continue
+        text, expires = dump(line)
+        conn.execute(
+            f"INSERT INTO {LINES} (key, line, expires) VALUES (?, ?, ?) "
+            "ON CONFLICT (key) DO UPDATE SET line = excluded.line, expires = excluded.expires",
+            (key, text, expires),
+        )
+
+
+def _line(conn: sqlite3.Connection, key: str, now: float) -> Line | None:
+    row = conn.execute(
+        f"SELECT line FROM {LINES} WHERE key = ? AND expires > ?", (key, now)
+    ).fetchone()
+    return None if row is None else load(row[0], now)
 
 
 def take(
@@ -173,16 +148,13 @@ def take(
     now: float,
 ) -> UnitsResult:
     """:meth:`~singletask.backends.base.LockBackend.take_units`, ``ttl`` and ``units``
-    checked, inside the caller's transaction."""
-    found = [_room(conn, token, item, now) for item in units]
-    refused = next((seen for seen in found if not seen.fitted), None)
-    for seen in found:  # the lines of the limits named, whether taken or not
-        if not seen.counted and (seen.line is not None or seen.item.turn is not None):
-            line = seen.line if seen.line is not None else Line()
-            settle(line, seen.item, seen.used, seen.fitted, refused is None, now, meta)
-            _keep_line(conn, seen.item.key, line)
-    if refused is not None:
-        return _refusal(conn, refused, now)
+    checked, inside the caller's transaction: every limit read, then decided as the
+    in-process store decides (:func:`..lines.decide`), their lines written back."""
+    decision = decide(units, [_seen(conn, token, item, now) for item in units], now, meta)
+    _write_lines(conn, units, decision.lines)
+    if decision.refusal is not None:
+        n, used, retry_after = decision.refusal
+        return UnitsResult(False, units[n - 1].key, used, retry_after)
     task_id, task = (meta or {}).get("task_id"), (meta or {}).get("task")
     for item in units:
         values: dict[str, Any] = {
@@ -215,10 +187,11 @@ def give(conn: sqlite3.Connection, token: str, units: Sequence[Units], now: floa
     """:meth:`~singletask.backends.base.LockBackend.give_units`, ``units`` checked, inside the
     caller's transaction."""
     found = []
+    turned = [item for item in units if item.turn is not None]
+    if turned:  # their tickets leave the lines
+        lines = [_line(conn, item.key, now) for item in turned]
+        _write_lines(conn, turned, leave(turned, lines))
     for item in units:
-        line = _line(conn, item.key, now) if item.turn is not None else None
-        if line is not None and item.turn is not None and line.drop(item.turn.ticket):
-            _keep_line(conn, item.key, line)
         _drop_expired(conn, item.key, now)
         where = f"WHERE key = ? AND token = ? AND {UNTIL} > ?"
         if item.period is None or item.units == 0:
@@ -250,20 +223,5 @@ def state(conn: sqlite3.Connection, key: str, raw: bytes, now: float) -> StoreSt
         for token, units, _, _, until, task_id, task in rows
     ]
     _, _, size, period, _, _, _ = rows[0]  # every row of a limit has its size and period
-    waiting = _waiting(conn, raw, now)
-    detail = {"size": size, "period": period, "used": used, "holds": holds, "waiting": waiting}
+    detail = {"size": size, "period": period, "used": used, "holds": holds}
     return StoreState("limit", key, None, last - now, detail)
-
-
-def _waiting(conn: sqlite3.Connection, raw: bytes, now: float) -> int:
-    """The tickets in the line of the limit stored under ``raw`` (0 in a file of a version
-    without lines, read before any process of this version wrote it)."""
-    try:
-        row = conn.execute(
-            f"SELECT line FROM {LINES} WHERE key = CAST(? AS TEXT) AND until > ?", (raw, now)
-        ).fetchone()
-    except sqlite3.OperationalError as exc:
-        if "no such table" in str(exc):
-            return 0
-        raise
-    return len(Line.from_json(json.loads(row[0])).live(now).tickets) if row else 0
