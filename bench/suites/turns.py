@@ -72,7 +72,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "full": {"flood": {"a": 40, "b": 5, "c": 5}, "rounds": 3, "processes": 4, "pause": 0.25,
              "countdown": 0.5, "uncontended": 20},
     "quick": {"flood": {"a": 16, "b": 3, "c": 3}, "rounds": 1, "processes": 4, "pause": 0.25,
-              "countdown": 0.5, "uncontended": 5},
+              "countdown": 0.5, "uncontended": 20},
 }  # fmt: skip
 
 TASK = "bench.singletask-turns.sync"
@@ -363,6 +363,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--stores", default=",".join(STORES),
                         help=f"comma separated, of {', '.join(STORES)}")  # fmt: skip
     parser.add_argument("--rounds", type=int, help="runs per store and mode")
+    parser.add_argument("--flood", default="", help='sends per tenant, e.g. "a=40,b=10,c=10"')
     parser.add_argument("--weights", default="",
                         help='tenants\' weights, e.g. "b=2" (default: all 1)')  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -372,6 +373,8 @@ def main(argv: list[str]) -> int:
     cfg = dict(CONFIGS["quick" if args.quick else "full"])
     if args.rounds:
         cfg["rounds"] = args.rounds
+    if args.flood:
+        cfg["flood"] = {t: int(n) for t, _, n in (p.partition("=") for p in args.flood.split(","))}
     weights = {t: float(w) for t, _, w in (p.partition("=") for p in args.weights.split(",") if p)}
     logging.getLogger("singletask").setLevel(logging.ERROR)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
