@@ -56,13 +56,6 @@ def complete(self: SingletonTask, label: str, estimate: int, used: int) -> int:
     return used
 
 
-def sync(self: SingletonTask, label: str, tenant: str, pause: float = 0.2) -> str:
-    """A tenant's sync: one unit of the label's turns limit (tests/e2e/test_fair_turns.py)."""
-    with probe().running(label, self.request.id, units=1, task=self.name, tenant=tenant):
-        time.sleep(pause)
-    return tenant
-
-
 _QUERY = {"lock_limits": {"{e2e}-db:{label}": cost}, "lock_policy": "retry",
           "lock_retry_countdown": 0.1, "lock_retry_max": 500}  # fmt: skip
 
@@ -77,10 +70,6 @@ TASKS: list[tuple[Any, dict[str, Any]]] = [
                 "name": PREFIX + "complete"}),
     (complete, {"lock_limits": {"{e2e}-tokens:{label}": estimate}, "lock_policy": "skip",
                 "name": PREFIX + "complete_skip"}),
-    # Each tenant a key of its own (lock_key), many at once; the shared limit of 1 holds them.
-    (sync, {"lock_limits": ["{e2e}-turns:{label}"], "lock_key": "{label}:{tenant}",
-            "lock_limit": 50, "lock_policy": "retry", "lock_retry_countdown": 0.3,
-            "lock_retry_max": 500, "name": PREFIX + "sync"}),
 ]  # fmt: skip
 
 
