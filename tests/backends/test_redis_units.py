@@ -5,6 +5,7 @@ test_contract_units.py."""
 from __future__ import annotations
 
 import json
+import random
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ import redis
 from singletask import BackendError, BackendUnavailable, ConfigurationError, LockKeyError
 from singletask.backends import backend_from_url
 from singletask.backends.base import Turn, Units
+from singletask.backends.memory import MemoryBackend
 from singletask.backends.redis.deploy import RedisClusterBackend
 from singletask.backends.redis.limit_scripts import TAKE_UNITS_SCRIPT
 from singletask.backends.redis.store import RedisBackend
@@ -260,6 +262,67 @@ def test_the_take_script_checks_every_turn_argument_before_its_first_write(
         ):
             redis_client.eval(TAKE_UNITS_SCRIPT, len(keys), *keys, *head, *turn)
         assert redis_client.exists(*keys) == 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_scripts_keep_the_line_as_the_python_reference_does(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str, seed: int
+) -> None:
+    """Random takes and givings back, with and without turns, of two concurrency limits and a
+    rate (one take asking one or two of them), decided the same on Redis as on the in-process
+    store (singletask.backends.turns in Python): taken or refused, which limit, its units in
+    use, a rate's wait (to the second: the two clocks differ), what each giving back found;
+    and after each, every line the same: its virtual time, its next seq, its tickets in order,
+    each with the same finish, tag, seq, units and whether it is ready. Leases, holds and the
+    period are long enough that nothing runs out during the test."""
+    rnd = random.Random(seed)
+    memory = MemoryBackend()
+    keys = [limit_key(key_prefix, "{fz}-a"), limit_key(key_prefix, "{fz}-b"),
+            limit_key(key_prefix, "{fz}-r", rate=True)]  # fmt: skip
+    sizes = [rnd.randint(1, 4), rnd.randint(1, 4), rnd.randint(2, 8)]
+    tickets = [f"t{i}" for i in range(8)]
+    groups = {t: rnd.choice("ABC") for t in tickets}
+    weights = {g: rnd.choice([0.5, 1.0, 2.0, 3.0]) for g in "ABC"}
+    priorities = {t: rnd.choice([0, 0, 0, 1, -1, 10, -10]) for t in tickets}
+    wants = {t: rnd.randint(1, 2) for t in tickets}
+
+    def lined(line: Line) -> Any:
+        return (
+            line.vt,
+            line.seq,
+            [
+                (name, t.group, t.finish, t.tag, t.seq, t.units, t.ready is not None)
+                for name, t in line.ordered()
+            ],
+        )
+
+    def seen(result: Any) -> Any:
+        if isinstance(result, list):
+            return result
+        wait = None if result.retry_after is None else round(result.retry_after)
+        return result.taken, result.limit, result.used, wait
+
+    for step in range(100):
+        token = rnd.choice(tickets)
+        turn = Turn(token, groups[token], weights[groups[token]], priorities[token], 600.0, 600.0)
+        with_turn = rnd.random() < 0.8
+        items = [
+            Units(keys[i], sizes[i], min(wants[token], sizes[i]), 600.0 if i == 2 else None,
+                  turn if with_turn else None)
+            for i in rnd.choice([[0], [1], [0, 1], [2], [0, 2], [1, 2]])
+        ]  # fmt: skip
+        if rnd.random() < 0.6:
+            meta = {"task_id": token}
+            expected = seen(memory.take_units(token, 600.0, items, meta=meta))
+            got = seen(redis_backend.take_units(token, 600.0, items, meta=meta))
+        else:
+            expected, got = memory.give_units(token, items), redis_backend.give_units(token, items)
+        assert got == expected, f"step {step}: {token} {items}"
+        for key in keys:  # and each line holds the same tickets, in the same order, as ready
+            raw = redis_client.get(line_key(key))
+            assert lined(Line.from_json(json.loads(raw) if raw else None)) == lined(
+                memory._limits.lines.get(key) or Line()
+            ), f"step {step}: the line of {key}"
 
 
 # -- one atomic step ----------------------------------------------------------------------------
