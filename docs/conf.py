@@ -56,6 +56,7 @@ nitpick_ignore = (
             "singletask.conf.limits.LimitSpec",
             "singletask.backends.sql.postgres.units.PostgresUnits",
             "singletask.backends.sql.mysql.units.MySQLUnits",
+            "singletask.backends.turns.Line",
         )
     ]
     + [

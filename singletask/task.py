@@ -101,6 +101,8 @@ class SingletonTask(_TaskBase):
     lock_replace_terminate: ClassVar[bool | None] = None
     lock_limits: ClassVar[Sequence[str] | Mapping[str, Any] | None] = None
     lock_cost: ClassVar[int | Callable[..., int] | None] = None
+    lock_weight: ClassVar[float | Callable[..., float] | None] = None
+    lock_priority: ClassVar[int | Callable[..., int] | None] = None
 
     _singletask_options: ClassVar[TaskOptions]
 

@@ -305,12 +305,15 @@ def sql_test_table(kind: str) -> Iterator[str]:
 
 def drop_sql_table(kind: str, table: str) -> None:
     """Drop ``table`` (one that a test created) from the ``kind`` SQL server, with the tables of
-    named limits the store keeps beside it (``<table>_limits``, ``<table>_limit_holds``)."""
+    named limits the store keeps beside it (``<table>_limits``, ``<table>_limit_holds``,
+    ``<table>_lines``)."""
     if not table.startswith("st_"):
         raise ValueError(f"refusing to drop {table!r}: not a test table")
+    from singletask.backends.sql.lines import line_table
     from singletask.backends.sql.units import limit_tables
 
-    statement = f"DROP TABLE IF EXISTS {', '.join((table, *limit_tables(table)))}"
+    names = (table, *limit_tables(table), line_table(table))
+    statement = f"DROP TABLE IF EXISTS {', '.join(names)}"
     if kind == "postgresql":
         import psycopg
 

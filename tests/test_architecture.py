@@ -131,10 +131,11 @@ FAMILIES = ("redis", "sql", "memcached", "memory")
 
 
 def test_each_store_family_is_a_package_of_its_own() -> None:
-    """The top of backends/ holds the contract, the registry and the one-module stores; a family
+    """The top of backends/ holds the contract (with its values, holders, and the waiting line
+    every store keeps the same way, turns), the registry and the one-module stores; a family
     of modules (a name prefix) is a folder, whose modules lose the prefix."""
     top = sorted(path.stem for path in BACKENDS.glob("*.py"))
-    assert top == ["__init__", "base", "django", "holders", "urls"]
+    assert top == ["__init__", "base", "django", "holders", "turns", "urls"]
     for family in FAMILIES:
         assert (BACKENDS / family / "__init__.py").is_file()
         prefixed = [p.name for p in (BACKENDS / family).glob(f"{family}_*.py")]

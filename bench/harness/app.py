@@ -22,6 +22,11 @@ there are:
     ``charge`` of the rate in the body.
 ``bench.singletask-fleet.start(i)``
     One key under ``lock_rate`` (``BENCH_FLEET_RATE``): each start records its fencing token.
+``bench.singletask-turns.sync(label, tenant, pause, weight)``
+    A tenant's sync (suites/turns.py): one unit of ``bench-turns`` (a concurrency of 2), the
+    tenant as lock key, ``lock_policy="retry"`` every ``BENCH_TURNS_COUNTDOWN`` seconds,
+    ``lock_weight`` the call's ``weight``. Its body records its start and end in the probe
+    database (``turns:<label>``). Fair turns are on unless ``BENCH_LIMIT_TURNS`` is ``0``.
 
 In a worker, the ``task_prerun`` / ``task_postrun`` signals write one line per execution to a
 file per pool process (``BENCH_TIMES_DIR``), and ``hold`` executions also leave a ``done:``
@@ -30,6 +35,7 @@ marker in the probe database saying whether the body ran.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -85,6 +91,7 @@ LIMITS: dict[str, dict[str, Any]] = {
     "bench-db": {"concurrency": 1000},
     "bench-requests": {"concurrency": 1000},
     "bench-tokens": {"rate": "1000000/s"},
+    "bench-turns": {"concurrency": 2},
 }
 
 #: Where each variant takes its lock: when a worker executes the task, or when it is sent.
@@ -199,6 +206,23 @@ def fleet_start(self: Task, i: int) -> None:
     probe().rpush("fleet:starts", f"{self.lock.fence} {time.time()!r} {os.getpid()}")
 
 
+def turns_sync(
+    self: Task, label: str, tenant: str, pause: float = 0.25, weight: float = 1.0
+) -> None:
+    """A tenant's sync under a shared limit: its start and end (tenant, task id, this
+    process's clock), in the order the probe database records them, under ``turns:<label>``."""
+    _ran.value = True
+    client = probe()
+    event = {"tenant": tenant, "task_id": str(self.request.id), "pid": os.getpid()}
+    client.rpush(f"turns:{label}", json.dumps({**event, "event": "start", "t": time.time()}))
+    time.sleep(pause)
+    client.rpush(f"turns:{label}", json.dumps({**event, "event": "end", "t": time.time()}))
+
+
+def _turns_weight(args: Any, kwargs: Any) -> float:
+    return float((kwargs or {}).get("weight", 1.0))
+
+
 def hold(key: str, mode: str = "probe", token: str = "") -> None:
     _ran.value = True
     if mode == "probe":
@@ -279,6 +303,16 @@ def _register(app: Celery, variant: str) -> None:
             lock_rate=os.environ.get("BENCH_FLEET_RATE", "20/s"), lock_limit=4,
             lock_policy="retry", lock_retry_max=1000, lock_retry_countdown=0.05,
         )(fleet_start)  # fmt: skip
+    elif variant == "singletask-turns":
+        # Tenants sharing a limit of 2: suites/turns.py.
+        from singletask import SingletonTask
+
+        task(
+            name="bench.singletask-turns.sync", base=SingletonTask, bind=True,
+            lock_limits=["bench-turns"], lock_key="{tenant}", lock_limit=64,
+            lock_weight=_turns_weight, lock_policy="retry", lock_retry_max=1000,
+            lock_retry_countdown=float(os.environ.get("BENCH_TURNS_COUNTDOWN", "0.5")),
+        )(turns_sync)  # fmt: skip
     elif variant == "celery-singleton":
         from celery_singleton import Singleton
 
@@ -347,6 +381,7 @@ def make_app(
     variants: list[str],
     eager: bool = False,
     queue: str = "bench",
+    limit_turns: bool = True,
 ) -> Celery:
     """The benchmark app with the tasks of ``variants`` (all of them must be available)."""
     os.environ["BENCH_LOCK_URL"] = lock_url
@@ -364,6 +399,7 @@ def make_app(
         worker_redirect_stdouts=False,
         singletask_backend_url=lock_url,
         singletask_limits=LIMITS,
+        singletask_limit_turns=limit_turns,
         singleton_backend_url=lock_url,
         ONCE={
             "backend": "celery_once.backends.Redis",
@@ -422,6 +458,7 @@ def _from_env() -> Celery | None:
         lock_url=os.environ["BENCH_LOCK_URL"],
         probe_url=os.environ["BENCH_PROBE_URL"],
         variants=variants,
+        limit_turns=os.environ.get("BENCH_LIMIT_TURNS", "1") != "0",
     )
     signals.task_prerun.connect(_on_prerun, weak=False)
     signals.task_postrun.connect(_on_postrun, weak=False)

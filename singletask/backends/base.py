@@ -52,6 +52,7 @@ from .holders import (
     AcquireResult,
     Holder,
     StoreState,
+    Turn,
     Units,
     UnitsResult,
     check_lease,
@@ -64,7 +65,7 @@ from .urls import TABLE_SCHEMES
 # stores import them here.
 __all__ = [
     "MAX_LEASE", "MAX_UNITS", "STATE_KINDS", "AcquireResult", "Holder", "LockBackend",
-    "StoreState", "Units", "UnitsResult", "check_lease", "check_taken", "check_units",
+    "StoreState", "Turn", "Units", "UnitsResult", "check_lease", "check_taken", "check_units",
     "units_meta",
 ]  # fmt: skip
 
@@ -116,6 +117,10 @@ class LockBackend(abc.ABC):
     #: Whether the store implements :meth:`take_units` and :meth:`give_units` (named limits,
     #: ``lock_limits``).
     supports_units: ClassVar[bool] = False
+    #: True when the store keeps the limits' waiting lines of fair turns. A take whose
+    #: :class:`Units` carry a ``turn`` then waits in line when refused; a store without them
+    #: takes as though no turn were given (singletask gives none there).
+    supports_turns: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod

@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..exceptions import ConfigurationError
 
 __all__ = [
-    "MAX_LEASE", "MAX_SHOWN", "MAX_UNITS", "STATE_KINDS", "AcquireResult", "Holder",
-    "StoreState", "Units", "UnitsResult", "check_lease", "check_taken", "check_units",
+    "MAX_LEASE", "MAX_PRIORITY", "MAX_SHOWN", "MAX_UNITS", "MAX_WEIGHT", "STATE_KINDS",
+    "AcquireResult", "Holder", "StoreState", "Turn", "Units", "UnitsResult", "check_lease",
+    "check_taken", "check_turn", "check_units", "is_priority", "is_weight",
 ]  # fmt: skip
 
 #: The longest lease, in seconds, any backend accepts (366 days). It is far above every lease
@@ -132,6 +133,77 @@ def check_units(value: object, operation: str, *, allow_zero: bool = False) -> i
     return value
 
 
+#: The largest ``lock_priority`` (and the smallest is its negative).
+MAX_PRIORITY = 10
+
+#: The largest ``lock_weight`` (the smallest is above 0).
+MAX_WEIGHT = 1000.0
+
+
+@dataclass(frozen=True)
+class Turn:
+    """How an execution waits for a limit's room, when it has to.
+
+    Attributes:
+        ticket: The waiting execution's name in the line: its task id (the same on each of its
+            retries).
+        group: Whose turn it is: the execution's lock key (a tenant, a customer, a task).
+        weight: The group's share, above 0: twice the weight, twice the turns.
+        priority: From ``-MAX_PRIORITY`` to ``MAX_PRIORITY``: that many turns ahead (or behind).
+        lease: Seconds a ticket stays in line without its owner coming back.
+        hold: Seconds room freed for a ticket is kept for its owner.
+    """
+
+    ticket: str
+    group: str
+    weight: float = 1.0
+    priority: int = 0
+    lease: float = 30.0
+    hold: float = 5.0
+
+
+def is_weight(value: object) -> TypeGuard[float]:
+    """Whether ``value`` is a weight of fair turns: a finite number above 0, at most
+    :data:`MAX_WEIGHT`."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and 0 < value <= MAX_WEIGHT
+    )
+
+
+def is_priority(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is a priority of fair turns: a whole number within
+    :data:`MAX_PRIORITY` of 0."""
+    return not isinstance(value, bool) and isinstance(value, int) and abs(value) <= MAX_PRIORITY
+
+
+def check_turn(turn: Turn, operation: str) -> None:
+    """Check a :class:`Turn` before anything is written.
+
+    Raises:
+        ConfigurationError: A field is out of range; the message names the operation.
+    """
+    where = f"{operation} turn"
+    if not turn.ticket or not isinstance(turn.ticket, str):
+        raise ConfigurationError(f"{where}: a ticket needs a name, got {turn.ticket!r}")
+    if not isinstance(turn.group, str):
+        raise ConfigurationError(f"{where}: a group is a string, got {turn.group!r}")
+    weight, priority = turn.weight, turn.priority
+    if not is_weight(weight):
+        raise ConfigurationError(
+            f"{where}: weight must be a number above 0 and at most {MAX_WEIGHT:g}, got {weight!r}"
+        )
+    if not is_priority(priority):
+        raise ConfigurationError(
+            f"{where}: priority must be a whole number from {-MAX_PRIORITY} to {MAX_PRIORITY}, "
+            f"got {priority!r}"
+        )
+    check_lease(turn.lease, f"{where} lease")
+    check_lease(turn.hold, f"{where} hold")
+
+
 @dataclass(frozen=True)
 class Units:
     """Units taken from one limit, or given back to it (:meth:`LockBackend.take_units
@@ -153,12 +225,16 @@ class Units:
         units: Units taken (from 1 to ``size``); given back to a rate: the start's real cost
             (0 or more).
         period: The rate's window in seconds, or None for a concurrency limit.
+        turn: How the take waits in the limit's line when it finds no room (fair turns,
+            :mod:`singletask.backends.turns`), or None: it does not wait. Given back, the
+            turn's ticket leaves the line.
     """
 
     key: str
     size: int
     units: int
     period: float | None = None
+    turn: Turn | None = None
 
 
 def check_taken(units: Sequence[Units], operation: str, *, give: bool = False) -> None:
@@ -180,6 +256,8 @@ def check_taken(units: Sequence[Units], operation: str, *, give: bool = False) -
             )
         if item.period is not None:
             check_lease(item.period, f"{where} period")
+        if item.turn is not None:
+            check_turn(item.turn, where)
         if item.key in seen:
             raise ConfigurationError(f"{where}: the limit is named twice")
         seen.add(item.key)

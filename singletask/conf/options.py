@@ -38,6 +38,7 @@ from .settings import (
     check_scope,
     check_seconds,
 )
+from .turns import Priority, Weight, check_priority, check_weight
 
 __all__ = ["ATTRIBUTE_CHECKS", "LockOptions", "TaskOptions"]
 
@@ -74,6 +75,8 @@ ATTRIBUTE_CHECKS: Final[dict[str, Callable[[object, str], object]]] = {
     "lock_coalesce": check_coalesce,
     "lock_replace_terminate": check_bool,
     "lock_cost": check_cost,
+    "lock_weight": check_weight,
+    "lock_priority": check_priority,
 }
 
 #: The lock scopes a task with ``lock_limit`` above 1 can have. "queue" and "coalesce" keep at
@@ -131,6 +134,9 @@ class LockOptions:
         limits: The named limits an execution takes units of (``lock_limits``), or None.
         cost: The units an execution takes of its key's ``limit`` (``lock_cost``), or None:
             the key's holders are then counted in units, not in holder slots.
+        weight: The key's share of a limit's turns (``lock_weight``), or None: 1.
+        priority: Turns an execution waiting for a limit moves ahead (``lock_priority``), or
+            None: 0.
     """
 
     name: str
@@ -155,6 +161,8 @@ class LockOptions:
     replace_terminate: bool = False
     limits: TaskLimits | None = None
     cost: Cost | None = None
+    weight: Weight | None = None
+    priority: Priority | None = None
 
     @property
     def keyless(self) -> bool:
@@ -203,6 +211,8 @@ class TaskOptions:
     replace_terminate: bool | None = None
     limits: TaskLimits | None = None
     cost: Cost | None = None
+    weight: Weight | None = None
+    priority: Priority | None = None
 
     @classmethod
     def from_class(cls, task_cls: type[Any], known: Collection[str] = ()) -> TaskOptions:
@@ -254,6 +264,7 @@ class TaskOptions:
             )
         self._check_replace(where)
         self._check_limits(where)
+        self._check_turns(where)
         if self.coalesce is not None and self.scope not in (None, "coalesce"):
             raise ConfigurationError(
                 f"{where} lock_coalesce: chooses the arguments of a coalescing follow-up, and "
@@ -282,6 +293,18 @@ class TaskOptions:
             policy=self.policy if self.policy is not None else policy, rate=self.rate,
             keyed=self.keys.lock_args is not None or self.keys.lock_key is not None,
         )  # fmt: skip
+
+    def _check_turns(self, where: str) -> None:
+        """``lock_weight`` and ``lock_priority`` order the turns of a limit's line: a task
+        that takes no limit (``lock_limits``, ``lock_cost``) has none to wait in."""
+        if self.limits is not None or self.cost is not None:
+            return
+        for attribute, value in (("lock_weight", self.weight), ("lock_priority", self.priority)):
+            if value is not None:
+                raise ConfigurationError(
+                    f"{where} {attribute}: orders the turns of executions waiting for a limit, "
+                    "and the task takes none; name its limits in lock_limits (or set lock_cost)"
+                )
 
     def _check_replace(self, where: str, scope: str | None = None) -> None:
         """Refuse what cannot go with ``lock_policy = "replace"`` (``scope``: the app's, when
@@ -437,6 +460,8 @@ class TaskOptions:
             replace_terminate=bool(self.replace_terminate),
             limits=self.limits,
             cost=self.cost,
+            weight=self.weight,
+            priority=self.priority,
         )
 
 

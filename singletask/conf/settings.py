@@ -90,6 +90,7 @@ DEFAULTS: Final[dict[str, Any]] = {
     "singletask_lock_backend_retry_max": 10,
     "singletask_send_events": None,
     "singletask_limits": None,
+    "singletask_limit_turns": True,
 }
 
 
@@ -247,6 +248,9 @@ class Settings:
     send_events: bool | None = None
     #: ``singletask_limits``: the named limits by name, or a callable name -> limit.
     limits: LimitsSetting = field(default_factory=dict)
+    #: ``singletask_limit_turns``: executions that retry until a limit has room wait in its
+    #: line, and take their turns (False: whichever retry comes back first takes the room).
+    limit_turns: bool = True
 
     def backend_options(self) -> dict[str, Any]:
         """Keyword options for :func:`~singletask.backends.backend_from_url` from the settings.
@@ -351,6 +355,7 @@ class Settings:
             limits=setting(
                 "singletask_limits", lambda v, w: {} if v is None else check_limits_setting(v, w)
             ),
+            limit_turns=setting("singletask_limit_turns", check_bool),
         )
 
 

@@ -40,7 +40,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils.nodenames import gethostname
 
 from ..conf.runtime import app_state
-from ..exceptions import BackendTimeout, BackendUnavailable, LockLost, SingletaskError
+from ..exceptions import BackendTimeout, BackendUnavailable, LockLost, SingletaskError, TaskLocked
 from ..lease import LockHandle
 from ..observe import report
 from ..policies import POLICIES, Conflict
@@ -222,6 +222,10 @@ class _Run:
         want = None
         if options.limits is not None or options.cost is not None:
             want = wanted(task, options, state, key, args, kwargs)  # a bad cost fails here
+            waits = options.policy == "retry" or retries > 0  # see _no_room
+            turns = state.settings.limit_turns and state.backend.supports_turns
+            if want and waits and turns and not (direct or request.is_eager):
+                want.turn = units.turn(task, options, key, str(task_id), args, kwargs)
         if direct:
             attempt, token, takeover = None, direct_token(), None
         else:
@@ -251,7 +255,7 @@ class _Run:
     def take(self, takeover: str | None) -> AcquireResult:
         """One acquire of the key, taking over ``takeover``'s hold if it is the holder."""
         self.sent_at = time.monotonic()
-        units = self.want.units if self.want else ()
+        units = self.want.taking if self.want else ()
         return take(self.backend, self.options, self.key, self.token, self.meta, takeover, units)
 
     def unreachable(self, exc: BackendUnavailable | BackendTimeout) -> Ended:
@@ -308,9 +312,14 @@ def _no_room(run: _Run, result: AcquireResult) -> Ended:
     assert run.want is not None
     conflict = units.no_room(run.task, run.options, run.backend, run.key, run.want, result,
                              run.direct)  # fmt: skip
-    if run.retries > 0 and not run.direct and not run.request.is_eager:
-        return Ended(POLICIES["retry"].apply(conflict))
-    return Ended(refused(conflict))
+    try:
+        if run.retries > 0 and not run.direct and not run.request.is_eager:
+            return Ended(POLICIES["retry"].apply(conflict))
+        return Ended(refused(conflict))
+    except TaskLocked:
+        # It stops waiting (its lock retries are spent): its place in line goes to the next.
+        units.leave_line(run.task, run.backend, run.token, run.want)
+        raise
 
 
 def _window(run: _Run) -> Ended | None:

@@ -21,12 +21,14 @@ lease is renewed, lost and released as every execution's is.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..backends.holders import Units, check_units
+from ..backends.holders import Turn, Units, check_units
 from ..conf.limits import cost_of
+from ..conf.turns import priority_of, weight_of
 from ..exceptions import ConfigurationError
 from ..policies import Conflict
 from ..protocol.limits import limit_key
@@ -38,7 +40,10 @@ if TYPE_CHECKING:
     from ..conf.options import LockOptions
     from ..conf.runtime import AppState
 
-__all__ = ["KEY_LIMIT", "Wanted", "charge", "give_back", "no_room", "own_key", "wanted"]
+__all__ = [
+    "KEY_LIMIT", "Wanted", "charge", "give_back", "leave_line", "no_room", "own_key", "turn",
+    "wanted",
+]  # fmt: skip
 
 logger = logging.getLogger("singletask")
 
@@ -57,16 +62,25 @@ def own_key(key: str, ident: str) -> str:
 
 
 class Wanted:
-    """The units one call takes, and the name of the limit each comes from."""
+    """The units one call takes, the name of the limit each comes from, and how it waits for
+    room (``turn``: None, it does not wait in line)."""
 
-    __slots__ = ("names", "units")
+    __slots__ = ("names", "turn", "units")
 
     def __init__(self, units: Sequence[Units], names: Mapping[str, str]) -> None:
         self.units = tuple(units)
         self.names = dict(names)
+        self.turn: Turn | None = None
 
     def __bool__(self) -> bool:
         return bool(self.units)
+
+    @property
+    def taking(self) -> tuple[Units, ...]:
+        """The units as a take asks for them: with its turn, when it waits in line."""
+        if self.turn is None:
+            return self.units
+        return tuple(dataclasses.replace(u, turn=self.turn) for u in self.units)
 
     @property
     def held(self) -> tuple[Units, ...]:
@@ -113,6 +127,59 @@ def wanted(
         units.append(Units(item_key, options.limit, cost))
         names[item_key] = KEY_LIMIT
     return Wanted(units, names)
+
+
+#: Room freed for a ticket is kept for its owner's next retry: ``lock_retry_countdown``, its
+#: jitter (up to a quarter more), and this many seconds for the message to come back.
+HOLD_SLACK = 2.0
+
+#: A ticket lasts this many countdowns, plus :data:`LEASE_SLACK` seconds, from its owner's last
+#: take: a retry late by a busy worker keeps its place; one that never comes back gives it up.
+LEASE_COUNTDOWNS = 3.0
+LEASE_SLACK = 10.0
+
+
+def turn(
+    task: Task[Any, Any],
+    options: LockOptions,
+    group: str,
+    ticket: str,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> Turn:
+    """How an execution that retries until its limits have room waits in their lines: as
+    ``ticket`` (its task id) of ``group`` (its lock key), weighed by ``lock_weight`` and
+    moved by ``lock_priority``.
+
+    Raises:
+        ConfigurationError: A weight or priority callable failed or answered out of range.
+    """
+    where = f"task {task.name!r} attribute"
+    weight = 1.0
+    if options.weight is not None:
+        weight = weight_of(options.weight, args, kwargs, f"{where} lock_weight")
+    priority = 0
+    if options.priority is not None:
+        priority = priority_of(options.priority, args, kwargs, f"{where} lock_priority")
+    countdown = options.retry_countdown
+    return Turn(
+        ticket, group, weight, priority,
+        lease=LEASE_COUNTDOWNS * countdown + LEASE_SLACK, hold=1.25 * countdown + HOLD_SLACK,
+    )  # fmt: skip
+
+
+def leave_line(task: Task[Any, Any], backend: LockBackend, token: str, want: Wanted) -> None:
+    """An execution that stops waiting gives its tickets back (never raises: a ticket the
+    store could not drop ends with its lease)."""
+    if want.turn is None:
+        return
+    try:
+        backend.give_units(token, want.taking)
+    except Exception:
+        logger.warning(
+            "Task %s: could not leave the line of its limits; its place ends with its lease",
+            task.name, exc_info=True,
+        )  # fmt: skip
 
 
 def _fits(task: str, attribute: str, name: str, cost: int, size: int) -> None:

@@ -4,6 +4,8 @@ test_contract_units.py."""
 
 from __future__ import annotations
 
+import json
+import random
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -14,11 +16,19 @@ import redis
 
 from singletask import BackendError, BackendUnavailable, ConfigurationError, LockKeyError
 from singletask.backends import backend_from_url
-from singletask.backends.base import Units
+from singletask.backends.base import Turn, Units
+from singletask.backends.memory import MemoryBackend
 from singletask.backends.redis.deploy import RedisClusterBackend
 from singletask.backends.redis.limit_scripts import TAKE_UNITS_SCRIPT
 from singletask.backends.redis.store import RedisBackend
-from singletask.backends.redis.units import limit_keys, log_key, units_key
+from singletask.backends.redis.units import (
+    limit_keys,
+    line_key,
+    log_key,
+    script_keys,
+    units_key,
+)
+from singletask.backends.turns import Line
 from singletask.protocol.limits import limit_key
 
 from ..deployments import ClusterDeployment
@@ -137,6 +147,184 @@ def test_a_name_ending_as_a_limits_companion_is_refused(
         redis_backend.acquire(f"{key_prefix}lock}}:units", "token-a", LEASE)
 
 
+def test_a_limits_line_is_a_json_string_that_expires_with_its_last_ticket(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A refused turn's ticket waits in ``{<limit key>}:turns``: the JSON of Line.to_json
+    (times in microseconds of the server's clock), expiring with the last ticket's lease; a
+    ticket given back leaves it, and the line is deleted when its last ticket is served. It is
+    never listed as a lock, nor as a limit of its own."""
+    # Given a limit of one unit, held, and two turns refused, the second with a longer lease
+    limit = Units(limit_key(key_prefix, "requests"), 1, 1)
+    assert redis_backend.take_units("first", LEASE, [limit]).taken
+    short = Units(limit.key, 1, 1, None, Turn("a1", "A", lease=20.0, hold=5.0))
+    long = Units(limit.key, 1, 1, None, Turn("b1", "B", weight=0.3, priority=-2, lease=40.0))
+    assert not redis_backend.take_units("a1", LEASE, [short], meta={"task_id": "a1"}).taken
+    assert not redis_backend.take_units("b1", LEASE, [long], meta={"task": "app.t"}).taken
+
+    # Then the line holds both tickets, in the fields of Line.to_json, numbers read back exact
+    name = line_key(limit.key)
+    assert name == f"{{{limit.key}}}:turns"
+    raw: Any = redis_client.get(name)
+    value = json.loads(raw)
+    assert set(value) == {"v", "q", "k"}
+    assert value["q"] == 2
+    line = Line.from_json(value)
+    a1, b1 = line.tickets["a1"], line.tickets["b1"]
+    assert (a1.group, a1.units, a1.seq, a1.ready, a1.meta) == ("A", 1, 0, None, {"task_id": "a1"})
+    assert (a1.finish, a1.tag, a1.hold) == (1.0, 1.0, 5_000_000)
+    assert (b1.finish, b1.tag, b1.meta) == (1 / 0.3, 1 / 0.3 + 2, {"task": "app.t"})
+    now_s, now_us = (int(part) for part in redis_client.time())
+    assert 19_000_000 < a1.expires - (now_s * 1_000_000 + now_us) <= 20_000_000
+    # And the line expires with the last ticket's lease; the limit's records keep theirs
+    assert 39_000 < redis_client.pttl(name) <= 40_000
+    assert LEASE * 1000 - 5000 < redis_client.pttl(limit.key) <= LEASE * 1000
+    # And it is neither a lock nor a limit of its own
+    assert list(redis_backend.iter_locks(key_prefix)) == []
+    assert [(s.kind, s.key) for s in redis_backend.iter_state(key_prefix)] == [("limit", limit.key)]
+
+    # When a1 gives its ticket back, b1 is left, and the line still expires with it
+    assert redis_backend.give_units("a1", [short]) == [False]
+    assert set(json.loads(redis_client.get(name) or "{}")["k"]) == {"b1"}
+    assert 39_000 < redis_client.pttl(name) <= 40_000
+    # And when b1 is served, the line is gone
+    assert redis_backend.give_units("first", [limit]) == [True]
+    assert redis_backend.take_units("b1", LEASE, [long]).taken
+    assert redis_client.exists(name) == 0
+
+
+def test_a_take_without_a_turn_reads_the_line_once_and_writes_nothing_more(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """Nobody waiting and no turn: a take reads each limit's line key once (a GET that finds
+    nothing), sends no turn arguments and writes nothing to the line; a refused one neither."""
+    limits = [
+        Units(limit_key(key_prefix, "{llm}-requests"), 1, 1),
+        Units(limit_key(key_prefix, "{llm}-tokens", rate=True), 10, 1, PERIOD),
+    ]
+    assert redis_backend.take_units("token-0", LEASE, limits).taken  # the script cached
+
+    def calls() -> dict[str, int]:
+        stats = redis_client.info("commandstats")
+        return {name: int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
+                for name in ("get", "set", "del")}  # fmt: skip
+
+    for token, taken in (("token-1", False), ("token-0", True)):
+        before = calls()
+        assert redis_backend.take_units(token, LEASE, limits).taken is taken
+        after = calls()
+        assert {name: after[name] - before[name] for name in after} == {
+            "get": 2, "set": 0, "del": 0,
+        }  # fmt: skip
+    assert redis_client.exists(*[line_key(item.key) for item in limits]) == 0
+
+
+def test_the_take_script_checks_every_turn_argument_before_its_first_write(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A turn's weight, priority, lease or hold out of range (as a client that skips the
+    checks of check_turn would send it) fails the script before it writes anything."""
+    good = Units(limit_key(key_prefix, "good"), 5, 1)
+    bad = Units(limit_key(key_prefix, "bad"), 5, 1)
+    keys = [*script_keys(good.key), *script_keys(bad.key)]
+    head: list[str | int] = [
+        "token-a",
+        30_000,
+        "",
+        "",
+        "",
+        5,
+        1,
+        0,
+        5,
+        1,
+        0,
+        "",
+        "",
+        "",
+        "",
+        "",
+        "",
+    ]
+    for turn, what in (
+        (["b", "B", "0", 0, 1000, 1000], "weight"),
+        (["b", "B", "-1.0", 0, 1000, 1000], "weight"),
+        (["b", "B", "nan", 0, 1000, 1000], "weight"),
+        (["b", "B", "inf", 0, 1000, 1000], "weight"),
+        (["b", "B", "1000.5", 0, 1000, 1000], "weight"),
+        (["b", "B", "1.0", 11, 1000, 1000], "priority"),
+        (["b", "B", "1.0", "1.5", 1000, 1000], "priority"),
+        (["b", "B", "1.0", 0, 0, 1000], "duration"),
+        (["b", "B", "1.0", 0, 1000, -1], "duration"),
+    ):
+        with pytest.raises(
+            redis.ResponseError, match=f"singletask: turn {what}|singletask: {what}"
+        ):
+            redis_client.eval(TAKE_UNITS_SCRIPT, len(keys), *keys, *head, *turn)
+        assert redis_client.exists(*keys) == 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_scripts_keep_the_line_as_the_python_reference_does(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str, seed: int
+) -> None:
+    """Random takes and givings back, with and without turns, of two concurrency limits and a
+    rate (one take asking one or two of them), decided the same on Redis as on the in-process
+    store (singletask.backends.turns in Python): taken or refused, which limit, its units in
+    use, a rate's wait (to the second: the two clocks differ), what each giving back found;
+    and after each, every line the same: its virtual time, its next seq, its tickets in order,
+    each with the same finish, tag, seq, units and whether it is ready. Leases, holds and the
+    period are long enough that nothing runs out during the test."""
+    rnd = random.Random(seed)
+    memory = MemoryBackend()
+    keys = [limit_key(key_prefix, "{fz}-a"), limit_key(key_prefix, "{fz}-b"),
+            limit_key(key_prefix, "{fz}-r", rate=True)]  # fmt: skip
+    sizes = [rnd.randint(1, 4), rnd.randint(1, 4), rnd.randint(2, 8)]
+    tickets = [f"t{i}" for i in range(8)]
+    groups = {t: rnd.choice("ABC") for t in tickets}
+    weights = {g: rnd.choice([0.5, 1.0, 2.0, 3.0]) for g in "ABC"}
+    priorities = {t: rnd.choice([0, 0, 0, 1, -1, 10, -10]) for t in tickets}
+    wants = {t: rnd.randint(1, 2) for t in tickets}
+
+    def lined(line: Line) -> Any:
+        return (
+            line.vt,
+            line.seq,
+            [
+                (name, t.group, t.finish, t.tag, t.seq, t.units, t.ready is not None)
+                for name, t in line.ordered()
+            ],
+        )
+
+    def seen(result: Any) -> Any:
+        if isinstance(result, list):
+            return result
+        wait = None if result.retry_after is None else round(result.retry_after)
+        return result.taken, result.limit, result.used, wait
+
+    for step in range(100):
+        token = rnd.choice(tickets)
+        turn = Turn(token, groups[token], weights[groups[token]], priorities[token], 600.0, 600.0)
+        with_turn = rnd.random() < 0.8
+        items = [
+            Units(keys[i], sizes[i], min(wants[token], sizes[i]), 600.0 if i == 2 else None,
+                  turn if with_turn else None)
+            for i in rnd.choice([[0], [1], [0, 1], [2], [0, 2], [1, 2]])
+        ]  # fmt: skip
+        if rnd.random() < 0.6:
+            meta = {"task_id": token}
+            expected = seen(memory.take_units(token, 600.0, items, meta=meta))
+            got = seen(redis_backend.take_units(token, 600.0, items, meta=meta))
+        else:
+            expected, got = memory.give_units(token, items), redis_backend.give_units(token, items)
+        assert got == expected, f"step {step}: {token} {items}"
+        for key in keys:  # and each line holds the same tickets, in the same order, as ready
+            raw = redis_client.get(line_key(key))
+            assert lined(Line.from_json(json.loads(raw) if raw else None)) == lined(
+                memory._limits.lines.get(key) or Line()
+            ), f"step {step}: the line of {key}"
+
+
 # -- one atomic step ----------------------------------------------------------------------------
 
 
@@ -178,7 +366,7 @@ def test_the_take_script_checks_every_argument_before_its_first_write(
     anything: no key is left, let alone one without an expiry."""
     good = Units(limit_key(key_prefix, "good"), 5, 1)
     bad = Units(limit_key(key_prefix, "bad"), 5, 1)
-    keys = [*limit_keys(good.key), *limit_keys(bad.key)]
+    keys = [*script_keys(good.key), *script_keys(bad.key)]
     head: list[str | int | float] = ["token-a", 30_000, "", "", ""]
     for args in (
         [*head, 5, 1, 0, 5, 1, -1],  # a negative period

@@ -8,16 +8,19 @@ a read, expired rows deleted, long limit keys, and the operator's listing in pag
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from singletask.backends import backend_from_url
-from singletask.backends.base import Units
+from singletask.backends.base import Turn, Units
 from singletask.backends.holders import MAX_SHOWN
+from singletask.backends.sql.lines import line_table
 from singletask.backends.sql.units import limit_tables
 from singletask.exceptions import BackendTimeout, BackendUnavailable
 from singletask.protocol.limits import limit_key
@@ -579,3 +582,67 @@ def test_a_server_that_does_not_answer_is_backend_unavailable(
     with pytest.raises(BackendUnavailable):
         store.give_units("a", [concurrency("pool", 1)])
     store.close()
+
+
+def race_in_line(stores: list[Any], tickets_of: Callable[[str], set[str]]) -> None:
+    """Fair turns under races, each thread on a store of its own (``tickets_of``: the tickets
+    stored in a limit's line, read directly): takes with turns refused at the same moment all
+    get their ticket (the line is changed by one transaction at a time, none lost); then, the
+    room freed, every ticket and two takes without a turn come back at once, round after
+    round: exactly one is let in each round, always a ticket, until none waits."""
+    waiting = len(stores) - 2
+    limit = concurrency("turns", 1)
+
+    def item(token: str) -> Units:
+        if token.startswith("x"):
+            return limit
+        return Units(limit.key, 1, 1, turn=Turn(token, f"group-{token}", lease=60, hold=60))
+
+    def race(tokens: list[str]) -> list[str]:
+        start, admitted = threading.Barrier(len(tokens)), []
+
+        def worker(n: int, token: str) -> None:
+            start.wait(30)
+            if stores[n].take_units(token, 30, [item(token)]).taken:
+                admitted.append(token)
+
+        threads = [threading.Thread(target=worker, args=pair) for pair in enumerate(tokens)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        return admitted
+
+    assert stores[0].take_units("first", 30, [limit]).taken
+    tickets = [f"w{n}" for n in range(waiting)]
+    assert race(tickets) == []
+    assert tickets_of(limit.key) == set(tickets)
+    holder = "first"
+    while tickets:
+        stores[0].give_units(holder, [limit])
+        admitted = race([*tickets, "x1", "x2"])
+        assert len(admitted) == 1, admitted
+        assert admitted[0] in tickets, admitted
+        holder = admitted[0]
+        tickets.remove(holder)
+    assert tickets_of(limit.key) == set()
+
+
+@both
+def test_racing_takes_with_turns_never_lose_a_ticket_nor_both_pass_one(
+    sql_store: SqlStore, kind: str
+) -> None:
+    url, table = sql_store
+    stores = [backend_from_url(url, table=table) for _ in range(7)]
+
+    def tickets_of(key: str) -> set[str]:
+        rows = run_sql(
+            kind, f"SELECT line FROM {line_table(table)} WHERE {key_column(kind)} = '{key}'"
+        )  # the test's own key: no quoting to fear
+        return {name for (line,) in rows for name in json.loads(text(line))["k"]}
+
+    try:
+        race_in_line(stores, tickets_of)
+    finally:
+        for store in stores:
+            store.close()

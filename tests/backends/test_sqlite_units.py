@@ -5,6 +5,7 @@ file of an older version, the listing's read-only reads, and rows another progra
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import sqlite3
 import time
@@ -15,8 +16,11 @@ import pytest
 
 from singletask.backends.base import Units
 from singletask.backends.sql.sqlite import SQLiteBackend
+from singletask.backends.sql.sqlite.units import LINES
 from singletask.exceptions import BackendTimeout
 from singletask.protocol.limits import limit_key
+
+from .test_sql_units import race_in_line
 
 #: Two concurrency limits, taken alone or together, and a rate.
 SMALL = Units(limit_key("app:", "{db}-small"), 3, 1)
@@ -287,3 +291,16 @@ def test_rows_another_program_wrote_that_are_not_utf8_are_listed_escaped(tmp_pat
             (SMALL.key, [("t1", None)]),
         ]
     writer.close()
+
+
+def test_racing_takes_with_turns_never_lose_a_ticket_nor_both_pass_one(tmp_path: Path) -> None:
+    """As on the SQL servers (``race_in_line``), each thread on a store of its own."""
+    path = tmp_path / "locks.db"
+    stores = [SQLiteBackend(path) for _ in range(7)]
+
+    def tickets_of(key: str) -> set[str]:
+        with contextlib.closing(sqlite3.connect(path)) as conn:
+            rows = conn.execute(f"SELECT line FROM {LINES} WHERE key = ?", (key,)).fetchall()
+        return {name for (line,) in rows for name in json.loads(line)["k"]}
+
+    race_in_line(stores, tickets_of)

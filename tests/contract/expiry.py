@@ -23,6 +23,7 @@ import redis
 from singletask.backends.base import MAX_LEASE, LockBackend
 from singletask.backends.memory import MemoryBackend
 from singletask.backends.sql.core import FENCE_RETENTION as SQLITE_FENCE_RETENTION
+from singletask.backends.sql.lines import line_table
 from singletask.backends.sql.sqlite import SQLiteBackend
 from singletask.backends.sql.units import limit_tables
 
@@ -129,6 +130,13 @@ def _sqlite(
                 until = None if at is None else at + (period or 0.0)
                 if until is None or until > now:
                     found[f"limit {key} {token}"] = None if until is None else until - now
+        # A limit's waiting line (fair turns) expires when its last ticket's lease runs out
+        if "singletask_lines" in tables:
+            for key, expires in conn.execute(
+                "SELECT key, expires FROM singletask_lines WHERE key LIKE ?", (pattern,)
+            ):
+                if expires is None or expires > now:
+                    found[f"line {key}"] = None if expires is None else expires - now
         return found
     finally:
         conn.close()
@@ -188,7 +196,8 @@ def _postgresql(
     found: dict[str, float | None] = {}
     # The lock table's rows; the rows of named limits (one per limit, one per hold or start)
     for kind, table, columns in (
-        ("row", backend.table, "key"), ("limit", limits, "key"), ("hold", holds, "key, token")
+        ("row", backend.table, "key"), ("limit", limits, "key"), ("hold", holds, "key, token"),
+        ("line", line_table(backend.table), "key"),  # a limit's waiting line (fair turns)
     ):  # fmt: skip
         query = sql.SQL(
             "SELECT concat_ws(' ', {}), "
@@ -220,6 +229,7 @@ def _mysql(
     for kind, full_name, columns in (
         ("row", backend.table, "`key`"), ("limit", limits, "`key`"),
         ("hold", holds, "`key`, ' ', token"),
+        ("line", line_table(backend.table), "`key`"),  # a limit's waiting line (fair turns)
     ):  # fmt: skip
         with conn.cursor() as cursor:
             schema, _, name = full_name.rpartition(".")

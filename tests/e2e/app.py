@@ -28,6 +28,7 @@ TASK_MODULES = [
     "tests.e2e.tasks_handoffs",
     "tests.e2e.tasks_replace",
     "tests.e2e.tasks_shared",
+    "tests.e2e.tasks_turns",
 ]
 
 
@@ -38,6 +39,8 @@ def e2e_limits(name: str) -> dict[str, Any] | None:
         return {"concurrency": 3}
     if name.startswith("{e2e}-tokens:"):
         return {"rate": "10/2s"}
+    if name.startswith("{e2e}-turns:"):  # tests/e2e/tasks_turns.py
+        return {"concurrency": 2}
     return None
 
 
@@ -48,6 +51,10 @@ TRANSPORT_ENV = "SINGLETASK_E2E_TRANSPORT"
 #: Optional: a JSON object, the lock store's ``singletask_backend_transport_options``.
 LOCK_OPTIONS_ENV = "SINGLETASK_E2E_LOCK_OPTIONS"
 
+#: Optional: ``"0"`` turns fair turns off (``singletask_limit_turns = False``), as
+#: test_fair_turns.py compares.
+TURNS_ENV = "SINGLETASK_E2E_LIMIT_TURNS"
+
 
 def make_app(
     *,
@@ -57,6 +64,7 @@ def make_app(
     queue: str,
     transport_options: Mapping[str, Any] | None = None,
     lock_options: Mapping[str, Any] | None = None,
+    limit_turns: bool = True,
 ) -> Celery:
     app = Celery("e2e", broker=broker, backend=results, include=TASK_MODULES)
     exchange = Exchange(queue, type="direct", durable=False, auto_delete=True)
@@ -64,6 +72,7 @@ def make_app(
         singletask_backend_url=locks,
         singletask_backend_transport_options=dict(lock_options or {}),
         singletask_limits=e2e_limits,
+        singletask_limit_turns=limit_turns,
         task_queues=[Queue(queue, exchange, routing_key=queue, durable=False, auto_delete=True)],
         task_default_queue=queue,
         task_default_exchange=queue,
@@ -93,6 +102,7 @@ def _from_env() -> Celery | None:
             queue=os.environ["SINGLETASK_E2E_QUEUE"],
             transport_options=json.loads(os.environ.get(TRANSPORT_ENV) or "{}"),
             lock_options=json.loads(os.environ.get(LOCK_OPTIONS_ENV) or "{}"),
+            limit_turns=os.environ.get(TURNS_ENV, "1") != "0",
         )
     except KeyError:
         return None

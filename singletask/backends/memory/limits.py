@@ -11,6 +11,7 @@ from typing import Any
 
 from ..base import StoreState, Units, UnitsResult
 from ..holders import MAX_SHOWN
+from ..turns import Line, fits, settle
 
 __all__ = ["Limits"]
 
@@ -52,6 +53,7 @@ class Limits:
 
     def __init__(self) -> None:
         self.records: dict[str, _Limit] = {}
+        self.lines: dict[str, Line] = {}  # the limits' waiting lines (fair turns)
 
     def take(
         self,
@@ -62,16 +64,23 @@ class Limits:
         now: float,
     ) -> UnitsResult:
         """:meth:`~singletask.backends.base.LockBackend.take_units` at ``now``."""
+        refusal: UnitsResult | None = None
+        seen: list[tuple[Units, int, bool]] = []
         for item in units:
             record = self.records.get(item.key)
             holds = record.live(now) if record is not None else {}
-            if item.period is not None and token in holds:
-                continue  # a retried take: this start is counted already
             used = sum(h.units for t, h in holds.items() if t != token)
-            if used + item.units <= item.size:
+            if item.period is not None and token in holds:
+                seen.append((item, used, True))  # a retried take: this start is counted already
+                continue
+            line = self.lines.get(item.key)
+            line = line.live(now) if line is not None else None
+            fitted = fits(line, item, used, now, holding=token in holds)
+            seen.append((item, used, fitted))
+            if fitted or refusal is not None:
                 continue
             retry_after = None
-            if item.period is not None:
+            if item.period is not None and used + item.units > item.size:
                 # The oldest starts leave the window first: wait for enough of them.
                 free, need = 0, used + item.units - item.size
                 for hold in sorted(holds.values(), key=lambda h: h.at):
@@ -79,22 +88,55 @@ class Limits:
                     if free >= need:
                         retry_after = max(hold.at + item.period - now, 0.001)
                         break
-            return UnitsResult(False, item.key, used, retry_after)
-        for item in units:
-            record = self.records.get(item.key)
-            if record is None:
-                record = self.records[item.key] = _Limit(item.size, item.period, {})
-            record.size, record.period = item.size, item.period
-            if item.period is None:
-                record.holds[token] = _Hold(item.units, now + ttl, dict(meta or {}))
-            elif token not in record.holds:
-                record.holds[token] = _Hold(item.units, now, dict(meta or {}))
-        return UnitsResult(True)
+            refusal = UnitsResult(False, item.key, used, retry_after)
+        taken = refusal is None
+        for item, used, fitted in seen:
+            if taken:
+                self._record(token, ttl, item, meta, now)
+            self._settle(item, used, fitted, taken, meta, now)
+        return refusal or UnitsResult(True)
+
+    def _record(
+        self, token: str, ttl: float, item: Units, meta: Mapping[str, str] | None, now: float
+    ) -> None:
+        record = self.records.get(item.key)
+        if record is None:
+            record = self.records[item.key] = _Limit(item.size, item.period, {})
+        record.size, record.period = item.size, item.period
+        if item.period is None:
+            record.holds[token] = _Hold(item.units, now + ttl, dict(meta or {}))
+        elif token not in record.holds:
+            record.holds[token] = _Hold(item.units, now, dict(meta or {}))
+
+    def _settle(
+        self,
+        item: Units,
+        used: int,
+        fitted: bool,
+        taken: bool,
+        meta: Mapping[str, str] | None,
+        now: float,
+    ) -> None:
+        """The limit's waiting line after the take (kept only while it has tickets)."""
+        line = self.lines.get(item.key)
+        if line is None and item.turn is None:
+            return
+        line = line if line is not None else Line()
+        settle(line, item, used, fitted, taken, now, meta)
+        if line:
+            self.lines[item.key] = line
+        else:
+            self.lines.pop(item.key, None)
 
     def give(self, token: str, units: Sequence[Units], now: float) -> list[bool]:
         """:meth:`~singletask.backends.base.LockBackend.give_units` at ``now``."""
         found = []
         for item in units:
+            line = self.lines.get(item.key)
+            if item.turn is not None and line is not None:
+                line.drop(item.turn.ticket)
+                if not line.live(now):
+                    del self.lines[item.key]
             record = self.records.get(item.key)
             hold = record.live(now).get(token) if record is not None else None
             found.append(hold is not None)
@@ -111,6 +153,7 @@ class Limits:
     def prune(self, now: float) -> None:
         """Forget the limits nothing counts in any more."""
         self.records = {k: r for k, r in self.records.items() if r.live(now)}
+        self.lines = {k: line for k, line in self.lines.items() if line.live(now)}
 
     def state(self, key: str, now: float) -> StoreState | None:
         """The listing of limit ``key`` (a StoreState of kind "limit"), or None."""
@@ -127,6 +170,7 @@ class Limits:
         shape: dict[str, Any] = {
             "size": limit.size, "period": limit.period,
             "used": sum(h.units for h in holds.values()), "holds": shown,
+            "waiting": len(self.lines[key].live(now).tickets) if key in self.lines else 0,
         }  # fmt: skip
         last = max(limit.until(h) for h in holds.values())
         return StoreState("limit", key, None, last - now, shape)

@@ -82,6 +82,7 @@ class MemoryBackend(LockBackend):
     supports_debounce = True
     supports_replace = True
     supports_units = True
+    supports_turns = True
 
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}

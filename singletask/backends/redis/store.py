@@ -143,6 +143,7 @@ class RedisBackend(LockBackend):
     supports_debounce = True
     supports_replace = True
     supports_units = True
+    supports_turns = True
 
     #: Whether the stores of this class are Redis Clusters (by their URL: the limits one
     #: take names must share a hash slot, :meth:`check_units_keys`).
@@ -447,9 +448,9 @@ class RedisBackend(LockBackend):
         given a cluster client), unless every key is in one hash slot (names with one hash
         tag, ``"{openai}-requests"`` and ``"{openai}-tokens"``, are when the key prefix has
         none); on any Redis store, a key ending as a limit's companion record does
-        (``}:holds``, ``}:units``). Connects to nothing: for a task's ``lock_limits`` when it
-        is bound. ``where`` starts the message. take_units and give_units check the same
-        before they send anything.
+        (``}:holds``, ``}:units``, ``}:turns``). Connects to nothing: for a task's
+        ``lock_limits`` when it is bound. ``where`` starts the message. take_units and
+        give_units check the same before they send anything.
 
         Raises:
             ConfigurationError: They cannot; the message says how to name them.

@@ -3,7 +3,7 @@
 (:mod:`singletask.backends.redis.limit_scripts`), and the limits' records for operators.
 
 A limit (:func:`singletask.protocol.limits.limit_key`: ``<prefix>%limit:<name>`` or
-``<prefix>%rate:<name>``) is three keys, named with
+``<prefix>%rate:<name>``) is four keys, named with
 :func:`singletask.protocol.slots.companion_key` so that they hash to the limit key's Redis
 Cluster slot (when the key has a hash tag, or no ``}`` at all):
 
@@ -13,11 +13,19 @@ Cluster slot (when the key has a hash tag, or no ``}`` at all):
 * ``{<limit key>}:holds`` (:func:`log_key`): the log, a sorted set of owner tokens, scored by a
   concurrency hold's deadline or a rate start's time, in microseconds of the server's clock;
 * ``{<limit key>}:units`` (:func:`units_key`): per token, ``u<token>`` its units, and
-  ``i<token>`` / ``t<token>`` the task id and task name of the take's metadata.
+  ``i<token>`` / ``t<token>`` the task id and task name of the take's metadata;
+* ``{<limit key>}:turns`` (:func:`line_key`): the limit's waiting line (fair turns,
+  :mod:`singletask.backends.turns`), a string, the JSON of ``Line.to_json`` (virtual time
+  ``v``, next seq ``q``, tickets ``k`` by name, each ``{g, f, t, q, u, e, h, r, m}``), its
+  times (``e`` expiry, ``r`` ready, ``h`` hold) in microseconds of the server's clock. It
+  exists only while a ticket waits.
 
-The three expire together, when the last hold or start stops counting. A take costs a few
-commands on the log whatever its length (entries that stopped counting are dropped as the
-scripts meet them); a refused rate reads the oldest starts it has to wait for.
+The first three expire together, when the last hold or start stops counting; the line expires
+with its last ticket's lease. A take costs a few commands on the log whatever its length
+(entries that stopped counting are dropped as the scripts meet them), and one ``GET`` of the
+line (which, when nobody waits, finds nothing); a refused rate reads the oldest starts it has
+to wait for. A take that carries a turn sends six arguments more per limit (the turn's ticket,
+group, weight, priority, lease and hold), one without sends none.
 
 Every key of one take is in one script, so on Redis Cluster every limit of one take must be in
 one slot: names with one hash tag (``"{openai}-requests"``, ``"{openai}-tokens"``), when the
@@ -33,7 +41,7 @@ from redis.crc import key_slot
 
 from ...exceptions import ConfigurationError
 from ...protocol.slots import companion_key
-from ..base import StoreState, Units, UnitsResult, check_taken
+from ..base import StoreState, Turn, Units, UnitsResult, check_taken
 from ..holders import MAX_SHOWN
 from .limit_scripts import (
     ACQUIRE_UNITS_SCRIPT,
@@ -46,8 +54,8 @@ from .wire import Script, as_text, lease_ms
 
 __all__ = [
     "ACQUIRE_UNITS", "GIVE_UNITS", "LIMIT_ENDS", "LIMIT_STATE_SCRIPT", "RELEASE_UNITS",
-    "TAKE_UNITS", "check_limit_keys", "give_request", "limit_keys", "limit_state", "log_key",
-    "take_request", "take_result", "units_key", "with_lock",
+    "TAKE_UNITS", "check_limit_keys", "give_request", "limit_keys", "limit_state", "line_key",
+    "log_key", "script_keys", "take_request", "take_result", "units_key", "with_lock",
 ]  # fmt: skip
 
 TAKE_UNITS = Script(TAKE_UNITS_SCRIPT)
@@ -68,9 +76,9 @@ def with_lock(
     return [*lock_keys, *unit_keys], args
 
 
-#: How the names of a limit's log and units hash end (companion records: never listed as
+#: How the names of a limit's log, units hash and line end (companion records: never listed as
 #: locks, refused as raw lock keys and as limit keys).
-LIMIT_ENDS = ("}:holds", "}:units")
+LIMIT_ENDS = ("}:holds", "}:units", "}:turns")
 
 
 def log_key(key: str) -> str:
@@ -83,9 +91,21 @@ def units_key(key: str) -> str:
     return companion_key(key, "units")
 
 
+def line_key(key: str) -> str:
+    """The key of limit ``key``'s waiting line (fair turns: its tickets, as JSON)."""
+    return companion_key(key, "turns")
+
+
 def limit_keys(key: str) -> tuple[str, str, str]:
-    """The three keys of limit ``key``: its record, log and units hash."""
+    """The three keys of limit ``key`` that count its units: its record, log and units hash
+    (they expire together; LIMIT_STATE_SCRIPT's keys)."""
     return key, log_key(key), units_key(key)
+
+
+def script_keys(key: str) -> tuple[str, str, str, str]:
+    """The four keys of limit ``key`` its take and give scripts are given: its record, log,
+    units hash and line."""
+    return key, log_key(key), units_key(key), line_key(key)
 
 
 def check_limit_keys(keys: Sequence[str], where: str, *, cluster: bool) -> None:
@@ -106,7 +126,7 @@ def check_limit_keys(keys: Sequence[str], where: str, *, cluster: bool) -> None:
         return
     slots: dict[int, list[str]] = {}
     for key in keys:
-        own = {key_slot(name.encode()) for name in limit_keys(key)}
+        own = {key_slot(name.encode()) for name in script_keys(key)}
         if len(own) > 1:
             raise ConfigurationError(
                 f"{where}: the records of limit {key!r} (a name with a '}}' but no hash tag) "
@@ -146,10 +166,21 @@ def take_request(
     keys: list[str] = []
     args: list[str | int] = [token, lease, given, task_id or "", task or ""]
     for item in units:
-        keys += limit_keys(item.key)
+        keys += script_keys(item.key)
         period = 0 if item.period is None else _period_ms(item.period)
         args += [item.size, item.units, period]
+    if any(item.turn is not None for item in units):
+        for item in units:
+            args += _turn_args(item.turn)
     return keys, args
+
+
+def _turn_args(turn: Turn | None) -> list[str | int]:
+    """TAKE_UNITS_SCRIPT's six arguments of a limit's turn (checked already), or of none."""
+    if turn is None:
+        return ["", "", "", "", "", ""]
+    lease, hold = lease_ms(turn.lease, "turn lease"), lease_ms(turn.hold, "turn hold")
+    return [turn.ticket, turn.group, repr(float(turn.weight)), turn.priority, lease, hold]
 
 
 def take_result(units: Sequence[Units], reply: Sequence[Any]) -> UnitsResult:
@@ -171,8 +202,10 @@ def give_request(token: str, units: Sequence[Units]) -> tuple[list[str], list[st
     keys: list[str] = []
     args: list[str | int] = [token]
     for item in units:
-        keys += limit_keys(item.key)
+        keys += script_keys(item.key)
         args += [item.units, 0 if item.period is None else _period_ms(item.period)]
+    if any(item.turn is not None for item in units):
+        args += [item.turn.ticket if item.turn is not None else "" for item in units]
     return keys, args
 
 

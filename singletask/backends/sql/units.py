@@ -57,7 +57,7 @@ from typing import Any
 
 from ...protocol.slots import slot_index
 from ..base import AcquireResult, StoreState, Units, UnitsResult, check_lease, check_taken
-from ..holders import MAX_SHOWN
+from ..holders import MAX_SHOWN, Turn
 from . import core
 
 __all__ = ["Limit", "SQLUnits", "limit_tables"]
@@ -77,7 +77,7 @@ class Limit:
     Attributes:
         ord: Its place in the call, from 1.
         key: Its stored key; ``full_key``, its key when ``key`` is the fixed-size form.
-        size, units, period: As the call's :class:`~singletask.backends.base.Units`.
+        size, units, period, turn: As the call's :class:`~singletask.backends.base.Units`.
     """
 
     ord: int
@@ -86,6 +86,12 @@ class Limit:
     size: int
     units: int
     period: float | None
+    turn: Turn | None = None
+
+    @property
+    def item(self) -> Units:
+        """The limit as :mod:`..lines` decides it (under its stored key)."""
+        return Units(self.key, self.size, self.units, self.period, self.turn)
 
 
 def _seconds(value: Any) -> float | None:
@@ -98,6 +104,7 @@ class SQLUnits(core.SQLBackend):
     ``limit_state`` (through :meth:`_select`)."""
 
     supports_units = True
+    supports_turns = True
 
     def take_units(
         self,
@@ -209,7 +216,7 @@ class SQLUnits(core.SQLBackend):
         for n, item in enumerate(units, 1):
             stored, full = self._limit_key(item.key)
             period = None if item.period is None else float(item.period)
-            limits.append(Limit(n, stored, full, item.size, item.units, period))
+            limits.append(Limit(n, stored, full, item.size, item.units, period, item.turn))
         return limits
 
     def _limit_key(self, key: str) -> tuple[str, str | None]:

@@ -69,6 +69,9 @@ OPTIONS: Final[dict[str, tuple[Any, ...]]] = {
     # of its key's own lock_limit.
     "lock_limits": (None, *NAMED),
     "lock_cost": (None, 2),
+    # Fair turns (docs/fair-turns.rst): a key's share of a limit's turns, and turns moved ahead.
+    "lock_weight": (None, 2.0),
+    "lock_priority": (None, 3),
 }
 
 #: The options set to one value in every configuration: leases and retries short enough for a
@@ -106,13 +109,17 @@ def valid(options: Mapping[str, Any]) -> bool:
     ``lock_cost`` go with the "execution" scope only, without ``lock_debounce`` and without
     "replace"; ``lock_cost`` goes without ``lock_rate``; a constant ``lock_cost`` is at most
     ``lock_limit`` (the campaign's costs fit the
-    sizes of :data:`LIMITS`, which the task is bound to)."""
+    sizes of :data:`LIMITS`, which the task is bound to). Fair turns (docs/fair-turns.rst):
+    ``lock_weight`` and ``lock_priority`` go with named limits only."""
     queueing = options["lock_scope"] != "execution"
     if queueing and (options["lock_limit"] > 1 or options["lock_debounce"] is not None):
         return False
     replace = options["lock_policy"] == "replace"
     named = options["lock_limits"] is not None or options["lock_cost"] is not None
     if named and (queueing or replace or options["lock_debounce"] is not None):
+        return False
+    turns = options["lock_weight"] is not None or options["lock_priority"] is not None
+    if turns and not named:
         return False
     if options["lock_cost"] is not None and options["lock_cost"] > options["lock_limit"]:
         return False
@@ -174,6 +181,10 @@ class Config:
             parts.append(f"limits={o['lock_limits']}")
         if o.get("lock_cost") is not None:
             parts.append(f"cost={o['lock_cost']}")
+        if o.get("lock_weight") is not None:
+            parts.append(f"weight={o['lock_weight']}")
+        if o.get("lock_priority") is not None:
+            parts.append(f"priority={o['lock_priority']}")
         parts.append("acks_late" if o["acks_late"] else "acks_early")
         return f"{self.name}[{' '.join(parts)} store={self.store}]"
 

@@ -17,7 +17,9 @@ import pymysql
 
 from ...base import AcquireResult, Units, units_meta
 from ...holders import MAX_SHOWN
+from ...turns import Line
 from .. import core
+from ..lines import Seen, decide, dump, leave, line_table, load
 from ..units import Limit, SQLUnits, limit_tables
 from .queries import CLOCK_US, RELEASE, as_text, run_script
 
@@ -47,12 +49,18 @@ CREATE TABLE IF NOT EXISTS {holds} (
     meta TEXT NULL,
     PRIMARY KEY (`key`, token),
     INDEX {holds_index} (expires_at)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;
+CREATE TABLE IF NOT EXISTS {lines} (
+    `key` VARBINARY(1024) NOT NULL PRIMARY KEY,
+    line MEDIUMTEXT NOT NULL,
+    expires_at DATETIME(6) NOT NULL,
+    INDEX {lines_index} (expires_at)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"""
 
-#: How many of the two tables exist.
+#: How many of the three tables exist.
 FIND_TABLES = (
     "SELECT count(*) FROM information_schema.tables "
-    "WHERE table_schema = COALESCE(%s, DATABASE()) AND table_name IN (%s, %s)"
+    "WHERE table_schema = COALESCE(%s, DATABASE()) AND table_name IN (%s, %s, %s)"
 )
 
 #: One limit of the call's derived table ``c``: stored key, full key, size, units, period in
@@ -94,21 +102,58 @@ SET @st_now = UTC_TIMESTAMP(6), @st_ord = NULL, @st_used = NULL, @st_need = NULL
 LOCK = "(%(k{n})s, %(f{n})s, 0, UTC_TIMESTAMP(6) + INTERVAL %(e{n})s MICROSECOND)"
 SWEEP = """
 DELETE FROM {holds} WHERE `key` = %(k{n})s AND expires_at + INTERVAL 0 MICROSECOND <= @st_now;"""
+# Fair turns (:mod:`..lines`): when a line of one of the limits exists, or a take with a turn
+# (%(turned)s) is refused, @st_ord is -1 and nothing is written: the store takes again in a
+# transaction of two requests, TAKE_BEGIN, SWEEP and READ, then, decided in Python, DECIDED,
+# HOLD or START and SIZE, LINE_SET or LINE_DROP per line, TAKE_END (acquire: as ACQUIRE_*).
 TAKE_DECIDE = """
-SELECT r.ord, r.used, r.used + r.u - r.size INTO @st_ord, @st_used, @st_need FROM (
-    SELECT c.ord, c.size, c.u, c.p,
-        COALESCE(SUM(IF(h.token = %(token)s, 0, h.units)), 0) AS used,
-        COALESCE(MAX(h.token = %(token)s), 0) AS mine
-    FROM ({items}) AS c LEFT JOIN {holds} AS h ON h.`key` = c.k AND _LIVE
-    GROUP BY c.ord, c.size, c.u, c.p) AS r
-WHERE NOT ((r.p IS NOT NULL AND r.mine) OR r.used + r.u <= r.size)
-ORDER BY r.ord LIMIT 1;
+SELECT IF(r.slow, -1, r.ord), r.used, r.used + r.u - r.size INTO @st_ord, @st_used, @st_need
+FROM (SELECT g.*, MAX(g.lined) OVER () OR (%(turned)s AND MAX(g.refused) OVER ()) AS slow
+    FROM (SELECT b.*, NOT ((b.p IS NOT NULL AND b.mine) OR b.used + b.u <= b.size) AS refused
+        FROM (SELECT c.ord, c.size, c.u, c.p,
+                COALESCE(SUM(IF(h.token = %(token)s, 0, h.units)), 0) AS used,
+                COALESCE(MAX(h.token = %(token)s), 0) AS mine,
+                EXISTS (SELECT 1 FROM {lines} AS q
+                    WHERE q.`key` = c.k AND q.expires_at > @st_now) AS lined
+            FROM ({items}) AS c LEFT JOIN {holds} AS h ON h.`key` = c.k AND _LIVE
+            GROUP BY c.ord, c.size, c.u, c.p, c.k) AS b) AS g) AS r
+WHERE r.refused OR r.slow
+ORDER BY r.refused DESC, r.ord LIMIT 1;
 SELECT MIN(x.ends) INTO @st_wait FROM (
     SELECT TIMESTAMPDIFF(MICROSECOND, @st_now, h.`at` + INTERVAL c.p MICROSECOND) AS ends,
         SUM(h.units) OVER (ORDER BY h.`at`, h.token) AS run
     FROM ({items}) AS c JOIN {holds} AS h ON h.`key` = c.k AND _LIVE
     WHERE c.ord = @st_ord AND c.p IS NOT NULL AND h.token <> %(token)s) AS x
 WHERE x.run >= @st_need;""".replace("_LIVE", _LIVE)
+# Per limit in the call's order: units used by others, whether the caller holds some, the
+# clock and its line; then the rates' starts of other tokens, oldest first.
+READ = """
+SELECT c.ord, COALESCE(SUM(IF(h.token = %(token)s, 0, h.units)), 0),
+    COALESCE(MAX(h.token = %(token)s), 0), TIMESTAMPDIFF(MICROSECOND, _EPOCH, @st_now),
+    (SELECT q.line FROM {lines} AS q WHERE q.`key` = c.k AND q.expires_at > @st_now)
+FROM ({items}) AS c LEFT JOIN {holds} AS h ON h.`key` = c.k AND _LIVE
+GROUP BY c.ord, c.k ORDER BY c.ord;
+SELECT c.ord, h.units, TIMESTAMPDIFF(MICROSECOND, _EPOCH, h.`at`)
+FROM ({items}) AS c JOIN {holds} AS h ON h.`key` = c.k AND _LIVE
+WHERE c.p IS NOT NULL AND h.token <> %(token)s ORDER BY c.ord, h.`at`, h.token;""".replace(
+    "_LIVE", _LIVE
+).replace("_EPOCH", "TIMESTAMP'1970-01-01 00:00:00'")
+DECIDED = """
+SET @st_ord = %(decided)s;"""
+LINE_SET = """
+INSERT INTO {lines} (`key`, line, expires_at)
+VALUES (%(lk{n})s, %(lt{n})s, TIMESTAMP'1970-01-01 00:00:00' + INTERVAL %(le{n})s MICROSECOND)
+ON DUPLICATE KEY UPDATE line = VALUES(line), expires_at = VALUES(expires_at);"""
+LINE_DROP = """
+DELETE FROM {lines} WHERE `key` = %(lk{n})s;"""
+# A give with turns: TAKE_BEGIN locks its limits' rows; LEAVE_READ reads their lines; then,
+# in the second request, LINE_SET or LINE_DROP, GIVE_NOW, GIVE per limit, COMMIT.
+LEAVE_READ = """
+SELECT (SELECT q.line FROM {lines} AS q WHERE q.`key` = c.k AND q.expires_at > @st_now),
+    TIMESTAMPDIFF(MICROSECOND, TIMESTAMP'1970-01-01 00:00:00', @st_now)
+FROM ({items}) AS c ORDER BY c.ord;"""
+GIVE_NOW = """
+SET @st_now = UTC_TIMESTAMP(6);"""
 HOLD = """
 INSERT INTO {holds} (`key`, token, units, `at`, expires_at, meta)
 SELECT %(k{n})s, %(token)s, %(u{n})s, @st_now + INTERVAL %(lease_us)s MICROSECOND,
@@ -259,9 +304,14 @@ EXPIRED = """
 SELECT `key`, token FROM {holds} WHERE expires_at < UTC_TIMESTAMP(6)
 ORDER BY expires_at LIMIT %(limit)s;
 SELECT `key` FROM {limits} WHERE expires_at < UTC_TIMESTAMP(6)
+ORDER BY expires_at LIMIT %(limit)s;
+SELECT `key` FROM {lines} WHERE expires_at < UTC_TIMESTAMP(6)
 ORDER BY expires_at LIMIT %(limit)s"""
 RECLAIM_HOLDS = """
 DELETE FROM {holds} WHERE `key` = %(k{n})s AND token IN %(t{n})s
+    AND expires_at + INTERVAL 0 MICROSECOND < UTC_TIMESTAMP(6);"""
+RECLAIM_LINES = """
+DELETE FROM {lines} WHERE `key` IN %(lines)s
     AND expires_at + INTERVAL 0 MICROSECOND < UTC_TIMESTAMP(6);"""
 RECLAIM_LIMITS = """
 DELETE FROM {limits} WHERE `key` IN %(limits)s
@@ -271,7 +321,9 @@ DELETE FROM {limits} WHERE `key` IN %(limits)s
 def queries(table: str) -> dict[str, str]:
     """The statements of named limits for the lock table ``table``, their tables named."""
     limits, holds = (name.split(".") for name in limit_tables(table))
+    lines = line_table(table).split(".")
     names = {
+        "{lines}": ".".join(f"`{part}`" for part in lines), "{lines_index}": f"`{lines[-1]}_ex`",
         "{table}": ".".join(f"`{part}`" for part in table.split(".")),
         "{limits}": ".".join(f"`{part}`" for part in limits),
         "{holds}": ".".join(f"`{part}`" for part in holds),
@@ -285,6 +337,8 @@ def queries(table: str) -> dict[str, str]:
         "expired": EXPIRED, "reclaim_holds": RECLAIM_HOLDS, "reclaim_limits": RECLAIM_LIMITS,
         "acquire_begin": ACQUIRE_BEGIN, "acquire_locks": ACQUIRE_LOCKS, "sweep_if": SWEEP_IF,
         "size_if": SIZE_IF, "acquire_end": ACQUIRE_END, "release_begin": RELEASE_BEGIN,
+        "read": READ, "line_set": LINE_SET, "line_drop": LINE_DROP, "leave_read": LEAVE_READ,
+        "reclaim_lines": RECLAIM_LINES,
     }.items():  # fmt: skip
         for mark, value in names.items():
             text = text.replace(mark, value)
@@ -296,16 +350,16 @@ def create_tables(cursor: pymysql.cursors.Cursor, table: str, create: str) -> No
     """Create the tables of named limits of ``table`` with the statements ``create`` unless
     both exist (looked up first, as ``queries.create_table`` does for the lock table)."""
     schema, _, name = table.rpartition(".")
-    cursor.execute(FIND_TABLES, (schema or None, *limit_tables(name)))
+    cursor.execute(FIND_TABLES, (schema or None, *limit_tables(name), line_table(name)))
     row = cursor.fetchone()
-    if row is None or int(row[0]) < 2:
+    if row is None or int(row[0]) < 3:
         run_script(cursor, create, {})
 
 
 def reclaim(cursor: pymysql.cursors.Cursor, q: Mapping[str, str], limit: int) -> None:
     """Delete a batch of expired rows of the limits' tables (``q``: :func:`queries`): two
     requests, the first of which only reads."""
-    holds, limits = run_script(cursor, q["expired"], {"limit": limit})
+    holds, limits, lines = run_script(cursor, q["expired"], {"limit": limit})
     tokens: dict[bytes, list[bytes]] = {}
     for key, token in holds:
         tokens.setdefault(key, []).append(token)
@@ -317,6 +371,9 @@ def reclaim(cursor: pymysql.cursors.Cursor, q: Mapping[str, str], limit: int) ->
     if limits:
         args["limits"] = [row[0] for row in limits]
         text.append(q["reclaim_limits"])
+    if lines:
+        args["lines"] = [row[0] for row in lines]
+        text.append(q["reclaim_lines"])
     if text:
         run_script(cursor, "".join(text), args)
 
@@ -354,24 +411,73 @@ class MySQLUnits(SQLUnits):
         q = self._q
         args: dict[str, Any] = {
             "token": token, "lease_us": _us(ttl), "meta": core.dump_meta(meta)[0],
+            "turned": any(limit.turn is not None for limit in limits),
         }  # fmt: skip
         ordered = self._args(limits, args)
         for limit in limits:
             args[f"e{limit.ord}"] = _us(ttl if limit.period is None else limit.period)
-        text = [q["take_begin"].format(locks=", ".join(LOCK.format(n=x.ord) for x in ordered))]
-        text += [q["sweep"].format(n=limit.ord) for limit in ordered]
+        head = [q["take_begin"].format(locks=", ".join(LOCK.format(n=x.ord) for x in ordered))]
+        head += [q["sweep"].format(n=limit.ord) for limit in ordered]
         items = " UNION ALL ".join(ITEM.format(n=limit.ord) for limit in limits)
-        text.append(q["take_decide"].format(items=items))
+        writes = []
         for limit in ordered:
-            text.append(q["hold" if limit.period is None else "start"].format(n=limit.ord))
-            text.append(q["size"].format(n=limit.ord))
-        text.append(q["take_end"])
-        script = "".join(text)
+            writes.append(q["hold" if limit.period is None else "start"].format(n=limit.ord))
+            writes.append(q["size"].format(n=limit.ord))
+        script = "".join([*head, q["take_decide"].format(items=items), *writes, q["take_end"]])
         results = self._run("take_units", what, lambda c: run_script(c, script, args), units=True)
         ord_, used, wait_us = results[-2][0]
+        if ord_ is not None and int(ord_) < 0:  # the lines of fair turns are needed
+            read = "".join([*head, q["read"].format(items=items)])
+            refused, _ = self._run(
+                "take_units", what,
+                lambda c: self._in_turn(c, read, writes, q["take_end"], args, limits, meta),
+                units=True,
+            )  # fmt: skip
+            return refused
         if ord_ is None:
             return None
         return int(ord_), int(used), None if wait_us is None else int(wait_us) / 1e6
+
+    def _in_turn(
+        self, cursor: pymysql.cursors.Cursor, read: str, writes: list[str], end: str,
+        args: dict[str, Any], limits: list[Limit], meta: Mapping[str, str] | None,
+    ) -> tuple[tuple[int, int, float | None] | None, list[Any]]:  # fmt: skip
+        """A take with the lines of fair turns: ``read`` (no rows: an acquire's key is held),
+        decided by :func:`..lines.decide`, then ``writes`` by the decision, the lines, ``end``
+        (one transaction, two requests). Returns the refusal and ``end``'s results."""
+        results = run_script(cursor, read, args)
+        rows, found = results[-2], results[-1]
+        decided: int | None = 0
+        refused, text = None, []
+        if rows:
+            now = int(rows[0][3]) / 1e6
+            starts: dict[int, list[tuple[int, float]]] = {}
+            for n, units, at in found:
+                starts.setdefault(int(n), []).append((int(units), int(at) / 1e6))
+            seen = [
+                Seen(int(used), bool(int(mine)), load(line, now), starts.get(int(n), []))
+                for n, used, mine, _, line in rows
+            ]
+            decision = decide([limit.item for limit in limits], seen, now, meta)
+            refused = decision.refusal
+            decided = None if refused is None else refused[0]
+            text = self._line_writes(decision.lines, limits, args)
+        script = "".join([DECIDED, *writes, *text, end])
+        return refused, run_script(cursor, script, {**args, "decided": decided})
+
+    def _line_writes(
+        self, lines: list[tuple[int, Line]], limits: list[Limit], args: dict[str, Any]
+    ) -> list[str]:
+        """The statements that write ``lines`` back (``(ord, line)``; empty: deleted), their
+        arguments put in ``args``."""
+        text = []
+        for n, line in lines:
+            args[f"lk{n}"] = limits[n - 1].key
+            if line:
+                args[f"lt{n}"], ends = dump(line)
+                args[f"le{n}"] = max(0, round(ends * 1_000_000))
+            text.append(self._q["line_set" if line else "line_drop"].format(n=n))
+        return text
 
     def _acquire_units(
         self, key: str, token: str, ttl: float, meta: Mapping[str, str] | None,
@@ -393,17 +499,28 @@ class MySQLUnits(SQLUnits):
         locks = " UNION ALL ".join(
             LOCK_ITEM.format(n=limit.ord, o=o) for o, limit in enumerate(ordered, 1)
         )
-        text = [q["acquire_begin"], q["acquire_locks"].format(locks=locks)]
-        text += [q["sweep_if"].format(n=limit.ord) for limit in ordered]
-        items = " UNION ALL ".join(ITEM.format(n=limit.ord) for limit in limits)
-        text.append(q["take_decide"].format(items=ITEMS_IF.format(items=items)))
+        args["turned"] = any(limit.turn is not None for limit in limits)
+        head = [q["acquire_begin"], q["acquire_locks"].format(locks=locks)]
+        head += [q["sweep_if"].format(n=limit.ord) for limit in ordered]
+        items = ITEMS_IF.format(items=" UNION ALL ".join(ITEM.format(n=x.ord) for x in limits))
+        writes = []
         for limit in ordered:
-            text.append(q["hold" if limit.period is None else "start"].format(n=limit.ord))
-            text.append(q["size_if"].format(n=limit.ord))
-        text.append(q["acquire_end"])
+            writes.append(q["hold" if limit.period is None else "start"].format(n=limit.ord))
+            writes.append(q["size_if"].format(n=limit.ord))
+        text = [*head, q["take_decide"].format(items=items), *writes, q["acquire_end"]]
         script = "".join(text)
         results = self._run("acquire", key, lambda c: run_script(c, script, args), both=True)
         (ord_, used, wait_us), row = results[-3][0], results[-2][0]
+        if ord_ is not None and int(ord_) < 0:  # the lines of fair turns are needed
+            read, tickets = "".join([*head, q["read"].format(items=items)]), units_meta(meta)
+            refused, results = self._run(
+                "acquire", key,
+                lambda c: self._in_turn(c, read, writes, q["acquire_end"], args, limits, tickets),
+                both=True,
+            )  # fmt: skip
+            if refused is not None:
+                return refused
+            (ord_, used, wait_us), row = results[-3][0], results[-2][0]
         if ord_ is None:
             return AcquireResult(True, fence=row[2], completed=row[3])
         if int(ord_) > 0:
@@ -428,7 +545,31 @@ class MySQLUnits(SQLUnits):
     def _give(self, token: str, limits: list[Limit], what: str) -> set[int]:
         args: dict[str, Any] = {"token": token}
         ordered = self._args(limits, args)
-        text = [self._q["give_begin"], *(self._q["give"].format(n=x.ord) for x in ordered)]
-        script = "".join(text) + "\nCOMMIT"
-        results = self._run("give_units", what, lambda c: run_script(c, script, args), units=True)
+        gives = [self._q["give"].format(n=x.ord) for x in ordered]
+        if any(limit.turn is not None for limit in limits):  # their tickets leave the lines
+            results = self._run("give_units", what, lambda c: self._leave(c, args, limits, gives),
+                                units=True)  # fmt: skip
+        else:
+            script = "".join([self._q["give_begin"], *gives]) + "\nCOMMIT"
+            results = self._run(
+                "give_units", what, lambda c: run_script(c, script, args), units=True
+            )  # fmt: skip
         return {int(row[0]) for rows in results for row in rows}
+
+    def _leave(
+        self, cursor: pymysql.cursors.Cursor, args: dict[str, Any], limits: list[Limit],
+        gives: list[str],
+    ) -> list[Any]:  # fmt: skip
+        """A give with turns: its limits' rows locked as a take locks them and their lines read,
+        then the lines written back and the units given, in one transaction."""
+        q = self._q
+        for limit in limits:
+            args[f"e{limit.ord}"] = _us(1.0)
+        ordered = sorted(limits, key=lambda limit: limit.key.encode())
+        items = " UNION ALL ".join(ITEM.format(n=limit.ord) for limit in limits)
+        read = q["take_begin"].format(locks=", ".join(LOCK.format(n=x.ord) for x in ordered))
+        rows = run_script(cursor, read + q["leave_read"].format(items=items), args)[-1]
+        now = int(rows[0][1]) / 1e6
+        changed = leave([limit.item for limit in limits], [load(row[0], now) for row in rows])
+        text = self._line_writes(changed, limits, args)
+        return run_script(cursor, "".join([*text, GIVE_NOW, *gives]) + "\nCOMMIT", args)

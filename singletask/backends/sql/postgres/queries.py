@@ -287,6 +287,9 @@ SKIPPED = {
     "acquire_slot": PREAMBLE + 2, "release_slot": PREAMBLE + 1, "debounce": PREAMBLE + 1,
     "preempt": PREAMBLE, "preempt_slot": PREAMBLE + 2, "take_units": PREAMBLE + 2,
     "acquire_units": PREAMBLE + 3, "release_units": PREAMBLE,
+    # fair turns: a take's two messages, and a give's with turns (postgres/units.py)
+    "take_read": PREAMBLE + 2, "take_write": 0, "acquire_read": PREAMBLE + 3,
+    "acquire_write": 0, "leave_read": PREAMBLE + 2, "leave_write": 1,
 }  # fmt: skip
 
 RECLAIM = """

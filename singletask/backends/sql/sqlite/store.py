@@ -84,6 +84,7 @@ class SQLiteBackend(LockBackend):
     supports_debounce = True
     supports_replace = True
     supports_units = True
+    supports_turns = True
 
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = 5.0) -> None:
         self.path = Path(path)
@@ -149,13 +150,16 @@ class SQLiteBackend(LockBackend):
         with self._mutex:
             try:
                 conn = self._connection()
+                if conn.in_transaction:  # left open by a call cut short: none of it counts
+                    conn.execute("ROLLBACK")
                 conn.execute("BEGIN IMMEDIATE")
                 try:
                     yield conn
+                    conn.execute("COMMIT")
                 except BaseException:
-                    conn.execute("ROLLBACK")
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
                     raise
-                conn.execute("COMMIT")
             except sqlite3.OperationalError as exc:
                 error = (
                     BackendTimeout if "locked" in str(exc) or "busy" in str(exc) else BackendError

@@ -17,6 +17,10 @@ one row per (limit key, token), a concurrency limit's hold or a rate's start:
   them: a take sets them on every row of the limit;
 * ``task_id``, ``task``: from the take's ``meta``, for operators (NULL when it gave none).
 
+The waiting lines of fair turns (:mod:`..lines`) live in ``singletask_lines`` (:data:`LINES`):
+one row per limit with tickets waiting (``key``, ``line``: its JSON, ``expires``: when its last
+ticket's lease runs out), read by a take in the same statement as the limit's holds.
+
 Every row expires at ``at + coalesce(period, 0)`` (:data:`UNTIL`): a hold at its deadline, a
 start ``period`` after it. Reads ignore rows past it; a take or give deletes those of the
 limits it names, and the rest go when a process opens the database and every
@@ -32,12 +36,16 @@ from typing import Any, Final
 
 from ...base import StoreState, Units, UnitsResult
 from ...holders import MAX_SHOWN
+from ...turns import Line
+from ..lines import Seen, decide, dump, leave, load
 from .windows import PRUNE_EVERY
 
-__all__ = ["SCHEMA", "TABLE", "UNTIL", "give", "prune", "state", "take"]
+__all__ = ["LINES", "SCHEMA", "TABLE", "UNTIL", "give", "prune", "state", "take"]
 
 #: The table of holds and starts.
 TABLE: Final = "singletask_units"
+#: The table of the limits' waiting lines (fair turns).
+LINES: Final = "singletask_lines"
 
 SCHEMA: Final = (
     # Per (limit key, token): a concurrency hold (period NULL, at: its deadline) or a rate's
@@ -55,6 +63,14 @@ SCHEMA: Final = (
         PRIMARY KEY (key, token)
     )
     """,
+    # Per limit with tickets waiting: its line (JSON) and when its last ticket's lease ends.
+    f"""
+    CREATE TABLE IF NOT EXISTS {LINES} (
+        key TEXT PRIMARY KEY,
+        line TEXT NOT NULL,
+        expires REAL NOT NULL
+    )
+    """,
 )
 
 #: When a row stops counting (its expiry): a hold's deadline, a start's time plus the period.
@@ -66,6 +82,7 @@ _writes = itertools.count(1)
 def prune(conn: sqlite3.Connection, now: float) -> None:
     """Delete the holds and starts that stopped counting, of every limit."""
     conn.execute(f"DELETE FROM {TABLE} WHERE {UNTIL} <= ?", (now,))
+    conn.execute(f"DELETE FROM {LINES} WHERE expires <= ?", (now,))
 
 
 def _wrote(conn: sqlite3.Connection, now: float) -> None:
@@ -78,31 +95,48 @@ def _drop_expired(conn: sqlite3.Connection, key: str, now: float) -> None:
     conn.execute(f"DELETE FROM {TABLE} WHERE key = ? AND {UNTIL} <= ?", (key, now))
 
 
-def _room(conn: sqlite3.Connection, token: str, item: Units, now: float) -> UnitsResult | None:
-    """None when the limit of ``item`` has room for ``token``'s take, else the refusal."""
+def _seen(conn: sqlite3.Connection, token: str, item: Units, now: float) -> Seen:
+    """The limit of ``item`` as a take by ``token`` finds it (its expired holds deleted): one
+    statement, and for a rate without room, its starts."""
     _drop_expired(conn, item.key, now)
-    used, mine = conn.execute(
+    used, mine, text = conn.execute(
         f"SELECT coalesce(sum(CASE WHEN token != :token THEN units END), 0), "
-        f"coalesce(max(token = :token), 0) FROM {TABLE} WHERE key = :key AND {UNTIL} > :now",
+        f"coalesce(max(token = :token), 0), "
+        f"(SELECT line FROM {LINES} WHERE key = :key AND expires > :now) "
+        f"FROM {TABLE} WHERE key = :key AND {UNTIL} > :now",
         {"token": token, "key": item.key, "now": now},
     ).fetchone()
-    if item.period is not None and mine:
-        return None  # a retried take: this start is counted already
-    if used + item.units <= item.size:
-        return None
-    retry_after = None
-    if item.period is not None:
-        # The oldest starts leave the window first: wait for enough of them.
-        free, need = 0, used + item.units - item.size
-        for units, at in conn.execute(
+    starts: list[tuple[int, float]] = []
+    if item.period is not None and not mine and used + item.units > item.size:
+        starts = conn.execute(
             f"SELECT units, at FROM {TABLE} WHERE key = ? AND {UNTIL} > ? ORDER BY at, rowid",
             (item.key, now),
-        ):
-            free += units
-            if free >= need:
-                retry_after = max(at + item.period - now, 0.001)
-                break
-    return UnitsResult(False, item.key, int(used), retry_after)
+        ).fetchall()
+    return Seen(int(used), bool(mine), load(text, now), starts)
+
+
+def _write_lines(
+    conn: sqlite3.Connection, units: Sequence[Units], lines: list[tuple[int, Line]]
+) -> None:
+    """Write the lines back (a line without tickets: its row deleted)."""
+    for n, line in lines:
+        key = units[n - 1].key
+        if not line:
+            conn.execute(f"DELETE FROM {LINES} WHERE key = ?", (key,))
+            continue
+        text, expires = dump(line)
+        conn.execute(
+            f"INSERT INTO {LINES} (key, line, expires) VALUES (?, ?, ?) "
+            "ON CONFLICT (key) DO UPDATE SET line = excluded.line, expires = excluded.expires",
+            (key, text, expires),
+        )
+
+
+def _line(conn: sqlite3.Connection, key: str, now: float) -> Line | None:
+    row = conn.execute(
+        f"SELECT line FROM {LINES} WHERE key = ? AND expires > ?", (key, now)
+    ).fetchone()
+    return None if row is None else load(row[0], now)
 
 
 def take(
@@ -114,11 +148,13 @@ def take(
     now: float,
 ) -> UnitsResult:
     """:meth:`~singletask.backends.base.LockBackend.take_units`, ``ttl`` and ``units``
-    checked, inside the caller's transaction."""
-    for item in units:
-        refused = _room(conn, token, item, now)
-        if refused is not None:
-            return refused
+    checked, inside the caller's transaction: every limit read, then decided as the
+    in-process store decides (:func:`..lines.decide`), their lines written back."""
+    decision = decide(units, [_seen(conn, token, item, now) for item in units], now, meta)
+    _write_lines(conn, units, decision.lines)
+    if decision.refusal is not None:
+        n, used, retry_after = decision.refusal
+        return UnitsResult(False, units[n - 1].key, used, retry_after)
     task_id, task = (meta or {}).get("task_id"), (meta or {}).get("task")
     for item in units:
         values: dict[str, Any] = {
@@ -151,6 +187,10 @@ def give(conn: sqlite3.Connection, token: str, units: Sequence[Units], now: floa
     """:meth:`~singletask.backends.base.LockBackend.give_units`, ``units`` checked, inside the
     caller's transaction."""
     found = []
+    turned = [item for item in units if item.turn is not None]
+    if turned:  # their tickets leave the lines
+        lines = [_line(conn, item.key, now) for item in turned]
+        _write_lines(conn, turned, leave(turned, lines))
     for item in units:
         _drop_expired(conn, item.key, now)
         where = f"WHERE key = ? AND token = ? AND {UNTIL} > ?"
