@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from typing import Any, Final
 
 __all__ = [
     "FIXED", "LIMITS", "NAMED", "NAMED_SHARE", "NOT_DRAWN", "OPTIONS", "STORES", "Config", "draw",
-    "drawn_cost", "names_limits", "space", "valid",
+    "drawn_cost", "names_limits", "size", "space", "valid",
 ]  # fmt: skip
 
 #: The named limits of the campaign's app (``singletask_limits``, docs/sharing-limits.rst):
@@ -145,9 +146,28 @@ def product() -> Iterator[dict[str, Any]]:
         yield dict(zip(names, values, strict=True))
 
 
+#: The options of fair turns: set only with named limits (:func:`valid`), so :func:`_space`
+#: varies them only over the combinations that name limits (the same space, sooner).
+TURN_OPTIONS: Final = ("lock_weight", "lock_priority")
+
+
+def size() -> int:
+    """How many combinations the table has, accepted or not."""
+    return math.prod(len(values) for values in OPTIONS.values())
+
+
 @functools.cache
 def _space() -> tuple[dict[str, Any], ...]:
-    return tuple(options for options in product() if valid(options))
+    base = {name: values for name, values in OPTIONS.items() if name not in TURN_OPTIONS}
+    turns = list(itertools.product(*(OPTIONS[name] for name in TURN_OPTIONS)))
+    accepted = []
+    for values in itertools.product(*base.values()):
+        options = dict(zip(base, values, strict=True))
+        for turn in turns if names_limits(options) else [(None,) * len(TURN_OPTIONS)]:
+            combination = {**options, **dict(zip(TURN_OPTIONS, turn, strict=True))}
+            if valid(combination):
+                accepted.append({name: combination[name] for name in OPTIONS})
+    return tuple(accepted)
 
 
 def space() -> list[dict[str, Any]]:

@@ -54,11 +54,13 @@ from .space import (
     NOT_DRAWN,
     OPTIONS,
     STORES,
+    TURN_OPTIONS,
     Config,
     draw,
     find,
     names_limits,
     product,
+    size,
     space,
     valid,
 )
@@ -109,15 +111,22 @@ def checked_combinations() -> list[dict[str, object]]:
     import random
 
     first = {name: values[0] for name, values in OPTIONS.items()}
-    plain = [o for o in product() if all(o[name] is None for name in NAMED_OPTIONS)]
+    plain = [o for o in product() if all(o[n] is None for n in (*NAMED_OPTIONS, *TURN_OPTIONS))]
     names = [*NAMED_OPTIONS, *NAMED_WITH]
     named = [
         {**first, **dict(zip(names, values, strict=True))}
         for values in itertools.product(*(OPTIONS[name] for name in names))
     ]
-    everything = list(product())
-    sample = random.Random(20261127).sample(everything, SAMPLED)
-    return plain + named + sample
+    # fair turns' options, with and without each kind of named limits, under each policy
+    names = [*NAMED_OPTIONS, *TURN_OPTIONS, "lock_policy"]
+    turns = [
+        {**first, **dict(zip(names, values, strict=True))}
+        for values in itertools.product(*(OPTIONS[name] for name in names))
+    ]
+    rng = random.Random(20261127)
+    sample = [{name: rng.choice(values) for name, values in OPTIONS.items()}
+              for _ in range(SAMPLED)]  # fmt: skip
+    return plain + named + turns + sample
 
 
 def test_the_generators_space_is_what_singletask_accepts() -> None:
@@ -130,7 +139,7 @@ def test_the_generators_space_is_what_singletask_accepts() -> None:
     ]
     assert disagreements == []
     # And the space is neither empty nor everything, and draws named limits
-    assert 0 < len(space()) < len(list(product()))
+    assert 0 < len(space()) < size()
     assert any(o["lock_limits"] is not None for o in combinations if valid(o))
     assert any(o["lock_cost"] is not None for o in combinations if valid(o))
 
