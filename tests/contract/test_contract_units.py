@@ -117,7 +117,9 @@ def test_a_hold_whose_lease_ran_out_gives_its_units_back(
 ) -> None:
     """After a crash nobody gives the units back: the hold's lease does."""
     limit = concurrency(key_prefix, "warehouse", 1)
-    assert limited.take_units("token-a", SHORT, [limit]).taken
+    # A lease long enough to outlast the next call on a loaded machine (a TLS cluster under
+    # four test workers took more than SHORT between two calls), short enough to wait out.
+    assert limited.take_units("token-a", 2.0, [limit]).taken
     assert not limited.take_units("token-b", LEASE, [limit]).taken
 
     deadline = time.monotonic() + 10
