@@ -17,7 +17,9 @@ The order (start-time fair queuing over the groups, the lock keys):
   (``seq``). Three tenants waiting take turns; one with twice the weight takes two turns to
   their one; within a group, the first to wait is the first served;
 * serving a ticket moves ``vt`` up to its finish, so that a group that comes later starts
-  where the line is, neither ahead of those waiting nor behind a backlog it never had;
+  where the line is, neither ahead of those waiting nor behind a backlog it never had; a take
+  with a turn that finds room without a ticket moves ``vt`` up to where its ticket would
+  have finished, as if it had waited;
 * ``priority`` (``-MAX_PRIORITY`` to ``MAX_PRIORITY``) moves a ticket ahead by that many
   turns of weight 1 at most: a ticket of lower priority is passed over only by tickets whose
   finish is within ``2 * MAX_PRIORITY`` of its own, and ``vt`` passes that bound as the line
@@ -29,8 +31,9 @@ tickets the room left over can serve as *ready*; a ready ticket whose owner has 
 within its ``hold`` seconds *lapses*: it keeps its place, but holds no room back any more; so
 does, at once, a ticket whose owner found its room here but was refused by another limit of
 its take (else two takes, each first in one line and behind the other in the next, would keep
-each other out until a hold ran out). A
-ticket not taken again within its ``lease`` seconds ends (as a lock whose holder vanished).
+each other out until a hold ran out). A lapsed ticket whose owner comes back and still finds
+no room is armed again: room that frees up next is kept for it, in its place. A ticket not
+taken again within its ``lease`` seconds ends (as a lock whose holder vanished).
 """
 
 from __future__ import annotations
@@ -137,15 +140,22 @@ class Line:
             )  # fmt: skip
             self.seq += 1
             self.tickets[turn.ticket] = mine
+        elif mine.lapsed(now):
+            mine.ready = None  # its owner is back: it holds room back again when room frees
         mine.expires = now + turn.lease
         mine.hold = turn.hold
         return True
 
-    def served(self, turn: Turn) -> None:
-        """``turn`` took its units: its ticket is used, and the line moves on to it."""
+    def served(self, turn: Turn, units: int) -> None:
+        """``turn`` took its units: its ticket is used, and the line moves on to it. A take
+        that had no ticket here moves the line on to where its ticket would have finished
+        (while others wait: else each new take of a heavier key would start again where the
+        line stands, ahead of them, and pass them without end)."""
         mine = self.tickets.pop(turn.ticket, None)
         if mine is not None:
             self.vt = max(self.vt, mine.finish)
+        elif self.tickets:
+            self.vt = max(self.vt, self._finish(turn, units))
 
     def drop(self, ticket: str) -> bool:
         """Give a ticket back (its owner stopped waiting); whether it was in line."""
@@ -217,7 +227,7 @@ def settle(
     turn = item.turn
     if taken:
         if turn is not None:
-            line.served(turn)
+            line.served(turn, item.units)
         room = item.size - used - item.units
     else:
         if turn is not None and (not fitted or turn.ticket in line.tickets):

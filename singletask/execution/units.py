@@ -77,10 +77,16 @@ class Wanted:
 
     @property
     def taking(self) -> tuple[Units, ...]:
-        """The units as a take asks for them: with its turn, when it waits in line."""
-        if self.turn is None:
+        """The units as a take asks for them: with its turn, when it waits in line (on a
+        rate, a ticket whose lease lasts :data:`LEASE_COUNTDOWNS` periods at least: its owner
+        comes back when the rate allows a start, up to a period later)."""
+        turn = self.turn
+        if turn is None:
             return self.units
-        return tuple(dataclasses.replace(u, turn=self.turn) for u in self.units)
+        return tuple(
+            dataclasses.replace(u, turn=turn if u.period is None else _rated_turn(turn, u.period))
+            for u in self.units
+        )
 
     @property
     def held(self) -> tuple[Units, ...]:
@@ -137,6 +143,11 @@ HOLD_SLACK = 2.0
 #: take: a retry late by a busy worker keeps its place; one that never comes back gives it up.
 LEASE_COUNTDOWNS = 3.0
 LEASE_SLACK = 10.0
+
+
+def _rated_turn(turn: Turn, period: float) -> Turn:
+    lease = LEASE_COUNTDOWNS * period + LEASE_SLACK
+    return turn if turn.lease >= lease else dataclasses.replace(turn, lease=lease)
 
 
 def turn(

@@ -191,6 +191,20 @@ def test_a_ticket_renewed_by_its_owner_keeps_its_place(
     assert take(lined, full, "a1", "A")
 
 
+def test_takes_that_find_room_without_waiting_move_the_line_on_as_if_they_had_waited(
+    lined: LockBackend,
+    full: Units,
+) -> None:
+    """A heavier key whose executions each come when room has just freed, and so never wait,
+    takes its weight's share of turns past a waiting ticket, not every turn."""
+    assert not take(lined, full, "a1", "A")
+    lined.give_units("first", [full])
+    assert take(lined, full, "b1", "B", weight=2.0)  # its turn would end half of a1's
+    lined.give_units("b1", [full])
+    assert not take(lined, full, "b2", "B", weight=2.0)  # it would end with a1's: a1 came first
+    assert take(lined, full, "a1", "A")
+
+
 def test_room_kept_for_a_ticket_whose_owner_does_not_come_back_lapses_after_its_hold(
     lined: LockBackend,
     full: Units,
@@ -204,6 +218,25 @@ def test_room_kept_for_a_ticket_whose_owner_does_not_come_back_lapses_after_its_
     assert take(lined, full, "b1", "B")
     assert not take(lined, full, "a1", "A", hold=0.5)  # no room: still waiting
     lined.give_units("b1", [full])
+    assert take(lined, full, "a1", "A", hold=0.5)
+
+
+def test_a_lapsed_ticket_whose_owner_comes_back_to_no_room_is_kept_room_again(
+    lined: LockBackend,
+    full: Units,
+) -> None:
+    """An owner late for its room loses that room, not its place: back and still refused, its
+    ticket holds the next freed room for it again, against a stranger and a later ticket."""
+    assert not take(lined, full, "a1", "A", hold=0.5)
+    lined.give_units("first", [full])
+    assert not take(lined, full, "b1", "B")  # marks a1 ready: its hold starts
+    time.sleep(1.0)
+    assert take(lined, full, "b1", "B")  # a1's hold ran out: b1 takes the room
+    assert not take(lined, full, "a1", "A", hold=0.5)  # a1 is back: no room, armed again
+    assert not take(lined, full, "c1", "C")
+    lined.give_units("b1", [full])
+    assert not lined.take_units("stranger", LEASE, [full]).taken
+    assert not take(lined, full, "c1", "C")
     assert take(lined, full, "a1", "A", hold=0.5)
 
 

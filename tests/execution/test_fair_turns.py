@@ -15,7 +15,7 @@ from singletask import ConfigurationError, SingletonTask
 from singletask.conf.runtime import app_state
 from singletask.execution import units
 
-LIMITS = {"warehouse": {"concurrency": 2}}
+LIMITS = {"warehouse": {"concurrency": 2}, "tokens": {"rate": "100/m"}}
 
 
 @pytest.fixture
@@ -64,6 +64,24 @@ def test_an_execution_waits_with_its_key_as_group_and_its_task_id_as_ticket(
     assert (turn.ticket, turn.group, turn.weight, turn.priority) == ("task-1", "key:big", 3.0, 2)
     assert turn.hold >= 4 * 1.25
     assert turn.lease > turn.hold
+
+
+def test_a_ticket_for_a_rate_lasts_while_its_owner_waits_for_the_rate(
+    app: celery.Celery,
+) -> None:
+    """A rate's refusal sends its execution back when a start is allowed, up to a period
+    later: its ticket there outlasts that wait; its ticket for a concurrency does not need to."""
+
+    @app.task(base=SingletonTask, shared=False, lazy=False, lock_limits=["warehouse", "tokens"],
+              lock_policy="retry", lock_retry_countdown=1)  # fmt: skip
+    def call() -> None: ...
+
+    options = call._singletask_options.resolve(call.name, app_state(app).settings)
+    want = units.wanted(call, options, app_state(app), "key", (), {})
+    want.turn = units.turn(call, options, "key", "task-1", (), {})
+    leases = {want.names[u.key]: u.turn.lease for u in want.taking if u.turn is not None}
+    assert leases["warehouse"] == want.turn.lease < 60
+    assert leases["tokens"] >= 3 * 60
 
 
 @pytest.mark.parametrize(

@@ -223,15 +223,20 @@ local function line_wait(line, turn, units, now, meta)
       e = 0, h = turn.hold, m = meta}}
     line.q = line.q + 1
     line.k[turn.ticket] = mine
+  elseif lapsed(mine, now) then
+    mine.r = nil
   end
   mine.e, mine.h = now + turn.lease, turn.hold
   return true
 end
-local function line_served(line, turn)
+local function line_served(line, turn, units)
   local mine = line.k[turn.ticket]
   if mine ~= nil then
     line.k[turn.ticket] = nil
     if mine.f > line.v then line.v = mine.f end
+  elseif next(line.k) ~= nil then
+    local finish = line_finish(line, turn, units)
+    if finish > line.v then line.v = finish end
   end
 end
 local function line_mark(line, room, now)
@@ -259,7 +264,7 @@ end
 local function line_settle(line, l, used, fitted, taken, now, meta)
   local turn, room = l.turn, l.size - used
   if taken then
-    if turn ~= nil then line_served(line, turn) end
+    if turn ~= nil then line_served(line, turn, l.want) end
     room = room - l.want
   elseif turn ~= nil and (not fitted or line.k[turn.ticket] ~= nil) then
     line_wait(line, turn, l.want, now, meta)
