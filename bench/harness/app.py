@@ -432,11 +432,18 @@ def _on_prerun(task_id: str | None = None, **_: Any) -> None:
     _started[str(task_id)] = time.time()
 
 
-def _on_postrun(task_id: str | None = None, task: Any = None, kwargs: Any = None, **_: Any) -> None:
+def _on_postrun(
+    task_id: str | None = None, task: Any = None, args: Any = None, kwargs: Any = None, **_: Any
+) -> None:
     end = time.time()
     ran = int(bool(getattr(_ran, "value", False)))
     start = _started.pop(str(task_id), end)
     name = getattr(task, "name", "?")
+    if name == "bench.singletask-turns.sync" and not ran and args:
+        # A refused attempt of a tenant's sync (it waits in the limit's line from then on)
+        label, tenant = args[0], args[1]
+        refusal = {"tenant": tenant, "task_id": str(task_id), "event": "refused", "t": start}
+        probe().rpush(f"turns:{label}", json.dumps(refusal))
     if os.environ.get("BENCH_TIMES_DIR"):
         _times_file().write(f"{name}\t{start!r}\t{end!r}\t{ran}\n")
     if name.endswith(".hold") and kwargs:

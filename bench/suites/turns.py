@@ -169,8 +169,12 @@ def flood_run(
             counters.client.close()
     events = _events(run, label)
     starts = [e for e in events if e["event"] == "start"]
+    refused: dict[str, float] = {}
+    for event in events:
+        if event["event"] == "refused":
+            refused[event["tenant"]] = min(event["t"], refused.get(event["tenant"], event["t"]))
     attempts = _attempts(workdir)
-    found = figures(starts, sent, flood="a", weights=weights)
+    found = figures(starts, sent, flood="a", weights=weights, refused=refused)
     out = {
         "turns": turns,
         "finished": finished,
@@ -194,7 +198,8 @@ def flood_run(
 def _most_at_once(events: list[dict[str, Any]]) -> int:
     running = most = 0
     for event in events:
-        running += 1 if event["event"] == "start" else -1
+        if event["event"] in ("start", "end"):
+            running += 1 if event["event"] == "start" else -1
         most = max(most, running)
     return most
 
@@ -302,6 +307,7 @@ def medians(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "position_c": _median(rows, lambda r: r["flood_before_last"].get("c")),
         "jain": _median(rows, lambda r: r["jain"]),
         "jain_min": min((r["jain"] for r in rows if r["jain"] is not None), default=None),
+        "jain_in_line": _median(rows, lambda r: r.get("jain_in_line")),
         "makespan_s": _median(rows, lambda r: r["makespan_s"]),
         "attempts_per_start": _median(rows, lambda r: r["attempts_per_start"]),
         "round_trips_per_start": _median(rows, lambda r: r["round_trips_per_start"]),
@@ -328,7 +334,7 @@ def rst(results: dict[str, Any]) -> str:
     """The table of docs/performance.rst ("Fair turns")."""
     flood = results["config"]["flood"]
     head = ("store", "fair turns", f"a's starts before b's / c's last (of {flood['a']})",
-            "Jain's index (lowest)", "makespan", "attempts per start",
+            "Jain's index (lowest)", "from all in line", "makespan", "attempts per start",
             "lock round trips per start", "lost / twice / most at once")  # fmt: skip
     rows = []
     for kind, modes in results["floods"].items():
@@ -337,6 +343,7 @@ def rst(results: dict[str, Any]) -> str:
             rows.append((
                 kind, mode, f"{_f(m['position_b'], '.0f')} / {_f(m['position_c'], '.0f')}",
                 f"{_f(m['jain'], '.2f')} ({_f(m['jain_min'], '.2f')})",
+                _f(m["jain_in_line"], ".2f"),
                 f"{_f(m['makespan_s'], '.1f')} s", _f(m["attempts_per_start"], ".1f"),
                 _f(m["round_trips_per_start"], ".1f"),
                 f"{m['lost']} / {m['started_twice']} / {m['most_at_once']}",

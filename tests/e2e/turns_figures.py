@@ -42,6 +42,11 @@ class Figures:
     #: The tenants in the order their starts were recorded (``"aabcabc..."``, tenants'
     #: first letters).
     order: str = ""
+    #: Jain's index over the window from when every tenant waited in the limit's line (the
+    #: latest of the tenants' first refusals) to the same end, when those were recorded.
+    jain_in_line: float | None = None
+    #: Each tenant's starts within that window.
+    starts_in_line: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -51,14 +56,20 @@ class Figures:
             "starts_in_window": self.starts_in_window,
             "jain": self.jain,
             "order": self.order,
+            "jain_in_line": self.jain_in_line,
+            "starts_in_line": self.starts_in_line,
         }
 
     def __str__(self) -> str:
         before = ", ".join(f"{t}: {n}" for t, n in sorted(self.flood_before_last.items()))
         window = ", ".join(f"{t} {n}" for t, n in sorted(self.starts_in_window.items()))
         jain = "—" if self.jain is None else f"{self.jain:.3f}"
+        in_line = ""
+        if self.jain_in_line is not None:
+            counts = ", ".join(f"{t} {n}" for t, n in sorted(self.starts_in_line.items()))
+            in_line = f"; from all in line: {counts}, Jain's index {self.jain_in_line:.3f}"
         return (f"{self.flood}'s starts before each other tenant's last: {before}; "
-                f"starts while all waited: {window}; Jain's index {jain}; "
+                f"starts while all waited: {window}; Jain's index {jain}{in_line}; "
                 f"order {self.order}")  # fmt: skip
 
 
@@ -67,9 +78,11 @@ def figures(
     sent: Mapping[str, float],
     flood: str,
     weights: Mapping[str, float] | None = None,
+    refused: Mapping[str, float] | None = None,
 ) -> Figures:
     """The figures of a flood: ``starts`` in the order recorded, ``sent`` each tenant's first
-    send (same clock as the starts), ``flood`` the tenant that floods.
+    send (same clock as the starts), ``flood`` the tenant that floods; ``refused``, when
+    known, each tenant's first refusal (when the limit's line first had it waiting).
 
     * **Position**: for each other tenant, the number of ``flood``'s starts recorded before
       that tenant's last start.
@@ -79,6 +92,9 @@ def figures(
     * **Jain's index** over the window: ``x_t`` = tenant ``t``'s starts within the window
       divided by its weight (``weights``, 1 when not given); ``J = (sum x)^2 / (n * sum x^2)``
       over the ``n`` tenants.
+    * **In line**: the same index from the latest of the tenants' first refusals instead of
+      their first sends (a tenant's first message may wait in the broker behind the flood's,
+      where no lock store sees it), to the same end.
     """
     weights = weights or {}
     order = "".join(str(s["tenant"])[:1] for s in starts)
@@ -97,7 +113,17 @@ def figures(
     end = min(starts[last[t]]["t"] for t in tenants)
     if end < begin:
         return Figures(flood, before, None, order=order)
-    within = {t: sum(1 for s in starts if s["tenant"] == t and begin <= s["t"] <= end)
-              for t in tenants}  # fmt: skip
+    within = _counts(starts, tenants, begin, end)
     index = jain([within[t] / weights.get(t, 1.0) for t in tenants])
-    return Figures(flood, before, (begin, end), within, index, order)
+    found = Figures(flood, before, (begin, end), within, index, order)
+    if refused and all(t in refused for t in tenants):
+        found.starts_in_line = _counts(starts, tenants, max(refused[t] for t in tenants), end)
+        found.jain_in_line = jain([found.starts_in_line[t] / weights.get(t, 1.0) for t in tenants])
+    return found
+
+
+def _counts(
+    starts: Sequence[Mapping[str, Any]], tenants: Sequence[str], begin: float, end: float
+) -> dict[str, int]:
+    return {t: sum(1 for s in starts if s["tenant"] == t and begin <= s["t"] <= end)
+            for t in tenants}  # fmt: skip
