@@ -337,11 +337,9 @@ def test_acquires_with_overlapping_limits_never_admit_too_many_nor_deadlock(
     units, while others take and give the same limits alone. A deadlock or serialization
     failure is not retried here (it would fail the call): there is none, no key has two
     holders, and no limit more holders than its size at any moment."""
-    from singletask.backends.sql.mysql import store as mysql_store
-    from singletask.backends.sql.postgres import queries as pg_queries
+    from singletask.backends.sql import core
 
-    monkeypatch.setattr(pg_queries, "ATTEMPTS", 1)
-    monkeypatch.setattr(mysql_store, "_RETRIES", 1)
+    monkeypatch.setattr(core, "CONFLICT_ATTEMPTS", 1)
     url, table = sql_store
     sizes = {"a": 2, "b": 3, "c": 2}
     limits = {name: concurrency(name, size) for name, size in sizes.items()}

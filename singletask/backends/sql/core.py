@@ -53,6 +53,7 @@ import abc
 import functools
 import hashlib
 import json
+import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
@@ -68,6 +69,7 @@ from . import bookkeeping, replaced
 # settings check the option there, without importing a store family).
 
 __all__ = [
+    "CONFLICT_ATTEMPTS",
     "DEFAULT_TABLE",
     "FENCE_RETENTION",
     "RECLAIM_BATCH",
@@ -76,6 +78,7 @@ __all__ = [
     "SQLBackend",
     "SQLOptions",
     "check_table",
+    "conflict_pause",
     "dump_meta",
     "like_prefix",
     "listed_prefixes",
@@ -94,7 +97,20 @@ FENCE_RETENTION = 7 * 24 * 3600.0
 RECLAIM_INTERVAL = 60.0
 RECLAIM_BATCH = 1000
 
+#: A transaction the server aborted to break a deadlock (or, on PostgreSQL, as a serialization
+#: failure) committed nothing, and is sent again: up to this many attempts in all, after a
+#: random pause that doubles each time (:func:`conflict_pause`), so that the transactions that
+#: met stop meeting. Past them, the operation ends in :class:`~singletask.BackendTimeout`: the
+#: store could not serve it in time, and the task's ``lock_on_backend_error`` decides.
+CONFLICT_ATTEMPTS = 6
+
 R = TypeVar("R")
+
+
+def conflict_pause(attempt: int) -> None:
+    """Sleep before attempt ``attempt + 1`` of a transaction aborted ``attempt`` times: up to
+    5, 10, 20, 40, then 80 ms."""
+    time.sleep(random.uniform(0.0, 0.005 * 2 ** min(attempt - 1, 4)))
 
 
 class SQLOptions:

@@ -24,7 +24,9 @@ How it holds its guarantees (the table layout is in :mod:`singletask.backends.sq
 * The table is created (or gains the columns a later version added) on a process's first
   write; reads (``holder``, the listings) create nothing: a missing table holds no lock.
 * InnoDB may abort a transaction as a deadlock victim when workers race for a key that does
-  not exist yet; nothing of it was committed, so the script is sent again (up to 3 times).
+  not exist yet, or for a limit and its line; nothing of it was committed, so the script is
+  sent again after a short random pause (``core.CONFLICT_ATTEMPTS`` attempts in all, then
+  ``BackendTimeout``).
 * Named limits (``take_units``, ``give_units``): two companion tables, made on a process's
   first use of them, the SQL in :mod:`singletask.backends.sql.mysql.units` (the layout in
   :mod:`singletask.backends.sql.units`); they need MySQL 8.0+ or MariaDB 10.2+ (window
@@ -67,7 +69,6 @@ logger = logging.getLogger("singletask.backends.sql.mysql")  # its name before 0
 _NO_SUCH_TABLE = 1146
 _DEADLOCK = 1213
 _TIMEOUTS = {1205, 1969, 3024}  # lock wait timeout, MariaDB / MySQL statement time limits
-_RETRIES = 3
 
 _URL_OPTIONS = {"unix_socket", "ssl_ca", "ssl_cert", "ssl_key"}
 
@@ -211,9 +212,10 @@ class MySQLBackend(U.MySQLUnits):
         missing, then deleting expired rows now and then; with ``units``, the tables of named
         limits instead, :mod:`.units`; with ``both``, both): the boundary where driver errors
         become singletask's. A script InnoDB aborted as a deadlock victim committed nothing and
-        is sent again; a pooled connection that turns out to be dead (the server closed it
-        while it was idle, ``wait_timeout``, or restarted) is replaced and ``work`` runs once
-        more: every operation is safe to repeat (see the docs)."""
+        is sent again (:func:`.core.conflict_pause`); a pooled connection that turns out to be
+        dead (the server closed it while it was idle, ``wait_timeout``, or restarted) is
+        replaced and ``work`` runs once more: every operation is safe to repeat (see the
+        docs)."""
         deadlocks, stale_retried = 0, False
         while True:
             reused = False
@@ -228,9 +230,13 @@ class MySQLBackend(U.MySQLUnits):
                             self._reclaim(cursor, limits)
                     return result
             except pymysql.MySQLError as exc:
-                if exc.args and exc.args[0] == _DEADLOCK and deadlocks + 1 < _RETRIES:
+                if exc.args and exc.args[0] == _DEADLOCK:
                     deadlocks += 1
-                    continue  # rolled back whole: nothing of it was committed
+                    if deadlocks < core.CONFLICT_ATTEMPTS:
+                        core.conflict_pause(deadlocks)
+                        continue  # rolled back whole: nothing of it was committed
+                    message = f"{self!r}: {operation} {key!r} a deadlock victim {deadlocks} times"
+                    raise BackendTimeout(f"{message}: {exc}") from exc
                 error = _error_class(exc)
                 if error is BackendUnavailable:
                     self._pool.clear()  # the server went away: its other connections are dead

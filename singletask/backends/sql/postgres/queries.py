@@ -301,7 +301,6 @@ DELETE FROM {table} WHERE key IN (
 #: SQLSTATEs: serialization failure and deadlock (nothing was committed: sent again), and the
 #: server ending or refusing sessions (shutdown, crash recovery, too many connections).
 RETRIED = {"40001", "40P01"}
-ATTEMPTS = 3
 GONE = {"57P01", "57P02", "57P03", "53300"}
 #: Seconds the client waits past ``timeout`` before it drops a connection that does not answer
 #: (the server's own limits, set to ``timeout``, normally answer first).

@@ -223,12 +223,13 @@ class PostgresBackend(U.PostgresUnits):
         creating the table first if missing, then deleting expired rows now and then; with
         ``units``, the tables of named limits instead, :mod:`.units`; with ``both``, both): the
         boundary where driver errors become singletask's. A serialization failure or
-        deadlock committed nothing and is sent again; a pooled connection that turns out to be
-        dead (the server closed it while it was idle, or restarted) is replaced and the
-        script runs once more: every operation is safe to repeat (see the docs)."""
+        deadlock committed nothing and is sent again (:func:`.core.conflict_pause`); a pooled
+        connection that turns out to be dead (the server closed it while it was idle, or
+        restarted) is replaced and the script runs once more: every operation is safe to
+        repeat (see the docs)."""
         what = f"{operation} {key!r}"
         stale_retried = False
-        for attempt in range(1, Q.ATTEMPTS + 1):
+        for attempt in range(1, core.CONFLICT_ATTEMPTS + 1):
             try:
                 with self._pool.checkout() as (conn, reused):
                     try:
@@ -245,8 +246,12 @@ class PostgresBackend(U.PostgresUnits):
                         return result
                     except psycopg.Error as exc:
                         conn.close()  # its state is unknown (maybe inside a failed transaction)
-                        if exc.sqlstate in Q.RETRIED and attempt < Q.ATTEMPTS:
+                        if exc.sqlstate in Q.RETRIED and attempt < core.CONFLICT_ATTEMPTS:
+                            core.conflict_pause(attempt)
                             continue  # rolled back whole; the connection is replaced
+                        if exc.sqlstate in Q.RETRIED:
+                            message = f"{self!r}: {what} aborted {attempt} times (a conflict)"
+                            raise BackendTimeout(f"{message}: {exc}") from exc
                         error = Q.error_class(exc)
                         if error is BackendUnavailable:
                             self._pool.clear()  # the server went away: the others are dead too
