@@ -11,6 +11,9 @@ once per task id: a redelivered copy returns). A body whose send drew a ``charge
 started a rate of a named limit calls ``self.lock.charge`` halfway through its work, and records
 the call (its units, and the times just before and just after it).
 
+In the worker, every refusal singletask reports (``lock_conflict``) is recorded too: the
+attempt, the key argument, the holder met (none for a limit without room) and the action.
+
 The app's ``singletask_limits`` are the campaign's named limits (space.LIMITS), in every lock
 store: the configurations of one store share them.
 """
@@ -31,6 +34,7 @@ from celery.exceptions import Ignore, Reject
 from kombu import Exchange, Queue
 
 from singletask import SingletonTask
+from singletask.signals import lock_conflict
 
 from .space import LIMITS, Config
 
@@ -169,6 +173,27 @@ def body(
         _record(run, "end", how=how, lost=lost, **{k: v for k, v in fields.items() if k != "units"})
 
 
+def record_refusal(
+    sender: Any = None,
+    key: str = "",
+    holder: str | None = None,
+    task_id: str | None = None,
+    action: str = "",
+    **_: Any,
+) -> None:
+    """``lock_conflict`` (connected in the worker): an execution refused, in the probe as a
+    ``refused`` event (its attempt, its task's key argument, the holder it met if any, the
+    policy's action), so that the checker knows when an execution waited (fair turns)."""
+    request = getattr(sender, "request", None)
+    if request is None or getattr(sender, "name", None) not in CONFIGS:
+        return
+    run = (request.kwargs or {}).get("run", "")
+    args = request.args or ()
+    _record(run, "refused", task=sender.name, task_id=task_id or request.id,
+            retries=request.retries, key=args[0] if args else None, lock=key, holder=holder,
+            action=action)  # fmt: skip
+
+
 def register(app: Celery, configs: Sequence[Config]) -> None:
     """One task per configuration, named after its index."""
     for config in configs:
@@ -234,3 +259,4 @@ if app is not None:
     # every thread's stack into the log: the runner sends it before it stops the worker, so an
     # execution that never ended shows where it stood. (Billiard's soft limit is SIGUSR1.)
     faulthandler.register(signal.SIGUSR2, all_threads=True)
+    lock_conflict.connect(record_refusal, weak=False)

@@ -29,7 +29,9 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
   unreachable through its whole ``lock_backend_retry_max`` budget (FAILURE
   ``BackendUnavailable``, documented in docs/configuration.rst), or found a named limit
   without room through its whole ``lock_retry_max`` (``TaskLocked`` naming the limit:
-  docs/sharing-limits.rst, "No room").
+  docs/sharing-limits.rst, "No room"), or was refused ``lock_retry_max`` times in any mix of
+  its key held, its key's rate and a limit without room (the workers record each refusal:
+  ``TaskLocked`` or ``RateLimited``, its lock retries spent).
 * ``superseded``: a ``Skipped(reason="debounced")`` (``lock_debounce``) or
   ``Skipped(reason="superseded")`` (a coalescing follow-up of ``lock_coalesce = "latest"``)
   names a later send that was published and whose body ran (or that met a visible refusal of
@@ -82,6 +84,9 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
   expire, and the claim of a follow-up still waiting behind such a record; units come back on
   every ending, and a hold that a fault of the workers' store link left, or a killed
   process's, is excused for one lease).
+* ``turn-order`` and ``tickets-end`` (fair turns, docs/fair-turns.rst): a waiting execution
+  is passed over no more than the keys waiting ahead of it allow, and every ticket ends
+  (turns_rules.py says how each is judged).
 * ``failures``: a FAILURE carries an exception its send's ending or configuration explains.
 
 Every violation names the seed, the configuration, the key, the sends involved and the rule.
@@ -100,6 +105,7 @@ from celery import VERSION as CELERY_VERSION
 from singletask.conf.limits import LimitSpec, check_spec
 
 from .space import FIXED, LIMITS, Config
+from .turns_rules import Refusal, Ticket, tickets_end, turn_order
 
 __all__ = [
     "Body",
@@ -339,6 +345,8 @@ class History:
     faults: list[Fault] = field(default_factory=list)
     observed: float | None = None  # time.time() when the outcomes were read (None: not known)
     rejects_stored: bool = REJECT_STORED  # the workers' Celery stores a Reject's FAILURE
+    refusals: list[Refusal] = field(default_factory=list)  # what the workers refused
+    tickets: list[Ticket] = field(default_factory=list)  # in the idle stores' lines
 
 
 @dataclass
@@ -599,6 +607,18 @@ class _Judge:
                 self.report.documented.append(
                     f"{self.where(send, body.key, body.config)}: the retry of {body.task_id} "
                     f"spent its lock retries waiting for room in limit {outcome.limit!r}"
+                )
+                continue
+            # (one budget covers the task id, its attempts all: docs/policies.rst)
+            refused = sum(1 for r in self.h.refusals if r.task_id == body.task_id)
+            if outcome.exception in POLICY_ERRORS and refused >= int(FIXED["lock_retry_max"]):
+                # docs/policies.rst, lock_retry_max: refused that many times (its key
+                # held, its key's rate, a limit without room, in any mix: the workers recorded
+                # each refusal), the retried attempt spent its lock retries and failed so
+                self.report.documented.append(
+                    f"{self.where(send, body.key, body.config)}: the retry of {body.task_id} "
+                    f"was refused {refused} times, its lock retries spent "
+                    f"({outcome.describe()})"
                 )
                 continue
             if outcome.state == "FAILURE" and outcome.exception == "BackendUnavailable":
@@ -1172,6 +1192,8 @@ def check(history: History) -> Report:
     judge.named_limits()
     judge.limit_refusals()
     judge.idle()
+    turn_order(judge, history.refusals)
+    tickets_end(judge, history.tickets)
     judge.failures()
     judge.figures()
     return judge.report

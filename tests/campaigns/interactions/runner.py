@@ -44,9 +44,14 @@ from celery import Celery
 
 from singletask.backends import backend_from_url
 from singletask.backends.base import LockBackend
+from singletask.backends.sql.lines import line_table
+from singletask.backends.sql.sqlite.units import LINES as SQLITE_LINES
 from singletask.backends.sql.sqlite.windows import CLOSED
+from singletask.backends.turns import Line
 from singletask.conf.runtime import app_state
 from singletask.exceptions import TaskLocked
+from singletask.protocol.limits import split_limit_key
+from singletask.protocol.slots import split_companion
 from singletask.result import Skipped
 
 from ...faultproxy import FaultProxy, address_of
@@ -66,6 +71,7 @@ from .checker import (
 )
 from .sends import ENDING_WEIGHTS, FAULT_SHARE, SendPlan, perform, plan_round
 from .space import STORES, Config, draw, find
+from .turns_rules import Refusal, Ticket
 
 __all__ = ["SCENARIOS", "Settings", "run", "run_seed"]
 
@@ -615,6 +621,56 @@ def _residues(group: Group, prefix: str) -> list[Residue]:
     return found + records(group, prefix)
 
 
+def _refusals(probe: redis.Redis, run: str) -> list[Refusal]:
+    """The refusals the workers recorded (``lock_conflict``), in the order recorded."""
+    found = []
+    for item in probe.lrange(interactions_app.events_key(run), 0, -1):
+        e = json.loads(item)
+        if e["event"] == "refused":
+            found.append(Refusal(e["task"], e["task_id"], int(e["retries"]), e.get("key"),
+                                 e.get("holder"), e["action"], float(e["t"])))  # fmt: skip
+    return found
+
+
+def _tickets(group: Group, prefix: str) -> list[Ticket]:
+    """The tickets the limits' lines of ``group``'s store still hold (fair turns): the line of
+    each limit under ``prefix``, as the store keeps it (singletask.backends.turns.Line)."""
+    lines: list[tuple[str, str | bytes, float]] = []  # (limit key, line JSON, seconds per unit)
+    if group.store == "redis":
+        client = redis.Redis.from_url(group.url)
+        try:
+            for raw in client.scan_iter(match="*}:turns", count=1000):
+                companion = split_companion(raw.decode())
+                text = client.get(raw)
+                if companion is not None and companion[0].startswith(prefix) and text:
+                    lines.append((companion[0], text, 1e-6))
+        finally:
+            client.close()
+    elif group.store == "sqlite":
+        conn = sqlite3.connect(group.url.removeprefix("sqlite:///"), timeout=10)
+        try:
+            query = f"SELECT key, line FROM {SQLITE_LINES}"
+            rows = conn.execute(query).fetchall()
+            lines += [(k, t, 1.0) for k, t in rows if k.startswith(prefix)]
+        except sqlite3.OperationalError:
+            pass  # no line was ever kept: the table was never made
+        finally:
+            conn.close()
+    else:
+        key = "`key`" if group.store == "mysql" else "key"
+        query = f"SELECT {key}, line FROM {line_table(str(group.table))}"
+        lines += [(_text(k), t, 1.0) for k, t in _sql_rows(group.store, query)
+                  if _text(k).startswith(prefix)]  # fmt: skip
+    found = []
+    for limit_key_, text, scale in lines:
+        split = split_limit_key(limit_key_)
+        line = Line.from_json(json.loads(text))
+        for name, ticket in line.tickets.items():
+            found.append(Ticket(split[1] if split else limit_key_, bool(split and split[2]),
+                                name, ticket.expires * scale, group.store))  # fmt: skip
+    return found
+
+
 def _redis_records(group: Group, prefix: str) -> list[Residue]:
     found: list[Residue] = []
     locks = redis.Redis.from_url(group.url)
@@ -810,9 +866,10 @@ def run(servers: Servers, seed: int, settings: Settings, workdir: Path) -> tuple
                 if holder and holder not in outcomes:
                     outcomes[holder] = _outcome(main, holder)
         residues = [r for g in groups for r in _residues(g, prefix)]
+        tickets = [t for g in groups for t in _tickets(g, prefix)]
         history = History(
             seed, {c.name: c for c in configs}, ledger, _bodies(probe, run_id), outcomes,
-            residues, faults, observed,
+            residues, faults, observed, refusals=_refusals(probe, run_id), tickets=tickets,
         )  # fmt: skip
         # Collect the run's AsyncResults while the result store still answers: their __del__
         # unsubscribes from it, and against a stopped server Celery's reconnection retries

@@ -64,6 +64,7 @@ from .space import (
     space,
     valid,
 )
+from .turns_rules import Refusal
 
 # -- the option space ------------------------------------------------------------------------
 
@@ -211,13 +212,14 @@ def judge(
     faults: list[Fault] | None = None,
     *,
     rejects_stored: bool = True,
+    refusals: list[Refusal] | None = None,
 ) -> Report:
     every = (CONFIG, DEBOUNCED, QUEUED, LIMITED, REPLACING, REPLACING_2, LATEST, TERMINATING,
              POOLED, BUDGETED, RAISING, COSTLY)  # fmt: skip
     configs = {c.name: c for c in every}
     return check(History(
         42, configs, sends, bodies, outcomes, residues or [], faults or [],
-        rejects_stored=rejects_stored,
+        rejects_stored=rejects_stored, refusals=refusals or [],
     ))  # fmt: skip
 
 
@@ -388,6 +390,24 @@ def test_a_body_retry_that_never_runs_is_a_violation() -> None:
     ran = judge([send(0, "a")], [body("a", 0, 0.1, 1, how="retry"),
                                  body("a", 0.5, 0.6, 2, retries=1)], {"a": done(0.6)})  # fmt: skip
     assert ran.violations == []
+
+
+def test_a_body_retry_refused_through_its_lock_retries_in_any_mix_is_documented() -> None:
+    """docs/policies.rst: one lock_retry_max budget covers the task id (the body's own retry
+    inherits what its first attempt spent); a retried attempt refused until it is spent (its
+    key held, its key's rate, a limit without room, in any mix) fails TaskLocked or RateLimited.
+    The workers record each refusal: fewer than the budget is a retry that never ran."""
+    spent = Outcome("FAILURE", kind="exception", exception="RateLimited", date_done=30.0)
+    budget = int(FIXED["lock_retry_max"])
+    waits = [Refusal(CONFIG.name, "a", 0 if i < 10 else 1, "k", "x" if i % 3 else None, "retry",
+                     0.5 * i) for i in range(budget)]  # fmt: skip
+    report = judge([send(0, "a")], [body("a", 4.0, 4.1, 1, how="retry")], {"a": spent},
+                   refusals=waits)  # fmt: skip
+    assert report.violations == []
+    assert any("its lock retries spent" in d for d in report.documented)
+    short = judge([send(0, "a")], [body("a", 4.0, 4.1, 1, how="retry")], {"a": spent},
+                  refusals=waits[1:])  # fmt: skip
+    assert rules(short) == ["retry-runs"]
 
 
 def test_a_body_retry_that_met_the_store_down_through_its_budget_is_documented() -> None:
