@@ -217,10 +217,15 @@ class LockBackend(abc.ABC):
         ttl: float,
         units: Sequence[Units],
         meta: Mapping[str, str] | None,
+        takeover_prefix: str | None = None,
     ) -> AcquireResult:
         """The units of an acquire that took ``key`` (``result``), in a second step: taken
         (the result as it is), or refused, the key given back again (a duplicate may meet it
-        held in between: not one atomic step). For a store that cannot take both at once."""
+        held in between: not one atomic step). For a store that cannot take both at once.
+
+        An acquire that may have taken over a reservation (``takeover_prefix``: a body
+        retry's, a send's) puts the reservation back instead of freeing the key: the attempt
+        it waits for is refused for want of room and comes back for it."""
         if not units or not result.acquired:
             return result
         taken_key = result.key or key
@@ -228,13 +233,29 @@ class LockBackend(abc.ABC):
             taken = self.take_units(token, ttl, units, meta=units_meta(meta))
         except BaseException:
             with contextlib.suppress(Exception):
-                self.release(taken_key, token)
+                self._give_key_back(taken_key, token, ttl, meta, takeover_prefix)
             raise
         if taken.taken:
             return result
-        self.release(taken_key, token)
+        self._give_key_back(taken_key, token, ttl, meta, takeover_prefix)
         return AcquireResult(False, retry_after=taken.retry_after, limit=taken.limit,
                              used=taken.used)  # fmt: skip
+
+    def _give_key_back(
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        meta: Mapping[str, str] | None,
+        reservation: str | None,
+    ) -> None:
+        """Undo an acquire whose units were refused: the reservation it took over back in
+        place (held by ``reservation`` for ``ttl``), or the key released."""
+        if reservation is not None:
+            back = self.acquire(key, reservation, ttl, meta=meta, takeover_prefix=token)
+            if back.acquired:
+                return
+        self.release(key, token)
 
     def _give_units_before(self, token: str, units: Sequence[Units]) -> None:
         """The units of a release, given back before its key, in a step of their own (for a

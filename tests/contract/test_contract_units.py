@@ -22,6 +22,7 @@ from singletask.backends.base import LockBackend, Units
 from singletask.exceptions import UnsupportedOperation
 from singletask.protocol.limits import limit_key
 from singletask.protocol.slots import slot_keys
+from singletask.protocol.tokens import reservation_token
 
 from ..conftest import ONE_HOLDER_BACKENDS
 from .test_contract import (
@@ -423,3 +424,40 @@ def test_a_slot_and_its_units_are_taken_together(limited: LockBackend, key_prefi
     assert not refused.acquired
     assert refused.limit == limit.key
     assert sum(h is not None for h in (limited.holder(k) for k in slot_keys(key, 2))) == 1
+
+
+@pytest.mark.parametrize("path", ["acquire", "slot", "slot with a rate", "second slot"])
+def test_a_take_over_refused_by_a_limit_leaves_the_reservation_in_place(
+    limited: LockBackend, key_prefix: str, path: str
+) -> None:
+    """A body's retry keeps its key as a reservation; the retried attempt takes it over with
+    its units. When a limit has no room, nothing is taken, and nothing is given up either: the
+    reservation still holds the key against other executions while the attempt waits."""
+    key = f"{key_prefix}lock"
+    reserved = reservation_token("task-a", 1)
+    limit = concurrency(key_prefix, "warehouse", 1)
+    assert limited.take_units("elsewhere", LEASE, [limit]).taken
+    interval = 0.05 if path == "slot with a rate" else None
+    slots = 2 if path == "second slot" else 1
+    if path == "second slot":  # the key's first slot held by another execution
+        assert limited.acquire_slot(key, slots, "task-c:0:x", LEASE).acquired
+    if path == "acquire":
+        assert limited.acquire(key, reserved, LEASE).acquired
+    else:
+        assert limited.acquire_slot(key, slots, reserved, LEASE, interval=interval).acquired
+        time.sleep(0.1)  # past the rate's interval: only the limit refuses
+
+    if path == "acquire":
+        refused = limited.acquire(key, "task-a:1:x", LEASE, takeover_prefix=reserved,
+                                  units=[limit])  # fmt: skip
+    else:
+        refused = limited.acquire_slot(key, slots, "task-a:1:x", LEASE,
+                                       takeover_prefix=reserved, interval=interval,
+                                       units=[limit])  # fmt: skip
+
+    assert not refused.acquired
+    assert refused.limit == limit.key
+    holders = [limited.holder(k) for k in slot_keys(key, slots)]
+    assert reserved in [h.token for h in holders if h is not None]
+    other = limited.acquire_slot(key, slots, "task-b:0:x", LEASE, interval=interval)
+    assert not other.acquired

@@ -287,7 +287,7 @@ class RedisBackend(LockBackend):
     ) -> AcquireResult:
         if units and not self._units_with_lock():  # the key, then its units (two steps)
             result = self.acquire(key, token, ttl, meta=meta, takeover_prefix=takeover_prefix)
-            return self._take_units_after(result, key, token, ttl, units, meta)
+            return self._take_units_after(result, key, token, ttl, units, meta, takeover_prefix)
         self._check_key(key, "acquire")
         since, fields = encode_meta(key, token, meta or {})
         lease = lease_ms(ttl, "acquire")
@@ -327,7 +327,7 @@ class RedisBackend(LockBackend):
         script, keys, args = request
         self._check_slots(keys)
         result = slot_result(keys[:limit], self._call("acquire", script, keys, args))
-        return self._take_units_after(result, key, token, ttl, units, meta)
+        return self._take_units_after(result, key, token, ttl, units, meta, takeover_prefix)
 
     def _units_with_lock(self) -> bool:
         """Whether a lock and the units of its limits go in one script: not on a cluster

@@ -255,7 +255,7 @@ class SQLBackend(LockBackend):
             result = AcquireResult(taken.acquired, taken.holder, taken.fence, taken.completed)
         else:
             result = self._acquire(key, token, check_lease(ttl, "acquire"), meta, takeover_prefix)
-        return self._take_units_after(result, key, token, ttl, units, meta)
+        return self._take_units_after(result, key, token, ttl, units, meta, takeover_prefix)
 
     def acquire_slot(
         self, key: str, limit: int, token: str, ttl: float, *,
@@ -266,7 +266,7 @@ class SQLBackend(LockBackend):
         if interval is not None:
             interval = check_lease(interval, "acquire_slot interval")
         result = self._take_slot(key, names, token, ttl, meta, takeover_prefix, interval)
-        return self._take_units_after(result, key, token, ttl, units, meta)
+        return self._take_units_after(result, key, token, ttl, units, meta, takeover_prefix)
 
     def release_held_by(self, key: str, task_id: str) -> Holder | None:
         return self._release_holder("release_held_by", key, task_id)

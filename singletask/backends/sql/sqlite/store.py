@@ -233,7 +233,7 @@ class SQLiteBackend(LockBackend):
             now = time.time()
             result = self._slot_in(conn, key, limit, token, ttl, meta, takeover_prefix, interval,
                                    now)  # fmt: skip
-        return self._take_units_after(result, key, token, ttl, units, meta)
+        return self._take_units_after(result, key, token, ttl, units, meta, takeover_prefix)
 
     def _slot_in(
         self, conn: sqlite3.Connection, key: str, limit: int, token: str, ttl: float,
