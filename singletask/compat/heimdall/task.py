@@ -2,10 +2,11 @@
 guarantees (:mod:`singletask.compat.guard`) and a sliding-log rate limit.
 
 The rate limit ``times`` per ``per`` seconds is a log of start times per key (a Redis sorted
-set): a start is admitted while fewer than ``times`` starts lie within the last ``per``
-seconds, else it is sent again for when the oldest of them leaves the window (2 per 10 s:
-starts at 0 s, 0 s, 10 s, 10 s, 20 s...). The deferral spends none of the task's retries and
-leaves its ``max_retries`` alone.
+set, read and written in one optimistic transaction): a start is admitted while fewer than
+``times`` starts lie within the last ``per`` seconds; otherwise the execution is given the
+first start the log allows after those already given (2 per 10 s: starts at 0 s, 0 s, 10 s,
+10 s, 20 s...), kept under its task id, and sent again for then. The deferral spends none of
+the task's retries and leaves its ``max_retries`` alone.
 """
 
 from __future__ import annotations
@@ -125,22 +126,27 @@ def rate_of(task: Any, key: str, args: Any, kwargs: Any) -> tuple[int, float]:
 
 
 def rate_limited_countdown(task: Any, key: str, args: Any, kwargs: Any) -> float:
-    """Admit a start under ``key``'s rate (0), or give the seconds until one is admitted."""
+    """Give this execution a start under ``key``'s rate: 0 to start now, else the seconds
+    until its start, which is kept for it (by task id) so that deferred executions start in
+    the order they asked, one ``per`` after the start ``times`` places ahead of them."""
     times, per = rate_of(task, key, args, kwargs)
-    client = task.heimdall_redis
-    now = time.time()
-    member = f"{now:.6f}:{uuid.uuid4().hex}"
-    pipe = client.pipeline()
-    pipe.zremrangebyscore(key, "-inf", now - per)
-    pipe.zadd(key, {member: now})
-    pipe.zrank(key, member)
-    pipe.expire(key, int(per) + 1)
-    _, _, rank, _ = pipe.execute()
-    if rank is not None and rank < times:
-        return 0.0
-    client.zrem(key, member)
-    oldest = client.zrange(key, 0, 0, withscores=True)
-    return max(0.01, (oldest[0][1] + per - now) if oldest else 0.01)
+    member = str(getattr(task.request, "id", None) or uuid.uuid4().hex)
+
+    def reserve(pipe: Any) -> float:
+        now = time.time()
+        start = pipe.zscore(key, member)
+        if start is None:
+            kept = sorted(score for _, score in pipe.zrangebyscore(
+                key, f"({now - per}", "+inf", withscores=True))  # fmt: skip
+            start = now if len(kept) < times else max(now, kept[-times] + per)
+        pipe.multi()
+        pipe.zremrangebyscore(key, "-inf", now - per)
+        pipe.zadd(key, {member: start})
+        pipe.expire(key, int(start - now + per) + 1)
+        return float(start - now)
+
+    wait = float(task.heimdall_redis.transaction(reserve, key, value_from_callable=True))
+    return 0.0 if wait < 0.01 else wait
 
 
 if TYPE_CHECKING:
