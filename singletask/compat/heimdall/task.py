@@ -41,6 +41,7 @@ __all__ = [
     "acquire_lock",
     "rate_limited_countdown",
     "release_lock",
+    "renew_lock",
     "unique_key_for_task",
 ]
 
@@ -94,6 +95,19 @@ def release_lock(task: Any, key: str, task_id: str | None = None) -> None:
         task.heimdall_redis.delete(key)
     else:
         task.heimdall_redis.eval(UNLOCK_IF_OWNER, 1, key, task_id)
+
+
+def renew_lock(task: Any, key: str, timeout: float, *, task_id: str) -> None:
+    """Give ``key`` ``timeout`` seconds again while ``task_id`` holds it (singletask's
+    addition: the lock of a running task is a lease)."""
+
+    def renew(pipe: Any) -> None:
+        holder = pipe.get(key)
+        pipe.multi()
+        if holder in (task_id, task_id.encode()):
+            pipe.expire(key, max(1, int(timeout)))
+
+    task.heimdall_redis.transaction(renew, key)
 
 
 def unique_key_for_task(task: Any, args: Any, kwargs: Any, *, prefix: str = "") -> str:
@@ -242,6 +256,10 @@ class HeimdallTask(_TaskBase):
             release=lambda key: release_lock(self, key, owner),
             on_duplicate=lambda refused: None,  # as heimdall: SUCCESS, None; the holder keeps it
             release_at_end=not self.heimdall.get("unique_wait_for_expiry"),
+            renew=None if self.heimdall.get("unique_wait_for_expiry") else (
+                lambda key: renew_lock(self, key, timeout, task_id=str(task_id))
+            ),
+            lease=float(timeout),
         )  # fmt: skip
 
     def defer_for_rate(self, args: Any, kwargs: Any) -> bool:

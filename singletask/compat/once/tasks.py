@@ -12,7 +12,7 @@ from celery.result import EagerResult
 from kombu.utils.uuid import uuid
 
 from ...exceptions import ConfigurationError, SingletaskError
-from ..guard import guarded_call, with_key
+from ..guard import guarded_call, sent_lease, with_key
 from .helpers import import_backend, queue_once_key
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ class QueueOnce(_TaskBase):
                 if graceful:
                     return EagerResult(None, None, states.REJECTED)  # type: ignore[arg-type]
                 raise
-            options = with_key(options, key)
+            options = with_key(options, key, timeout)
         return super().apply_async(args, kwargs, **options)  # type: ignore[arg-type]
 
     def lock_key(self, key: str, timeout: Any, task_id: str | None) -> None:
@@ -158,6 +158,7 @@ class QueueOnce(_TaskBase):
                 return refused
             return None
 
+        lease = sent_lease(self.request, self.once.get("timeout", self.default_timeout))
         return guarded_call(
             self, super().__call__, args, kwargs,
             key_for=self.get_key,
@@ -165,7 +166,19 @@ class QueueOnce(_TaskBase):
             release=lambda key: self.release_key(key, task_id),
             on_duplicate=self.on_duplicate,
             release_at_end=not self.unlock_before_run(),
+            renew=None if self.unlock_before_run() else self.renewer(task_id, lease),
+            lease=lease,
         )  # fmt: skip
+
+    def renewer(self, task_id: str | None, lease: float | None) -> Any:
+        """What renews a running task's lock: the backend's ``renew``, if it has one (the stock
+        ``Redis`` and ``File`` do; celery-once's protocol has none, so a backend of your own
+        keeps its ``timeout`` as a bound from the send)."""
+        backend = self.once_backend
+        if not hasattr(backend, "renew") or lease is None:
+            return None
+        owner = task_id if self.owner_checked() else None
+        return lambda key: backend.renew(key, lease, owner)
 
     def after_return(
         self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any

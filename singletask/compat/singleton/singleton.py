@@ -70,10 +70,16 @@ class Singleton(_TaskBase):
             self._singleton_backend = get_backend(self.singleton_config)
         return self._singleton_backend
 
-    def aquire_lock(self, lock: str, task_id: str) -> bool:
+    def expiry(self) -> float | None:
+        """The lock's lifetime: ``lock_expiry``, else ``singleton_lock_expiry``, else None
+        (for ever)."""
         expiry = self.lock_expiry
         if expiry is None:
             expiry = self.singleton_config.lock_expiry
+        return None if expiry is None else float(expiry)
+
+    def aquire_lock(self, lock: str, task_id: str) -> bool:
+        expiry = self.expiry()
         return bool(self.singleton_backend.lock(lock, task_id, expiry=expiry))
 
     def get_existing_task_id(self, lock: str) -> str | None:
@@ -198,10 +204,18 @@ class Singleton(_TaskBase):
                     f"Attempted to run a duplicate of task ID {holder}", task_id=holder
                 )
 
+        backend, expiry = self.singleton_backend, self.expiry()
+        renew = None
+        if hasattr(backend, "renew") and expiry is not None:  # a lifetime, on a store that renews
+
+            def renew(lock: str) -> None:
+                backend.renew(lock, str(task_id), expiry)
+
         return guarded_call(
             self, super().__call__, args, kwargs,
             key_for=lambda a, k: self.generate_lock(str(self.name), a, k),
             take=take, release=lambda lock: self.unlock_as(lock, task_id), on_duplicate=duplicate,
+            renew=renew, lease=expiry,
         )  # fmt: skip
 
 

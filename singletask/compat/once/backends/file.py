@@ -60,6 +60,19 @@ class File:
             os.write(fd, owner.encode())
         os.close(fd)
 
+    def renew(self, key: str, timeout: float, owner: str | None = None) -> None:
+        """Restart the age of ``key``'s file, if it is still there (with ``owner``: naming
+        ``owner``). singletask's addition: the lock of a running task is a lease."""
+        path = self._get_lock_path(key)
+        try:
+            if owner is not None:
+                with open(path) as handle:
+                    if handle.read() != owner:
+                        return
+            os.utime(path, None)
+        except FileNotFoundError:
+            return
+
     def clear_lock(self, key: str, owner: str | None = None) -> None:
         """Remove the key's file (with ``owner``: only while it names ``owner``)."""
         path = self._get_lock_path(key)

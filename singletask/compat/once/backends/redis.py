@@ -26,6 +26,12 @@ if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) 
 return 0
 """
 
+#: Give a key its time again only while it holds the given token.
+RENEW_IF_OWNER = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
+return 0
+"""
+
 #: The process's client (made on first use from the first ``url``).
 redis: Any = None
 
@@ -85,6 +91,14 @@ class Redis:
             if not self.blocking or time.monotonic() >= deadline:
                 raise AlreadyQueued(max(self.redis.pttl(key), 0) / 1000.0)
             time.sleep(0.1)
+
+    def renew(self, key: str, timeout: float, owner: str | None = None) -> None:
+        """Give ``key`` ``timeout`` seconds again, if it is still set (with ``owner``: held by
+        ``owner``). singletask's addition: the lock of a running task is a lease."""
+        if owner is None:
+            self.redis.pexpire(key, int(float(timeout) * 1000))
+        else:
+            self.redis.eval(RENEW_IF_OWNER, 1, key, owner, int(float(timeout) * 1000))
 
     def clear_lock(self, key: str, owner: str | None = None) -> Any:
         """Delete ``key`` (with ``owner``: only while ``owner`` holds it)."""

@@ -16,6 +16,12 @@ if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) 
 return 0
 """
 
+#: Give a key its time again only while it holds the given task id.
+RENEW_IF_OWNER = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
+return 0
+"""
+
 
 class RedisBackend(BaseBackend):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -33,6 +39,11 @@ class RedisBackend(BaseBackend):
     def unlock_if_owner(self, lock: str, task_id: str) -> bool:
         """Delete ``lock`` only while ``task_id`` holds it (one atomic step)."""
         return bool(self.redis.eval(UNLOCK_IF_OWNER, 1, lock, task_id))
+
+    def renew(self, lock: str, task_id: str, expiry: float) -> bool:
+        """Give ``lock`` ``expiry`` seconds again while ``task_id`` holds it (singletask's
+        addition: the lock of a running task is a lease)."""
+        return bool(self.redis.eval(RENEW_IF_OWNER, 1, lock, task_id, int(expiry * 1000)))
 
     def get(self, lock: str) -> str | None:
         value = self.redis.get(lock)
