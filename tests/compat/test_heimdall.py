@@ -173,3 +173,20 @@ def test_bad_heimdall_options_fail_when_the_task_is_made(app: Celery) -> None:
         assert app.task(name="h.bad", base=HeimdallTask, heimdall={"uniqe": True})(body).run
     with pytest.raises(ConfigurationError, match=r"h\.bad2.*'times' and 'per'"):
         assert app.task(name="h.bad2", base=HeimdallTask, heimdall={"times": 2})(body).run
+
+
+def test_owner_checked_release_is_an_option(
+    hub: Celery, compat_redis: tuple[str, redis.Redis]
+) -> None:
+    client = compat_redis[1]
+
+    @hub.task(
+        name="h.owner",
+        base=HeimdallTask,
+        heimdall={"unique": True, "key": "own", "owner_checked_release": True},
+    )
+    def owned() -> None:
+        client.set("h-lock:own", "a-newer-holder")  # the lock ran out and another took it
+
+    owned.delay()
+    assert client.get("h-lock:own") == b"a-newer-holder"  # celery-heimdall deleted it

@@ -260,3 +260,19 @@ def test_the_class_level_once_dict_is_shared_as_in_celery_once(recording: Celery
         assert shared.delay().state == "REJECTED"
     finally:
         QueueOnce.once["graceful"] = False
+
+
+def test_a_retry_keeps_the_lock_and_its_last_run_frees_it(recording: Celery) -> None:
+    held: list[bool] = []
+
+    @recording.task(name="t.retry", base=QueueOnce, bind=True, max_retries=2)
+    def flaky(self: Any) -> str:
+        held.append("qo_t.retry" in Recording.locks)
+        if self.request.retries < 2:
+            raise self.retry(countdown=0)
+        return "done"
+
+    assert flaky.delay().get() == "done"
+    assert held == [True, True, True]
+    assert Recording.locks == {}
+    assert Recording.calls.count(("clear", "qo_t.retry")) == 1
