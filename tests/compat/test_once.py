@@ -276,3 +276,21 @@ def test_a_retry_keeps_the_lock_and_its_last_run_frees_it(recording: Celery) -> 
     assert held == [True, True, True]
     assert Recording.locks == {}
     assert Recording.calls.count(("clear", "qo_t.retry")) == 1
+
+
+class DjangoSettings:
+    """Settings as Django holds them, read under the ``CELERY`` namespace."""
+
+    CELERY_ONCE: ClassVar[dict[str, Any]] = {
+        "backend": f"{__name__}.Recording",
+        "settings": {"default_timeout": 12},
+    }
+
+
+def test_once_read_under_a_django_namespace(app: Celery) -> None:
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+
+    @app.task(name="t.namespace", base=QueueOnce)
+    def namespaced() -> None: ...
+
+    assert namespaced.default_timeout == 12

@@ -192,3 +192,20 @@ def test_bad_options_fail_when_the_task_is_made(own: Celery) -> None:
         assert own.task(name="s.bad", base=Singleton, unique_on=["b"])(body).run
     with pytest.raises(ConfigurationError, match=r"s\.bad2.*lock_expiry"):
         assert own.task(name="s.bad2", base=Singleton, lock_expiry="1h")(body).run
+
+
+class DjangoSettings:
+    """Settings as Django holds them, read under the ``CELERY`` namespace."""
+
+    CELERY_SINGLETON_KEY_PREFIX = "DJANGO_"
+    CELERY_SINGLETON_RAISE_ON_DUPLICATE = True
+
+
+def test_the_settings_under_a_django_namespace(app: Celery) -> None:
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+
+    @app.task(name="s.django", base=Singleton)
+    def django_task() -> None: ...
+
+    assert django_task.generate_lock("s.django").startswith("DJANGO_")
+    assert django_task._raise_on_duplicate is True
