@@ -190,3 +190,16 @@ def test_owner_checked_release_is_an_option(
 
     owned.delay()
     assert client.get("h-lock:own") == b"a-newer-holder"  # celery-heimdall deleted it
+
+
+def test_the_holders_own_retry_is_sent(hub: Celery, compat_redis: tuple[str, redis.Redis]) -> None:
+    client = compat_redis[1]
+
+    @hub.task(name="h.retry", base=HeimdallTask, heimdall={"unique": True, "key": "again"})
+    def again() -> str:
+        return "ran"
+
+    client.set("h-lock:again", "same-id", ex=100)
+    result = again.apply_async(task_id="same-id", retries=1)
+    assert (result.id, result.get()) == ("same-id", "ran")
+    assert client.get("h-lock:again") is None

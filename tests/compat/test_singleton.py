@@ -209,3 +209,17 @@ def test_the_settings_under_a_django_namespace(app: Celery) -> None:
 
     assert django_task.generate_lock("s.django").startswith("DJANGO_")
     assert django_task._raise_on_duplicate is True
+
+
+def test_the_holders_own_retry_is_sent(own: Celery) -> None:
+    """self.retry() sends the task again under its id while it holds the key: celery-singleton
+    took that for a duplicate, sent nothing and kept the key for ever."""
+
+    @own.task(name="s.retry", base=Singleton)
+    def again() -> str:
+        return "ran"
+
+    InMemory.locks[expected_key("s.retry", [], {})] = "same-id"
+    result = again.apply_async(task_id="same-id", retries=1)
+    assert (result.id, result.get()) == ("same-id", "ran")
+    assert InMemory.locks == {}

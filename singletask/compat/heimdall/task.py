@@ -222,8 +222,11 @@ class HeimdallTask(_TaskBase):
         """With ``unique``, lock the key first: a duplicate gets the holder's
         ``AsyncResult``, or with ``unique_raises`` :class:`AlreadyQueuedError`."""
         if "unique" in self.heimdall:
-            task_id = task_id or task_uuid()
             key = self.unique_key(args, kwargs)
+            if task_id is not None and self.holds(key, task_id):  # its own retry, a deferral
+                options = with_key(options, key)
+                return super().apply_async(args, kwargs, task_id=task_id, **options)  # type: ignore[arg-type]
+            task_id = task_id or task_uuid()
             timeout = self.heimdall.get("unique_timeout", self.heimdall_config.unique_timeout)
             try:
                 acquire_lock(self, key, timeout, task_id=task_id)
@@ -233,6 +236,10 @@ class HeimdallTask(_TaskBase):
                 raise
             options = with_key(options, key)
         return super().apply_async(args, kwargs, task_id=task_id, **options)  # type: ignore[arg-type]
+
+    def holds(self, key: str, task_id: str) -> bool:
+        """Whether ``task_id`` holds ``key`` (a retry or deferral of the holder is sent on)."""
+        return self.heimdall_redis.get(key) in (task_id, task_id.encode())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.defer_for_rate(args, kwargs):

@@ -132,6 +132,8 @@ class Singleton(_TaskBase):
             if task:
                 return task  # type: ignore[no-any-return]
             existing = self.get_existing_task_id(lock)
+            if existing == task_id:  # this task's own retry (self.retry()): it holds the key
+                return super().apply_async(**run_args)
             if existing and self.challenge_lock_on_startup and not challenged:
                 challenged = True
                 if not self.holder_is_known(existing):
