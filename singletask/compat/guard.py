@@ -34,6 +34,7 @@ __all__ = [
     "KEY_HEADER",
     "LEASE_HEADER",
     "guarded_call",
+    "is_direct",
     "renewing",
     "safe_release",
     "sent_key",
@@ -75,6 +76,12 @@ def sent_lease(request: Any, default: float | None) -> float | None:
     )
 
 
+def is_direct(request: Any) -> bool:
+    """Whether the task is called as a function (``task(x)``), not executed for a message:
+    no lock then, and no store is touched."""
+    return bool(request.called_directly) or request.id is None
+
+
 def guarded_call(
     task: Any,
     body: Callable[..., Any],
@@ -100,7 +107,7 @@ def guarded_call(
     while the body runs.
     """
     request = task.request
-    if request.called_directly or request.id is None:
+    if is_direct(request):
         return body(*args, **kwargs)
     sent = sent_key(request)
     key = sent or key_for(args, kwargs)

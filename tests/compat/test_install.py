@@ -67,3 +67,25 @@ def test_an_old_library_imported_already_is_refused(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "celery_once", real)
     with pytest.raises(ConfigurationError, match="before it is imported"):
         singletask.compat.install()
+
+
+def test_a_direct_call_takes_no_lock_and_needs_no_store() -> None:
+    """``task(x)`` runs the body as a function, as under the old libraries: no ONCE setting,
+    no Redis, no result backend is needed for it."""
+    from celery import Celery
+
+    app = Celery("direct", set_as_current=False, broker="memory://")
+
+    @app.task(name="d.once", base=once.QueueOnce)
+    def once_task(a: int) -> int:
+        return a
+
+    @app.task(name="d.singleton", base=singleton.Singleton, lock_expiry=5)
+    def singleton_task(a: int) -> int:
+        return a
+
+    @app.task(name="d.heimdall", base=heimdall.HeimdallTask, heimdall={"unique": True})
+    def heimdall_task(a: int) -> int:
+        return a
+
+    assert (once_task(1), singleton_task(2), heimdall_task(3)) == (1, 2, 3)

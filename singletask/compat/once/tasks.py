@@ -12,7 +12,7 @@ from celery.result import EagerResult
 from kombu.utils.uuid import uuid
 
 from ...exceptions import ConfigurationError, SingletaskError
-from ..guard import guarded_call, sent_key, sent_lease, with_key
+from ..guard import guarded_call, is_direct, sent_key, sent_lease, with_key
 from .helpers import import_backend, queue_once_key
 
 if TYPE_CHECKING:
@@ -147,8 +147,10 @@ class QueueOnce(_TaskBase):
     # -- execution ---------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if is_direct(self.request):  # a direct call takes no lock (celery-once's neither)
+            return super().__call__(*args, **kwargs)
         task_id = self.request.id
-        if self.unlock_before_run() and not self.request.called_directly:
+        if self.unlock_before_run():
             self.release_key(sent_key(self.request) or self.get_key(args, kwargs), task_id)
 
         def take(key: str) -> AlreadyQueued | None:

@@ -11,7 +11,7 @@ from celery import Task
 from kombu.utils.uuid import uuid
 
 from ...exceptions import ConfigurationError
-from ..guard import guarded_call, with_key
+from ..guard import guarded_call, is_direct, with_key
 from . import util
 from .backends import get_backend
 from .config import Config
@@ -192,6 +192,8 @@ class Singleton(_TaskBase):
         return self.AsyncResult(existing_task_id)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if is_direct(self.request):  # a direct call takes no lock, and touches no store
+            return super().__call__(*args, **kwargs)
         task_id = self.request.id
 
         def take(lock: str) -> str | None:
