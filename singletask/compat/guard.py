@@ -101,10 +101,9 @@ def guarded_call(
     ``take(key)`` tries the lock: None when taken, else what refused it (the old library's
     exception, say), which ``on_duplicate`` turns into the execution's result (or raises).
     A retry of an execution (``retries`` > 0) and a message whose send took the lock already
-    hold it. ``release`` is called at every ending
-    but a retry, unless ``release_at_end`` is False; it never lets an error out. With
-    ``renew`` and a ``lease`` (seconds), ``renew(key)`` is called every third of the lease
-    while the body runs.
+    hold it. ``release`` is called at every ending but a retry, unless ``release_at_end`` is
+    False; it never lets an error out. With ``renew`` and a ``lease`` (seconds), ``renew(key)``
+    is called every third of the lease while the body runs.
     """
     request = task.request
     if is_direct(request):
