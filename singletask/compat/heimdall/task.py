@@ -78,7 +78,7 @@ def acquire_lock(task: Any, key: str, timeout: float, *, task_id: str) -> bool:
     client = task.heimdall_redis
     config = task.heimdall_config
     deadline = time.monotonic() + float(config.unique_lock_timeout or 0)
-    while not client.set(key, task_id, nx=True, ex=int(timeout)):
+    while not client.set(key, task_id, nx=True, px=max(1, int(float(timeout) * 1000))):
         if not config.unique_lock_blocking or time.monotonic() >= deadline:
             holder, ttl = client.pipeline().get(key).ttl(key).execute()
             raise AlreadyQueuedError(
@@ -105,7 +105,7 @@ def renew_lock(task: Any, key: str, timeout: float, *, task_id: str) -> None:
         holder = pipe.get(key)
         pipe.multi()
         if holder in (task_id, task_id.encode()):
-            pipe.expire(key, max(1, int(timeout)))
+            pipe.pexpire(key, max(1, int(float(timeout) * 1000)))
 
     task.heimdall_redis.transaction(renew, key)
 
