@@ -20,9 +20,9 @@ PACKAGE = Path(singletask.__file__).parent
 #: The package's face (``singletask`` and ``singletask.task``) and what is built on it. The
 #: core, every other module, may import none of them.
 ABOVE_THE_CORE = ("singletask", "singletask.task", "singletask.__main__")
-#: Packages built on the face: the command line, the demo, and the test helpers with their pytest
-#: plugin.
-BUILT_ON_TOP = ("singletask.cli", "singletask.demo", "singletask.testing")
+#: Packages built on the face: the command line, the old libraries' APIs (compat), the demo, and
+#: the test helpers with their pytest plugin.
+BUILT_ON_TOP = ("singletask.cli", "singletask.compat", "singletask.demo", "singletask.testing")
 
 
 def above_the_core(name: str) -> bool:
@@ -159,9 +159,10 @@ TOP_LEVEL = {
     "__init__", "__main__", "_moved", "exceptions", "lease", "policies", "result", "signals",
     "task",
 }  # fmt: skip
-#: The packages of the package, each answering one "how does it work".
+#: The packages of the package, each answering one "how does it work" (compat: the old
+#: libraries' APIs on singletask).
 PACKAGES = {
-    "backends", "cli", "conf", "demo", "execution", "observe", "ops", "protocol", "send",
+    "backends", "cli", "compat", "conf", "demo", "execution", "observe", "ops", "protocol", "send",
     "testing",
 }  # fmt: skip
 
