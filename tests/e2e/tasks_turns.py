@@ -5,7 +5,8 @@
 takes one unit of the test's turns limit (``"{e2e}-turns:<label>"``, a concurrency of 2:
 tests/e2e/app.py ``e2e_limits``). A sync that finds the limit full retries until it has room
 (``lock_policy="retry"``): with fair turns, it waits in the limit's line as its tenant's turn.
-Its body records its start and end, with its tenant, under the test's label.
+Its body records its start and end, with its tenant, under the test's label, and each
+refusal is recorded there too (``lock_conflict``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from celery._state import _get_active_apps, connect_on_app_finalize
 
 from singletask import SingletonTask
 from singletask.backends import backend_class
+from singletask.signals import lock_conflict
 
 from .probe import probe
 
@@ -59,6 +61,17 @@ TASKS: list[tuple[Any, dict[str, Any]]] = [
             "lock_limit": PER_TENANT, "lock_weight": weight, "lock_policy": "retry",
             "lock_retry_countdown": COUNTDOWN, "lock_retry_max": 1000}),
 ]  # fmt: skip
+
+
+@lock_conflict.connect(weak=False)
+def _refused(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+    """A sync refused (its tenant waits in the limit's line from then on), recorded under the
+    test's label as a ``refused`` event with its tenant."""
+    if getattr(sender, "name", None) != PREFIX + "sync":
+        return
+    args = sender.request.args or ()
+    if len(args) >= 2:
+        probe().mark(str(args[0]), "refused", task_id, tenant=str(args[1]))
 
 
 @connect_on_app_finalize

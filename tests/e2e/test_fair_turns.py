@@ -103,6 +103,14 @@ def flood(
     return sent
 
 
+def first_refusals(env: FaultEnv, label: str) -> dict[str, float]:
+    """Each tenant's first refusal: when the limit's line first held one of its syncs."""
+    first: dict[str, float] = {}
+    for event in env.probe.events(label, "refused"):
+        first.setdefault(event["tenant"], event["t"])
+    return first
+
+
 def report(record_property: Callable[[str, Any], None], name: str, found: Figures) -> None:
     print(f"\n{name}: {found}")  # the figures, with -s
     record_property(name, found.as_dict())
@@ -135,12 +143,13 @@ def test_under_a_flood_from_one_tenant_the_others_start_in_their_turn(
     # and b's and c's last syncs started in their turn: after a few of a's (round robin from
     # their first refusal puts them after about 7 of a's), not after most of a's 40 (about 30
     # with Celery alone): at most half of a's, a bound that leaves room for a slow machine
-    found = figures(starts, sent, flood="a")
+    found = figures(starts, sent, flood="a", refused=first_refusals(env, label))
     report(record_property, "turns on", found)
     assert max(found.flood_before_last.values()) <= FLOOD["a"] // 2, found
-    # and while all three waited, they started about evenly (Celery alone: about 0.55)
-    assert found.jain is not None
-    assert found.jain >= 0.9, found
+    # and while all three waited in the line, they started about evenly (Celery alone: about
+    # 0.55; measured 0.96 to 0.99, docs/performance.rst)
+    assert found.jain_in_line is not None
+    assert found.jain_in_line >= 0.9, found
 
 
 @pytest.mark.parametrize("env", ["redis"], indirect=True)
