@@ -7,7 +7,8 @@ of a shared machine. Each figure is the difference of two loops of one process, 
 the same figure for a plain Celery task: what the lock adds.
 
 Every run is ``task.apply_async((i,))`` on the eager path (``task_always_eager``, the worker's
-stack protection installed, no result backend), a no-op body, for:
+stack protection installed, no result backend, and for singletask the lease renewer's thread
+kept between executions as the worker's bootstep keeps it), a no-op body, for:
 
 * ``plain``: Celery's own Task, the reference subtracted from the others;
 * ``singletask``: :class:`~singletask.SingletonTask` with ``lock_args="*"``, default options;
@@ -25,7 +26,8 @@ script, an ``EVALSHA`` of ``return 0`` with one key.
 Server: one ``redis-server`` under callgrind (``--hz 1``; what its cron costs, if it ran, is
 taken out), the loops run natively in this process, a dump (``callgrind_control -d``) around
 each loop. Client: each variant and mode in a Python process of its own under callgrind
-(``--collect-systime=yes`` counts system calls), against a native ``redis-server``; the process
+(``--collect-systime=yes`` counts system calls, but the clock's: natively the vDSO answers
+those without one), against a native ``redis-server``; the process
 marks each loop's ends by calling ``os.getloadavg()``, before which callgrind dumps
 (``--dump-before``). Needs ``valgrind`` and ``redis-server`` on PATH. Writes ``cost.json`` and
 ``cost.rst`` to ``--out``.
@@ -83,16 +85,22 @@ def _totals(path: Path) -> dict[str, int]:
     raise RuntimeError(f"no totals in {path}")
 
 
-def _inclusive(path: Path, function: str) -> int:
-    """Instructions spent in ``function`` and what it called, in one dump (0 if absent)."""
+def _inclusive(path: Path, function: str, event: str = "Ir") -> int:
+    """The ``event`` count of ``function`` and what it called, in one dump (0 if absent)."""
     listing = subprocess.run(
-        ["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(path)],
+        ["callgrind_annotate", "--inclusive=yes", "--threshold=100", f"--show={event}", str(path)],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     for line in listing.splitlines():
-        if re.search(rf":{function} \[", line):
+        if re.search(rf":{function}[@ ]", line):
             return int(line.split()[0].replace(",", ""))
     return 0
+
+
+def _syscalls(path: Path) -> int:
+    """The system calls of one client dump, but the clock's: under Valgrind, reading the clock
+    is a system call; natively it is not (the vDSO answers it in the process)."""
+    return _totals(path).get("sysCount", 0) - _inclusive(path, "clock_gettime", "sysCount")
 
 
 # -- the runs -----------------------------------------------------------------------------------
@@ -105,9 +113,16 @@ def _app(lock_url: str, variants: list[str]) -> Any:
 
     # As in a worker process: a task's own __call__ calling super().__call__() goes to run.
     _install_stack_protection()
-    return bench_app.make_app(
+    app = bench_app.make_app(
         broker="memory://", eager=True, lock_url=lock_url, probe_url=lock_url, variants=variants
     )
+    if "singletask" in variants:
+        from singletask.conf.runtime import app_state
+
+        # As the worker's ServeWorker bootstep does: the lease renewer's thread waits for the
+        # next execution instead of ending with each one (back-to-back executions share it).
+        app_state(app).serve_worker(True)
+    return app
 
 
 def _runner(app: Any, variant: str, mode: str) -> Callable[[], Any]:
@@ -192,7 +207,7 @@ def client_costs(lock_url: str, work: Path, runs: int, warmup: int) -> dict[str,
             one, two = _totals(dumps[1]), _totals(dumps[2])
             out[f"{variant}/{mode}"] = {
                 "instructions": (two["Ir"] - one["Ir"]) / runs,
-                "syscalls": (two.get("sysCount", 0) - one.get("sysCount", 0)) / runs,
+                "syscalls": (_syscalls(dumps[2]) - _syscalls(dumps[1])) / runs,
             }
             _log(f"client {variant}/{mode}: {out[f'{variant}/{mode}']} "
                  f"({time.monotonic() - started:.0f}s)")  # fmt: skip
