@@ -170,7 +170,9 @@ def emit(
     and (unless ``span_only``) as a Celery event. Never raises."""
     try:
         span = watch.span if watch is not None else (None if producer else spans.current())
-        if outcome == "lease_lost":
+        if span is None:
+            pass  # nothing records: no attributes to build
+        elif outcome == "lease_lost":
             spans.add_event(span, outcome, {"key": key, "fence": fence, "reason": reason})
         else:
             attributes: dict[str, object] = {"key": key, "fence": fence, "holder": holder}
@@ -178,9 +180,11 @@ def emit(
             if outcome != "released":  # a run's span keeps "acquired"
                 attributes["outcome"] = outcome
             spans.annotate(span, attributes)
+        if span_only or not sends_events(task.app, producer=producer):
+            return
         if task_id is None:
             task_id = watch.task_id if watch is not None else task.request.id
-        if span_only or task_id is None or not sends_events(task.app, producer=producer):
+        if task_id is None:
             return  # a direct call has no task id to report under
         fields = {
             "name": task.name, "singletask_outcome": outcome, "singletask_key": key,
@@ -209,14 +213,18 @@ def conflict(
 
 def acquired(task: Task[Any, Any], watch: Watch, handle: LockHandle) -> None:
     """The execution holds its lock: ``acquired``, with its wait since its first send."""
+    watch.since = time.monotonic()
+    if watch.span is None and not sends_events(task.app):
+        return  # nothing records and no event is sent: nothing to tell
     sent = first_sent(task.request)
     wait = None if sent is None else round(max(0.0, time.time() - sent), 6)
-    watch.since = time.monotonic()
     emit(task, "acquired", handle.key, fence=handle.fence, wait=wait, watch=watch)
 
 
 def released(task: Task[Any, Any], watch: Watch, handle: LockHandle) -> None:
     """The execution's hold ended (released, or reserved for its retry): ``released``."""
+    if watch.span is None and not sends_events(task.app):
+        return  # nothing records and no event is sent: nothing to tell
     held = round(time.monotonic() - watch.since, 6)
     emit(task, "released", handle.key, fence=handle.fence, held=held, watch=watch)
 

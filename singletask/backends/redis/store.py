@@ -34,6 +34,7 @@ from redis.retry import Retry
 
 from ...exceptions import BackendError, ConfigurationError
 from ...protocol.slots import base_key
+from ...protocol.tokens import this_pid
 from ..base import (
     AcquireResult,
     Holder,
@@ -216,7 +217,7 @@ class RedisBackend(LockBackend):
     @property
     def client(self) -> redis.Redis:
         """The client, created on first use in each process (a forked child makes its own)."""
-        if self._url is not None and (self._client is None or self._pid != os.getpid()):
+        if self._url is not None and (self._client is None or self._pid != this_pid()):
             options = dict(self._options)
             # Retry a dropped connection, never a timeout: redis-py would also retry it inside
             # each reconnect, multiplying the wait on a server that does not answer.
