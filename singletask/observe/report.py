@@ -148,7 +148,9 @@ class Watch:
 
     @classmethod
     def of(cls, task: Task[Any, Any], task_id: str | None) -> Watch:
-        return cls(task_id, _hostname(task), spans.current())
+        # The node name is for the events alone (none is sent while they are off).
+        hostname = _hostname(task) if sends_events(task.app) else None
+        return cls(task_id, hostname, spans.current())
 
 
 def emit(

@@ -49,6 +49,7 @@ from .bookkeeping import scan_state
 from .connections import send
 from .options import connection_options, parse_redis_url, retentions
 from .rates import (
+    COMPANION_ENDS,
     DEBOUNCE,
     DEBOUNCE_PUBLISHED,
     DEBOUNCE_TAKE,
@@ -364,8 +365,10 @@ class RedisBackend(LockBackend):
         return bool(self._call("debounce", DEBOUNCE_UNDO, (window_key(key),), args))
 
     def _check_key(self, key: str, operation: str) -> None:
-        """Refuse a raw key that may be another lock's companion record."""
-        check_key(repr(self), key, operation)
+        """Refuse a raw key that may be another lock's companion record (the store's name,
+        ``repr(self)``, is written out only for the error)."""
+        if key.endswith(COMPANION_ENDS):
+            check_key(repr(self), key, operation)
 
     def _check_slots(self, keys: Sequence[str]) -> None:
         """Refuse the keys of a slot acquisition (slots, rate record) one script cannot take
