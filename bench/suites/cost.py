@@ -424,7 +424,9 @@ def main(argv: list[str]) -> int:
             "redis_py": redis.__version__,
             "redis_server": subprocess.run(
                 ["redis-server", "--version"], capture_output=True, text=True, check=True
-            ).stdout.split()[2],
+            )
+            .stdout.split()[2]
+            .removeprefix("v="),
             "valgrind": subprocess.run(
                 ["valgrind", "--version"], capture_output=True, text=True, check=True
             ).stdout.strip(),
