@@ -290,6 +290,22 @@ def server_costs(work: Path, runs: int, warmup: int) -> dict[str, Any]:
 
         runners["celery-once/refusal"] = once
         runners["EVALSHA return 0"] = lambda: empty(keys=["bench:empty"])
+        # The floors of a script and of a lock record as singletask keeps it (a hash with an
+        # expiry): the same no-op with the 8 arguments of an uncontended acquire; and the
+        # fewest commands that take such a record (EXISTS, TIME, HSET of its 5 fields,
+        # PEXPIRE) and owner-check and delete it (HGET, DEL), in two scripts.
+        eight = ["t:0:h:1:n", "30000", "t:0:-:0:reserved", "1700000000123", "w", "h", "n", "11"]
+        runners["EVALSHA return 0, 8 arguments"] = lambda: empty(keys=["bench:empty"], args=eight)
+        take = raw.register_script(_FLOOR_TAKE)
+        give = raw.register_script(_FLOOR_GIVE)
+        floor = iter(range(10**9))
+
+        def floor_lock() -> None:
+            key = f"bench:floor:{next(floor)}"
+            take(keys=[key], args=eight)
+            give(keys=[key], args=eight[:1])
+
+        runners["floor: hash lock, two scripts"] = floor_lock
         out: dict[str, Any] = {}
         for name, run in runners.items():
             for _ in range(warmup):
@@ -307,6 +323,23 @@ def server_costs(work: Path, runs: int, warmup: int) -> dict[str, Any]:
         return out
     finally:
         server.stop()
+
+
+#: The floor of an acquire of singletask's lock record (see server_costs).
+_FLOOR_TAKE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local now = redis.call('TIME')
+redis.call('HSET', KEYS[1], 'token', ARGV[1], 'f', now[1] .. now[2], 'a', '0', ARGV[5], ARGV[6],
+  ARGV[7], ARGV[8])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+#: The floor of its owner-checked release.
+_FLOOR_GIVE = """
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
 
 
 # -- the report ---------------------------------------------------------------------------------
@@ -328,7 +361,12 @@ def figures(client: dict[str, Any], server: dict[str, Any]) -> dict[str, Any]:
     rows["celery-once/refusal"] = {
         "server_instructions": server["celery-once/refusal"]["instructions"]
     }
-    rows["EVALSHA return 0"] = {"server_instructions": server["EVALSHA return 0"]["instructions"]}
+    for name in (
+        "EVALSHA return 0",
+        "EVALSHA return 0, 8 arguments",
+        "floor: hash lock, two scripts",
+    ):
+        rows[name] = {"server_instructions": server[name]["instructions"]}
     return rows
 
 

@@ -46,7 +46,9 @@ def test_the_cost_benchmark_counts_every_contender_per_execution_and_per_refusal
         assert refusal["client_instructions"] > 0
         assert execution["client_syscalls"] > 0
     assert rows["celery-once/refusal"]["server_instructions"] > 1000
-    assert rows["EVALSHA return 0"]["server_instructions"] > 1000
+    for reference in ("EVALSHA return 0", "EVALSHA return 0, 8 arguments"):
+        assert rows[reference]["server_instructions"] > 1000
+    assert rows["floor: hash lock, two scripts"]["server_instructions"] > 2000
     assert results["targets"]
     assert all(isinstance(met, bool) for met in results["targets"].values())
     assert (tmp_path / "cost.rst").read_text().startswith(".. list-table::")
