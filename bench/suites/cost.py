@@ -58,7 +58,7 @@ VARIANTS = ("plain", "singletask", "only-one", "cookbook")
 MODES = ("execution", "refusal")
 
 #: Loop lengths: ``N`` runs, then ``2N``; warm-up runs before them.
-CONFIGS = {"full": {"runs": 200, "warmup": 50}, "quick": {"runs": 10, "warmup": 10}}
+CONFIGS = {"full": {"runs": 50, "warmup": 50}, "quick": {"runs": 10, "warmup": 10}}
 
 #: The function before which the client's callgrind dumps: nothing in a run calls it.
 MARKER = "os_getloadavg"
