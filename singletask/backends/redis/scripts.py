@@ -79,7 +79,7 @@ MAX_LEASE_MS = int(MAX_LEASE * 1000)
 _CHECK_MS = f"""
 local function whole(value, low)
   local n = tonumber(value)
-  if n == nil or n < low or n > {MAX_LEASE_MS} or n ~= math.floor(n) then
+  if n == nil or n < low or n > {MAX_LEASE_MS} or n % 1 ~= 0 then
     error('singletask: duration out of range (' .. low .. ' to {MAX_LEASE_MS} ms): '
       .. tostring(value))
   end
