@@ -20,6 +20,7 @@ SUITES: dict[str, str] = {
     "deployments": "one Redis, a Cluster, Sentinel: cost per execution, locks lost in failovers",
     "layouts": "Redis memory per lock record, for candidate record layouts",
     "locks_scale": "`singletask locks` on a large database with KEYS disabled: time, memory",
+    "cost": "instructions per execution and per refusal, counted by callgrind, beside the recipes",
     "turns": "fair turns on a flooded limit, on and off: who starts when, Jain's index, cost",
 }
 

@@ -108,10 +108,11 @@ class Conflict:
     def report(self, action: str) -> None:
         """Send :data:`~singletask.signals.lock_conflict` for ``action`` (and its outcome's
         event, ``singletask.observe.report.conflict``)."""
-        lock_conflict.send(
-            sender=self.task, key=self.key, holder=self.holder_id, ttl=self.ttl,
-            task_id=self.task.request.id, action=action,
-        )  # fmt: skip
+        if lock_conflict.receivers:  # else nothing to build: nobody listens
+            lock_conflict.send(
+                sender=self.task, key=self.key, holder=self.holder_id, ttl=self.ttl,
+                task_id=self.task.request.id, action=action,
+            )  # fmt: skip
         report.conflict(self.task, self.key, self.holder_id, action, rated=self.rated)
 
     @property
@@ -195,11 +196,12 @@ class Skip(Policy):
                 conflict.options.rate, conflict.retry_after,
             )  # fmt: skip
             return Skipped(conflict.key, reason="rate", retry_after=conflict.retry_after)
-        logger.warning(
-            "Task %s[%s] skipped: lock %r is held by %s (lease left: %s)",
-            conflict.task.name, conflict.task.request.id, conflict.key, conflict.who,
-            conflict.lease_left,
-        )  # fmt: skip
+        if logger.isEnabledFor(logging.WARNING):  # the line's parts are built only for it
+            logger.warning(
+                "Task %s[%s] skipped: lock %r is held by %s (lease left: %s)",
+                conflict.task.name, conflict.task.request.id, conflict.key, conflict.who,
+                conflict.lease_left,
+            )  # fmt: skip
         return Skipped(conflict.key, conflict.holder_id, conflict.ttl, conflict.holder_ids)
 
 
@@ -229,11 +231,12 @@ class Raise(Policy):
                 conflict.options.rate, conflict.retry_after, why,
             )  # fmt: skip
             raise conflict.refusal()
-        logger.warning(
-            "Task %s[%s] raises TaskLocked: lock %r is held by %s (lease left: %s)%s",
-            conflict.task.name, conflict.task.request.id, conflict.key, conflict.who,
-            conflict.lease_left, why,
-        )  # fmt: skip
+        if logger.isEnabledFor(logging.WARNING):  # the line's parts are built only for it
+            logger.warning(
+                "Task %s[%s] raises TaskLocked: lock %r is held by %s (lease left: %s)%s",
+                conflict.task.name, conflict.task.request.id, conflict.key, conflict.who,
+                conflict.lease_left, why,
+            )  # fmt: skip
         raise conflict.refusal()
 
 

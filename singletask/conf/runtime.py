@@ -13,7 +13,6 @@ app's configuration is pinned for another.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import time
 import weakref
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..backends import backend_class, backend_from_url
 from ..exceptions import ConfigurationError
 from ..lease import Renewer
+from ..protocol.tokens import this_pid
 from .limits import SPEC_CACHE_SECONDS, SPEC_CACHE_SIZE, LimitSpec, check_spec
 from .options import LockOptions, TaskOptions
 from .settings import Settings
@@ -149,7 +149,7 @@ class AppState:
         override = self._override
         if override is not None:
             return override
-        pid = os.getpid()
+        pid = this_pid()  # no system call: kept up to date across fork()
         if self._backend is None or self._pid != pid:
             with self._mutex:
                 if self._backend is None or self._pid != pid:

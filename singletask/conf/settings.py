@@ -251,6 +251,11 @@ class Settings:
     #: ``singletask_limit_turns``: executions that retry until a limit has room wait in its
     #: line, and take their turns (False: whichever retry comes back first takes the room).
     limit_turns: bool = True
+    #: Celery's ``worker_send_task_events`` (what ``-E`` turns on), read with the settings: a
+    #: producer tells by it whether the workers report the wait of a send
+    #: (:func:`singletask.observe.report.reports_wait`), without reading Celery's
+    #: configuration on every send.
+    worker_events: bool = False
 
     def backend_options(self) -> dict[str, Any]:
         """Keyword options for :func:`~singletask.backends.backend_from_url` from the settings.
@@ -356,6 +361,7 @@ class Settings:
                 "singletask_limits", lambda v, w: {} if v is None else check_limits_setting(v, w)
             ),
             limit_turns=setting("singletask_limit_turns", check_bool),
+            worker_events=bool(app.conf.get("worker_send_task_events")),
         )
 
 

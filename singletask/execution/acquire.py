@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from ..protocol.headers import is_redelivery
 from ..protocol.slots import slot_keys
-from ..protocol.tokens import process_state
+from ..protocol.tokens import holder_gone
 
 if TYPE_CHECKING:
     from ..backends.base import AcquireResult, Holder, LockBackend, Units
@@ -53,9 +53,10 @@ def take(
 
 
 def gone_holder(result: AcquireResult) -> Holder | None:
-    """A holder of the refused key whose process, on this host, is gone."""
+    """A holder of the refused key whose process, on this host, is gone (a process found
+    alive is taken to be alive for :data:`~singletask.protocol.tokens.ALIVE_FOR` seconds)."""
     for holder in result.holders or ((result.holder,) if result.holder else ()):
-        if process_state(holder.token) == "gone":
+        if holder_gone(holder.token):
             return holder
     return None
 

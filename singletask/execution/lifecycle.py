@@ -30,7 +30,6 @@ import contextvars
 import dataclasses
 import functools
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ from ..observe import report
 from ..policies import POLICIES, Conflict
 from ..protocol.headers import LATEST_HEADER, header_count, is_redelivery
 from ..protocol.slots import base_key, slot_keys
-from ..protocol.tokens import direct_token, execution_token, reservation_token
+from ..protocol.tokens import direct_token, execution_token, reservation_token, this_pid
 from ..send.records import clear_follow_up
 from ..signals import lock_acquired
 from . import replace, units
@@ -239,7 +238,7 @@ class _Run:
             "task": task.name,
             "scope": options.scope,  # for `singletask locks`; same round trip
             "hostname": request.hostname or gethostname(),  # Celery's, memoized
-            "pid": str(os.getpid()),
+            "pid": str(this_pid()),
             "since": f"{time.time():.3f}",
         }
         if attempt is not None:

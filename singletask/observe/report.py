@@ -110,20 +110,23 @@ def reports_wait(app: Celery, options: LockOptions) -> bool:
     True when singletask itself may make the execution wait for its lock (``lock_policy``
     "retry", ``lock_scope`` "coalesce", ``lock_debounce``), and otherwise when the producer can
     tell that the wait is reported: ``singletask_send_events`` is True, or unset with
-    ``worker_send_task_events`` (what ``-E`` turns on) in the configuration, or OpenTelemetry's
-    Celery instrumentation is active in this process (it instruments the workers too). A worker
-    given ``-E`` on its command line alone is not known to the producer.
+    ``worker_send_task_events`` (what ``-E`` turns on) in the configuration (read with
+    singletask's settings, when they are first used in the process), or OpenTelemetry's Celery
+    instrumentation is active in this process (it instruments the workers too). A worker given
+    ``-E`` on its command line alone is not known to the producer.
     """
     if options.policy == "retry" or options.scope == "coalesce" or options.debounce is not None:
         return True
+    try:
+        settings = app_state(app).settings
+    except Exception:
+        settings = None
+    if settings is not None and settings.send_events is not None:
+        return settings.send_events or spans.instrumented()
     if spans.instrumented():
         return True
-    try:
-        forced = app_state(app).settings.send_events
-    except Exception:
-        forced = None
-    if forced is not None:
-        return forced
+    if settings is not None:
+        return settings.worker_events  # read with the settings, on their first use
     return bool(app.conf.get("worker_send_task_events"))
 
 
@@ -145,10 +148,15 @@ class Watch:
     hostname: str | None
     span: Any = None
     since: float = field(default_factory=time.monotonic)
+    #: Whether this process sent events when the execution took its lock.
+    events: bool = False
 
     @classmethod
     def of(cls, task: Task[Any, Any], task_id: str | None) -> Watch:
-        return cls(task_id, _hostname(task), spans.current())
+        # The node name is for the events alone (none is sent while they are off).
+        events = sends_events(task.app)
+        hostname = _hostname(task) if events else None
+        return cls(task_id, hostname, spans.current(), events=events)
 
 
 def emit(
@@ -170,7 +178,9 @@ def emit(
     and (unless ``span_only``) as a Celery event. Never raises."""
     try:
         span = watch.span if watch is not None else (None if producer else spans.current())
-        if outcome == "lease_lost":
+        if span is None:
+            pass  # nothing records: no attributes to build
+        elif outcome == "lease_lost":
             spans.add_event(span, outcome, {"key": key, "fence": fence, "reason": reason})
         else:
             attributes: dict[str, object] = {"key": key, "fence": fence, "holder": holder}
@@ -178,9 +188,11 @@ def emit(
             if outcome != "released":  # a run's span keeps "acquired"
                 attributes["outcome"] = outcome
             spans.annotate(span, attributes)
+        if span_only or not sends_events(task.app, producer=producer):
+            return
         if task_id is None:
             task_id = watch.task_id if watch is not None else task.request.id
-        if span_only or task_id is None or not sends_events(task.app, producer=producer):
+        if task_id is None:
             return  # a direct call has no task id to report under
         fields = {
             "name": task.name, "singletask_outcome": outcome, "singletask_key": key,
@@ -209,14 +221,18 @@ def conflict(
 
 def acquired(task: Task[Any, Any], watch: Watch, handle: LockHandle) -> None:
     """The execution holds its lock: ``acquired``, with its wait since its first send."""
+    watch.since = time.monotonic()
+    if watch.span is None and not watch.events:
+        return  # nothing records and no event is sent: nothing to tell
     sent = first_sent(task.request)
     wait = None if sent is None else round(max(0.0, time.time() - sent), 6)
-    watch.since = time.monotonic()
     emit(task, "acquired", handle.key, fence=handle.fence, wait=wait, watch=watch)
 
 
 def released(task: Task[Any, Any], watch: Watch, handle: LockHandle) -> None:
     """The execution's hold ended (released, or reserved for its retry): ``released``."""
+    if watch.span is None and not watch.events:
+        return  # nothing records and no event is sent: nothing to tell
     held = round(time.monotonic() - watch.since, 6)
     emit(task, "released", handle.key, fence=handle.fence, held=held, watch=watch)
 

@@ -146,6 +146,9 @@ class KeySpec:
     ) -> None:
         self.task_name = task_name
         self.signature = signature
+        #: The last key head built, ``(prefix, task name, head)``: the same for every call of
+        #: a task (its prefix and registered name), so it is escaped once, not per call.
+        self._head: tuple[str, str, str] = ("", "", "")
         self.lock_args: tuple[str, ...] | str | None = None
         self.lock_key = lock_key
         self._where = where = f"task {task_name!r}"
@@ -336,7 +339,10 @@ class KeySpec:
             LockKeyError: The key cannot be built from these arguments.
         """
         suffix = self.suffix(args, kwargs)
-        base = f"{prefix}{escape_name(task_name)}"
+        head = self._head
+        if head[0] != prefix or head[1] != task_name or not head[2]:
+            head = self._head = (prefix, task_name, f"{prefix}{escape_name(task_name)}")
+        base = head[2]
         return base if suffix is None else f"{base}:{escape_suffix(suffix)}"
 
 

@@ -16,16 +16,46 @@ import hashlib
 import os
 import random
 import secrets
+import time
 from pathlib import Path
+from typing import Final
 
 __all__ = [
+    "ALIVE_FOR",
     "direct_token",
     "execution_token",
+    "holder_gone",
     "host_id",
     "parse_token",
     "process_state",
     "reservation_token",
+    "this_pid",
 ]
+
+#: How long, in seconds, a holder's process found alive is taken to be alive by
+#: :func:`holder_gone` before the kernel is asked again: a burst of refused duplicates costs
+#: no system call, and a holder that dies is still found gone this much later at most.
+ALIVE_FOR: Final = 1.0
+
+#: This process's pid, read again in a forked child (``os.getpid()`` is a system call).
+_pid = os.getpid()
+
+#: pid -> ``time.monotonic()`` until which that process of this host is taken to be alive.
+_alive_until: dict[int, float] = {}
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+    _alive_until.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def this_pid() -> int:
+    """This process's pid, without a system call (kept up to date across ``fork()``)."""
+    return _pid
 
 
 def execution_token(task_id: str, retries: int) -> str:
@@ -39,7 +69,7 @@ def execution_token(task_id: str, retries: int) -> str:
     about halves the memory of a lock's hash (see ``bench/suites/layouts.py``).
     """
     nonce = _b64(random.getrandbits(32).to_bytes(4, "big"))
-    return f"{task_id}:{retries}:{host_id()}:{os.getpid()}:{nonce}"
+    return f"{task_id}:{retries}:{host_id()}:{_pid}:{nonce}"
 
 
 def _b64(data: bytes) -> str:
@@ -92,7 +122,7 @@ def process_state(token: str) -> str:
     if parsed is None or parsed[2] == "-" or parsed[2] != host_id():
         return "unknown"
     pid = parsed[3]
-    if pid == os.getpid():
+    if pid == _pid:
         return "alive"
     try:
         os.kill(pid, 0)
@@ -105,3 +135,21 @@ def process_state(token: str) -> str:
     except (OSError, IndexError):
         return "alive"
     return "gone" if state in ("Z", "X") else "alive"
+
+
+def holder_gone(token: str) -> bool:
+    """Whether the process an owner token names, on this host, is gone (:func:`process_state`),
+    asking the kernel at most once per :data:`ALIVE_FOR` seconds about a process found alive:
+    what a refused execution checks of its key's holder."""
+    parsed = parse_token(token)
+    if parsed is None or parsed[2] == "-" or parsed[2] != host_id() or parsed[3] == _pid:
+        return False
+    now = time.monotonic()
+    if _alive_until.get(parsed[3], 0.0) > now:
+        return False
+    state = process_state(token)
+    if state == "alive":
+        if len(_alive_until) >= 4096:  # many holders seen: forget them all, ask again
+            _alive_until.clear()
+        _alive_until[parsed[3]] = now + ALIVE_FOR
+    return state == "gone"

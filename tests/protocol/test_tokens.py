@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 import uuid
 
+import pytest
+
+from singletask.protocol import tokens
 from singletask.protocol.tokens import execution_token, host_id, parse_token, process_state
 
 
@@ -36,3 +42,35 @@ def test_host_id_and_nonce_never_contain_the_separator() -> None:
     for token in tokens:
         assert parse_token(token) == ("task", 0, host_id(), os.getpid())
         assert ":" not in host_id()
+
+
+def test_a_holder_found_alive_is_asked_about_again_only_after_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A refused execution checks that its key's holder lives: a holder found alive is not
+    asked about again for ALIVE_FOR seconds (no system call per refusal), and a holder that
+    died meanwhile is found gone once they have passed."""
+    # Given a holder: another process of this host, alive
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    token = f"task:0:{host_id()}:{process.pid}:nonce"
+    asked: list[str] = []
+    real = tokens.process_state
+    monkeypatch.setattr(tokens, "process_state", lambda t: asked.append(t) or real(t))
+    monkeypatch.setattr(tokens, "ALIVE_FOR", 0.5)
+    try:
+        # When refusals check it, it is asked about once
+        assert not tokens.holder_gone(token)
+        assert not tokens.holder_gone(token)
+        assert asked == [token]
+    finally:
+        process.kill()
+        process.wait()
+    # Then once it has died and the while has passed, it is found gone
+    assert not tokens.holder_gone(token)  # still taken to be alive
+    time.sleep(0.6)
+    assert tokens.holder_gone(token)
+    # And this process, a reservation and another host are never gone
+    assert not tokens.holder_gone(execution_token("task", 0))
+    assert not tokens.holder_gone("task:0:-:0:reserved")
+    assert not tokens.holder_gone(f"task:0:elsewhere:{process.pid}:nonce")
+    assert tokens.this_pid() == os.getpid()

@@ -79,7 +79,7 @@ MAX_LEASE_MS = int(MAX_LEASE * 1000)
 _CHECK_MS = f"""
 local function whole(value, low)
   local n = tonumber(value)
-  if n == nil or n < low or n > {MAX_LEASE_MS} or n ~= math.floor(n) then
+  if n == nil or n < low or n > {MAX_LEASE_MS} or n % 1 ~= 0 then
     error('singletask: duration out of range (' .. low .. ' to {MAX_LEASE_MS} ms): '
       .. tostring(value))
   end
@@ -124,17 +124,24 @@ end
 # Errors (before any write) when ARGV[2] is out of range.
 # (The body is the Lua function acquire(), which ACQUIRE_KEEPING_SCRIPT calls as well; it gives
 # the key with take(), which the holder-slot scripts below call for the slot they choose.)
-# take(key, cur, last, marker, lease): give key to ARGV[1] for lease ms, ARGV[4…] as above; cur
-# is its holder's token (or false), last the last fence to grow from (or false), marker the
-# completion marker to carry (or false). Returns {1, fence, marker}.
+# take(key, cur, last, marker, lease, absent): give key to ARGV[1] for lease ms, ARGV[4…] as
+# above; cur is its holder's token (or false), last the last fence to grow from (or false),
+# marker the completion marker to carry (or false); absent: the key does not exist (nothing to
+# delete first). Returns {1, fence, marker}.
+# (Cost: the new fence is the server's TIME written out by concatenation, its seconds and its
+# microseconds padded to 6 digits, and compared as a number with last: a number written out by
+# string.format costs the server a printf, done for it only when last + 1 is larger.)
 _TAKE_FUNCTION = """
-local function take(key, cur, last, marker, lease)
+local function take(key, cur, last, marker, lease, absent)
 local fence = last
 if cur ~= ARGV[1] or not last then
   local now = redis.call('TIME')
-  fence = string.format('%.0f', math.max(tonumber(last or '0') + 1, now[1] * 1000000 + now[2]))
+  fence = now[1] .. string.rep('0', 6 - #now[2]) .. now[2]
+  if last and tonumber(last) >= tonumber(fence) then
+    fence = string.format('%.0f', tonumber(last) + 1)
+  end
 end
-redis.call('DEL', key)
+if not absent then redis.call('DEL', key) end
 local record = {'token', ARGV[1], 'f', fence}
 if marker then
   record[#record + 1], record[#record + 2] = 'd', marker
@@ -153,18 +160,25 @@ return {1, fence, marker}
 end
 """
 
+# acquire(): the holder's token is read alone first (a hash field costs the server a scan of
+# the record): a refusal then reads only the fields its reply names, a key that does not exist
+# (the common case) is taken at once, and a released record or a takeover reads its fence and
+# marker.
 _ACQUIRE_FUNCTION = (
     _TAKE_FUNCTION
     + """
 local function acquire()
 local lease = ms(ARGV[2])
-local rec = redis.call('HMGET', KEYS[1], 'token', 'fence', 'f', 'd')
-local cur, last, marker = rec[1], rec[2] or rec[3], rec[4]
+local cur = redis.call('HGET', KEYS[1], 'token')
 if cur and cur ~= ARGV[1] and (ARGV[3] == '' or string.sub(cur, 1, #ARGV[3]) ~= ARGV[3]) then
-  local held = redis.call('HMGET', KEYS[1], 'task_id', 'i', 'x')
-  return {0, cur, held[1], held[2], held[3], redis.call('PTTL', KEYS[1]), last}
+  local held = redis.call('HMGET', KEYS[1], 'fence', 'f', 'task_id', 'i', 'x')
+  return {0, cur, held[3], held[4], held[5], redis.call('PTTL', KEYS[1]), held[1] or held[2]}
 end
-return take(KEYS[1], cur, last, marker, lease)
+if not cur and redis.call('EXISTS', KEYS[1]) == 0 then
+  return take(KEYS[1], false, false, false, lease, true)
+end
+local rec = redis.call('HMGET', KEYS[1], 'fence', 'f', 'd')
+return take(KEYS[1], cur, rec[1] or rec[2], rec[3], lease)
 end
 """
 )

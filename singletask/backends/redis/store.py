@@ -34,6 +34,7 @@ from redis.retry import Retry
 
 from ...exceptions import BackendError, ConfigurationError
 from ...protocol.slots import base_key
+from ...protocol.tokens import this_pid
 from ..base import (
     AcquireResult,
     Holder,
@@ -48,6 +49,7 @@ from .bookkeeping import scan_state
 from .connections import send
 from .options import connection_options, parse_redis_url, retentions
 from .rates import (
+    COMPANION_ENDS,
     DEBOUNCE,
     DEBOUNCE_PUBLISHED,
     DEBOUNCE_TAKE,
@@ -216,7 +218,7 @@ class RedisBackend(LockBackend):
     @property
     def client(self) -> redis.Redis:
         """The client, created on first use in each process (a forked child makes its own)."""
-        if self._url is not None and (self._client is None or self._pid != os.getpid()):
+        if self._url is not None and (self._client is None or self._pid != this_pid()):
             options = dict(self._options)
             # Retry a dropped connection, never a timeout: redis-py would also retry it inside
             # each reconnect, multiplying the wait on a server that does not answer.
@@ -363,8 +365,10 @@ class RedisBackend(LockBackend):
         return bool(self._call("debounce", DEBOUNCE_UNDO, (window_key(key),), args))
 
     def _check_key(self, key: str, operation: str) -> None:
-        """Refuse a raw key that may be another lock's companion record."""
-        check_key(repr(self), key, operation)
+        """Refuse a raw key that may be another lock's companion record (the store's name,
+        ``repr(self)``, is written out only for the error)."""
+        if key.endswith(COMPANION_ENDS):
+            check_key(repr(self), key, operation)
 
     def _check_slots(self, keys: Sequence[str]) -> None:
         """Refuse the keys of a slot acquisition (slots, rate record) one script cannot take

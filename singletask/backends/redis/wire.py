@@ -86,29 +86,47 @@ class Script:
     """A script of :mod:`~singletask.backends.redis.scripts`, called by its SHA1 digest, with
     the command encoded here."""
 
-    __slots__ = ("_eval", "_evalsha", "sha", "text")
+    __slots__ = ("_eval", "_evalsha", "_heads", "sha", "text")
 
     def __init__(self, text: str) -> None:
         self.text = text
         self.sha = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
         self._evalsha = _bulk(b"EVALSHA") + _bulk(self.sha.encode())
         self._eval = _bulk(b"EVAL") + _bulk(text.encode())
+        # The command's head (length, EVALSHA and digest, number of keys) by (number of keys,
+        # number of arguments): the same on every call of the lock's scripts.
+        self._heads: dict[tuple[int, int], bytes] = {}
 
     def command(
         self, keys: Sequence[str], args: Sequence[str | int | bytes], *, text: bool = False
     ) -> bytes:
         """The RESP-encoded EVALSHA (or, with ``text``, EVAL) of this script; strings as UTF-8,
         bytes as they are."""
-        parts = [
-            b"*%d\r\n" % (3 + len(keys) + len(args)),
-            self._eval if text else self._evalsha,
-            _bulk(b"%d" % len(keys)),
-        ]
+        if text:
+            head = b"*%d\r\n%s%s" % (
+                3 + len(keys) + len(args),
+                self._eval,
+                _bulk(b"%d" % len(keys)),
+            )
+        else:
+            shape = (len(keys), len(args))
+            found = self._heads.get(shape)
+            if found is None:
+                if len(self._heads) >= 64:  # scripts over many keys (extend_many): few kept
+                    self._heads.clear()
+                found = b"*%d\r\n%s%s" % (3 + sum(shape), self._evalsha, _bulk(b"%d" % shape[0]))
+                self._heads[shape] = found
+            head = found
+        parts = [head]
         for value in (*keys, *args):
-            if isinstance(value, str):
-                parts.append(_bulk(value.encode()))
-            else:
-                parts.append(_bulk(value if isinstance(value, bytes) else b"%d" % value))
+            data = (
+                value.encode()
+                if isinstance(value, str)
+                else value
+                if isinstance(value, bytes)
+                else b"%d" % value
+            )
+            parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
         return b"".join(parts)
 
 
