@@ -33,7 +33,8 @@ extensions = [
 # A name of singletask that does not resolve is still a warning.
 nitpicky = True
 nitpick_ignore_regex = [
-    (r"py:.*", r"(abc|collections\.abc|typing|pathlib|datetime|ssl|os|random|types|inspect)(\..*)?"),
+    (r"py:.*", r"(abc|collections\.abc|typing|pathlib|datetime|ssl|os|random)(\..*)?"),
+    (r"py:.*", r"(types|inspect)(\..*)?"),
     (r"py:.*", r"(celery|kombu|redis|django|pymysql|psycopg|pymemcache|click|billiard)(\..*)?"),
     # Celery's classes as their annotations name them, and type variables.
     (r"py:class", r"(Task|Celery|AsyncResult|Signal|T)"),
