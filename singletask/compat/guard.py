@@ -28,6 +28,7 @@ from typing import Any
 
 from celery.exceptions import Retry
 
+from ..exceptions import ConfigurationError
 from ..protocol.headers import header_value, with_header
 
 __all__ = [
@@ -164,3 +165,23 @@ def renewing(renew: Callable[[str], None] | None, key: str, lease: float | None)
     finally:
         stop.set()
         thread.join(timeout=5)
+
+
+def option_dict(
+    cls: type, attribute: str, known: frozenset[str]
+) -> tuple[str, Mapping[str, Any]] | None:
+    """The task class's own ``attribute`` (a dict of the old library's options) and the task's
+    name, or None when the class sets none; a value that is no dict, or names an option the
+    old library lacks, is refused naming the task, the attribute and the keys it knows."""
+    options = cls.__dict__.get(attribute)
+    if options is None:
+        return None
+    name = cls.__dict__.get("name") or cls.__qualname__
+    if not isinstance(options, Mapping):
+        raise ConfigurationError(f"task {name}: {attribute} must be a dict, got {options!r}")
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigurationError(
+            f"task {name}: {attribute} has unknown keys {unknown}; known: {sorted(known)}"
+        )
+    return name, options

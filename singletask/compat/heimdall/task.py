@@ -26,7 +26,7 @@ from kombu import serialization
 from kombu.utils.uuid import uuid as task_uuid
 
 from ...exceptions import ConfigurationError
-from ..guard import guarded_call, with_key
+from ..guard import guarded_call, option_dict, with_key
 from .config import Config
 from .errors import AlreadyQueuedError
 
@@ -294,15 +294,10 @@ class HeimdallTask(_TaskBase):
 
 def check_heimdall(cls: type[HeimdallTask]) -> None:
     """Refuse, when the task class is made, a ``heimdall`` option celery-heimdall lacks."""
-    options = cls.__dict__.get("heimdall")
-    if options is None:
+    found = option_dict(cls, "heimdall", HEIMDALL_OPTIONS)
+    if found is None:
         return
-    name = cls.__dict__.get("name") or cls.__qualname__
-    if not isinstance(options, Mapping):
-        raise ConfigurationError(f"task {name}: heimdall must be a dict, got {options!r}")
-    unknown = sorted(set(options) - HEIMDALL_OPTIONS)
-    if unknown:
-        raise ConfigurationError(f"task {name}: heimdall has unknown keys {unknown}")
+    name, options = found
     if ("times" in options) != ("per" in options):
         raise ConfigurationError(f"task {name}: heimdall needs both 'times' and 'per'")
     limit = options.get("rate_limit")

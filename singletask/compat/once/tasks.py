@@ -12,7 +12,7 @@ from celery.result import EagerResult
 from kombu.utils.uuid import uuid
 
 from ...exceptions import ConfigurationError, SingletaskError
-from ..guard import guarded_call, is_direct, sent_key, sent_lease, with_key
+from ..guard import guarded_call, is_direct, option_dict, sent_key, sent_lease, with_key
 from .helpers import import_backend, queue_once_key
 
 if TYPE_CHECKING:
@@ -199,17 +199,10 @@ class QueueOnce(_TaskBase):
 
 def check_once(cls: type[QueueOnce]) -> None:
     """Refuse, when the task class is made, a ``once`` option that is not celery-once's."""
-    once = cls.__dict__.get("once")
-    if once is None:
+    found = option_dict(cls, "once", ONCE_OPTIONS)
+    if found is None:
         return
-    name = cls.__dict__.get("name") or cls.__qualname__
-    if not isinstance(once, Mapping):
-        raise ConfigurationError(f"task {name}: once must be a dict, got {once!r}")
-    unknown = sorted(set(once) - ONCE_OPTIONS)
-    if unknown:
-        raise ConfigurationError(
-            f"task {name}: once has unknown keys {unknown}; known: {sorted(ONCE_OPTIONS)}"
-        )
+    name, once = found
     keys = once.get("keys")
     run = cls.__dict__.get("run")
     if keys is None or run is None:
