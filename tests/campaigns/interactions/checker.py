@@ -50,7 +50,9 @@ send accounted for") and the exclusion, fence and rate promises, rule by rule:
 * ``holder-alive``: a refusal as "held" names holders that had not ended (a lease whose release
   a store fault lost is excused for one lease).
 * ``exclusion``: never more than ``lock_limit`` bodies of a key at once (with ``lock_cost``, as
-  many as their units fit in it). With ``lock_policy =
+  many as their units fit in it), a body whose lease ran out while its renewals failed (it
+  ends ``lost``) not counted once a newer one took its key (docs/guarantees.rst, "Lease
+  loss"). With ``lock_policy =
   "replace"``, exclusion is by fence: a body that starts while every slot is held by a running
   body preempted the one with the smallest fence (the oldest), which must be smaller than its
   own; that preempted body holds nothing from then on and may run on beside its successor until
@@ -278,6 +280,20 @@ def _passed_on(dead: Body, later: Body) -> bool:
         and dead.fence is not None
         and later.fence is not None
         and later.fence > dead.fence
+    )
+
+
+def _lease_ran_out(lost: Body, later: Body) -> bool:
+    """Whether ``lost``, a body that ended with its lease lost (renewals that failed while the
+    store was unreachable, until the lease passed), had its key taken by ``later`` after that:
+    a larger fence, which the store gives only once the lease is over. docs/guarantees.rst,
+    "Lease loss": the body is not interrupted, and runs on beside the newer one until it
+    checks or ends."""
+    return (
+        lost.lost
+        and lost.fence is not None
+        and later.fence is not None
+        and later.fence > lost.fence
     )
 
 
@@ -777,7 +793,7 @@ class _Judge:
             along = [
                 b for b in bodies
                 if b.start <= body.start < b.until() and b is not body and not _passed_on(b, body)
-                and id(b) not in preempted
+                and id(b) not in preempted and not _lease_ran_out(b, body)
             ]  # fmt: skip
             counted = 1  # this body, unless it was itself taken over before it started
             while replace and along and len(along) + counted > limit:

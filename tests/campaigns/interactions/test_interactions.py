@@ -508,6 +508,18 @@ def test_more_bodies_than_the_limit_at_once_is_a_violation() -> None:
     assert rules(judge([], single, {})) == ["exclusion"]
 
 
+def test_a_body_whose_lease_ran_out_no_longer_holds_once_a_newer_one_took_its_key() -> None:
+    """docs/guarantees.rst, "Lease loss": renewals that fail until the lease passes lose the
+    lock; the body runs on (it ends lost), and a newer execution takes the key with a larger
+    fence. Not an overlap; without the loss, or taken with a smaller fence, it is one."""
+    lost = body("a", 0, 10, 1)
+    lost.lost = True
+    assert rules(judge([], [lost, body("b", 6, 7, 2)], {})) == []
+    held = body("a", 0, 10, 1)
+    assert rules(judge([], [held, body("b", 6, 7, 2)], {})) == ["exclusion"]
+    assert rules(judge([], [lost, body("b", 6, 7, 0)], {})) == ["exclusion", "fences"]
+
+
 def test_a_body_that_killed_its_process_no_longer_holds_once_its_lock_passed_on() -> None:
     """A dead process acts no more: a later body with a larger fence (the store handed the key
     on once the worker saw the process gone) is no overlap, however soon it started; one with a
