@@ -45,6 +45,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 from ..exceptions import ConfigurationError, UnsupportedOperation
+from ..protocol.tokens import parse_token
 from .holders import MAX_LEASE as _MAX_LEASE
 from .holders import (
     MAX_UNITS,
@@ -223,12 +224,15 @@ class LockBackend(abc.ABC):
         (the result as it is), or refused, the key given back again (a duplicate may meet it
         held in between: not one atomic step). For a store that cannot take both at once.
 
-        An acquire that may have taken over a reservation (``takeover_prefix``: a body
-        retry's, a send's) puts the reservation back instead of freeing the key: the attempt
-        it waits for is refused for want of room and comes back for it."""
+        An acquire that took over a body retry's reservation of the key itself
+        (``takeover_prefix``, an attempt after the first; not a holder slot) puts the
+        reservation back instead of freeing the key: the retried attempt is refused for want
+        of room and comes back for it."""
         if not units or not result.acquired:
             return result
         taken_key = result.key or key
+        if taken_key != key or not _retry_reservation(takeover_prefix):
+            takeover_prefix = None
         try:
             taken = self.take_units(token, ttl, units, meta=units_meta(meta))
         except BaseException:
@@ -629,3 +633,10 @@ class LockBackend(abc.ABC):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _retry_reservation(token: str | None) -> bool:
+    """Whether ``token`` is the reservation a body retry leaves for its next attempt (an
+    attempt after the first: a send's reservation, for the first, may never have been made)."""
+    parsed = parse_token(token) if token is not None and token.endswith(":reserved") else None
+    return parsed is not None and parsed[1] >= 1

@@ -26,10 +26,15 @@ def test_unique_duplicates_get_the_holder_or_raise(
 ) -> None:
     client = compat_redis[1]
 
-    @hub.task(name="h.unique", base=HeimdallTask, heimdall={"unique": True})
+    @hub.task(shared=False, name="h.unique", base=HeimdallTask, heimdall={"unique": True})
     def unique(a: int) -> None: ...
 
-    @hub.task(name="h.raises", base=HeimdallTask, heimdall={"unique": True, "unique_raises": True})
+    @hub.task(
+        shared=False,
+        name="h.raises",
+        base=HeimdallTask,
+        heimdall={"unique": True, "unique_raises": True},
+    )
     def raises() -> None: ...
 
     key = heimdall_task.unique_key_for_task(unique, [1], {}, prefix="h-lock:")
@@ -49,11 +54,14 @@ def test_the_lock_is_freed_after_the_run_unless_told_to_wait(
 ) -> None:
     client = compat_redis[1]
 
-    @hub.task(name="h.key", base=HeimdallTask, heimdall={"unique": True, "key": "feed"})
+    @hub.task(
+        shared=False, name="h.key", base=HeimdallTask, heimdall={"unique": True, "key": "feed"}
+    )
     def keyed() -> None:
         assert client.get("h-lock:feed") is not None
 
     @hub.task(
+        shared=False,
         name="h.wait",
         base=HeimdallTask,
         heimdall={"unique": True, "key": lambda args, kwargs: f"w{args[0]}",
@@ -72,7 +80,9 @@ def test_a_duplicate_found_at_execution_returns_none_and_keeps_the_holders_lock(
 ) -> None:
     client = compat_redis[1]
 
-    @hub.task(name="h.run", base=HeimdallTask, heimdall={"unique": True, "key": "run"})
+    @hub.task(
+        shared=False, name="h.run", base=HeimdallTask, heimdall={"unique": True, "key": "run"}
+    )
     def body() -> str:
         return "ran"
 
@@ -99,7 +109,9 @@ def test_the_rate_is_a_sliding_log_third_start_of_2_per_10s_at_10s(
     clock = Clock()
     monkeypatch.setattr(heimdall_task.time, "time", clock.time)
 
-    @hub.task(name="h.rate", base=HeimdallTask, heimdall={"rate_limit": RateLimit((2, 10))})
+    @hub.task(
+        shared=False, name="h.rate", base=HeimdallTask, heimdall={"rate_limit": RateLimit((2, 10))}
+    )
     def rated() -> None: ...
 
     key = heimdall_task.unique_key_for_task(rated, [], {}, prefix="h-rate:")
@@ -120,10 +132,11 @@ def test_the_rate_is_a_sliding_log_third_start_of_2_per_10s_at_10s(
 
 
 def test_times_per_and_a_callable_rate(hub: Celery) -> None:
-    @hub.task(name="h.tp", base=HeimdallTask, heimdall={"times": 1, "per": 30})
+    @hub.task(shared=False, name="h.tp", base=HeimdallTask, heimdall={"times": 1, "per": 30})
     def legacy() -> None: ...
 
     @hub.task(
+        shared=False,
         name="h.fn",
         base=HeimdallTask,
         heimdall={"rate_limit": RateLimit(lambda key, args: (len(args), 20))},
@@ -137,7 +150,7 @@ def test_times_per_and_a_callable_rate(hub: Celery) -> None:
 def test_a_rate_limited_start_in_a_worker_is_sent_again_without_spending_retries(
     hub: Celery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    @hub.task(name="h.defer", base=HeimdallTask, heimdall={"times": 1, "per": 30})
+    @hub.task(shared=False, name="h.defer", base=HeimdallTask, heimdall={"times": 1, "per": 30})
     def deferred() -> str:
         return "ran"
 
@@ -159,7 +172,7 @@ def test_a_rate_limited_start_in_a_worker_is_sent_again_without_spending_retries
 
 
 def test_the_redis_client_comes_from_the_result_backend_or_setup_redis(app: Celery) -> None:
-    @app.task(name="h.none", base=HeimdallTask, heimdall={"unique": True})
+    @app.task(shared=False, name="h.none", base=HeimdallTask, heimdall={"unique": True})
     def nothing() -> None: ...
 
     with pytest.raises(NotImplementedError, match=r"h\.none"):
@@ -170,9 +183,13 @@ def test_bad_heimdall_options_fail_when_the_task_is_made(app: Celery) -> None:
     def body() -> None: ...
 
     with pytest.raises(ConfigurationError, match=r"h\.bad.*unknown keys \['uniqe'\]"):
-        assert app.task(name="h.bad", base=HeimdallTask, heimdall={"uniqe": True})(body).run
+        assert app.task(shared=False, name="h.bad", base=HeimdallTask, heimdall={"uniqe": True})(
+            body
+        ).run
     with pytest.raises(ConfigurationError, match=r"h\.bad2.*'times' and 'per'"):
-        assert app.task(name="h.bad2", base=HeimdallTask, heimdall={"times": 2})(body).run
+        assert app.task(shared=False, name="h.bad2", base=HeimdallTask, heimdall={"times": 2})(
+            body
+        ).run
 
 
 def test_owner_checked_release_is_an_option(
@@ -181,6 +198,7 @@ def test_owner_checked_release_is_an_option(
     client = compat_redis[1]
 
     @hub.task(
+        shared=False,
         name="h.owner",
         base=HeimdallTask,
         heimdall={"unique": True, "key": "own", "owner_checked_release": True},
@@ -195,7 +213,9 @@ def test_owner_checked_release_is_an_option(
 def test_the_holders_own_retry_is_sent(hub: Celery, compat_redis: tuple[str, redis.Redis]) -> None:
     client = compat_redis[1]
 
-    @hub.task(name="h.retry", base=HeimdallTask, heimdall={"unique": True, "key": "again"})
+    @hub.task(
+        shared=False, name="h.retry", base=HeimdallTask, heimdall={"unique": True, "key": "again"}
+    )
     def again() -> str:
         return "ran"
 

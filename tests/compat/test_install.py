@@ -76,15 +76,17 @@ def test_a_direct_call_takes_no_lock_and_needs_no_store() -> None:
 
     app = Celery("direct", set_as_current=False, broker="memory://")
 
-    @app.task(name="d.once", base=once.QueueOnce)
+    @app.task(shared=False, name="d.once", base=once.QueueOnce)
     def once_task(a: int) -> int:
         return a
 
-    @app.task(name="d.singleton", base=singleton.Singleton, lock_expiry=5)
+    @app.task(shared=False, name="d.singleton", base=singleton.Singleton, lock_expiry=5)
     def singleton_task(a: int) -> int:
         return a
 
-    @app.task(name="d.heimdall", base=heimdall.HeimdallTask, heimdall={"unique": True})
+    @app.task(
+        shared=False, name="d.heimdall", base=heimdall.HeimdallTask, heimdall={"unique": True}
+    )
     def heimdall_task(a: int) -> int:
         return a
 

@@ -22,7 +22,7 @@ def test_once_renews_its_timeout_while_the_body_runs(
     url, client = compat_redis
     app.conf.ONCE = {"backend": "singletask.compat.once.backends.Redis", "settings": {"url": url}}
 
-    @app.task(name="l.once", base=QueueOnce, once={"timeout": 0.6})
+    @app.task(shared=False, name="l.once", base=QueueOnce, once={"timeout": 0.6})
     def long_run() -> int:
         time.sleep(1.0)
         return int(client.pttl("qo_l.once"))
@@ -37,7 +37,7 @@ def test_singleton_renews_its_lock_expiry_while_the_body_runs(
     url, client = compat_redis
     app.conf.singleton_backend_url = url
 
-    @app.task(name="l.singleton", base=Singleton, lock_expiry=1, bind=True)
+    @app.task(shared=False, name="l.singleton", base=Singleton, lock_expiry=1, bind=True)
     def long_run(self: Any) -> bytes | None:
         time.sleep(1.4)
         return client.get(self.generate_lock("l.singleton"))  # type: ignore[no-any-return]
@@ -53,6 +53,7 @@ def test_heimdall_renews_its_unique_timeout_while_the_body_runs(
     client = compat_redis[1]
 
     @app.task(
+        shared=False,
         name="l.heimdall",
         base=HeimdallTask,
         heimdall={"unique": True, "unique_timeout": 1, "key": "long"},

@@ -44,10 +44,10 @@ def recording(app: Celery) -> Celery:
 
 
 def test_keys_are_celery_onces(recording: Celery) -> None:
-    @recording.task(name="t.keys", base=QueueOnce, once={"keys": ["a"]})
+    @recording.task(shared=False, name="t.keys", base=QueueOnce, once={"keys": ["a"]})
     def keyed(a: int, b: int = 2) -> None: ...
 
-    @recording.task(name="t.all", base=QueueOnce, bind=True)
+    @recording.task(shared=False, name="t.all", base=QueueOnce, bind=True)
     def every(self: Any, a: int, b: dict[str, int]) -> None: ...
 
     assert keyed.get_key((1,), {"b": 5}) == "qo_t.keys_a-1"
@@ -55,7 +55,7 @@ def test_keys_are_celery_onces(recording: Celery) -> None:
 
 
 def test_a_send_locks_the_key_and_the_execution_frees_it(recording: Celery) -> None:
-    @recording.task(name="t.sent", base=QueueOnce)
+    @recording.task(shared=False, name="t.sent", base=QueueOnce)
     def sent(a: int) -> int:
         assert Recording.locks == {"qo_t.sent_a-1": 60}
         return a
@@ -65,7 +65,7 @@ def test_a_send_locks_the_key_and_the_execution_frees_it(recording: Celery) -> N
 
 
 def test_a_duplicate_raises_already_queued_with_its_countdown(recording: Celery) -> None:
-    @recording.task(name="t.dup", base=QueueOnce)
+    @recording.task(shared=False, name="t.dup", base=QueueOnce)
     def dup() -> None: ...
 
     Recording.locks["qo_t.dup"] = 42
@@ -78,10 +78,10 @@ def test_a_duplicate_raises_already_queued_with_its_countdown(recording: Celery)
 
 
 def test_graceful_returns_celery_onces_rejected_eager_result(recording: Celery) -> None:
-    @recording.task(name="t.graceful", base=QueueOnce, once={"graceful": True})
+    @recording.task(shared=False, name="t.graceful", base=QueueOnce, once={"graceful": True})
     def graceful() -> None: ...
 
-    @recording.task(name="t.strict", base=QueueOnce)
+    @recording.task(shared=False, name="t.strict", base=QueueOnce)
     def strict() -> None: ...
 
     Recording.locks.update({"qo_t.graceful": 5, "qo_t.strict": 5})
@@ -105,10 +105,10 @@ def test_the_timeout_comes_from_the_call_the_task_then_the_settings(recording: C
     recording.conf.ONCE = {"backend": f"{__name__}.Seeing", "settings": {"default_timeout": 9}}
     globals()["Seeing"] = Seeing
 
-    @recording.task(name="t.timeout", base=QueueOnce, once={"timeout": 30})
+    @recording.task(shared=False, name="t.timeout", base=QueueOnce, once={"timeout": 30})
     def timed() -> None: ...
 
-    @recording.task(name="t.default", base=QueueOnce)
+    @recording.task(shared=False, name="t.default", base=QueueOnce)
     def default() -> None: ...
 
     timed.delay()
@@ -120,7 +120,7 @@ def test_the_timeout_comes_from_the_call_the_task_then_the_settings(recording: C
 def test_celery_once_under_a_django_namespace(app: Celery) -> None:
     app.conf.CELERY_ONCE = {"backend": f"{__name__}.Recording", "settings": {}}
 
-    @app.task(name="t.django", base=QueueOnce)
+    @app.task(shared=False, name="t.django", base=QueueOnce)
     def django_task() -> None: ...
 
     assert django_task.once_config["backend"].endswith("Recording")
@@ -128,7 +128,7 @@ def test_celery_once_under_a_django_namespace(app: Celery) -> None:
 
 
 def test_without_once_the_error_names_the_task(app: Celery) -> None:
-    @app.task(name="t.unset", base=QueueOnce)
+    @app.task(shared=False, name="t.unset", base=QueueOnce)
     def unset() -> None: ...
 
     with pytest.raises(ConfigurationError, match=r"t\.unset"):
@@ -139,13 +139,13 @@ def test_bad_once_options_fail_when_the_task_is_made(app: Celery) -> None:
     def bad(a: int) -> None: ...
 
     with pytest.raises(ConfigurationError, match=r"t\.bad.*unknown keys \['grace'\]"):
-        assert app.task(name="t.bad", base=QueueOnce, once={"grace": True})(bad).run
+        assert app.task(shared=False, name="t.bad", base=QueueOnce, once={"grace": True})(bad).run
     with pytest.raises(ConfigurationError, match=r"t\.bad2.*no argument \['b'\]"):
-        assert app.task(name="t.bad2", base=QueueOnce, once={"keys": ["b"]})(bad).run
+        assert app.task(shared=False, name="t.bad2", base=QueueOnce, once={"keys": ["b"]})(bad).run
 
 
 def test_unlock_before_run_frees_before_the_body(recording: Celery) -> None:
-    @recording.task(name="t.early", base=QueueOnce, once={"unlock_before_run": True})
+    @recording.task(shared=False, name="t.early", base=QueueOnce, once={"unlock_before_run": True})
     def early() -> None:
         assert Recording.locks == {}
 
@@ -155,7 +155,7 @@ def test_unlock_before_run_frees_before_the_body(recording: Celery) -> None:
 
 @pytest.mark.parametrize("ending", ["ignore", "error"])
 def test_the_key_is_freed_on_every_ending(recording: Celery, ending: str) -> None:
-    @recording.task(name=f"t.end.{ending}", base=QueueOnce)
+    @recording.task(shared=False, name=f"t.end.{ending}", base=QueueOnce)
     def ends() -> None:
         raise Ignore() if ending == "ignore" else ValueError("boom")
 
@@ -168,7 +168,7 @@ def test_the_key_sent_is_the_key_freed_even_if_the_arguments_change(recording: C
     arrives as a list, so "qo_..._a-(1, 2)" was never freed. The sent key travels with the
     message now."""
 
-    @recording.task(name="t.tuple", base=QueueOnce)
+    @recording.task(shared=False, name="t.tuple", base=QueueOnce)
     def tupled(a: Any) -> None: ...
 
     key = tupled.get_key(((1, 2),), {})
@@ -181,7 +181,7 @@ def test_a_message_sent_without_the_lock_takes_it_at_execution(recording: Celery
     """send_task() and beat's fallback skip apply_async: the execution takes the key, and a
     held key makes it a duplicate (graceful: skipped; else AlreadyQueued)."""
 
-    @recording.task(name="t.worker", base=QueueOnce)
+    @recording.task(shared=False, name="t.worker", base=QueueOnce)
     def body() -> str:
         return "ran"
 
@@ -206,7 +206,7 @@ def test_the_stock_redis_backend_keeps_celery_onces_keys(
     url, client = compat_redis
     app.conf.ONCE = {"backend": "singletask.compat.once.backends.Redis", "settings": {"url": url}}
 
-    @app.task(name="t.redis", base=QueueOnce)
+    @app.task(shared=False, name="t.redis", base=QueueOnce)
     def stored(a: int) -> int:
         assert 0 < client.pttl("qo_t.redis_a-1") <= 3_600_000
         return a
@@ -228,7 +228,7 @@ def test_owner_checked_release_is_an_option(
         "settings": {"url": url, "owner_checked_release": True},
     }
 
-    @app.task(name="t.owner", base=QueueOnce)
+    @app.task(shared=False, name="t.owner", base=QueueOnce)
     def owned() -> None:
         client.set("qo_t.owner", "somebody-else")  # the lock ran out and another took it
 
@@ -242,7 +242,7 @@ def test_the_file_backend(app: Celery, tmp_path: Any) -> None:
         "settings": {"location": str(tmp_path)},
     }
 
-    @app.task(name="t.file", base=QueueOnce)
+    @app.task(shared=False, name="t.file", base=QueueOnce)
     def filed() -> None:
         assert len(list(tmp_path.iterdir())) == 1
 
@@ -251,7 +251,7 @@ def test_the_file_backend(app: Celery, tmp_path: Any) -> None:
 
 
 def test_the_class_level_once_dict_is_shared_as_in_celery_once(recording: Celery) -> None:
-    @recording.task(name="t.shared", base=QueueOnce)
+    @recording.task(shared=False, name="t.shared", base=QueueOnce)
     def shared() -> None: ...
 
     Recording.locks["qo_t.shared"] = 1
@@ -265,7 +265,7 @@ def test_the_class_level_once_dict_is_shared_as_in_celery_once(recording: Celery
 def test_a_retry_keeps_the_lock_and_its_last_run_frees_it(recording: Celery) -> None:
     held: list[bool] = []
 
-    @recording.task(name="t.retry", base=QueueOnce, bind=True, max_retries=2)
+    @recording.task(shared=False, name="t.retry", base=QueueOnce, bind=True, max_retries=2)
     def flaky(self: Any) -> str:
         held.append("qo_t.retry" in Recording.locks)
         if self.request.retries < 2:
@@ -290,7 +290,7 @@ class DjangoSettings:
 def test_once_read_under_a_django_namespace(app: Celery) -> None:
     app.config_from_object(DjangoSettings, namespace="CELERY")
 
-    @app.task(name="t.namespace", base=QueueOnce)
+    @app.task(shared=False, name="t.namespace", base=QueueOnce)
     def namespaced() -> None: ...
 
     assert namespaced.default_timeout == 12

@@ -57,10 +57,10 @@ def expected_key(name: str, args: Any, kwargs: Any, prefix: str = "SINGLETONLOCK
 
 
 def test_keys_are_celery_singletons(own: Celery) -> None:
-    @own.task(name="s.keys", base=Singleton)
+    @own.task(shared=False, name="s.keys", base=Singleton)
     def every(a: int, b: int = 2) -> None: ...
 
-    @own.task(name="s.on", base=Singleton, unique_on="a")
+    @own.task(shared=False, name="s.on", base=Singleton, unique_on="a")
     def on_a(a: int, b: int = 2) -> None: ...
 
     assert every.generate_lock("s.keys", [1], {"b": 3}) == expected_key("s.keys", [1], {"b": 3})
@@ -71,7 +71,7 @@ def test_keys_are_celery_singletons(own: Celery) -> None:
 
 
 def test_a_duplicate_gets_the_running_tasks_async_result(own: Celery) -> None:
-    @own.task(name="s.dup", base=Singleton)
+    @own.task(shared=False, name="s.dup", base=Singleton)
     def dup() -> None: ...
 
     InMemory.locks[expected_key("s.dup", [], {})] = "holder-id"
@@ -81,10 +81,10 @@ def test_a_duplicate_gets_the_running_tasks_async_result(own: Celery) -> None:
 
 
 def test_raise_on_duplicate_from_the_task_or_the_settings(own: Celery) -> None:
-    @own.task(name="s.raise", base=Singleton, raise_on_duplicate=True)
+    @own.task(shared=False, name="s.raise", base=Singleton, raise_on_duplicate=True)
     def raises() -> None: ...
 
-    @own.task(name="s.conf", base=Singleton)
+    @own.task(shared=False, name="s.conf", base=Singleton)
     def by_setting() -> None: ...
 
     InMemory.locks[expected_key("s.raise", [], {})] = "holder-id"
@@ -102,7 +102,7 @@ def test_raise_on_duplicate_from_the_task_or_the_settings(own: Celery) -> None:
 
 
 def test_the_lock_is_freed_on_success_and_failure(own: Celery) -> None:
-    @own.task(name="s.ends", base=Singleton)
+    @own.task(shared=False, name="s.ends", base=Singleton)
     def ends(fail: bool) -> None:
         assert list(InMemory.locks) == [expected_key("s.ends", [fail], {})]
         if fail:
@@ -114,7 +114,7 @@ def test_the_lock_is_freed_on_success_and_failure(own: Celery) -> None:
 
 
 def test_apply_runs_and_frees_the_key_as_celery_singleton_did(own: Celery) -> None:
-    @own.task(name="s.apply", base=Singleton)
+    @own.task(shared=False, name="s.apply", base=Singleton)
     def body(a: int) -> int:
         return a
 
@@ -124,7 +124,7 @@ def test_apply_runs_and_frees_the_key_as_celery_singleton_did(own: Celery) -> No
 
 
 def test_a_message_sent_without_the_lock_takes_it_at_execution(own: Celery) -> None:
-    @own.task(name="s.worker", base=Singleton)
+    @own.task(shared=False, name="s.worker", base=Singleton)
     def body() -> str:
         return "ran"
 
@@ -151,7 +151,7 @@ def test_clear_locks_empties_the_prefix(own: Celery) -> None:
 def test_challenge_lock_on_startup_takes_over_a_lock_no_worker_knows(
     own: Celery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    @own.task(name="s.challenge", base=Singleton, challenge_lock_on_startup=True)
+    @own.task(shared=False, name="s.challenge", base=Singleton, challenge_lock_on_startup=True)
     def challenged() -> None: ...
 
     key = expected_key("s.challenge", [], {})
@@ -170,7 +170,7 @@ def test_the_stock_redis_backend_and_owner_checked_release(
     app.conf.singleton_backend_url = url
     app.conf.singleton_lock_expiry = 60
 
-    @app.task(name="s.redis", base=Singleton, bind=True)
+    @app.task(shared=False, name="s.redis", base=Singleton, bind=True)
     def stored(self: Any) -> None:
         key = expected_key("s.redis", [], {})
         assert client.get(key) == self.request.id.encode()
@@ -189,9 +189,9 @@ def test_bad_options_fail_when_the_task_is_made(own: Celery) -> None:
     def body(a: int) -> None: ...
 
     with pytest.raises(ConfigurationError, match=r"s\.bad.*unique_on names no argument"):
-        assert own.task(name="s.bad", base=Singleton, unique_on=["b"])(body).run
+        assert own.task(shared=False, name="s.bad", base=Singleton, unique_on=["b"])(body).run
     with pytest.raises(ConfigurationError, match=r"s\.bad2.*lock_expiry"):
-        assert own.task(name="s.bad2", base=Singleton, lock_expiry="1h")(body).run
+        assert own.task(shared=False, name="s.bad2", base=Singleton, lock_expiry="1h")(body).run
 
 
 class DjangoSettings:
@@ -204,7 +204,7 @@ class DjangoSettings:
 def test_the_settings_under_a_django_namespace(app: Celery) -> None:
     app.config_from_object(DjangoSettings, namespace="CELERY")
 
-    @app.task(name="s.django", base=Singleton)
+    @app.task(shared=False, name="s.django", base=Singleton)
     def django_task() -> None: ...
 
     assert django_task.generate_lock("s.django").startswith("DJANGO_")
@@ -215,7 +215,7 @@ def test_the_holders_own_retry_is_sent(own: Celery) -> None:
     """self.retry() sends the task again under its id while it holds the key: celery-singleton
     took that for a duplicate, sent nothing and kept the key for ever."""
 
-    @own.task(name="s.retry", base=Singleton)
+    @own.task(shared=False, name="s.retry", base=Singleton)
     def again() -> str:
         return "ran"
 
