@@ -316,8 +316,12 @@ def _no_room(run: _Run, result: AcquireResult) -> Ended:
             return Ended(POLICIES["retry"].apply(conflict))
         return Ended(refused(conflict))
     except TaskLocked:
-        # It stops waiting (its lock retries are spent): its place in line goes to the next.
+        # It stops waiting (its lock retries are spent): its place in line goes to the next,
+        # and the reservation its body retry left (put back at each refusal) to the key's
+        # next execution.
         units.leave_line(run.task, run.backend, run.token, run.want)
+        if run.takeover is not None:
+            give_back(run.task, run.options, run.backend, run.key, run.takeover)
         raise
 
 
