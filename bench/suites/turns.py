@@ -138,10 +138,12 @@ def _per_start(delta: dict[str, Any] | None, starts: int, attempts: int) -> dict
     }
 
 
-def flood_run(
-    run: Run, turns: bool, cfg: dict[str, Any], weights: dict[str, float], workdir: Path
-) -> dict[str, Any]:
-    """One flood on a fresh worker; its figures."""
+@contextmanager
+def _session(
+    run: Run, turns: bool, cfg: dict[str, Any], workdir: Path
+) -> Iterator[tuple[str, Any, Worker, ServerCounters | None]]:
+    """A fresh worker on a queue of its own, started: the run's label, the producer's sync
+    task, the worker and the lock server's counters (Redis); all closed after."""
     queue, label = f"turns-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:10]
     producer = make_app(broker=run.infra.url(BROKER_DB), lock_url=run.lock_url,
                         probe_url=run.infra.url(PROBE_DB), variants=["singletask-turns"],
@@ -150,8 +152,20 @@ def flood_run(
     counters = run.counters()
     try:
         worker.start(run.probe)
+        yield label, producer.tasks[TASK], worker, counters
+    finally:
+        worker.kill()
+        producer.close()
+        if counters:
+            counters.client.close()
+
+
+def flood_run(
+    run: Run, turns: bool, cfg: dict[str, Any], weights: dict[str, float], workdir: Path
+) -> dict[str, Any]:
+    """One flood on a fresh worker; its figures."""
+    with _session(run, turns, cfg, workdir) as (label, sync, worker, counters):
         before = counters.snapshot() if counters else None
-        sync = producer.tasks[TASK]
         sent: dict[str, float] = {}
         began = time.time()
         for tenant, count in cfg["flood"].items():
@@ -162,11 +176,6 @@ def flood_run(
         total = sum(cfg["flood"].values())
         finished = _wait_ended(run, label, total, worker)
         delta = ServerCounters.delta(before, counters.snapshot()) if counters and before else None
-    finally:
-        worker.kill()
-        producer.close()
-        if counters:
-            counters.client.close()
     events = _events(run, label)
     starts = [e for e in events if e["event"] == "start"]
     refused: dict[str, float] = {}
@@ -206,16 +215,8 @@ def _most_at_once(events: list[dict[str, Any]]) -> int:
 
 def uncontended(run: Run, turns: bool, cfg: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """Syncs of one tenant, one at a time: every take finds room."""
-    queue, label = f"turns-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:10]
-    producer = make_app(broker=run.infra.url(BROKER_DB), lock_url=run.lock_url,
-                        probe_url=run.infra.url(PROBE_DB), variants=["singletask-turns"],
-                        queue=queue)  # fmt: skip
-    worker = _worker(run, turns, cfg, workdir, queue)
-    counters = run.counters()
     n = cfg["uncontended"]
-    try:
-        worker.start(run.probe)
-        sync = producer.tasks[TASK]
+    with _session(run, turns, cfg, workdir) as (label, sync, worker, counters):
         sync.apply_async((label, "warm-up"), {"pause": 0})  # connections, scripts
         _wait_ended(run, label, 1, worker)
         before = counters.snapshot() if counters else None
@@ -223,11 +224,6 @@ def uncontended(run: Run, turns: bool, cfg: dict[str, Any], workdir: Path) -> di
             sync.apply_async((label, "solo"), {"pause": 0})
             _wait_ended(run, label, i + 2, worker)
         delta = ServerCounters.delta(before, counters.snapshot()) if counters and before else None
-    finally:
-        worker.kill()
-        producer.close()
-        if counters:
-            counters.client.close()
     return _per_start(delta, n, n)
 
 
