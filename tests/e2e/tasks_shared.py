@@ -73,17 +73,23 @@ TASKS: list[tuple[Any, dict[str, Any]]] = [
 ]  # fmt: skip
 
 
-@connect_on_app_finalize
-def _register(app: Celery) -> None:
-    """Only on apps whose lock store keeps named limits (memcached refuses them at bind)."""
-    url = app.conf.get("singletask_backend_url")
-    store = backend_class(url) if url else None
-    if store is None or not store.supports_units:
-        return
-    for body, options in TASKS:
-        app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=TTL, **options)(body)
+def register_where_units(tasks: Sequence[tuple[Any, dict[str, Any]]], ttl: float) -> None:
+    """Register ``tasks`` (body, options) on every app whose lock store keeps named limits
+    (memcached refuses them at bind): the apps finalized from now on, and those finalized
+    before this module was imported (a worker's)."""
+
+    def register(app: Celery) -> None:
+        url = app.conf.get("singletask_backend_url")
+        store = backend_class(url) if url else None
+        if store is None or not store.supports_units:
+            return
+        for body, options in tasks:
+            app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=ttl, **options)(body)
+
+    connect_on_app_finalize(register)
+    for app in _get_active_apps():
+        if app.finalized:
+            register(app)
 
 
-for _app in _get_active_apps():  # apps finalized before this module was imported (a worker's)
-    if _app.finalized:
-        _register(_app)
+register_where_units(TASKS, TTL)

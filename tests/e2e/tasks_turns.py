@@ -15,14 +15,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from celery import Celery
-from celery._state import _get_active_apps, connect_on_app_finalize
-
 from singletask import SingletonTask
-from singletask.backends import backend_class
 from singletask.signals import lock_conflict
 
 from .probe import probe
+from .tasks_shared import register_where_units
 
 PREFIX = "e2e.turns."
 
@@ -74,17 +71,4 @@ def _refused(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
         probe().mark(str(args[0]), "refused", task_id, tenant=str(args[1]))
 
 
-@connect_on_app_finalize
-def _register(app: Celery) -> None:
-    """Only on apps whose lock store keeps named limits (memcached refuses them at bind)."""
-    url = app.conf.get("singletask_backend_url")
-    store = backend_class(url) if url else None
-    if store is None or not store.supports_units:
-        return
-    for body, options in TASKS:
-        app.task(base=SingletonTask, bind=True, shared=False, lock_ttl=TTL, **options)(body)
-
-
-for _app in _get_active_apps():  # apps finalized before this module was imported (a worker's)
-    if _app.finalized:
-        _register(_app)
+register_where_units(TASKS, TTL)
