@@ -106,6 +106,7 @@ def turn_order(judge: _Judge, refusals: Sequence[Refusal]) -> None:
         by_attempt[refusal.attempt].append(refusal)
     first = {attempt: rs[0].t for attempt, rs in by_attempt.items()}
     takers: dict[tuple[str, str], list[Body]] = collections.defaultdict(list)
+    started = {b.token: b for b in h.bodies}
     for body in h.bodies:
         if body.config in h.configs:
             for name in body.units:
@@ -125,14 +126,14 @@ def turn_order(judge: _Judge, refusals: Sequence[Refusal]) -> None:
         if any(f.side == "run" and f.hits(config.store) and f.start - TIE <= body.start
                and f.end + TIE >= t0 for f in h.faults):  # fmt: skip
             continue
-        mates = _waiting_before(by_attempt, h.bodies, body, limit, t0)
+        mates = _waiting_before(by_attempt, started, body, limit, t0)
         _judge_wait(judge, body, config, limit, (t0, last, mates), first,
                     takers[(config.store, limit)])  # fmt: skip
 
 
 def _waiting_before(
     by_attempt: Mapping[tuple[str, int], Sequence[Refusal]],
-    bodies: Sequence[Body],
+    started: Mapping[tuple[str, int], Body],
     body: Body,
     limit: str,
     t0: float,
@@ -143,7 +144,6 @@ def _waiting_before(
     draws)."""
     from .sends import COSTS  # sends.py imports checker.py, which imports this module
 
-    started = {b.token: b for b in bodies}
     count = units = 0
     for attempt, rs in by_attempt.items():
         mate = started.get(attempt)
