@@ -30,7 +30,7 @@ from .lease import LockHandle
 from .result import Skipped
 from .task import SingletonTask
 
-__version__ = "0.3.0"
+__version__ = "0.4.0.dev0"
 
 _install_moved()  # the module paths before 0.4.0 keep importing, with a warning
 
