@@ -18,7 +18,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar, runtime_checkable
 
 import click
 
@@ -50,6 +50,13 @@ def _json_option(command: _F) -> _F:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON.")(command)
 
 
+@runtime_checkable
+class _Tabled(Protocol):
+    """A store that keeps its locks in a table, which may not exist (the SQL stores)."""
+
+    def missing_table(self) -> str | None: ...
+
+
 class _Store:
     """The lock store a command works on, and how to name it in messages (password masked)."""
 
@@ -66,6 +73,19 @@ class _Store:
             self.backend: LockBackend = backend_from_url(url, **options)
         except ConfigurationError as exc:
             raise click.UsageError(str(exc)) from None
+
+    def warn_if_missing(self) -> None:
+        """Say on stderr when the store's lock table does not exist (a mistyped ``table``
+        option or path, or a store no lock was ever taken in): the listing then reads as
+        empty. Creates nothing."""
+        if isinstance(self.backend, _Tabled):
+            missing = self.backend.missing_table()
+            if missing is not None:
+                click.echo(
+                    f"Warning: {missing} does not exist in {self.where}: no lock was ever taken "
+                    "there (is the table or path mistyped?). Nothing was created.",
+                    err=True,
+                )
 
     @contextlib.contextmanager
     def session(self) -> Iterator[LockBackend]:
@@ -212,13 +232,17 @@ def locks(
     fields name, kind, size, period, used, ttl, holds (each: task_id, task, units, ttl, token)
     and key.
 
+    A SQL store whose lock table (SQLite: database file) does not exist, a mistyped table
+    option or path, lists nothing: a warning on stderr says so, and nothing is created.
+
     Exit status: 0 when the store was read (also when it lists no lock: the JSON is then
-    ``[]``), 2 usage error, 3 the lock store failed.
+    ``[]``; also with the warning above), 2 usage error, 3 the lock store failed.
     """
     store = _Store(ctx, url)
     if named_limits:
         _list_limits(store, task, limit, prefix or store.prefix, as_json)
     with store.session() as backend:
+        store.warn_if_missing()
         found = find_locks(backend, prefix or store.prefix, task=task, limit=limit)
         table = _Table()
         count = _print_records(found, as_json, table.add, table.flush)
@@ -252,6 +276,7 @@ def _list_limits(
 ) -> NoReturn:
     """``locks --limits``: print the named limits in use under ``prefix``, and exit 0."""
     with store.session() as backend:
+        store.warn_if_missing()
         found = find_limits(backend, prefix, task=task, limit=limit)
         table = _LimitTable()
         count = _print_records(found, as_json, table.add_limit, table.flush)

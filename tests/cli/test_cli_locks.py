@@ -500,7 +500,8 @@ def test_locks_inspect_and_find_state_create_nothing(kind: str, tmp_path: Path) 
     """Issue 32: the read-only commands never create or alter the lock store. On a store whose
     table (or SQLite file) does not exist yet, `locks` lists nothing (exit 0), `inspect` finds
     the lock free (exit 1), find_state lists nothing, and the table is still missing after;
-    the first write creates it."""
+    `locks` (and `locks --limits`) warns on stderr that the table or file does not exist (exit
+    still 0); the first write creates it, and the warning goes."""
     with contextlib.ExitStack() as stack:
         if kind.startswith("sqlite"):
             path = tmp_path / "locks.db"
@@ -534,9 +535,24 @@ def test_locks_inspect_and_find_state_create_nothing(kind: str, tmp_path: Path) 
         assert state == []
         assert held is None
         assert missing()
-        # And the first write creates it, as before
+        # And `locks` said on stderr what is missing (issue 42: a mistyped ?table= read as an
+        # empty store), with --limits too
+        named = "singletask_locks" if kind == "sqlite-empty-file" else "locks.db"
+        named = table if not kind.startswith("sqlite") else named
+        for said in (listed, invoke("locks", "--limits", "--url", url)):
+            assert said.exit_code == 0, said.output + said.stderr
+            warning = [line for line in said.stderr.splitlines() if line.startswith("Warning:")]
+            assert len(warning) == 1, said.stderr
+            assert named in warning[0], warning
+            assert " does not exist in " in warning[0], warning
+            assert "Nothing was created." in warning[0], warning
+        assert missing()
+        # And the first write creates it, as before, and `locks` warns no more
         assert backend.acquire("singletask:proj.sync", "token", 30).acquired
         assert not missing()
+        again = invoke("locks", "--url", url)
+        assert again.exit_code == 0, again.output + again.stderr
+        assert "Warning" not in again.stderr, again.stderr
         assert [record.key for record in find_state(backend, "singletask:")] == []
         assert [key for key, _ in backend.iter_locks("singletask:")] == ["singletask:proj.sync"]
 

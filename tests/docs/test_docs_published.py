@@ -1,11 +1,14 @@
-"""The links to the published documentation point at pages the docs build.
+"""Every link the README and the package metadata give points at something that exists, and the
+README's commands are those CI runs (issue 42).
 
-The package metadata (``[project.urls]`` of pyproject.toml), the README and the changelog link
-pages of https://singletask.readthedocs.io as ``<Documentation URL>/en/latest/<page>.html``.
-Sphinx's html builder makes ``<page>.html`` of ``docs/<page>.rst`` (or ``.md``) when a toctree
-lists the page, and Read the Docs runs that build from ``.readthedocs.yaml`` (without the file it
-builds nothing). So a link is good when its page has a source in docs/ that a toctree lists,
-and the Read the Docs configuration builds these docs with that builder.
+singletask has no public home yet (no PyPI upload, no published documentation), so:
+
+* the README links the documentation's sources by paths relative to it (``docs/install.rst``),
+  each of which must be a file of the source tree, and links no address outside it;
+* the package metadata names no URL (``[project.urls]``): an entry goes there only with an
+  address that exists, listed in ``PUBLIC`` below after checking it;
+* the README's test command works on a fresh virtualenv, whose pip may predate ``--group``
+  (25.1): it brings pip up to date first, and ``.ci/run`` runs that very line.
 """
 
 from __future__ import annotations
@@ -23,67 +26,65 @@ else:  # pragma: no cover - pytest needs tomli before Python 3.11
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
+README = (ROOT / "README.md").read_text()
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-URLS: dict[str, str] = PYPROJECT["project"]["urls"]
-PUBLISHED = URLS["Documentation"].rstrip("/") + "/en/latest/"
+
+#: Addresses checked to exist that the metadata or the README may give (none yet).
+PUBLIC: set[str] = set()
+
+#: The targets of the README's Markdown links and autolinks.
+LINKS = sorted(
+    set(re.findall(r"\]\(([^)\s]+)\)", README)) | set(re.findall(r"<(https?://[^>]+)>", README))
+)
 
 
-def toctree_entries() -> set[str]:
-    """Every page a ``.. toctree::`` of the docs lists."""
-    entries = set()
-    for page in DOCS.glob("*.rst"):
-        for block in re.findall(r"^\.\. toctree::\n((?:[ \t]+.*\n|\n)+)", page.read_text(), re.M):
-            entries.update(
-                line.strip()
-                for line in block.splitlines()
-                if line.strip() and not line.strip().startswith(":")
-            )
-    return entries
+def test_the_scan_finds_the_readme_links() -> None:
+    assert "docs/install.rst" in LINKS, LINKS
 
 
-def built_page(url: str) -> str:
-    """The docs page a link to the published docs shows (its source's name, without suffix)."""
-    assert url.startswith(PUBLISHED), f"{url} is not under {PUBLISHED}"
-    page, _, _ = url.removeprefix(PUBLISHED).partition("#")
-    assert page.endswith(".html"), f"{url} does not name an html page"
-    return page.removesuffix(".html")
+@pytest.mark.parametrize("target", LINKS)
+def test_a_readme_link_names_a_file_of_the_source_tree_or_a_checked_address(target: str) -> None:
+    if re.match(r"[a-z]+:", target):
+        assert target in PUBLIC, f"README.md links {target}, not known to exist"
+    else:
+        assert (ROOT / target.partition("#")[0]).is_file(), f"README.md links {target}: no file"
 
 
-def assert_the_docs_build(page: str) -> None:
-    sources = [DOCS / f"{page}{suffix}" for suffix in (".rst", ".md")]
-    assert any(source.is_file() for source in sources), f"docs/ has no source of {page}.html"
-    assert page in toctree_entries(), f"no toctree lists {page}, so {page}.html is not built"
+def test_the_readme_names_no_address_outside_the_tree() -> None:
+    addresses = set(re.findall(r"https?://[^\s)>\]\"'`]+", README))
+    assert {a for a in addresses if "localhost" not in a} <= PUBLIC, addresses
 
 
-def test_the_changelog_of_the_package_metadata_is_a_page_the_docs_build():
-    assert_the_docs_build(built_page(URLS["Changelog"]))
+def test_the_package_metadata_names_only_checked_addresses() -> None:
+    urls = PYPROJECT["project"].get("urls", {})
+    assert set(urls.values()) <= PUBLIC, urls
 
 
-def test_the_changelog_page_shows_the_changelog_file():
-    page = DOCS / f"{built_page(URLS['Changelog'])}.md"
+def test_the_changelog_page_shows_the_changelog_file() -> None:
+    page = DOCS / "changelog.md"
     included = re.findall(r"^```\{include\}\s*(\S+)", page.read_text(), re.M)
     assert [(DOCS / path).resolve() for path in included] == [ROOT / "CHANGELOG.md"]
 
 
-LINKS = sorted(
-    {
-        (source, url.rstrip(".,"))
-        for source in ("README.md", "CHANGELOG.md")
-        for url in re.findall(re.escape(PUBLISHED) + r"[^\s)>\]\"'`]*", (ROOT / source).read_text())
-    }
-)
+def readme_command(comment: str) -> str:
+    """The README's shell line that ends with ``# <comment>``, without the comment."""
+    found = re.findall(rf"^(python -m pip .+?)\s+# {comment}$", README, re.M)
+    assert len(found) == 1, found
+    return found[0]
 
 
-def test_the_readme_links_the_published_pages():
-    assert any(source == "README.md" for source, _ in LINKS), "the scan is broken"
+def test_the_readme_test_command_brings_pip_up_to_date_before_using_a_group() -> None:
+    command = readme_command("tests")
+    assert command.startswith("python -m pip install -U pip && "), command
+    assert command.index("-U pip") < command.index("--group"), command
 
 
-@pytest.mark.parametrize(("source", "url"), LINKS, ids=[f"{s}: {u}" for s, u in LINKS])
-def test_a_link_to_the_published_docs_names_a_page_the_docs_build(source, url):
-    assert_the_docs_build(built_page(url))
+def test_ci_runs_the_readme_test_command_as_written() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(rf"^{re.escape(readme_command('tests'))}$", ci, re.M), readme_command("tests")
 
 
-def test_read_the_docs_builds_these_docs_as_html_with_their_dependency_group():
+def test_read_the_docs_builds_these_docs_as_html_with_their_dependency_group() -> None:
     config = (ROOT / ".readthedocs.yaml").read_text()
     assert re.search(r"^version: 2$", config, re.M)
     assert re.search(r"^sphinx:\n(?:  .*\n)*  configuration: docs/conf\.py$", config, re.M)
@@ -92,6 +93,13 @@ def test_read_the_docs_builds_these_docs_as_html_with_their_dependency_group():
     assert "docs" in PYPROJECT["dependency-groups"]
 
 
-def test_the_tools_of_contributors_are_no_extras_of_the_package():
+def test_the_tools_of_contributors_are_no_extras_of_the_package() -> None:
     extras = set(PYPROJECT["project"]["optional-dependencies"])
     assert extras.isdisjoint(PYPROJECT["dependency-groups"]), extras
+
+
+def test_the_redis_extra_brings_what_a_redis_broker_needs() -> None:
+    """kombu 5.7's Redis transport imports ``packaging``, which Celery's own ``redis`` extra
+    brings (issue 42: the worker and the producer died with ModuleNotFoundError)."""
+    redis = PYPROJECT["project"]["optional-dependencies"]["redis"]
+    assert any(re.match(r"celery\[redis\]", requirement) for requirement in redis), redis

@@ -79,14 +79,14 @@ def test_the_example_project_passes_on_two_xdist_workers(
     runs: dict[str, subprocess.CompletedProcess[str] | str],
 ) -> None:
     """Eager tests and in-process worker tests, in two pytest-xdist processes."""
-    assert "8 passed" in passed(runs, "memory")
+    assert "9 passed" in passed(runs, "memory")
 
 
 def test_the_example_project_passes_on_a_real_redis(
     runs: dict[str, subprocess.CompletedProcess[str] | str],
 ) -> None:
     """``--singletask-backend-url`` puts the fixture's locks on a real server instead."""
-    assert "8 passed" in passed(runs, "redis")
+    assert "9 passed" in passed(runs, "redis")
 
 
 def test_the_plugin_turns_off_with_p_no_singletask() -> None:

@@ -227,6 +227,11 @@ def is_listed(key: str, prefix: str) -> bool:
     return base_key(key).startswith(prefix)
 
 
+#: A read that answers one row when the lock table exists, and fails as a missing table (which
+#: ``_select`` answers with no rows) when it does not: :meth:`SQLBackend.missing_table`.
+TABLE_EXISTS = "SELECT count(*) FROM {table} WHERE 1 = 0"
+
+
 class SQLBackend(LockBackend):
     """What the PostgreSQL and MySQL stores share above their SQL: holder slots taken by one
     script (``_take_slot``), rate records and debounce windows on the key's row, the operator
@@ -296,6 +301,21 @@ class SQLBackend(LockBackend):
         for row in pages(fetch, prefix, max(1, page_size), self._page_key, self._key_bytes):
             if (decode(row[1]) or "").startswith(prefix):
                 yield from bookkeeping.records(row, decode)
+
+    #: The lock table's name, as the ``table`` option gave it.
+    table: str
+
+    def missing_table(self) -> str | None:
+        """``None`` when the lock table exists, else what is missing, in words (``table
+        'name'``). Read-only: it creates nothing, so an operator's listing can tell a mistyped
+        ``table`` option from a store that holds no lock.
+
+        Raises:
+            BackendError: The store failed.
+        """
+        if self._select("check the table", self.table, "exists", {}):
+            return None
+        return f"table {self.table!r}"
 
     def _decode(self, value: Any) -> str | None:
         """A text column's value as the driver returns it, as text (bytes as UTF-8, any byte

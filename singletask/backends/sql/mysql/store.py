@@ -145,7 +145,7 @@ class MySQLBackend(U.MySQLUnits):
                 "acquire_slot": Q.ACQUIRE_SLOT, "release_slot": Q.RELEASE_SLOT,
                 "debounce": Q.DEBOUNCE, "debounce_take": Q.DEBOUNCE_TAKE,
                 "debounce_undo": Q.DEBOUNCE_UNDO, "state": S.MYSQL_STATE,
-                "debounce_published": Q.DEBOUNCE_PUBLISHED,
+                "debounce_published": Q.DEBOUNCE_PUBLISHED, "exists": core.TABLE_EXISTS,
             }.items()
         }  # fmt: skip
         self._q.update(U.queries(options.table))  # named limits

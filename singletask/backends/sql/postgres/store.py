@@ -157,7 +157,7 @@ class PostgresBackend(U.PostgresUnits):
                 "debounce_undo": W.DEBOUNCE_UNDO, "debounce_published": W.DEBOUNCE_PUBLISHED,
                 "holder": Q.HOLDER, "iter": Q.ITER, "release_holder": Q.RELEASE_HOLDER,
                 "reclaim": Q.RECLAIM, "state": S.POSTGRES_STATE,
-                "replaced_by": R.POSTGRES_READ,
+                "replaced_by": R.POSTGRES_READ, "exists": core.TABLE_EXISTS,
             }.items()
         )  # fmt: skip
         self._q.update(U.queries(options.table, ms, transaction_pooling))  # named limits

@@ -456,6 +456,21 @@ class SQLiteBackend(LockBackend):
             except sqlite3.Error as exc:
                 raise BackendError(f"{self!r}: {operation} {key!r} failed: {exc}") from exc
 
+    def missing_table(self) -> str | None:
+        """``None`` when the database file has its lock table, else what is missing, in words
+        (the file, or its table). Read-only: it creates neither, so an operator's listing can
+        tell a mistyped path from a store that holds no lock.
+
+        Raises:
+            BackendError: The store failed.
+        """
+        if not self.path.exists():
+            return f"database file {str(self.path)!r}"
+        probe = "SELECT count(*) FROM singletask_locks WHERE 0"
+        if self._read("check the table", "", lambda c: c.execute(probe).fetchall(), []):
+            return None
+        return f"table singletask_locks in {str(self.path)!r}"
+
     def holder(self, key: str) -> Holder | None:
         stored_key(key, len(key) * 4)  # only checks the text
         return self._read("inspect", key, lambda c: reads.holder_row(c, key, time.time()), None)
