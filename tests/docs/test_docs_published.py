@@ -66,6 +66,20 @@ def test_the_changelog_page_shows_the_changelog_file() -> None:
     assert [(DOCS / path).resolve() for path in included] == [ROOT / "CHANGELOG.md"]
 
 
+def test_the_changelog_links_pages_of_the_docs_which_the_build_checks() -> None:
+    """The changelog links ``docs/<page>.rst``, which the include makes the page's own link."""
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    targets = re.findall(r"\]\(([^)]+)\)", changelog)
+    assert targets, "the scan is broken"
+    for target in targets:
+        if re.match(r"[a-z]+:", target):
+            assert target in PUBLIC or "keepachangelog.com" in target or "semver.org" in target
+        else:
+            assert (ROOT / target.partition("#")[0]).is_file(), f"CHANGELOG.md links {target}"
+    include = (DOCS / "changelog.md").read_text()
+    assert ":relative-docs: docs/" in include, "the links would not resolve inside Sphinx"
+
+
 def readme_command(comment: str) -> str:
     """The README's shell line that ends with ``# <comment>``, without the comment."""
     found = re.findall(rf"^(python -m pip .+?)\s+# {comment}$", README, re.M)
