@@ -1,4 +1,4 @@
 """The fault campaign: workers take, renew and release random keys of a real lock store while a
 seeded schedule injects faults between them and the store; a checker then reads their histories
 (tests/campaigns/faults/history.py). See tests/campaigns/faults/test_campaign.py and
-docs/guarantees.rst."""
+docs/how-it-is-tested.rst."""
