@@ -1,3 +1,4 @@
 """The interaction campaign (issue 29, "Every send accounted for"): seeded bursts of sends over
 the whole option space, bodies ending every way the lifecycle knows, faults at the hand-offs,
-and a checker that accounts for every send (see docs/how-it-is-tested.rst; what it checks is promised on docs/guarantees.rst)."""
+and a checker that accounts for every send (see docs/how-it-is-tested.rst; the promises it
+checks are on docs/guarantees.rst)."""
