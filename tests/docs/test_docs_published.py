@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+import singletask
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - pytest needs tomli before Python 3.11
@@ -78,6 +80,15 @@ def test_the_changelog_links_pages_of_the_docs_which_the_build_checks() -> None:
             assert (ROOT / target.partition("#")[0]).is_file(), f"CHANGELOG.md links {target}"
     include = (DOCS / "changelog.md").read_text()
     assert ":relative-docs: docs/" in include, "the links would not resolve inside Sphinx"
+
+
+@pytest.mark.parametrize("source", ["README.md", "docs/install.rst"])
+def test_the_files_to_install_are_those_this_version_builds(source: str) -> None:
+    """A wheel or sdist a page tells to install is the one ``python -m build`` makes here."""
+    text = (ROOT / source).read_text()
+    names = re.findall(r"singletask-([^-\s]+?)(?:-py3-none-any\.whl|\.tar\.gz)", text)
+    assert names, "the scan is broken"
+    assert set(names) == {singletask.__version__}, names
 
 
 def readme_command(comment: str) -> str:
