@@ -25,6 +25,7 @@ from singletask.protocol.tokens import execution_token, reservation_token
 
 from ..servers import RedisServer, redis_server_binary
 from .redis_010 import OldWorker
+from .redis_lock import lock_fields
 
 LEASE = 30.0
 TASK = "proj.tasks.sync_customer"
@@ -38,7 +39,7 @@ def store(redis_url: str, redis_client: redis.Redis) -> Iterator[RedisBackend]:
 
 
 def fields_of(client: redis.Redis, key: str) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
+    return lock_fields(client, key)
 
 
 def execution(key_prefix: str, n: int = 0) -> tuple[str, str, dict[str, str]]:
@@ -59,18 +60,18 @@ def execution(key_prefix: str, n: int = 0) -> tuple[str, str, dict[str, str]]:
 # -- the held record ----------------------------------------------------------------------------
 
 
-def test_an_executions_lock_is_one_compact_hash_and_nothing_else(
+def test_an_executions_lock_is_one_compact_string_and_nothing_else(
     store: RedisBackend, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    """The lock key alone: token, fence, and each metadata field in one letter, with what the
-    token or the key already says left out; in Redis' small-hash encoding."""
+    """The lock key alone, one string: token, fence, the since in milliseconds, and each
+    metadata field in one letter, with what the token or the key already says left out."""
     # Given the record an execution on a worker writes
     key, token, meta = execution(key_prefix)
 
     # When it takes the lock
     result = store.acquire(key, token, LEASE, meta=meta)
 
-    # Then the lock key is a listpack hash with exactly these fields
+    # Then the lock key is a string standing for exactly these fields
     assert result.acquired
     # (task id and pid: the token's; scope: execution; since: milliseconds after the fence's)
     assert result.fence is not None
@@ -81,7 +82,8 @@ def test_an_executions_lock_is_one_compact_hash_and_nothing_else(
         "n": str(len(key_prefix)),  # where the task name stands in the key
         "a": str(result.fence // 1000 - 1763900000123),
     }
-    assert redis_client.object("encoding", key) in (b"listpack", b"ziplist")
+    parts = [token, str(result.fence), "1763900000123", "n", str(len(key_prefix)), "w", "worker-1"]
+    assert redis_client.get(key) == "\x00".join(parts).encode()
     # And no other key was written (no companion hash)
     assert redis_client.keys(f"*{key_prefix}*") == [key.encode()]
     # And every reader gets the metadata back as it was given
@@ -339,8 +341,17 @@ def test_a_010_holder_excludes_a_new_worker_and_reads_as_it_did(
 def test_a_new_holder_excludes_a_010_worker(
     store: RedisBackend, redis_client: redis.Redis, key_prefix: str
 ) -> None:
+    """A plain lock of this version is a string, which 0.1.0's acquire cannot read: it fails
+    with WRONGTYPE before writing anything, so it never takes the key (it is not refused
+    cleanly: its worker's store-error handling applies). A hash lock of this version (here a
+    holder slot's) refuses it as before."""
     key, token, meta = execution(key_prefix)
     assert store.acquire(key, token, LEASE, meta=meta).acquired
+    with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):
+        OldWorker(redis_client).acquire(key, "old-token", 30_000, meta)
+    assert lock_fields(redis_client, key)["token"] == token
+    assert store.release(key, token)
+    assert store.acquire_slot(key, 2, token, LEASE, meta=meta).acquired
     old = OldWorker(redis_client).acquire(key, "old-token", 30_000, meta)
     assert old[0] == 0
     assert old[1].decode() == token

@@ -36,6 +36,7 @@ from celery import Celery
 
 from singletask.backends.redis import RedisBackend
 
+from ..backends.redis_lock import lock_fields
 from ..servers import SQL_URLS, amqp_url, sql_test_table, start_memcached, unavailable
 from .app import LOCK_OPTIONS_ENV, TASK_MODULES, make_app
 from .probe import PROBE_URL_ENV, Probe
@@ -223,7 +224,7 @@ class Cluster:
         while self.locks.hexists(key, "token"):
             if time.monotonic() - start > timeout:
                 raise AssertionError(
-                    f"lock {key!r} still held after {timeout}s: {self.locks.hgetall(key)}\n"
+                    f"lock {key!r} still held after {timeout}s: {lock_fields(self.locks, key)}\n"
                     f"worker log:\n{self.worker.tail()}"
                 )
             time.sleep(0.05)

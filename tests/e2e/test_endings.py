@@ -28,6 +28,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from singletask import Skipped, TaskLocked
 
+from ..backends.redis_lock import lock_token
 from .conftest import CONCURRENCY, Cluster
 
 pytestmark = pytest.mark.e2e
@@ -116,8 +117,7 @@ def lock_key(cluster: Cluster, task_name: str, label: str) -> str:
 
 
 def token_at(cluster: Cluster, key: str) -> str | None:
-    raw = cluster.locks.hget(key, "token")
-    return raw.decode() if raw is not None else None
+    return lock_token(cluster.locks, key)
 
 
 def reserved_for(cluster: Cluster, key: str) -> str | None:

@@ -67,12 +67,14 @@ from .slots import ACQUIRE_SLOT, ACQUIRE_SLOT_KEEPING, listed, scan_pattern
 from .store import DRIVER_ERRORS, FENCE_RETENTION, MARKER_RETENTION, RedisBackend
 from .wire import (
     ACQUIRE,
+    ACQUIRE_HASH,
     ACQUIRE_KEEPING,
     RESTORE,
     Script,
     as_text,
     drop_idle,
     holder_from_reply,
+    holder_from_value,
     not_run,
 )
 
@@ -84,6 +86,7 @@ MAX_REDIRECTS = 5
 #: The acquire scripts the replica wait runs instead (they also return what the key was before).
 _KEEPING = {
     ACQUIRE: ACQUIRE_KEEPING,
+    ACQUIRE_HASH: ACQUIRE_KEEPING,
     ACQUIRE_SLOT: ACQUIRE_SLOT_KEEPING,
     ACQUIRE_SLOT_RATED: ACQUIRE_SLOT_RATED_KEEPING,
     PREEMPT: PREEMPT_KEEPING,
@@ -192,6 +195,9 @@ class _Deployed(RedisBackend):
         keeping = _KEEPING.get(script)
         if wait is None or keeping is None:
             return super()._call(operation, script, keys, args)
+        if script is ACQUIRE:  # the keeping script takes the fields one per argument
+            packed = str(args[4])
+            args = (*args[:4], *(packed.split("\0") if packed else ()))
         try:
             reply, acks = self._acquire_and_wait(keeping, keys, args, wait)
         except DRIVER_ERRORS as exc:
@@ -212,7 +218,7 @@ class _Deployed(RedisBackend):
         # The keeping scripts add what the key was before last; a slot's reply names the slot.
         # A rated acquisition's start stays spent: only the slot is put back.
         fence, before = reply[1], reply[-1]
-        taken = keys[int(reply[3])] if script not in (ACQUIRE, PREEMPT) else keys[0]
+        taken = keys[int(reply[3])] if script not in (ACQUIRE, ACQUIRE_HASH, PREEMPT) else keys[0]
         try:
             undone = super()._call("acquire", RESTORE, (taken,), (args[0], fence, *before))
             outcome = "the key was put back as it was" if undone else "the key has changed since"
@@ -335,6 +341,18 @@ class RedisSentinelBackend(_Deployed):
 _HOLDER = Script(HOLDER_SCRIPT)
 
 
+def _holder(key: str, record: Any, pttl: Any) -> Holder | None:
+    """The Holder of HOLDER_SCRIPT's reply: a string record, or a hash's fields."""
+    if isinstance(record, bytes | str):
+        found = holder_from_value(key, record, int(pttl))
+        if found is None:
+            raise BackendError(
+                f"inspect {key!r}: the key holds a value that is not a singletask lock"
+            )
+        return found
+    return holder_from_reply(key, dict(zip(record[::2], record[1::2], strict=True)), int(pttl))
+
+
 class RedisClusterBackend(_Deployed):
     """Locks in a Redis Cluster; the client routes each script to the master of its slot.
 
@@ -451,8 +469,7 @@ class RedisClusterBackend(_Deployed):
     def holder(self, key: str) -> Holder | None:
         """Who holds ``key``: one script (the cluster client follows redirections for scripts,
         not for the MULTI the single-server backend reads with)."""
-        fields, pttl = self._call("inspect", _HOLDER, (key,), ())
-        return holder_from_reply(key, dict(zip(fields[::2], fields[1::2], strict=True)), int(pttl))
+        return _holder(key, *self._call("inspect", _HOLDER, (key,), ()))
 
     def _holder_at(self, stored: bytes | str, key: str) -> Holder | None:
         """:meth:`holder` of the store key ``stored`` as SCAN gave it, shown as ``key``: a name
@@ -460,8 +477,7 @@ class RedisClusterBackend(_Deployed):
         if isinstance(stored, str) or key.encode() == stored:
             return self.holder(key)
         with self._translate("inspect", key):
-            fields, pttl = self.cluster.eval(_HOLDER.text, 1, stored)
-        return holder_from_reply(key, dict(zip(fields[::2], fields[1::2], strict=True)), int(pttl))
+            return _holder(key, *self.cluster.eval(_HOLDER.text, 1, stored))
 
     def iter_state(self, prefix: str, *, page_size: int = 500) -> Iterator[StoreState]:
         """Every master in turn, as :meth:`iter_locks`; each page read from its own node."""

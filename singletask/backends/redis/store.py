@@ -76,6 +76,7 @@ from .units import (
 )
 from .wire import (
     ACQUIRE,
+    ACQUIRE_HASH,
     CLAIM_NEXT,
     CLEAR_NEXT,
     EXTEND,
@@ -83,6 +84,7 @@ from .wire import (
     NOT_RUN_CODES,
     OPERATOR_RELEASE,
     RELEASE,
+    WRONGTYPE,
     Connection,
     Script,
     as_text,
@@ -90,11 +92,13 @@ from .wire import (
     driver_error,
     drop_idle,
     encode_meta,
-    holder_from_reply,
     keep_ms,
     lease_ms,
     not_run,
+    pack_fields,
+    read_record,
     removed_holder,
+    string_conflict,
 )
 
 __all__ = ["DRIVER_ERRORS", "NOT_RUN_CODES", "RedisBackend", "fence_key", "not_run"]
@@ -293,7 +297,20 @@ class RedisBackend(LockBackend):
         self._check_key(key, "acquire")
         since, fields = encode_meta(key, token, meta or {})
         lease = lease_ms(ttl, "acquire")
-        args: list[str | int] = [token, lease, takeover_prefix or "", since, *fields]
+        prefix = takeover_prefix or ""
+        packed = None if units else pack_fields(token, prefix, fields)
+        if packed is not None:  # the plain lock: a string record, its fields in one argument
+            reply = self._call("acquire", ACQUIRE, (key,), (token, lease, prefix, since, packed))
+            if isinstance(reply, bytes | str):  # taken: its fence
+                return AcquireResult(True, fence=int(reply))
+            if len(reply) == 3 and reply[0] == 0:  # held as a string record
+                holder = string_conflict(reply[1], reply[2])
+                if holder is None:  # a string that is not a lock: as HGET would have said
+                    exc = redis.exceptions.ResponseError(WRONGTYPE)
+                    raise self._error(exc, "acquire", key) from exc
+                return AcquireResult(False, holder)
+            return self._acquired(reply)
+        args: list[str | int] = [token, lease, prefix, since, *fields]
         if units:  # the key and its units in one script
             unit_keys, unit_args = take_request(token, ttl, units, units_meta(meta))
             self.check_units_together([item.key for item in units], f"{self!r}: acquire")
@@ -304,7 +321,12 @@ class RedisBackend(LockBackend):
                 return AcquireResult(False, retry_after=refused.retry_after,
                                      limit=refused.limit, used=refused.used)  # fmt: skip
         else:
-            reply = self._call("acquire", ACQUIRE, (key,), args)
+            reply = self._call("acquire", ACQUIRE_HASH, (key,), args)
+        return self._acquired(reply)
+
+    @staticmethod
+    def _acquired(reply: Any) -> AcquireResult:
+        """The result of an acquire script's reply (a hash's refusal, or the lock taken)."""
         if reply[0] == 1:
             _, fence, completed = reply
             return AcquireResult(
@@ -506,11 +528,13 @@ class RedisBackend(LockBackend):
 
     def holder(self, key: str) -> Holder | None:
         client = self.client
-        with self._translate("inspect", key), client.pipeline(transaction=True) as pipe:
-            pipe.hgetall(key)
-            pipe.pttl(key)
-            fields, pttl = pipe.execute()
-        return holder_from_reply(key, fields, int(pttl))
+        with self._translate("inspect", key):
+            with client.pipeline(transaction=True) as pipe:
+                pipe.get(key)  # a plain lock's string record, or WRONGTYPE for a hash
+                pipe.hgetall(key)  # a hash record, or WRONGTYPE for a string
+                pipe.pttl(key)
+                value, fields, pttl = pipe.execute(raise_on_error=False)
+            return read_record(key, value, fields, pttl)
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """One SCAN MATCH ``*prefix*`` (keys and holder slots alike), COUNT ``page_size``; each
