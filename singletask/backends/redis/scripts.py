@@ -625,7 +625,7 @@ return {pttl, unpack(fields)}
 _ACQUIRE_SLOT_FUNCTION = """
 local function acquire_slot(keeping, start)
 local lease = ms(ARGV[2])
-hashed(KEYS[1])
+for i = 1, #KEYS do hashed(KEYS[i]) end
 local recs, top, chosen = {}, false, nil
 for i = 1, #KEYS do
   local rec = redis.call('HMGET', KEYS[i], 'token', 'fence', 'f')
@@ -928,7 +928,7 @@ return reply
 # then the record written for the slot taken if its holder was the victim.
 _PREEMPT_SLOT_BODY = """
 ms(ARGV[2])
-hashed(KEYS[1])
+for i = 1, #KEYS do hashed(KEYS[i]) end
 local held = {}
 for i = 1, #KEYS do held[i] = redis.call('HGET', KEYS[i], 'token') end
 local reply = acquire_slot(%s)
