@@ -10,7 +10,8 @@ them has moved). The key is in one of three states:
   ``<token> NUL <fence> NUL <since in ms or ''> NUL <field> NUL <value> ...``, the compact
   metadata fields :mod:`singletask.backends.redis.wire` writes; its expiry is the lease. One
   ``SET ... PX`` takes it, a ``GET`` and a comparison of the token with the start of the value
-  release or renew it: about half the server's work of a hash (``python -m bench cost``);
+  release or renew it: about a third less of the server's work than a hash (``python -m bench
+  cost``);
 * *held, hash*: the field ``token`` (the owner token), ``f`` (the fencing token), ``a`` (the
   since, as ms before the fence's time), ``d`` (a carried completion marker) and the same
   metadata fields; its expiry is the lease. Written by every other acquiring script, and by
