@@ -492,6 +492,6 @@ def driver_error(exc: BaseException, where: str) -> BackendError:
     if isinstance(exc, redis.exceptions.NoPermissionError):
         return BackendError(
             f"{where} failed: the server's ACL does not let this user run a command the lock "
-            f"store needs (scripts, and for listings SCAN, HGETALL and PTTL): {exc}"
+            f"store needs (scripts, and for listings SCAN, GET, HGETALL and PTTL): {exc}"
         )
     return BackendError(f"{where} failed: {exc}")
