@@ -70,6 +70,7 @@ from .wire import (
     ACQUIRE_HASH,
     ACQUIRE_KEEPING,
     RESTORE,
+    WRONGTYPE,
     Script,
     as_text,
     drop_idle,
@@ -342,13 +343,12 @@ _HOLDER = Script(HOLDER_SCRIPT)
 
 
 def _holder(key: str, record: Any, pttl: Any) -> Holder | None:
-    """The Holder of HOLDER_SCRIPT's reply: a string record, or a hash's fields."""
+    """The Holder of HOLDER_SCRIPT's reply: a string record, or a hash's fields. Raises
+    ``WRONGTYPE`` for a string that is not a lock (as HGETALL would)."""
     if isinstance(record, bytes | str):
         found = holder_from_value(key, record, int(pttl))
         if found is None:
-            raise BackendError(
-                f"inspect {key!r}: the key holds a value that is not a singletask lock"
-            )
+            raise redis.exceptions.ResponseError(WRONGTYPE)
         return found
     return holder_from_reply(key, dict(zip(record[::2], record[1::2], strict=True)), int(pttl))
 
@@ -469,7 +469,9 @@ class RedisClusterBackend(_Deployed):
     def holder(self, key: str) -> Holder | None:
         """Who holds ``key``: one script (the cluster client follows redirections for scripts,
         not for the MULTI the single-server backend reads with)."""
-        return _holder(key, *self._call("inspect", _HOLDER, (key,), ()))
+        reply = self._call("inspect", _HOLDER, (key,), ())
+        with self._translate("inspect", key):
+            return _holder(key, *reply)
 
     def _holder_at(self, stored: bytes | str, key: str) -> Holder | None:
         """:meth:`holder` of the store key ``stored`` as SCAN gave it, shown as ``key``: a name
