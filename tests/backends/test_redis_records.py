@@ -20,6 +20,7 @@ from singletask.backends.redis.store import (
     RedisBackend,
     fence_key,
 )
+from singletask.exceptions import ConfigurationError
 from singletask.ops.inventory import find_locks
 from singletask.protocol.tokens import execution_token, reservation_token
 
@@ -356,6 +357,34 @@ def test_a_new_holder_excludes_a_010_worker(
     assert old[0] == 0
     assert old[1].decode() == token
     assert store.release(key, token)
+
+
+def test_with_lock_record_hash_every_lock_is_a_hash_that_older_workers_read(
+    redis_url: str, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The transport option for a rolling upgrade from 0.3.0 or earlier: the plain acquire writes
+    the hash those versions read, so their acquire is refused cleanly instead of failing."""
+    store = backend_from_url(redis_url, transport_options={"lock_record": "hash"})
+    assert isinstance(store, RedisBackend)
+    key, token, meta = execution(key_prefix)
+    try:
+        taken = store.acquire(key, token, LEASE, meta=meta)
+        assert taken.acquired
+        assert redis_client.type(key) == b"hash"
+        old = OldWorker(redis_client).acquire(key, "old-token", 30_000, meta)
+        assert (old[0], old[1].decode()) == (0, token)
+        holder = store.holder(key)
+        assert holder is not None
+        assert (dict(holder.meta), holder.fence) == (meta, taken.fence)
+        assert store.release(key, token)
+        assert not redis_client.exists(key)
+    finally:
+        store.close()
+
+
+def test_lock_record_takes_string_or_hash_only(redis_url: str) -> None:
+    with pytest.raises(ConfigurationError, match="lock_record: expected one of string, hash"):
+        backend_from_url(redis_url, transport_options={"lock_record": "json"})
 
 
 def test_a_010_worker_taking_a_released_record_hands_the_key_back_in_order(

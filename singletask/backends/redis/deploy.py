@@ -45,12 +45,14 @@ from ...protocol.slots import base_key
 from ..base import Holder, StoreState
 from .bookkeeping import scan_state
 from .options import (
+    RECORD_OPTION,
     RETENTION_OPTIONS,
     SOCKET_OPTIONS,
     TLS_OPTIONS,
     ReplicaWait,
     check_keys,
     mask,
+    record_layout,
     retentions,
     socket_options,
     tls_options,
@@ -121,12 +123,19 @@ class _Deployed(RedisBackend):
     ) -> None:
         self._transport = dict(transport_options or {})
         where = f"setting singletask_backend_transport_options for {mask(url)!r}"
-        allowed = {*QUERY_OPTIONS, *ReplicaWait.OPTIONS, *RETENTION_OPTIONS, *self.EXTRA_OPTIONS}
+        allowed = {
+            *QUERY_OPTIONS,
+            *ReplicaWait.OPTIONS,
+            *RETENTION_OPTIONS,
+            RECORD_OPTION,
+            *self.EXTRA_OPTIONS,
+        }
         check_keys(self._transport, allowed, where)
         self._wait = ReplicaWait.from_options(self._transport, where)
         fence, marker = retentions(self._transport, where, (FENCE_RETENTION, MARKER_RETENTION))
         options.setdefault("fence_retention", fence)
         options.setdefault("marker_retention", marker)
+        options.setdefault("lock_record", record_layout(self._transport, where))
         super().__init__(url=url, **options)
         # Through the client's methods: its pool asks the sentinels where the master is (a
         # bare connection would not), and a cluster client routes each key to its node.

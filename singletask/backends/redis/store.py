@@ -47,7 +47,7 @@ from ..base import (
 from ..urls import mask_url
 from .bookkeeping import scan_state
 from .connections import send
-from .options import connection_options, parse_redis_url, retentions
+from .options import connection_options, parse_redis_url, record_layout, retentions
 from .rates import (
     COMPANION_ENDS,
     DEBOUNCE,
@@ -139,6 +139,8 @@ class RedisBackend(LockBackend):
         marker_retention: How long a released key keeps the completion marker its release
             recorded, in seconds (:data:`~singletask.backends.redis.store.MARKER_RETENTION`, a
             day, by default; 0: not at all).
+        lock_record: How the plain acquire writes a lock: ``"string"`` (the default) or
+            ``"hash"``, which singletask 0.3.0 and earlier can read (for a rolling upgrade).
         **options: Extra client options for ``redis.Redis.from_url``.
 
     Exactly one of ``client`` and ``url`` is required.
@@ -162,10 +164,13 @@ class RedisBackend(LockBackend):
         url: str | None = None,
         fence_retention: float = FENCE_RETENTION,
         marker_retention: float = MARKER_RETENTION,
+        lock_record: str = "string",
         **options: Any,
     ) -> None:
         if (client is None) == (url is None):
             raise ConfigurationError("RedisBackend takes exactly one of client= and url=")
+        # Whether the plain acquire writes a hash, as 0.3.0 and earlier do (see options.py).
+        self._hash_records = record_layout({"lock_record": lock_record}, "RedisBackend") == "hash"
         self.fence_retention, self.marker_retention = retentions(
             {"fence_retention": fence_retention, "marker_retention": marker_retention},
             "RedisBackend",
@@ -200,6 +205,7 @@ class RedisBackend(LockBackend):
             )
             options.setdefault("fence_retention", fence)
             options.setdefault("marker_retention", marker)
+            options.setdefault("lock_record", record_layout(transport_options, where))
         return cls(url=url, **options)
 
     @classmethod
@@ -298,7 +304,7 @@ class RedisBackend(LockBackend):
         since, fields = encode_meta(key, token, meta or {})
         lease = lease_ms(ttl, "acquire")
         prefix = takeover_prefix or ""
-        packed = None if units else pack_fields(token, prefix, fields)
+        packed = None if units or self._hash_records else pack_fields(token, prefix, fields)
         if packed is not None:  # the plain lock: a string record, its fields in one argument
             reply = self._call("acquire", ACQUIRE, (key,), (token, lease, prefix, since, packed))
             if isinstance(reply, bytes | str):  # taken: its fence
