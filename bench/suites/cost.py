@@ -21,7 +21,9 @@ Two modes: an **execution** takes a free key (a new one each run) and runs the b
 only-one and cookbook recipes return None, singletask's default policy returns ``Skipped``).
 The server's rows add two references measured the same way: celery-once's refusal (its
 ``SET NX PX`` refused, then ``PTTL``: the pair of commands it sends), and the floor of any
-script, an ``EVALSHA`` of ``return 0`` with one key.
+script, an ``EVALSHA`` of ``return 0`` with one key, and those of a lock record kept as a hash
+and as one string (two scripts of the fewest commands that take and owner-check-release it;
+and one that reads a string holder and its lease, as a refusal does).
 
 Server: one ``redis-server`` under callgrind (``--hz 1``; what its cron costs, if it ran, is
 taken out), the loops run natively in this process, a dump (``callgrind_control -d``) around
@@ -306,6 +308,25 @@ def server_costs(work: Path, runs: int, warmup: int) -> dict[str, Any]:
             give(keys=[key], args=eight[:1])
 
         runners["floor: hash lock, two scripts"] = floor_lock
+        # The same for a lock kept as one string (singletask's plain lock since issue 41): TIME
+        # and SET NX PX of token, fence and packed metadata, then GET, compare and DEL.
+        take_string = raw.register_script(_FLOOR_TAKE_STRING)
+        give_string = raw.register_script(_FLOOR_GIVE_STRING)
+        packed = ["t:0:h:1:n", "30000", "", "1700000000123", "w\0h\0n\x0011"]
+
+        def floor_string() -> None:
+            key = f"bench:floor-string:{next(floor)}"
+            take_string(keys=[key], args=packed)
+            give_string(keys=[key], args=packed[:1])
+
+        runners["floor: string lock, two scripts"] = floor_string
+        # And of a refusal by such a lock: a script given the acquire's 5 arguments that reads
+        # the holder's value and its lease left (GET, PTTL) and returns them.
+        refuse_string = raw.register_script(_FLOOR_REFUSE_STRING)
+        raw.set("bench:floor-held", "other\0" + "1" * 16 + "\0\0w\0h", px=3_600_000)
+        runners["floor: string refusal, one script"] = lambda: refuse_string(
+            keys=["bench:floor-held"], args=packed
+        )
         out: dict[str, Any] = {}
         for name, run in runners.items():
             for _ in range(warmup):
@@ -341,6 +362,28 @@ if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
 return redis.call('DEL', KEYS[1])
 """
 
+#: The floor of an acquire of a lock kept as one string (token NUL fence NUL since NUL fields).
+_FLOOR_TAKE_STRING = """
+local now = redis.call('TIME')
+local fence = now[1] .. now[2]
+if not redis.call('SET', KEYS[1], ARGV[1] .. '\\0' .. fence .. '\\0' .. ARGV[4] .. '\\0' .. ARGV[5],
+  'NX', 'PX', ARGV[2]) then return 0 end
+return fence
+"""
+
+#: The floor of a refusal by such a lock: the holder's value and lease left.
+_FLOOR_REFUSE_STRING = """
+local cur = redis.call('GET', KEYS[1])
+return {0, cur, redis.call('PTTL', KEYS[1])}
+"""
+
+#: The floor of its owner-checked release.
+_FLOOR_GIVE_STRING = """
+local cur = redis.call('GET', KEYS[1])
+if not cur or string.find(cur, ARGV[1], 1, true) ~= 1 then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+
 
 # -- the report ---------------------------------------------------------------------------------
 
@@ -365,6 +408,8 @@ def figures(client: dict[str, Any], server: dict[str, Any]) -> dict[str, Any]:
         "EVALSHA return 0",
         "EVALSHA return 0, 8 arguments",
         "floor: hash lock, two scripts",
+        "floor: string lock, two scripts",
+        "floor: string refusal, one script",
     ):
         rows[name] = {"server_instructions": server[name]["instructions"]}
     return rows

@@ -30,6 +30,7 @@ from singletask.protocol.tokens import execution_token
 
 from ..faultproxy import FaultProxy, address_of
 from ..servers import free_port
+from .redis_lock import lock_fields, lock_token
 
 LEASE = 30.0
 
@@ -49,30 +50,31 @@ def key(key_prefix: str) -> str:
 # -- storage format -----------------------------------------------------------------------------
 
 
-def test_a_lock_is_a_redis_hash_with_an_expiry(
+def test_a_lock_is_a_redis_string_with_an_expiry(
     redis_backend: RedisBackend, redis_client: redis.Redis, key: str
 ) -> None:
-    """A lock is a Redis hash at the lock key (token, fence, metadata), whose PTTL is the lease;
-    nothing else is written (docs/architecture.rst; the fields: test_redis_records.py)."""
+    """A plain lock is a Redis string at the lock key (token, fence, metadata), whose PTTL is the
+    lease; nothing else is written (docs/architecture.rst; the fields: test_redis_records.py)."""
     # Given / When a lock acquired with metadata and a 30 s lease
     meta = {"task_id": "task-1", "task": "proj.sync", "hostname": "h", "pid": "7", "since": "1.0"}
     assert redis_backend.acquire(key, "token-1", LEASE, meta=meta).acquired
 
-    # Then Redis holds a hash with the token and the fencing token, and no companion hash
-    assert redis_client.type(key) == b"hash"
-    assert redis_client.hget(key, "token") == b"token-1"
-    assert int(redis_client.hget(key, "f")) > 0
+    # Then Redis holds a string with the token and the fencing token, and no companion hash
+    assert redis_client.type(key) == b"string"
+    assert redis_client.get(key).startswith(b"token-1\0")
+    assert lock_token(redis_client, key) == "token-1"
+    assert int(lock_fields(redis_client, key)["f"]) > 0
     assert not redis_client.exists(fence_key(key))
     # And the key expires within the lease
     pttl = redis_client.pttl(key)
     assert 0 < pttl <= LEASE * 1000
 
 
-def test_a_held_lock_written_by_an_execution_is_a_compact_hash(
+def test_a_held_lock_written_by_an_execution_is_one_string(
     redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    """What an execution writes (its token, a UUID task id, the metadata of a worker) fits Redis'
-    small-hash encoding, about half the memory of the general one (see docs/performance.rst)."""
+    """What an execution writes (its token, a UUID task id, the metadata of a worker) is one
+    string value (see docs/performance.rst), read back as the metadata given."""
     # Given a lock_args key and the record an execution on a worker writes
     key = f"{key_prefix}proj.tasks.sync_customer:{'86af596c' * 8}"
     task_id = str(uuid.uuid4())
@@ -88,8 +90,11 @@ def test_a_held_lock_written_by_an_execution_is_a_compact_hash(
     # When it is acquired
     assert redis_backend.acquire(key, execution_token(task_id, 0), LEASE, meta=meta).acquired
 
-    # Then Redis keeps it as a listpack (called ziplist before Redis 7)
-    assert redis_client.object("encoding", key) in (b"listpack", b"ziplist")
+    # Then Redis keeps it as one string, which reads back as the metadata given
+    assert redis_client.type(key) == b"string"
+    holder = redis_backend.holder(key)
+    assert holder is not None
+    assert holder.meta == meta
 
 
 @pytest.mark.parametrize(
@@ -657,7 +662,7 @@ def test_the_client_is_recreated_after_fork(
 
     # Then the child exited cleanly with a client of its own, and its lock is in Redis
     assert os.waitstatus_to_exitcode(wait_status) == 0
-    assert redis_client.hget(key, "token") == b"child-token"
+    assert lock_token(redis_client, key) == "child-token"
     # And the parent's client still works
     assert redis_backend.client is parent_client
     assert redis_backend.release(f"{key}:parent", "parent-token")
@@ -781,7 +786,7 @@ def test_a_lock_whose_text_ends_in_fence_leaves_another_locks_follow_up_claim_al
 
     # Then the held lock keeps its own lease and fields
     assert redis_client.pttl(other) <= 2000
-    assert redis_client.hget(other, "next") is None
+    assert "next" not in lock_fields(redis_client, other)
 
     # When the held lock is released and taken again
     assert redis_backend.release(other, "holder")
@@ -810,7 +815,8 @@ def test_a_script_given_a_duration_out_of_range_writes_nothing(
 
     fence = fence_key(key)
     calls = [
-        (scripts.ACQUIRE_SCRIPT, [key], ["token-1", millis, "", ""]),
+        (scripts.ACQUIRE_SCRIPT, [key], ["token-1", millis, "", "", ""]),
+        (scripts.ACQUIRE_HASH_SCRIPT, [key], ["token-1", millis, "", ""]),
         (scripts.CLAIM_NEXT_SCRIPT, [fence], ["task-1", millis]),
     ]
     for script, keys, args in calls:
@@ -821,7 +827,7 @@ def test_a_script_given_a_duration_out_of_range_writes_nothing(
 
     # Given a held lock, extend and release with a bad duration change nothing (a retention
     # may be 0: nothing kept)
-    redis_client.eval(scripts.ACQUIRE_SCRIPT, 1, key, "token-1", "30000", "", "")
+    redis_client.eval(scripts.ACQUIRE_SCRIPT, 1, key, "token-1", "30000", "", "", "")
     bad_keep = (
         []
         if millis == "0"
@@ -839,7 +845,7 @@ def test_a_script_given_a_duration_out_of_range_writes_nothing(
     ]:
         with pytest.raises(redis.exceptions.ResponseError, match="duration out of range"):
             redis_client.eval(script, len(keys), *keys, *args)
-        assert redis_client.hget(key, "token") == b"token-1"
+        assert lock_token(redis_client, key) == "token-1"
         assert 20_000 < redis_client.pttl(key) <= 30_000
 
 
@@ -867,9 +873,9 @@ def test_an_acquire_that_times_out_blocks_the_key_for_one_lease_at_most(
             backend.acquire(key, "orphan-token", lease)
         # (the server ran it: the key is held by the orphan, with the acquire's lease)
         deadline = time.monotonic() + 10
-        while redis_client.hget(key, "token") is None and time.monotonic() < deadline:
+        while lock_token(redis_client, key) is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert redis_client.hget(key, "token") == b"orphan-token"
+        assert lock_token(redis_client, key) == "orphan-token"
         assert 0 < redis_client.pttl(key) <= lease * 1000
 
         # Then the same backend still gets its own replies, not the late one

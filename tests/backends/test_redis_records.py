@@ -20,11 +20,13 @@ from singletask.backends.redis.store import (
     RedisBackend,
     fence_key,
 )
+from singletask.exceptions import ConfigurationError
 from singletask.ops.inventory import find_locks
 from singletask.protocol.tokens import execution_token, reservation_token
 
 from ..servers import RedisServer, redis_server_binary
 from .redis_010 import OldWorker
+from .redis_lock import lock_fields
 
 LEASE = 30.0
 TASK = "proj.tasks.sync_customer"
@@ -38,7 +40,7 @@ def store(redis_url: str, redis_client: redis.Redis) -> Iterator[RedisBackend]:
 
 
 def fields_of(client: redis.Redis, key: str) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
+    return lock_fields(client, key)
 
 
 def execution(key_prefix: str, n: int = 0) -> tuple[str, str, dict[str, str]]:
@@ -59,18 +61,18 @@ def execution(key_prefix: str, n: int = 0) -> tuple[str, str, dict[str, str]]:
 # -- the held record ----------------------------------------------------------------------------
 
 
-def test_an_executions_lock_is_one_compact_hash_and_nothing_else(
+def test_an_executions_lock_is_one_compact_string_and_nothing_else(
     store: RedisBackend, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    """The lock key alone: token, fence, and each metadata field in one letter, with what the
-    token or the key already says left out; in Redis' small-hash encoding."""
+    """The lock key alone, one string: token, fence, the since in milliseconds, and each
+    metadata field in one letter, with what the token or the key already says left out."""
     # Given the record an execution on a worker writes
     key, token, meta = execution(key_prefix)
 
     # When it takes the lock
     result = store.acquire(key, token, LEASE, meta=meta)
 
-    # Then the lock key is a listpack hash with exactly these fields
+    # Then the lock key is a string standing for exactly these fields
     assert result.acquired
     # (task id and pid: the token's; scope: execution; since: milliseconds after the fence's)
     assert result.fence is not None
@@ -81,7 +83,8 @@ def test_an_executions_lock_is_one_compact_hash_and_nothing_else(
         "n": str(len(key_prefix)),  # where the task name stands in the key
         "a": str(result.fence // 1000 - 1763900000123),
     }
-    assert redis_client.object("encoding", key) in (b"listpack", b"ziplist")
+    parts = [token, str(result.fence), "1763900000123", "n", str(len(key_prefix)), "w", "worker-1"]
+    assert redis_client.get(key) == "\x00".join(parts).encode()
     # And no other key was written (no companion hash)
     assert redis_client.keys(f"*{key_prefix}*") == [key.encode()]
     # And every reader gets the metadata back as it was given
@@ -339,12 +342,49 @@ def test_a_010_holder_excludes_a_new_worker_and_reads_as_it_did(
 def test_a_new_holder_excludes_a_010_worker(
     store: RedisBackend, redis_client: redis.Redis, key_prefix: str
 ) -> None:
+    """A plain lock of this version is a string, which 0.1.0's acquire cannot read: it fails
+    with WRONGTYPE before writing anything, so it never takes the key (it is not refused
+    cleanly: its worker's store-error handling applies). A hash lock of this version (here a
+    holder slot's) refuses it as before."""
     key, token, meta = execution(key_prefix)
     assert store.acquire(key, token, LEASE, meta=meta).acquired
+    with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):
+        OldWorker(redis_client).acquire(key, "old-token", 30_000, meta)
+    assert lock_fields(redis_client, key)["token"] == token
+    assert store.release(key, token)
+    assert store.acquire_slot(key, 2, token, LEASE, meta=meta).acquired
     old = OldWorker(redis_client).acquire(key, "old-token", 30_000, meta)
     assert old[0] == 0
     assert old[1].decode() == token
     assert store.release(key, token)
+
+
+def test_with_lock_record_hash_every_lock_is_a_hash_that_older_workers_read(
+    redis_url: str, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The transport option for a rolling upgrade from 0.3.0 or earlier: the plain acquire writes
+    the hash those versions read, so their acquire is refused cleanly instead of failing."""
+    store = backend_from_url(redis_url, transport_options={"lock_record": "hash"})
+    assert isinstance(store, RedisBackend)
+    key, token, meta = execution(key_prefix)
+    try:
+        taken = store.acquire(key, token, LEASE, meta=meta)
+        assert taken.acquired
+        assert redis_client.type(key) == b"hash"
+        old = OldWorker(redis_client).acquire(key, "old-token", 30_000, meta)
+        assert (old[0], old[1].decode()) == (0, token)
+        holder = store.holder(key)
+        assert holder is not None
+        assert (dict(holder.meta), holder.fence) == (meta, taken.fence)
+        assert store.release(key, token)
+        assert not redis_client.exists(key)
+    finally:
+        store.close()
+
+
+def test_lock_record_takes_string_or_hash_only(redis_url: str) -> None:
+    with pytest.raises(ConfigurationError, match="lock_record: expected one of string, hash"):
+        backend_from_url(redis_url, transport_options={"lock_record": "json"})
 
 
 def test_a_010_worker_taking_a_released_record_hands_the_key_back_in_order(

@@ -49,6 +49,8 @@ def test_the_cost_benchmark_counts_every_contender_per_execution_and_per_refusal
     for reference in ("EVALSHA return 0", "EVALSHA return 0, 8 arguments"):
         assert rows[reference]["server_instructions"] > 1000
     assert rows["floor: hash lock, two scripts"]["server_instructions"] > 2000
+    assert rows["floor: string lock, two scripts"]["server_instructions"] > 2000
+    assert rows["floor: string refusal, one script"]["server_instructions"] > 2000
     assert results["targets"]
     assert all(isinstance(met, bool) for met in results["targets"].values())
     assert (tmp_path / "cost.rst").read_text().startswith(".. list-table::")

@@ -36,6 +36,7 @@ from celery import Celery
 
 from singletask.backends.redis import RedisBackend
 
+from ..backends.redis_lock import lock_fields, lock_token
 from ..servers import SQL_URLS, amqp_url, sql_test_table, start_memcached, unavailable
 from .app import LOCK_OPTIONS_ENV, TASK_MODULES, make_app
 from .probe import PROBE_URL_ENV, Probe
@@ -220,10 +221,10 @@ class Cluster:
         """Wait until no lock is held at ``key`` (a released record may stay: it holds no
         owner token); return how long that took (fails on timeout)."""
         start = time.monotonic()
-        while self.locks.hexists(key, "token"):
+        while lock_token(self.locks, key) is not None:
             if time.monotonic() - start > timeout:
                 raise AssertionError(
-                    f"lock {key!r} still held after {timeout}s: {self.locks.hgetall(key)}\n"
+                    f"lock {key!r} still held after {timeout}s: {lock_fields(self.locks, key)}\n"
                     f"worker log:\n{self.worker.tail()}"
                 )
             time.sleep(0.05)

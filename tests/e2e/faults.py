@@ -27,6 +27,7 @@ import psutil
 import pytest
 import redis
 
+from ..backends.redis_lock import lock_token
 from ..servers import RedisServer, redis_server_binary, unavailable
 from .app import LOCK_OPTIONS_ENV, TRANSPORT_ENV, make_app
 from .conftest import ROOT, Worker
@@ -252,7 +253,7 @@ class FaultEnv:
         """Whether a lock is held at ``key`` (a released record holds no owner token)."""
         client = self.lock_client()
         try:
-            return bool(client.hexists(key, "token"))
+            return lock_token(client, key) is not None
         finally:
             client.close()
 

@@ -28,6 +28,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from singletask import Skipped, TaskLocked
 
+from ..backends.redis_lock import lock_token
 from .conftest import CONCURRENCY, Cluster
 
 pytestmark = pytest.mark.e2e
@@ -39,13 +40,15 @@ BOUND = 15.0
 class LockWatch:
     """What happens to one lock key, in order, from Redis keyspace notifications.
 
-    An acquisition shows as ``hset`` then ``expire``; a lease change (renewal) as ``expire``; a
+    An acquisition shows as ``set`` then ``expire`` (a plain lock: one string, SET PX) or
+    ``hset`` then ``expire`` (a hash lock); a lease change (renewal) as ``expire``; a
     release (or a takeover by a retried attempt) as ``del``; a lease that ran out as ``expired``.
     Reading a lock (a skipped or failed duplicate looking at the holder) shows nothing.
     """
 
-    #: Keyspace channel (K) for generic (g: del, expire), hash (h) and expired (x) events.
-    FLAGS = "Kghx"
+    #: Keyspace channel (K) for generic (g: del, expire), string ($), hash (h) and expired (x)
+    #: events.
+    FLAGS = "Kg$hx"
 
     def __init__(self, client: redis.Redis, key: str) -> None:
         # Server-wide but additive (flags others set stay), on the session's own server.
@@ -72,7 +75,7 @@ class LockWatch:
         """The lock was taken once, kept (lease changes only), then ended once: released
         (``del``) or run out (``expired``), as ``by`` allows. Returns how it ended."""
         seen = self.events()
-        assert seen[:1] == ["hset"], seen
+        assert seen[:1] in (["set"], ["hset"]), seen
         assert set(seen[1:-1]) <= {"expire"}, seen
         assert seen[-1] in by, seen
         return seen[-1]
@@ -80,7 +83,7 @@ class LockWatch:
     def assert_held(self) -> None:
         """The lock was taken once and is still held: nothing but lease changes since."""
         seen = self.events()
-        assert seen[:1] == ["hset"], seen
+        assert seen[:1] in (["set"], ["hset"]), seen
         assert set(seen[1:]) <= {"expire"}, seen
 
     def close(self) -> None:
@@ -116,8 +119,7 @@ def lock_key(cluster: Cluster, task_name: str, label: str) -> str:
 
 
 def token_at(cluster: Cluster, key: str) -> str | None:
-    raw = cluster.locks.hget(key, "token")
-    return raw.decode() if raw is not None else None
+    return lock_token(cluster.locks, key)
 
 
 def reserved_for(cluster: Cluster, key: str) -> str | None:
@@ -581,7 +583,7 @@ def test_a_retry_that_never_runs_does_not_keep_its_reservation(
     print(f"\n[{cluster.broker}] retry {lost}: lock free {time.time() - first['t']:.2f}s after it")
     seen = events.events()
     # released by the worker that discarded the retry, once (or, had it missed it, expired)
-    last_set = max(i for i, event in enumerate(seen) if event == "hset")
+    last_set = max(i for i, event in enumerate(seen) if event in ("set", "hset"))
     assert seen[last_set + 1 :] in (["expire", "del"], ["expire", "expired"]), seen
     if seen[-1] == "del":
         wait_for_log(cluster, attempt.id, "reservation of")

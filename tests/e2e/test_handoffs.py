@@ -17,6 +17,7 @@ import pytest
 from singletask import RateLimited, Skipped
 from singletask.protocol.slots import slot_keys
 
+from ..backends.redis_lock import lock_token
 from .conftest import ON_REDIS_BROKER, Cluster
 from .tasks_handoffs import PREFIX
 from .tasks_scopes import QUEUE_TTL as SCOPES_QUEUE_TTL
@@ -40,7 +41,7 @@ def label(cluster: Cluster) -> str:
 
 def held(cluster: Cluster, key: str, limit: int = 1) -> list[str]:
     """The slots of ``key`` that a lock or a reservation holds."""
-    return [slot for slot in slot_keys(key, limit) if cluster.locks.hexists(slot, "token")]
+    return [slot for slot in slot_keys(key, limit) if lock_token(cluster.locks, slot) is not None]
 
 
 # -- finding 3: a queued message refused by the rate -----------------------------------------

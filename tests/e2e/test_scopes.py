@@ -28,6 +28,7 @@ from kombu.exceptions import OperationalError
 from singletask import Skipped, TaskLocked
 from singletask.signals import lock_conflict
 
+from ..backends.redis_lock import lock_token
 from ..servers import free_port
 from .app import LOCK_OPTIONS_ENV, make_app
 from .conftest import ON_REDIS_BROKER, Cluster
@@ -255,8 +256,8 @@ def test_the_tasks_own_retry_keeps_its_reservation_and_is_not_deduplicated(
 
     # When the first attempt has retried, and the key is reserved for the retry (attempt 1)
     cluster.probe.wait_for(label, "retrying")
-    reserved = f"{first.id}:1:-:0:reserved".encode()
-    wait_until(lambda: cluster.locks.hget(key, "token") == reserved, "the retry's reservation")
+    reserved = f"{first.id}:1:-:0:reserved"
+    wait_until(lambda: lock_token(cluster.locks, key) == reserved, "the retry's reservation")
     # And a duplicate is sent during the countdown
     with producer_conflicts(key) as decided:
         duplicate = task.delay(label)

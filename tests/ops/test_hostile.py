@@ -226,7 +226,8 @@ def hostile_redis(redis_url: str, key_prefix: str) -> Iterator[tuple[str, str, s
     client.set(foreign, b"\xff", ex=60)
     client.hset(odd, mapping={b"token": b"tok\xfe", b"_note\xff": b"\xff"})
     client.expire(odd, 60)
-    client.hset(key, b"_extra\xff", b"\xfe")
+    # (the real lock is a plain lock: one string record, its fields NUL-separated)
+    client.set(key, client.get(key) + b"\0_extra\xff\0\xfe", keepttl=True)
     try:
         yield redis_url, key_prefix, f"{key_prefix}proj.sync:\\xff"
     finally:

@@ -45,12 +45,14 @@ from ...protocol.slots import base_key
 from ..base import Holder, StoreState
 from .bookkeeping import scan_state
 from .options import (
+    RECORD_OPTION,
     RETENTION_OPTIONS,
     SOCKET_OPTIONS,
     TLS_OPTIONS,
     ReplicaWait,
     check_keys,
     mask,
+    record_layout,
     retentions,
     socket_options,
     tls_options,
@@ -67,12 +69,15 @@ from .slots import ACQUIRE_SLOT, ACQUIRE_SLOT_KEEPING, listed, scan_pattern
 from .store import DRIVER_ERRORS, FENCE_RETENTION, MARKER_RETENTION, RedisBackend
 from .wire import (
     ACQUIRE,
+    ACQUIRE_HASH,
     ACQUIRE_KEEPING,
     RESTORE,
+    WRONGTYPE,
     Script,
     as_text,
     drop_idle,
     holder_from_reply,
+    holder_from_value,
     not_run,
 )
 
@@ -84,6 +89,7 @@ MAX_REDIRECTS = 5
 #: The acquire scripts the replica wait runs instead (they also return what the key was before).
 _KEEPING = {
     ACQUIRE: ACQUIRE_KEEPING,
+    ACQUIRE_HASH: ACQUIRE_KEEPING,
     ACQUIRE_SLOT: ACQUIRE_SLOT_KEEPING,
     ACQUIRE_SLOT_RATED: ACQUIRE_SLOT_RATED_KEEPING,
     PREEMPT: PREEMPT_KEEPING,
@@ -117,12 +123,19 @@ class _Deployed(RedisBackend):
     ) -> None:
         self._transport = dict(transport_options or {})
         where = f"setting singletask_backend_transport_options for {mask(url)!r}"
-        allowed = {*QUERY_OPTIONS, *ReplicaWait.OPTIONS, *RETENTION_OPTIONS, *self.EXTRA_OPTIONS}
+        allowed = {
+            *QUERY_OPTIONS,
+            *ReplicaWait.OPTIONS,
+            *RETENTION_OPTIONS,
+            RECORD_OPTION,
+            *self.EXTRA_OPTIONS,
+        }
         check_keys(self._transport, allowed, where)
         self._wait = ReplicaWait.from_options(self._transport, where)
         fence, marker = retentions(self._transport, where, (FENCE_RETENTION, MARKER_RETENTION))
         options.setdefault("fence_retention", fence)
         options.setdefault("marker_retention", marker)
+        options.setdefault("lock_record", record_layout(self._transport, where))
         super().__init__(url=url, **options)
         # Through the client's methods: its pool asks the sentinels where the master is (a
         # bare connection would not), and a cluster client routes each key to its node.
@@ -192,6 +205,9 @@ class _Deployed(RedisBackend):
         keeping = _KEEPING.get(script)
         if wait is None or keeping is None:
             return super()._call(operation, script, keys, args)
+        if script is ACQUIRE:  # the keeping script takes the fields one per argument
+            packed = str(args[4])
+            args = (*args[:4], *(packed.split("\0") if packed else ()))
         try:
             reply, acks = self._acquire_and_wait(keeping, keys, args, wait)
         except DRIVER_ERRORS as exc:
@@ -212,7 +228,7 @@ class _Deployed(RedisBackend):
         # The keeping scripts add what the key was before last; a slot's reply names the slot.
         # A rated acquisition's start stays spent: only the slot is put back.
         fence, before = reply[1], reply[-1]
-        taken = keys[int(reply[3])] if script not in (ACQUIRE, PREEMPT) else keys[0]
+        taken = keys[int(reply[3])] if script not in (ACQUIRE, ACQUIRE_HASH, PREEMPT) else keys[0]
         try:
             undone = super()._call("acquire", RESTORE, (taken,), (args[0], fence, *before))
             outcome = "the key was put back as it was" if undone else "the key has changed since"
@@ -335,6 +351,17 @@ class RedisSentinelBackend(_Deployed):
 _HOLDER = Script(HOLDER_SCRIPT)
 
 
+def _holder(key: str, record: Any, pttl: Any) -> Holder | None:
+    """The Holder of HOLDER_SCRIPT's reply: a string record, or a hash's fields. Raises
+    ``WRONGTYPE`` for a string that is not a lock (as HGETALL would)."""
+    if isinstance(record, bytes | str):
+        found = holder_from_value(key, record, int(pttl))
+        if found is None:
+            raise redis.exceptions.ResponseError(WRONGTYPE)
+        return found
+    return holder_from_reply(key, dict(zip(record[::2], record[1::2], strict=True)), int(pttl))
+
+
 class RedisClusterBackend(_Deployed):
     """Locks in a Redis Cluster; the client routes each script to the master of its slot.
 
@@ -451,8 +478,9 @@ class RedisClusterBackend(_Deployed):
     def holder(self, key: str) -> Holder | None:
         """Who holds ``key``: one script (the cluster client follows redirections for scripts,
         not for the MULTI the single-server backend reads with)."""
-        fields, pttl = self._call("inspect", _HOLDER, (key,), ())
-        return holder_from_reply(key, dict(zip(fields[::2], fields[1::2], strict=True)), int(pttl))
+        reply = self._call("inspect", _HOLDER, (key,), ())
+        with self._translate("inspect", key):
+            return _holder(key, *reply)
 
     def _holder_at(self, stored: bytes | str, key: str) -> Holder | None:
         """:meth:`holder` of the store key ``stored`` as SCAN gave it, shown as ``key``: a name
@@ -460,8 +488,7 @@ class RedisClusterBackend(_Deployed):
         if isinstance(stored, str) or key.encode() == stored:
             return self.holder(key)
         with self._translate("inspect", key):
-            fields, pttl = self.cluster.eval(_HOLDER.text, 1, stored)
-        return holder_from_reply(key, dict(zip(fields[::2], fields[1::2], strict=True)), int(pttl))
+            return _holder(key, *self.cluster.eval(_HOLDER.text, 1, stored))
 
     def iter_state(self, prefix: str, *, page_size: int = 500) -> Iterator[StoreState]:
         """Every master in turn, as :meth:`iter_locks`; each page read from its own node."""

@@ -33,7 +33,7 @@ from typing import Final
 
 from ..holders import MAX_PRIORITY, MAX_UNITS, MAX_WEIGHT
 from ..turns import MAX_TICKETS
-from .scripts import ACQUIRE_SCRIPT, MAX_LEASE_MS, RELEASE_SCRIPT
+from .scripts import ACQUIRE_HASH_SCRIPT, MAX_LEASE_MS, RELEASE_SCRIPT
 
 __all__ = [
     "ACQUIRE_UNITS_SCRIPT", "GIVE_UNITS_SCRIPT", "LIMIT_STATE_SCRIPT", "RELEASE_UNITS_SCRIPT",
@@ -507,24 +507,30 @@ end
 # The lock key and the units of named limits, in one step (RedisBackend.acquire with units,
 # on one server or Sentinel: the keys of a lock and of its limits are in no common slot of a
 # cluster).
-# KEYS[1]        lock key (ACQUIRE_SCRIPT's KEYS[1])
+# KEYS[1]        lock key (ACQUIRE_HASH_SCRIPT's KEYS[1]; a held string record, scripts.py's
+#                _STRING_RECORD, is read as one and written as a hash when taken)
 # KEYS[2…]       the limits' keys, as TAKE_UNITS_SCRIPT's KEYS (four per limit)
-# ARGV[1]        1 (the lock's keys); ARGV[2] n, the number of ACQUIRE_SCRIPT's arguments
-# ARGV[3…n+2]    ACQUIRE_SCRIPT's ARGV; ARGV[n+3…] TAKE_UNITS_SCRIPT's ARGV (same owner token
-#                and lease)
-# Returns ACQUIRE_SCRIPT's refusal, unchanged, when the key is held by another token (that is
+# ARGV[1]        1 (the lock's keys); ARGV[2] n, the number of ACQUIRE_HASH_SCRIPT's arguments
+# ARGV[3…n+2]    ACQUIRE_HASH_SCRIPT's ARGV; ARGV[n+3…] TAKE_UNITS_SCRIPT's ARGV (same owner
+#                token and lease)
+# Returns ACQUIRE_HASH_SCRIPT's refusal, unchanged, when the key is held by another token (that is
 # not taken over): the limits are not read. Otherwise the units are taken first, as
 # TAKE_UNITS_SCRIPT takes them; when a limit has no room, {2, i, units in use, microseconds
 # until room or -1} (TAKE_UNITS_SCRIPT's refusal, marked 2) and the key is not touched (the
 # limits' lines are settled as TAKE_UNITS_SCRIPT settles them: a turn waits in line); else
-# ACQUIRE_SCRIPT's reply, the key taken.
+# ACQUIRE_HASH_SCRIPT's reply, the key taken.
 # Errors (before any write) as TAKE_UNITS_SCRIPT: its checks come first, and cover the lease.
 ACQUIRE_UNITS_SCRIPT: Final = (
-    _as_function("acquire_key", ACQUIRE_SCRIPT)
+    _as_function("acquire_key", ACQUIRE_HASH_SCRIPT)
     + _as_function("take_units", TAKE_UNITS_SCRIPT)
     + _SPLIT
     + """
-local cur = redis.call('HGET', LK[1], 'token')
+local cur = redis.pcall('GET', LK[1])
+if type(cur) == 'table' then
+  cur = redis.call('HGET', LK[1], 'token')
+elseif cur then
+  cur = string.match(cur, '^(%Z*)%z') or cur
+end
 local prefix = LA[3]
 if cur and cur ~= LA[1] and (prefix == '' or string.sub(cur, 1, #prefix) ~= prefix) then
   return acquire_key(LK, LA)

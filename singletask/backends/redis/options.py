@@ -59,6 +59,12 @@ SOCKET_OPTIONS: Final[dict[str, type]] = {
 #: completion marker (see docs/store-redis.rst, "What a released key keeps").
 RETENTION_OPTIONS: Final = ("fence_retention", "marker_retention")
 
+#: The transport option of how the plain acquire writes a lock: ``"string"`` (the default, one
+#: string record) or ``"hash"`` (a hash, as singletask 0.3.0 and earlier write and read it: for
+#: a rolling upgrade from those versions; see docs/store-redis.rst, "The lock record").
+RECORD_OPTION: Final = "lock_record"
+RECORD_LAYOUTS: Final = ("string", "hash")
+
 #: The longest retention accepted, in seconds: the longest duration the scripts take.
 MAX_RETENTION: Final = MAX_LEASE
 
@@ -122,6 +128,17 @@ def retentions(
             )
         out.append(seconds)
     return out[0], out[1]
+
+
+def record_layout(values: Mapping[str, Any], where: str) -> str:
+    """The ``lock_record`` of ``values`` (``"string"`` when absent), checked."""
+    layout = values.get(RECORD_OPTION, RECORD_LAYOUTS[0])
+    if layout not in RECORD_LAYOUTS:
+        raise ConfigurationError(
+            f"{where}: option {RECORD_OPTION}: expected one of {', '.join(RECORD_LAYOUTS)}, "
+            f"got {layout!r}"
+        )
+    return str(layout)
 
 
 def tls_options(values: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -195,7 +212,7 @@ def connection_options(transport_options: Mapping[str, Any], url: str) -> dict[s
                 f"{where}: {name} works with sentinel:// and redis+cluster:// URLs, where a "
                 "replica is promoted automatically"
             )
-    check_keys(transport_options, {*allowed, *RETENTION_OPTIONS}, where)
+    check_keys(transport_options, {*allowed, *RETENTION_OPTIONS, RECORD_OPTION}, where)
     tls = tls_options(transport_options, where)
     if tls and not url.lower().startswith("rediss://"):
         raise ConfigurationError(f"{where}: TLS options need a rediss:// URL")

@@ -3,15 +3,32 @@
 **One key per lock.** Every script that takes, gives back, renews or inspects a lock reads and
 writes the lock key alone, so it runs on one Redis Cluster slot with nothing else to wait for
 (a script over two keys of a slot that is being migrated gets ``TRYAGAIN`` while only one of
-them has moved). The key is a hash in one of two states:
+them has moved). The key is in one of three states:
 
-* *held*: the field ``token`` (the owner token), ``f`` (the fencing token) and the holder's
-  metadata in the compact fields :mod:`singletask.backends.redis.wire` writes; its expiry is
-  the lease;
-* *released*: no ``token``; ``f``, the last fencing token issued, and ``d``, the completion
-  marker of the last execution that recorded one; its expiry is how long they are kept (the
-  transport options ``fence_retention`` and ``marker_retention``). By default a release leaves
-  nothing: the key is deleted.
+* *held, plain*: a string, written by :data:`ACQUIRE_SCRIPT` (the plain lock: no holder slots,
+  no preemption, no named limits in the same script, no replica wait):
+  ``<token> NUL <fence> NUL <since in ms or ''> NUL <field> NUL <value> ...``, the compact
+  metadata fields :mod:`singletask.backends.redis.wire` writes; its expiry is the lease. One
+  ``SET ... PX`` takes it, a ``GET`` and a comparison of the token with the start of the value
+  release or renew it: about a third less of the server's work than a hash (``python -m bench
+  cost``);
+* *held, hash*: the field ``token`` (the owner token), ``f`` (the fencing token), ``a`` (the
+  since, as ms before the fence's time), ``d`` (a carried completion marker) and the same
+  metadata fields; its expiry is the lease. Written by every other acquiring script, and by
+  :data:`ACQUIRE_SCRIPT` itself when the key is a hash already (a released record, or a lock
+  of singletask 0.3.0 or earlier);
+* *released*: a hash without ``token``; ``f``, the last fencing token issued, and ``d``, the
+  completion marker of the last execution that recorded one; its expiry is how long they are
+  kept (the transport options ``fence_retention`` and ``marker_retention``). By default a
+  release leaves nothing: the key is deleted.
+
+Every script that reads a lock key reads both held forms: the plain path's scripts tell a hash
+by the ``WRONGTYPE`` error of their ``GET`` (caught with ``redis.pcall``) and then run the hash
+path; the others first rewrite a string lock as the equivalent held hash, same expiry
+(``hashed()`` in ``_STRING_RECORD``). A string that is not a held record (another
+application's value) is never rewritten: it fails the scripts with ``WRONGTYPE`` as before (an
+acquire's refusal carries it to the client, which raises the same). Scripts of singletask 0.3.0
+and earlier cannot read a string lock: they fail with ``WRONGTYPE`` on it, writing nothing.
 
 A lock written by singletask 0.1.0 is a hash with ``token``, ``fence`` and long metadata
 fields, and its fence hash ``<tag>:fence`` holds its last token and marker: these scripts read
@@ -44,6 +61,7 @@ from typing import Final
 from ..base import MAX_LEASE
 
 __all__ = [
+    "ACQUIRE_HASH_SCRIPT",
     "ACQUIRE_KEEPING_SCRIPT",
     "ACQUIRE_SCRIPT",
     "ACQUIRE_SLOT_KEEPING_SCRIPT",
@@ -89,6 +107,20 @@ local function ms(value) return whole(value, 1) end
 local function keep(value) return whole(value, 0) end
 """
 
+
+def _checked(name: str, value: str, low: int) -> str:
+    """Lua: the local ``name``, ``value`` as a number, checked as _CHECK_MS's whole() checks it
+    (same error), written out inline: a script whose hot path calls no function of its own
+    allocates no closure per call (the server's Lua garbage collector runs every 50 scripts)."""
+    return (
+        f"local {name} = tonumber({value})\n"
+        f"if {name} == nil or {name} < {low} or {name} > {MAX_LEASE_MS} or {name} % 1 ~= 0 then\n"
+        f"  error('singletask: duration out of range ({low} to {MAX_LEASE_MS} ms): '\n"
+        f"    .. tostring({value}))\n"
+        "end\n"
+    )
+
+
 # Lua: the released record a key keeps after its holder is gone (lock key hash, fields of the
 # held record rec = {f, d}), or nothing: d is kept for marker_keep ms, f for fence_keep ms, and
 # both as long as the longer of the two that applies. The key must have been deleted already.
@@ -103,6 +135,49 @@ local function leave(key, fence, marker, fence_keep, marker_keep)
     redis.call('HSET', key, 'f', fence)
   end
   redis.call('PEXPIRE', key, ttl)
+end
+"""
+
+# Lua: the held record as a string (the plain lock's layout, written by ACQUIRE_SCRIPT):
+# <token> NUL <fence> NUL <since in ms, or ''> NUL <field> NUL <value> NUL ... (the compact
+# metadata fields, possibly none). hashed(key) rewrites such a string as the equivalent held
+# hash (token, f, a: ms before the fence's time, the fields), keeping its expiry, so that the
+# scripts below that read hashes read it; any other key (no key, a hash, a string that is not a
+# held record: not singletask's) is left as it is. holds(key, token): whether token holds key,
+# as a string record or a hash; a string that is not a held record raises WRONGTYPE there, as
+# HGET does (ours(value) checks).
+_STRING_RECORD = """
+local function hashed(key)
+  local value = redis.pcall('GET', key)
+  if type(value) ~= 'string' then return end
+  local token, fence, since, rest = string.match(value, '^(%Z*)%z(%d+)%z(%d*)%z(.*)$')
+  if not token then return end
+  local record = {'token', token, 'f', fence}
+  if since ~= '' then
+    record[5], record[6] = 'a', string.format('%.0f', math.floor(tonumber(fence) / 1000) - since)
+  end
+  if rest ~= '' then
+    for part in string.gmatch(rest .. '\\0', '(%Z*)%z') do record[#record + 1] = part end
+  end
+  local pttl = redis.call('PTTL', key)
+  redis.call('DEL', key)
+  redis.call('HSET', key, unpack(record))
+  if pttl > 0 then redis.call('PEXPIRE', key, pttl) end
+end
+local function ours(value)
+  if not string.find(value, '^%Z*%z%d+%z') then
+    error({err = 'WRONGTYPE Operation against a key holding the wrong kind of value'})
+  end
+end
+local function holds(key, token)
+  local value = redis.pcall('GET', key)
+  if type(value) == 'table' then return redis.call('HGET', key, 'token') == token end
+  if not value then return false end
+  if string.sub(value, 1, #token) == token and string.byte(value, #token + 1) == 0 then
+    return true
+  end
+  ours(value)
+  return false
 end
 """
 
@@ -165,7 +240,8 @@ end
 # (the common case) is taken at once, and a released record or a takeover reads its fence and
 # marker.
 _ACQUIRE_FUNCTION = (
-    _TAKE_FUNCTION
+    _STRING_RECORD
+    + _TAKE_FUNCTION
     + """
 local function acquire()
 local lease = ms(ARGV[2])
@@ -183,7 +259,75 @@ end
 """
 )
 
-ACQUIRE_SCRIPT = _CHECK_MS + _ACQUIRE_FUNCTION + "return acquire()\n"
+ACQUIRE_HASH_SCRIPT = (
+    _CHECK_MS + _ACQUIRE_FUNCTION + "ms(ARGV[2])\nhashed(KEYS[1])\nreturn acquire()\n"
+)
+
+# KEYS[1]  lock key
+# ARGV[1]  owner token
+# ARGV[2]  lease in milliseconds
+# ARGV[3]  token prefix whose holder may be taken over, or '' for none
+# ARGV[4]  when the holder started, in milliseconds since the epoch, or ''
+# ARGV[5]  the held record's other fields (ACQUIRE_HASH_SCRIPT's ARGV[5…]) joined by NUL bytes:
+#          field NUL value NUL field NUL value, or '' for none
+# Returns the new fence alone (a string) when the caller takes a free key or a string record,
+# {0, the record, lease left in ms} when a string record refuses it, and ACQUIRE_HASH_SCRIPT's
+# replies when the key is a hash.
+# The plain lock: when the key does not exist, or is a held string record (_STRING_RECORD), the
+# caller who takes it writes it as a string record, SET PX the lease, in one command; a new
+# fence is the server's time in microseconds (max(its fence + 1, that time) when taking over a
+# string record; a retried acquire by the holder keeps its fence). A key that is a hash (a
+# released record kept by fence_retention or marker_retention, a lock written by another script
+# or by singletask 0.3.0) is handled as ACQUIRE_HASH_SCRIPT handles it, ARGV[5] split into
+# fields (detected by GET's WRONGTYPE error, caught). A string that is not a held record (not
+# singletask's) is refused with its value, which the client does not read as a lock.
+# Errors (before any write) when ARGV[2] is out of range.
+# (Cost: the string path calls no Lua function of the script's own and builds no table but its
+# reply, the hash path's functions being defined only when it runs: closures and tables are
+# garbage the server's Lua collector walks every 50 scripts; see python -m bench cost.)
+ACQUIRE_SCRIPT = (
+    _checked("lease", "ARGV[2]", 1)
+    + """
+local cur = redis.pcall('GET', KEYS[1])
+if type(cur) == 'table' then
+local packed = ARGV[5]
+local ARGV = {ARGV[1], ARGV[2], ARGV[3], ARGV[4]}
+"""
+    + _CHECK_MS
+    + _ACQUIRE_FUNCTION
+    + """
+if packed ~= '' then
+  for part in string.gmatch(packed .. '\\0', '(%Z*)%z') do ARGV[#ARGV + 1] = part end
+end
+return acquire()
+end
+local fence, last = false, false
+if cur then
+  local n = #ARGV[1]
+  local mine = string.find(cur, ARGV[1], 1, true) == 1 and string.byte(cur, n + 1) == 0
+  if not mine and (ARGV[3] == '' or string.find(cur, ARGV[3], 1, true) ~= 1) then
+    return {0, cur, redis.call('PTTL', KEYS[1])}
+  end
+  last = string.match(cur, '^%Z*%z(%d+)%z')
+  if not last then
+    return {0, cur, redis.call('PTTL', KEYS[1])}
+  end
+  if mine then fence = last end
+end
+if not fence then
+  local now = redis.call('TIME')
+  local us = now[2]
+  if #us < 6 then us = string.rep('0', 6 - #us) .. us end
+  fence = now[1] .. us
+  if last and tonumber(last) >= tonumber(fence) then
+    fence = string.format('%.0f', tonumber(last) + 1)
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1] .. '\\0' .. fence .. '\\0' .. ARGV[4] .. '\\0' .. ARGV[5],
+  'PX', lease)
+return fence
+"""
+)
 
 # KEYS[1]  lock key
 # ARGV     as ACQUIRE_SCRIPT's
@@ -196,6 +340,8 @@ ACQUIRE_KEEPING_SCRIPT = (
     _CHECK_MS
     + _ACQUIRE_FUNCTION
     + """
+ms(ARGV[2])
+hashed(KEYS[1])
 local fields = redis.call('HGETALL', KEYS[1])
 local pttl = redis.call('PTTL', KEYS[1])
 local now = redis.call('TIME')
@@ -224,8 +370,10 @@ return reply
 # record (no token) keeps as f the larger of its own fence and ARGV[2], so that fences never go
 # back; a held record (a queue reservation taken over, the caller's own earlier acquisition) is
 # put back exactly. A key that had no expiry (not written by singletask) gets none.
-RESTORE_SCRIPT = """
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
+RESTORE_SCRIPT = (
+    _STRING_RECORD
+    + """
+if not holds(KEYS[1], ARGV[1]) then
   return 0
 end
 local pttl = tonumber(ARGV[4])
@@ -257,6 +405,7 @@ if left > 0 then
 end
 return 1
 """
+)
 
 # Lua: mark(key, marker, marker_keep) records a holder slot's completion marker on its key (the
 # slot's base key, singletask.protocol.slots), a hash in one of the states above, for marker_keep
@@ -267,6 +416,10 @@ _MARK_BASE = """
 local function mark(key, marker, marker_keep)
   if not marker or marker_keep == 0 then return end
   local kind = redis.call('TYPE', key).ok
+  if kind == 'string' then
+    hashed(key)
+    kind = redis.call('TYPE', key).ok
+  end
   if kind == 'none' then
     redis.call('HSET', key, 'd', marker)
     redis.call('PEXPIRE', key, marker_keep)
@@ -293,20 +446,45 @@ end
 # kept: the marker (ARGV[2], or the one the held record carried) for ARGV[3], the fence for
 # ARGV[4]. With both 0, or neither a marker nor a fence retention, nothing is left. With KEYS[2],
 # the slot keeps at most its fence, and ARGV[2] is recorded on KEYS[2] (mark(), above).
+# A held string record (_STRING_RECORD) is released the same way (it carries no marker); a string
+# that is not one fails with WRONGTYPE, as HMGET would. The functions of the released record are
+# defined only when something is to be kept (as ACQUIRE_SCRIPT's hash path: no garbage).
 # Errors (before any write) when ARGV[3] or ARGV[4] is out of range.
 RELEASE_SCRIPT = (
-    _CHECK_MS
+    _checked("marker_keep", "ARGV[3]", 0)
+    + _checked("fence_keep", "ARGV[4]", 0)
+    + """
+local cur = redis.pcall('GET', KEYS[1])
+local rec
+if type(cur) == 'table' then
+  rec = redis.call('HMGET', KEYS[1], 'token', 'f', 'd')
+  if rec[1] ~= ARGV[1] then
+    return 0
+  end
+  redis.call('DEL', KEYS[1])
+else
+  if not cur then
+    return 0
+  end
+  if string.find(cur, ARGV[1], 1, true) ~= 1 or string.byte(cur, #ARGV[1] + 1) ~= 0 then
+    if not string.find(cur, '^%Z*%z%d+%z') then
+      return redis.error_reply('WRONGTYPE Operation against a key holding the wrong kind of value')
+    end
+    return 0
+  end
+  redis.call('DEL', KEYS[1])
+  if not KEYS[2] and fence_keep == 0 and (marker_keep == 0 or ARGV[2] == '') then
+    return 1
+  end
+  rec = {ARGV[1], string.match(cur, '^%Z*%z(%d+)'), false}
+end
+"""
     + _LEAVE_RECORD
+    + _STRING_RECORD
     + _MARK_BASE
     + """
-local marker_keep, fence_keep = keep(ARGV[3]), keep(ARGV[4])
-local rec = redis.call('HMGET', KEYS[1], 'token', 'f', 'd')
-if rec[1] ~= ARGV[1] then
-  return 0
-end
 local marker = rec[3]
 if ARGV[2] ~= '' then marker = ARGV[2] end
-redis.call('DEL', KEYS[1])
 if KEYS[2] then
   leave(KEYS[1], rec[2], false, fence_keep, 0)
   mark(KEYS[2], ARGV[2] ~= '' and ARGV[2], marker_keep)
@@ -324,9 +502,10 @@ return 1
 # Errors when ARGV[2] is out of range.
 EXTEND_SCRIPT = (
     _CHECK_MS
+    + _STRING_RECORD
     + """
 local lease = ms(ARGV[2])
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
+if holds(KEYS[1], ARGV[1]) then
   return redis.call('PEXPIRE', KEYS[1], lease)
 end
 return 0
@@ -340,6 +519,7 @@ return 0
 # Errors (before any lease is set) when one of the leases is out of range.
 EXTEND_MANY_SCRIPT = (
     _CHECK_MS
+    + _STRING_RECORD
     + """
 local leases = {}
 for i = 1, #KEYS do
@@ -347,7 +527,7 @@ for i = 1, #KEYS do
 end
 local out = {}
 for i = 1, #KEYS do
-  if redis.call('HGET', KEYS[i], 'token') == ARGV[2 * i - 1] then
+  if holds(KEYS[i], ARGV[2 * i - 1]) then
     out[i] = redis.call('PEXPIRE', KEYS[i], leases[i])
   else
     out[i] = 0
@@ -409,8 +589,10 @@ return 0
 OPERATOR_RELEASE_SCRIPT = (
     _CHECK_MS
     + _LEAVE_RECORD
+    + _STRING_RECORD
     + """
 local marker_keep, fence_keep = keep(ARGV[2]), keep(ARGV[3])
+hashed(KEYS[1])
 if redis.call('TYPE', KEYS[1]).ok ~= 'hash' then
   return {}
 end
@@ -444,6 +626,7 @@ return {pttl, unpack(fields)}
 _ACQUIRE_SLOT_FUNCTION = """
 local function acquire_slot(keeping, start)
 local lease = ms(ARGV[2])
+for i = 1, #KEYS do hashed(KEYS[i]) end
 local recs, top, chosen = {}, false, nil
 for i = 1, #KEYS do
   local rec = redis.call('HMGET', KEYS[i], 'token', 'fence', 'f')
@@ -707,6 +890,8 @@ end
 PREEMPT_SCRIPT: Final = (
     _CHECK_MS + _PREEMPT_PRELUDE + _ACQUIRE_FUNCTION
     + """
+ms(ARGV[2])
+hashed(KEYS[1])
 local cur = redis.call('HGET', KEYS[1], 'token')
 local reply = acquire()
 if reply[1] == 1 then replaced(cur) end
@@ -721,6 +906,8 @@ return reply
 PREEMPT_KEEPING_SCRIPT: Final = (
     _CHECK_MS + _PREEMPT_PRELUDE + _ACQUIRE_FUNCTION
     + """
+ms(ARGV[2])
+hashed(KEYS[1])
 local cur = redis.call('HGET', KEYS[1], 'token')
 local fields = redis.call('HGETALL', KEYS[1])
 local pttl = redis.call('PTTL', KEYS[1])
@@ -741,6 +928,8 @@ return reply
 # Lua: the slot preemption's body, for acquire_slot(keeping): every slot's holder read first,
 # then the record written for the slot taken if its holder was the victim.
 _PREEMPT_SLOT_BODY = """
+ms(ARGV[2])
+for i = 1, #KEYS do hashed(KEYS[i]) end
 local held = {}
 for i = 1, #KEYS do held[i] = redis.call('HGET', KEYS[i], 'token') end
 local reply = acquire_slot(%s)
@@ -774,7 +963,12 @@ REPLACED_BY_SCRIPT: Final = "return redis.call('GET', KEYS[1])\n"
 
 
 # KEYS[1]  lock key
-# Returns {holder fields as field, value, ..., lease left in ms} (an empty hash: free).
+# Returns {holder fields as field, value, ..., lease left in ms} (an empty hash: free), or
+# {the held string record (_STRING_RECORD), lease left in ms}.
 HOLDER_SCRIPT = """
+local value = redis.pcall('GET', KEYS[1])
+if type(value) == 'string' then
+  return {value, redis.call('PTTL', KEYS[1])}
+end
 return {redis.call('HGETALL', KEYS[1]), redis.call('PTTL', KEYS[1])}
 """

@@ -22,7 +22,7 @@ from ...protocol.slots import base_key, slot_index
 from ..base import AcquireResult, Holder
 from .scripts import ACQUIRE_SLOT_KEEPING_SCRIPT, ACQUIRE_SLOT_SCRIPT
 from .units import LIMIT_ENDS
-from .wire import Script, as_text, conflict_holder, glob_escape, holder_from_reply
+from .wire import Script, as_text, conflict_holder, glob_escape, read_record
 
 __all__ = [
     "ACQUIRE_SLOT",
@@ -102,14 +102,16 @@ def _read_page(client: redis.Redis, keys: list[bytes | str]) -> Iterator[tuple[s
     transaction = not isinstance(client, RedisCluster)
     with client.pipeline(transaction=transaction) as pipe:
         for key in keys:
-            pipe.hgetall(key)
+            pipe.get(key)  # a plain lock's string record, or WRONGTYPE for a hash
+            pipe.hgetall(key)  # a hash record, or WRONGTYPE for a string
             pipe.pttl(key)
         replies = pipe.execute(raise_on_error=False)
     for index, key in enumerate(keys):
-        fields, pttl = replies[2 * index], replies[2 * index + 1]
-        if isinstance(fields, Exception) or isinstance(pttl, Exception):
-            continue  # not a hash: not one of ours
+        value, fields, pttl = replies[3 * index : 3 * index + 3]
         name = as_text(key)
-        found = holder_from_reply(name, fields, pttl)
+        try:
+            found = read_record(name, value, fields, pttl)
+        except redis.exceptions.RedisError:
+            continue  # neither a hash nor a string record: not one of ours
         if found is not None:
             yield name, found

@@ -47,7 +47,7 @@ from ..base import (
 from ..urls import mask_url
 from .bookkeeping import scan_state
 from .connections import send
-from .options import connection_options, parse_redis_url, retentions
+from .options import connection_options, parse_redis_url, record_layout, retentions
 from .rates import (
     COMPANION_ENDS,
     DEBOUNCE,
@@ -76,6 +76,7 @@ from .units import (
 )
 from .wire import (
     ACQUIRE,
+    ACQUIRE_HASH,
     CLAIM_NEXT,
     CLEAR_NEXT,
     EXTEND,
@@ -83,6 +84,7 @@ from .wire import (
     NOT_RUN_CODES,
     OPERATOR_RELEASE,
     RELEASE,
+    WRONGTYPE,
     Connection,
     Script,
     as_text,
@@ -90,11 +92,13 @@ from .wire import (
     driver_error,
     drop_idle,
     encode_meta,
-    holder_from_reply,
     keep_ms,
     lease_ms,
     not_run,
+    pack_fields,
+    read_record,
     removed_holder,
+    string_conflict,
 )
 
 __all__ = ["DRIVER_ERRORS", "NOT_RUN_CODES", "RedisBackend", "fence_key", "not_run"]
@@ -135,6 +139,8 @@ class RedisBackend(LockBackend):
         marker_retention: How long a released key keeps the completion marker its release
             recorded, in seconds (:data:`~singletask.backends.redis.store.MARKER_RETENTION`, a
             day, by default; 0: not at all).
+        lock_record: How the plain acquire writes a lock: ``"string"`` (the default) or
+            ``"hash"``, which singletask 0.3.0 and earlier can read (for a rolling upgrade).
         **options: Extra client options for ``redis.Redis.from_url``.
 
     Exactly one of ``client`` and ``url`` is required.
@@ -158,10 +164,13 @@ class RedisBackend(LockBackend):
         url: str | None = None,
         fence_retention: float = FENCE_RETENTION,
         marker_retention: float = MARKER_RETENTION,
+        lock_record: str = "string",
         **options: Any,
     ) -> None:
         if (client is None) == (url is None):
             raise ConfigurationError("RedisBackend takes exactly one of client= and url=")
+        # Whether the plain acquire writes a hash, as 0.3.0 and earlier do (see options.py).
+        self._hash_records = record_layout({"lock_record": lock_record}, "RedisBackend") == "hash"
         self.fence_retention, self.marker_retention = retentions(
             {"fence_retention": fence_retention, "marker_retention": marker_retention},
             "RedisBackend",
@@ -196,6 +205,7 @@ class RedisBackend(LockBackend):
             )
             options.setdefault("fence_retention", fence)
             options.setdefault("marker_retention", marker)
+            options.setdefault("lock_record", record_layout(transport_options, where))
         return cls(url=url, **options)
 
     @classmethod
@@ -293,7 +303,20 @@ class RedisBackend(LockBackend):
         self._check_key(key, "acquire")
         since, fields = encode_meta(key, token, meta or {})
         lease = lease_ms(ttl, "acquire")
-        args: list[str | int] = [token, lease, takeover_prefix or "", since, *fields]
+        prefix = takeover_prefix or ""
+        packed = None if units or self._hash_records else pack_fields(token, prefix, fields)
+        if packed is not None:  # the plain lock: a string record, its fields in one argument
+            reply = self._call("acquire", ACQUIRE, (key,), (token, lease, prefix, since, packed))
+            if isinstance(reply, bytes | str):  # taken: its fence
+                return AcquireResult(True, fence=int(reply))
+            if len(reply) == 3 and reply[0] == 0:  # held as a string record
+                holder = string_conflict(reply[1], reply[2])
+                if holder is None:  # a string that is not a lock: as HGET would have said
+                    exc = redis.exceptions.ResponseError(WRONGTYPE)
+                    raise self._error(exc, "acquire", key) from exc
+                return AcquireResult(False, holder)
+            return self._acquired(reply)
+        args: list[str | int] = [token, lease, prefix, since, *fields]
         if units:  # the key and its units in one script
             unit_keys, unit_args = take_request(token, ttl, units, units_meta(meta))
             self.check_units_together([item.key for item in units], f"{self!r}: acquire")
@@ -304,7 +327,12 @@ class RedisBackend(LockBackend):
                 return AcquireResult(False, retry_after=refused.retry_after,
                                      limit=refused.limit, used=refused.used)  # fmt: skip
         else:
-            reply = self._call("acquire", ACQUIRE, (key,), args)
+            reply = self._call("acquire", ACQUIRE_HASH, (key,), args)
+        return self._acquired(reply)
+
+    @staticmethod
+    def _acquired(reply: Any) -> AcquireResult:
+        """The result of an acquire script's reply (a hash's refusal, or the lock taken)."""
         if reply[0] == 1:
             _, fence, completed = reply
             return AcquireResult(
@@ -506,11 +534,13 @@ class RedisBackend(LockBackend):
 
     def holder(self, key: str) -> Holder | None:
         client = self.client
-        with self._translate("inspect", key), client.pipeline(transaction=True) as pipe:
-            pipe.hgetall(key)
-            pipe.pttl(key)
-            fields, pttl = pipe.execute()
-        return holder_from_reply(key, fields, int(pttl))
+        with self._translate("inspect", key):
+            with client.pipeline(transaction=True) as pipe:
+                pipe.get(key)  # a plain lock's string record, or WRONGTYPE for a hash
+                pipe.hgetall(key)  # a hash record, or WRONGTYPE for a string
+                pipe.pttl(key)
+                value, fields, pttl = pipe.execute(raise_on_error=False)
+            return read_record(key, value, fields, pttl)
 
     def iter_locks(self, prefix: str, *, page_size: int = 500) -> Iterator[tuple[str, Holder]]:
         """One SCAN MATCH ``*prefix*`` (keys and holder slots alike), COUNT ``page_size``; each

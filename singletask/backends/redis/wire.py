@@ -19,6 +19,7 @@ import redis
 from ...exceptions import BackendError, BackendTimeout, BackendUnavailable
 from ..base import Holder, check_lease
 from .scripts import (
+    ACQUIRE_HASH_SCRIPT,
     ACQUIRE_KEEPING_SCRIPT,
     ACQUIRE_SCRIPT,
     CLAIM_NEXT_SCRIPT,
@@ -32,6 +33,7 @@ from .scripts import (
 
 __all__ = [
     "ACQUIRE",
+    "ACQUIRE_HASH",
     "ACQUIRE_KEEPING",
     "CLAIM_NEXT",
     "CLEAR_NEXT",
@@ -41,6 +43,7 @@ __all__ = [
     "OPERATOR_RELEASE",
     "RELEASE",
     "RESTORE",
+    "WRONGTYPE",
     "Connection",
     "Script",
     "as_text",
@@ -50,10 +53,15 @@ __all__ = [
     "encode_meta",
     "glob_escape",
     "holder_from_reply",
+    "holder_from_value",
     "keep_ms",
     "lease_ms",
     "not_run",
+    "pack_fields",
+    "read_record",
     "removed_holder",
+    "string_conflict",
+    "string_record",
 ]
 
 
@@ -131,6 +139,7 @@ class Script:
 
 
 ACQUIRE = Script(ACQUIRE_SCRIPT)
+ACQUIRE_HASH = Script(ACQUIRE_HASH_SCRIPT)
 RELEASE = Script(RELEASE_SCRIPT)
 EXTEND = Script(EXTEND_SCRIPT)
 EXTEND_MANY = Script(EXTEND_MANY_SCRIPT)
@@ -281,9 +290,7 @@ def _decode_meta(key: str, token: str, fields: Mapping[str, str]) -> dict[str, s
 _NOT_META = frozenset({"token", "f", "fence", "d"})
 
 
-def holder_from_reply(
-    key: str, fields: Mapping[bytes | str, bytes | str], pttl: int
-) -> Holder | None:
+def holder_from_reply(key: str, fields: Mapping[Any, bytes | str], pttl: int) -> Holder | None:
     """The Holder of a lock hash's fields and PTTL; None for no lock (a released record, or a
     companion hash). Reads the compact record and 0.1.0's (long field names, ``fence``)."""
     if not fields or pttl == -2:
@@ -305,6 +312,78 @@ def holder_from_reply(
         meta,
         int(fence) if fence is not None else None,
     )
+
+
+def pack_fields(token: str, prefix: str, fields: Sequence[str]) -> str | None:
+    """``fields`` (:func:`encode_meta`'s) as ACQUIRE_SCRIPT's one argument, joined by NUL
+    bytes; None when the token, the takeover prefix or a field holds a NUL byte itself (then
+    ACQUIRE_HASH_SCRIPT takes them as they are)."""
+    packed = "\0".join(fields)
+    if "\0" in token or "\0" in prefix or (fields and packed.count("\0") != len(fields) - 1):
+        return None
+    return packed
+
+
+def string_record(value: bytes | str) -> dict[str, str] | None:
+    """The hash fields a held string record stands for (scripts.py's ``_STRING_RECORD``:
+    token, fence, since in ms, then the compact fields; ``a`` computed from since as the
+    acquire script computes it), or None when ``value`` is not one (not singletask's)."""
+    parts = as_text(value).split("\0")
+    rest = parts[3:]
+    if rest == [""]:
+        rest = []
+    if len(parts) < 4 or len(rest) % 2 or not parts[1].isdigit():
+        return None
+    token, fence, since = parts[0], parts[1], parts[2]
+    record = {"token": token, "f": fence}
+    if since:
+        if not since.isdigit():
+            return None
+        record["a"] = str(int(fence) // 1000 - int(since))
+    record.update(zip(rest[::2], rest[1::2], strict=True))
+    return record
+
+
+def holder_from_value(key: str, value: bytes | str, pttl: int) -> Holder | None:
+    """The Holder of a held string record and its PTTL; None when the value is not one."""
+    record = string_record(value)
+    return None if record is None else holder_from_reply(key, record, pttl)
+
+
+def read_record(key: str, value: Any, fields: Any, pttl: Any) -> Holder | None:
+    """The Holder of a key read as GET, HGETALL and PTTL (``execute(raise_on_error=False)``:
+    one of the first two fails with WRONGTYPE): a string record, or a hash. Raises the error
+    of a key that is neither a hash nor a string record (not singletask's)."""
+    if isinstance(pttl, Exception):
+        raise pttl
+    if isinstance(value, bytes | str):
+        found = holder_from_value(key, value, int(pttl))
+        if found is not None:
+            return found
+    if isinstance(fields, Exception):
+        raise fields
+    return holder_from_reply(key, fields, int(pttl))
+
+
+def string_conflict(value: bytes | str, pttl: int) -> Holder | None:
+    """The Holder of ACQUIRE_SCRIPT's refusal by a string record (brief, as
+    :func:`conflict_holder`'s); None when the key holds a string that is not a lock."""
+    record = string_record(value)
+    if record is None:
+        return None
+    token = record["token"]
+    return Holder(
+        token,
+        _from_token("i", token, record),
+        pttl / 1000 if pttl >= 0 else None,
+        {},
+        int(record["f"]),
+    )
+
+
+#: What the server says of a command on a key of another type (a string record's refusal by a
+#: string that is not a lock is reported so as well).
+WRONGTYPE = "WRONGTYPE Operation against a key holding the wrong kind of value"
 
 
 def _conflict_task_id(token: str, old: Any, compact: Any, absent: Any) -> str | None:
@@ -413,6 +492,6 @@ def driver_error(exc: BaseException, where: str) -> BackendError:
     if isinstance(exc, redis.exceptions.NoPermissionError):
         return BackendError(
             f"{where} failed: the server's ACL does not let this user run a command the lock "
-            f"store needs (scripts, and for listings SCAN, HGETALL and PTTL): {exc}"
+            f"store needs (scripts, and for listings SCAN, GET, HGETALL and PTTL): {exc}"
         )
     return BackendError(f"{where} failed: {exc}")
