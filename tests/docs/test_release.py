@@ -21,7 +21,7 @@ from packaging.version import Version
 
 import singletask
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHANGELOG = ROOT / "CHANGELOG.md"
 HEADING = re.compile(r"^## \[(?P<name>[^\]]+)\](?: - (?P<date>\d{4}-\d{2}-\d{2}))?$", re.M)
 # The 0.3.0 pass rewrote the notes of 0.1.0 and 0.2.0 for a reader of today; from 0.3.0 on, a
