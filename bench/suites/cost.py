@@ -298,28 +298,26 @@ def server_costs(work: Path, runs: int, warmup: int) -> dict[str, Any]:
         # PEXPIRE) and owner-check and delete it (HGET, DEL), in two scripts.
         eight = ["t:0:h:1:n", "30000", "t:0:-:0:reserved", "1700000000123", "w", "h", "n", "11"]
         runners["EVALSHA return 0, 8 arguments"] = lambda: empty(keys=["bench:empty"], args=eight)
-        take = raw.register_script(_FLOOR_TAKE)
-        give = raw.register_script(_FLOOR_GIVE)
         floor = iter(range(10**9))
 
-        def floor_lock() -> None:
-            key = f"bench:floor:{next(floor)}"
-            take(keys=[key], args=eight)
-            give(keys=[key], args=eight[:1])
+        def take_and_give(take_lua: str, give_lua: str, args: list[str]) -> Callable[[], None]:
+            """A run taking a new key with one script and owner-check-deleting it with another."""
+            take, give = raw.register_script(take_lua), raw.register_script(give_lua)
 
-        runners["floor: hash lock, two scripts"] = floor_lock
+            def run() -> None:
+                key = f"bench:floor:{next(floor)}"
+                take(keys=[key], args=args)
+                give(keys=[key], args=args[:1])
+
+            return run
+
+        runners["floor: hash lock, two scripts"] = take_and_give(_FLOOR_TAKE, _FLOOR_GIVE, eight)
         # The same for a lock kept as one string (singletask's plain lock since issue 41): TIME
         # and SET NX PX of token, fence and packed metadata, then GET, compare and DEL.
-        take_string = raw.register_script(_FLOOR_TAKE_STRING)
-        give_string = raw.register_script(_FLOOR_GIVE_STRING)
         packed = ["t:0:h:1:n", "30000", "", "1700000000123", "w\0h\0n\x0011"]
-
-        def floor_string() -> None:
-            key = f"bench:floor-string:{next(floor)}"
-            take_string(keys=[key], args=packed)
-            give_string(keys=[key], args=packed[:1])
-
-        runners["floor: string lock, two scripts"] = floor_string
+        runners["floor: string lock, two scripts"] = take_and_give(
+            _FLOOR_TAKE_STRING, _FLOOR_GIVE_STRING, packed
+        )
         # And of a refusal by such a lock: a script given the acquire's 5 arguments that reads
         # the holder's value and its lease left (GET, PTTL) and returns them.
         refuse_string = raw.register_script(_FLOOR_REFUSE_STRING)
