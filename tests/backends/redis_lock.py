@@ -13,7 +13,8 @@ def lock_fields(client: Any, key: str) -> dict[str, str]:
     the compact fields), or {} when there is no key (or a string that is not a lock)."""
     kind = as_text(client.type(key))
     if kind == "string":
-        return string_record(client.get(key)) or {}
+        value = client.get(key)  # None when the key was released after TYPE
+        return {} if value is None else string_record(value) or {}
     if kind == "hash":
         return {as_text(k): as_text(v) for k, v in client.hgetall(key).items()}
     return {}
