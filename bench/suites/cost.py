@@ -272,6 +272,8 @@ def server_costs(work: Path, runs: int, warmup: int) -> dict[str, Any]:
     """Per run, for each variant and mode, and the references: the server's instructions."""
     import redis
 
+    from singletask.protocol.tokens import execution_token
+
     server = _CountedServer(work)
     try:
         lock_url = f"{server.url}/1"
@@ -325,6 +327,39 @@ def server_costs(work: Path, runs: int, warmup: int) -> dict[str, Any]:
         runners["floor: string refusal, one script"] = lambda: refuse_string(
             keys=["bench:floor-held"], args=packed
         )
+        # The same floors with a key, an owner token and arguments shaped as singletask's own
+        # (a lock_args key of 98 characters, an execution's token, the acquire's 3 arguments):
+        # what any script-made lock of this key costs, in the two orders a script can take
+        # it in. "SET NX first" reads the clock before it knows whether the key is free;
+        # "GET first" reads the key before the clock, as ACQUIRE_SCRIPT does. And a refusal
+        # by the second: the holder's value and lease left.
+        shaped = iter(range(10**9))
+        shaped_token = execution_token(str(uuid.uuid4()), 0)
+        shaped_args = [shaped_token, "30000", "1700000000123\0n\x0011\0w\0bench"]
+        shaped_head = "singletask:bench.singletask.noop:"
+
+        def shaped_pair(take_lua: str) -> Callable[[], None]:
+            take, give = raw.register_script(take_lua), raw.register_script(_FLOOR_GIVE_STRING)
+
+            def run() -> None:
+                key = f"{shaped_head}{next(shaped):064x}"
+                take(keys=[key], args=shaped_args)
+                give(keys=[key], args=shaped_args[:1])
+
+            return run
+
+        runners["floor, singletask's key: SET NX first, two scripts"] = shaped_pair(
+            _FLOOR_TAKE_SHAPED
+        )
+        runners["floor, singletask's key: GET first, two scripts"] = shaped_pair(
+            _FLOOR_TAKE_GET_FIRST
+        )
+        refuse_get_first = raw.register_script(_FLOOR_TAKE_GET_FIRST)
+        shaped_held = f"{shaped_head}{'f' * 64}"
+        raw.set(shaped_held, f"{uuid.uuid4()}:0:h:1:n\0{'1' * 16}\0\0w\0h", px=3_600_000)
+        runners["floor, singletask's key: refusal, GET first"] = lambda: refuse_get_first(
+            keys=[shaped_held], args=shaped_args
+        )
         out: dict[str, Any] = {}
         for name, run in runners.items():
             for _ in range(warmup):
@@ -375,6 +410,27 @@ local cur = redis.call('GET', KEYS[1])
 return {0, cur, redis.call('PTTL', KEYS[1])}
 """
 
+#: The floor of an acquire of singletask's string record given its 3 arguments (token, lease,
+#: the rest of the record): the clock, then SET NX PX.
+_FLOOR_TAKE_SHAPED = """
+local now = redis.call('TIME')
+local fence = now[1] .. now[2]
+if not redis.call('SET', KEYS[1], ARGV[1] .. '\\0' .. fence .. '\\0' .. ARGV[3], 'NX', 'PX',
+  ARGV[2]) then return 0 end
+return fence
+"""
+
+#: The same, the key read first: a held key is refused with its value and lease left, before
+#: the clock is read.
+_FLOOR_TAKE_GET_FIRST = """
+local cur = redis.call('GET', KEYS[1])
+if cur then return {0, cur, redis.call('PTTL', KEYS[1])} end
+local now = redis.call('TIME')
+local fence = now[1] .. now[2]
+redis.call('SET', KEYS[1], ARGV[1] .. '\\0' .. fence .. '\\0' .. ARGV[3], 'PX', ARGV[2])
+return fence
+"""
+
 #: The floor of its owner-checked release.
 _FLOOR_GIVE_STRING = """
 local cur = redis.call('GET', KEYS[1])
@@ -408,6 +464,9 @@ def figures(client: dict[str, Any], server: dict[str, Any]) -> dict[str, Any]:
         "floor: hash lock, two scripts",
         "floor: string lock, two scripts",
         "floor: string refusal, one script",
+        "floor, singletask's key: SET NX first, two scripts",
+        "floor, singletask's key: GET first, two scripts",
+        "floor, singletask's key: refusal, GET first",
     ):
         rows[name] = {"server_instructions": server[name]["instructions"]}
     return rows

@@ -39,7 +39,7 @@ def check_lease(ttl: object, operation: str = "lease") -> float:
     """
     if (
         isinstance(ttl, bool)
-        or not isinstance(ttl, int | float)
+        or not isinstance(ttl, (int, float))  # a tuple: no union built per call
         or not math.isfinite(ttl)
         or not 0 < ttl <= MAX_LEASE
     ):

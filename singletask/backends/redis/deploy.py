@@ -76,6 +76,7 @@ from .wire import (
     Script,
     as_text,
     drop_idle,
+    hash_args,
     holder_from_reply,
     holder_from_value,
     not_run,
@@ -206,8 +207,7 @@ class _Deployed(RedisBackend):
         if wait is None or keeping is None:
             return super()._call(operation, script, keys, args)
         if script is ACQUIRE:  # the keeping script takes the fields one per argument
-            packed = str(args[4])
-            args = (*args[:4], *(packed.split("\0") if packed else ()))
+            args = hash_args(args)
         try:
             reply, acks = self._acquire_and_wait(keeping, keys, args, wait)
         except DRIVER_ERRORS as exc:

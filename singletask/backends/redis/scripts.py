@@ -84,6 +84,7 @@ __all__ = [
     "PREEMPT_SLOT_KEEPING_SCRIPT",
     "PREEMPT_SLOT_SCRIPT",
     "RELEASE_SCRIPT",
+    "RELEASE_STRING_SCRIPT",
     "REPLACED_BY_SCRIPT",
     "RESTORE_SCRIPT",
 ]
@@ -266,46 +267,50 @@ ACQUIRE_HASH_SCRIPT = (
 # KEYS[1]  lock key
 # ARGV[1]  owner token
 # ARGV[2]  lease in milliseconds
-# ARGV[3]  token prefix whose holder may be taken over, or '' for none
-# ARGV[4]  when the holder started, in milliseconds since the epoch, or ''
-# ARGV[5]  the held record's other fields (ACQUIRE_HASH_SCRIPT's ARGV[5…]) joined by NUL bytes:
-#          field NUL value NUL field NUL value, or '' for none
+# ARGV[3]  the rest of the held record: when the holder started, in milliseconds since the epoch
+#          (or ''), NUL, then the record's other fields (ACQUIRE_HASH_SCRIPT's ARGV[5…]) joined
+#          by NUL bytes: since NUL field NUL value NUL field NUL value, or since NUL for none
+# ARGV[4]  token prefix whose holder may be taken over; absent (or '') for none
 # Returns the new fence alone (a string) when the caller takes a free key or a string record,
 # {0, the record, lease left in ms} when a string record refuses it, and ACQUIRE_HASH_SCRIPT's
 # replies when the key is a hash.
 # The plain lock: when the key does not exist, or is a held string record (_STRING_RECORD), the
-# caller who takes it writes it as a string record, SET PX the lease, in one command; a new
-# fence is the server's time in microseconds (max(its fence + 1, that time) when taking over a
-# string record; a retried acquire by the holder keeps its fence). A key that is a hash (a
-# released record kept by fence_retention or marker_retention, a lock written by another script
-# or by singletask 0.3.0) is handled as ACQUIRE_HASH_SCRIPT handles it, ARGV[5] split into
-# fields (detected by GET's WRONGTYPE error, caught). A string that is not a held record (not
-# singletask's) is refused with its value, which the client does not read as a lock.
+# caller who takes it writes it as a string record, SET PX the lease, in one command: ARGV[1],
+# NUL, the fence, NUL, ARGV[3]. A new fence is the server's time in microseconds (max(its fence
+# + 1, that time) when taking over a string record; a retried acquire by the holder keeps its
+# fence). A key that is a hash (a released record kept by fence_retention or marker_retention,
+# a lock written by another script or by singletask 0.3.0) is handled as ACQUIRE_HASH_SCRIPT
+# handles it, ARGV[3] split into since and fields (detected by GET's WRONGTYPE error, caught). A
+# string that is not a held record (not singletask's) is refused with its value, which the
+# client does not read as a lock.
 # Errors (before any write) when ARGV[2] is out of range.
 # (Cost: the string path calls no Lua function of the script's own and builds no table but its
 # reply, the hash path's functions being defined only when it runs: closures and tables are
-# garbage the server's Lua collector walks every 50 scripts; see python -m bench cost.)
+# garbage the server's Lua collector walks every 50 scripts; each argument costs the server
+# about 1,500 instructions, hence the fields in one argument and the prefix only when there is
+# one; the lease goes to SET as the string it came as, checked, since a number would be printed
+# back; see python -m bench cost.)
 ACQUIRE_SCRIPT = (
     _checked("lease", "ARGV[2]", 1)
     + """
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then
-local packed = ARGV[5]
-local ARGV = {ARGV[1], ARGV[2], ARGV[3], ARGV[4]}
+local since, packed = string.match(ARGV[3], '^(%Z*)%z(.*)$')
+local ARGV = {ARGV[1], ARGV[2], ARGV[4] or '', since or ''}
 """
     + _CHECK_MS
     + _ACQUIRE_FUNCTION
     + """
-if packed ~= '' then
+if packed and packed ~= '' then
   for part in string.gmatch(packed .. '\\0', '(%Z*)%z') do ARGV[#ARGV + 1] = part end
 end
 return acquire()
 end
 local fence, last = false, false
 if cur then
-  local n = #ARGV[1]
-  local mine = string.find(cur, ARGV[1], 1, true) == 1 and string.byte(cur, n + 1) == 0
-  if not mine and (ARGV[3] == '' or string.find(cur, ARGV[3], 1, true) ~= 1) then
+  local prefix = ARGV[4]
+  local mine = string.find(cur, ARGV[1], 1, true) == 1 and string.byte(cur, #ARGV[1] + 1) == 0
+  if not mine and (not prefix or prefix == '' or string.find(cur, prefix, 1, true) ~= 1) then
     return {0, cur, redis.call('PTTL', KEYS[1])}
   end
   last = string.match(cur, '^%Z*%z(%d+)%z')
@@ -323,8 +328,7 @@ if not fence then
     fence = string.format('%.0f', tonumber(last) + 1)
   end
 end
-redis.call('SET', KEYS[1], ARGV[1] .. '\\0' .. fence .. '\\0' .. ARGV[4] .. '\\0' .. ARGV[5],
-  'PX', lease)
+redis.call('SET', KEYS[1], ARGV[1] .. '\\0' .. fence .. '\\0' .. ARGV[3], 'PX', ARGV[2])
 return fence
 """
 )
@@ -494,6 +498,31 @@ end
 return 1
 """
 )
+
+# KEYS[1]  lock key
+# ARGV[1]  owner token
+# Returns 1 when the lock was released (the key deleted), 0 when ARGV[1] does not hold it (no key,
+# or a string record of another owner), -1 when the key is a hash: nothing is done, and the
+# caller sends RELEASE_SCRIPT, which releases a hash record (keeping what it carries).
+# The release of a plain lock that leaves nothing behind, RELEASE_SCRIPT's case of no completion
+# marker given, fence_retention 0 and no holder slot, with one argument: a held string record
+# carries nothing to keep. A string that is not a held record fails with WRONGTYPE, as
+# RELEASE_SCRIPT does.
+RELEASE_STRING_SCRIPT = """
+local cur = redis.pcall('GET', KEYS[1])
+if type(cur) ~= 'string' then
+  if cur then return -1 end
+  return 0
+end
+if string.find(cur, ARGV[1], 1, true) == 1 and string.byte(cur, #ARGV[1] + 1) == 0 then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+if not string.find(cur, '^%Z*%z%d+%z') then
+  return redis.error_reply('WRONGTYPE Operation against a key holding the wrong kind of value')
+end
+return 0
+"""
 
 # KEYS[1]  lock key
 # ARGV[1]  owner token

@@ -84,6 +84,7 @@ from .wire import (
     NOT_RUN_CODES,
     OPERATOR_RELEASE,
     RELEASE,
+    RELEASE_STRING,
     WRONGTYPE,
     Connection,
     Script,
@@ -304,9 +305,10 @@ class RedisBackend(LockBackend):
         since, fields = encode_meta(key, token, meta or {})
         lease = lease_ms(ttl, "acquire")
         prefix = takeover_prefix or ""
-        packed = None if units or self._hash_records else pack_fields(token, prefix, fields)
+        packed = None if units or self._hash_records else pack_fields(token, prefix, since, fields)
         if packed is not None:  # the plain lock: a string record, its fields in one argument
-            reply = self._call("acquire", ACQUIRE, (key,), (token, lease, prefix, since, packed))
+            plain = (token, lease, packed, prefix) if prefix else (token, lease, packed)
+            reply = self._call("acquire", ACQUIRE, (key,), plain)
             if isinstance(reply, bytes | str):  # taken: its fence
                 return AcquireResult(True, fence=int(reply))
             if len(reply) == 3 and reply[0] == 0:  # held as a string record
@@ -417,8 +419,20 @@ class RedisBackend(LockBackend):
             self.check_units_together([item.key for item in held], f"{self!r}: release")
             keys, both = with_lock(self._release_keys(key), args, unit_keys, unit_args)
             return bool(self._call("release", RELEASE_UNITS, keys, both))
+        if self._keeps_nothing(key, completed, held):  # one argument, unless the key is a hash
+            done = self._call("release", RELEASE_STRING, (key,), (token,))
+            if done != -1:
+                return bool(done)
         self._give_units_before(token, held)
         return bool(self._call("release", RELEASE, self._release_keys(key), args))
+
+    def _keeps_nothing(self, key: str, completed: str | None, held: Sequence[Units]) -> bool:
+        """Whether a release of ``key`` leaves nothing behind when it finds a string record: no
+        marker to record, no fence kept, no units to give back, not a holder slot (whose base
+        key records the marker), and the plain acquire writes strings (``lock_record``)."""
+        return not (held or completed or self._keep[1] or self._hash_records) and (
+            base_key(key) == key
+        )
 
     def extend(self, key: str, token: str, ttl: float) -> bool:
         return bool(self._call("extend", EXTEND, (key,), (token, lease_ms(ttl, "extend"))))

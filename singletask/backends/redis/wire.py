@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -28,6 +29,7 @@ from .scripts import (
     EXTEND_SCRIPT,
     OPERATOR_RELEASE_SCRIPT,
     RELEASE_SCRIPT,
+    RELEASE_STRING_SCRIPT,
     RESTORE_SCRIPT,
 )
 
@@ -42,6 +44,7 @@ __all__ = [
     "NOT_RUN_CODES",
     "OPERATOR_RELEASE",
     "RELEASE",
+    "RELEASE_STRING",
     "RESTORE",
     "WRONGTYPE",
     "Connection",
@@ -141,6 +144,7 @@ class Script:
 ACQUIRE = Script(ACQUIRE_SCRIPT)
 ACQUIRE_HASH = Script(ACQUIRE_HASH_SCRIPT)
 RELEASE = Script(RELEASE_SCRIPT)
+RELEASE_STRING = Script(RELEASE_STRING_SCRIPT)
 EXTEND = Script(EXTEND_SCRIPT)
 EXTEND_MANY = Script(EXTEND_MANY_SCRIPT)
 CLAIM_NEXT = Script(CLAIM_NEXT_SCRIPT)
@@ -186,9 +190,13 @@ def _token_parts(token: str) -> tuple[str, str] | None:
     return (parts[0], parts[3]) if len(parts) == 5 else None
 
 
+#: A character that a task name is escaped for in a key (see protocol/keys.py).
+_ESCAPED = re.compile("[%:{}]")
+
+
 def _task_offset(key: str, task: str) -> int | None:
     """Where ``task`` stands in ``key`` followed by ``:`` or the end, if it does unescaped."""
-    if not task or any(char in task for char in "%:{}"):
+    if not task or _ESCAPED.search(task):
         return None
     start = key.find(task)
     while start != -1:
@@ -211,27 +219,30 @@ def encode_meta(key: str, token: str, meta: Mapping[str, str]) -> tuple[str, lis
     """The held record's fields for ``meta``: the since in milliseconds (or '') for the acquire
     script, and the other fields as field, value, field, value, ..."""
     parts = _token_parts(token)
+    task_id, pid = parts if parts is not None else (None, None)
     out: list[str] = []
     since = ""
-    absent = ""
-    if "scope" not in meta:
-        absent += "s"
-    for letter, name in (("i", "task_id"), ("p", "pid")):
-        if parts is not None and name not in meta:
-            absent += letter
+    absent = "" if "scope" in meta else "s"
+    if parts is not None:
+        if "task_id" not in meta:
+            absent += "i"
+        if "pid" not in meta:
+            absent += "p"
     for name, value in meta.items():
         if name == "task_id":
-            if parts is None or value != parts[0]:
+            if value != task_id:
                 out += ("i", value)
         elif name == "pid":
-            if parts is None or value != parts[1]:
+            if value != pid:
                 out += ("p", value)
         elif name == "scope":
             if value != "execution":
                 out += ("s", _SCOPES.get(value, "=" + value))
         elif name == "hostname":
-            prefixed = value.startswith(_NODE_PREFIX)
-            out += ("w", value[len(_NODE_PREFIX) :]) if prefixed else ("h", value)
+            if value.startswith(_NODE_PREFIX):
+                out += ("w", value[len(_NODE_PREFIX) :])
+            else:
+                out += ("h", value)
         elif name == "task":
             offset = _task_offset(key, value)
             out += ("t", value) if offset is None else ("n", str(offset))
@@ -314,14 +325,23 @@ def holder_from_reply(key: str, fields: Mapping[Any, bytes | str], pttl: int) ->
     )
 
 
-def pack_fields(token: str, prefix: str, fields: Sequence[str]) -> str | None:
-    """``fields`` (:func:`encode_meta`'s) as ACQUIRE_SCRIPT's one argument, joined by NUL
-    bytes; None when the token, the takeover prefix or a field holds a NUL byte itself (then
-    ACQUIRE_HASH_SCRIPT takes them as they are)."""
-    packed = "\0".join(fields)
-    if "\0" in token or "\0" in prefix or (fields and packed.count("\0") != len(fields) - 1):
+def pack_fields(token: str, prefix: str, since: str, fields: Sequence[str]) -> str | None:
+    """``since`` and ``fields`` (:func:`encode_meta`'s) as ACQUIRE_SCRIPT's ARGV[3], joined by
+    NUL bytes (``since NUL field NUL value ...``); None when the token, the takeover prefix or a
+    field holds a NUL byte itself (then ACQUIRE_HASH_SCRIPT takes them as they are)."""
+    packed = "\0".join((since, *fields))
+    if "\0" in token or "\0" in prefix or packed.count("\0") != len(fields):
         return None
     return packed
+
+
+def hash_args(args: Sequence[str | int | bytes]) -> tuple[str | int | bytes, ...]:
+    """ACQUIRE_SCRIPT's arguments as ACQUIRE_HASH_SCRIPT's (token, lease, takeover prefix,
+    since, field, value, ...), which the scripts of the replica wait take."""
+    token, lease, packed = args[0], args[1], str(args[2])
+    prefix = args[3] if len(args) > 3 else ""
+    since, _, rest = packed.partition("\0")
+    return (token, lease, prefix, since, *(rest.split("\0") if rest else ()))
 
 
 def string_record(value: bytes | str) -> dict[str, str] | None:
@@ -367,17 +387,19 @@ def read_record(key: str, value: Any, fields: Any, pttl: Any) -> Holder | None:
 
 def string_conflict(value: bytes | str, pttl: int) -> Holder | None:
     """The Holder of ACQUIRE_SCRIPT's refusal by a string record (brief, as
-    :func:`conflict_holder`'s); None when the key holds a string that is not a lock."""
-    record = string_record(value)
-    if record is None:
+    :func:`conflict_holder`'s); None when the key holds a string that is not a lock. Reads the
+    record as :func:`string_record` does, but only what a refusal needs (the token, the fence,
+    the task id): this is every refused duplicate's path."""
+    parts = as_text(value).split("\0")
+    count = len(parts)
+    if not ((count % 2 and count > 4) or (count == 4 and parts[3] == "")):
+        return None  # token, fence, since, then fields by pairs
+    token, fence, since = parts[0], parts[1], parts[2]
+    if not fence.isdigit() or (since and not since.isdigit()):
         return None
-    token = record["token"]
+    fields = dict(zip(parts[3::2], parts[4::2], strict=True)) if count > 4 else {}
     return Holder(
-        token,
-        _from_token("i", token, record),
-        pttl / 1000 if pttl >= 0 else None,
-        {},
-        int(record["f"]),
+        token, _from_token("i", token, fields), pttl / 1000 if pttl >= 0 else None, {}, int(fence)
     )
 
 
