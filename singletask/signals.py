@@ -6,15 +6,12 @@
     ``fence`` (the acquisition's fencing token).
 
 ``lock_conflict``
-    Sent in the process executing the task whenever an execution finds its lock held and acts
-    on it. Arguments: ``sender`` (the task), ``key``, ``holder`` (task id or None), ``ttl``
-    (seconds left on the holder's lease or None), ``task_id`` (of the locked-out execution),
-    ``action``: the policy's ``"skip"``, ``"retry"`` or ``"raise"``; or, when the holder has the
-    same task id, ``"defer"`` (another delivery of this message holds it: check again later)
-    or ``"drop"`` (a newer attempt of the task holds it: this copy is stale). A start refused by
-    the task's ``lock_rate`` is sent too, with ``holder`` None and the policy's action; a
-    debounced send that a later one superseded is sent with ``action`` ``"superseded"`` and
-    that send's task id as ``holder``.
+    Sent in the process executing the task whenever an execution finds its lock held (or a start
+    refused by ``lock_rate`` or a named limit) and acts on it, and, for the queue and coalesce
+    scopes, in the process that sends. Arguments: ``sender`` (the task), ``key``, ``holder``
+    (task id or None), ``ttl`` (seconds left on the holder's lease or None), ``task_id`` (of the
+    locked-out execution or call), ``action``. Every ``action`` and when it is sent: the API
+    reference (docs/api.rst, "Signals").
 
 ``lock_lost``
     Sent in the process executing the task when its lock is found lost while the body runs (a

@@ -72,7 +72,8 @@ def fence_key(key: str) -> str:
     which does no harm: no script uses the two keys together.
 
     Earlier versions named the companion of a key with a ``}`` ``<key>:fence``, which a lock key
-    under a hash-tagged prefix could be as well (see docs/store-redis.rst, "Data layout");
+    under a hash-tagged prefix could be as well (the companions' names: docs/architecture.rst,
+    "store-encodings");
     0.1.0 named this hash the fence hash and kept fences and completion markers in it.
     """
     return companion_key(key, "fence")
