@@ -271,9 +271,9 @@ ACQUIRE_HASH_SCRIPT = (
 #          (or ''), NUL, then the record's other fields (ACQUIRE_HASH_SCRIPT's ARGV[5…]) joined
 #          by NUL bytes: since NUL field NUL value NUL field NUL value, or since NUL for none
 # ARGV[4]  token prefix whose holder may be taken over; absent (or '') for none
-# Returns the new fence alone (a string) when the caller takes a free key or a string record,
-# {0, the record, lease left in ms} when a string record refuses it, and ACQUIRE_HASH_SCRIPT's
-# replies when the key is a hash.
+# Returns the new fence alone (a string of digits) when the caller takes a free key or a string
+# record; when a string refuses it, one string too: its lease left in ms (-1: no expiry), NUL,
+# then its value (the record); ACQUIRE_HASH_SCRIPT's replies when the key is a hash.
 # The plain lock: when the key does not exist, or is a held string record (_STRING_RECORD), the
 # caller who takes it writes it as a string record, SET PX the lease, in one command: ARGV[1],
 # NUL, the fence, NUL, ARGV[3]. A new fence is the server's time in microseconds (max(its fence
@@ -289,7 +289,8 @@ ACQUIRE_HASH_SCRIPT = (
 # garbage the server's Lua collector walks every 50 scripts; each argument costs the server
 # about 1,500 instructions, hence the fields in one argument and the prefix only when there is
 # one; the lease goes to SET as the string it came as, checked, since a number would be printed
-# back; see python -m bench cost.)
+# back; a refusal is one string rather than a table, cheaper to build and to read; see python -m
+# bench cost.)
 ACQUIRE_SCRIPT = (
     _checked("lease", "ARGV[2]", 1)
     + """
@@ -311,11 +312,11 @@ if cur then
   local prefix = ARGV[4]
   local mine = string.find(cur, ARGV[1], 1, true) == 1 and string.byte(cur, #ARGV[1] + 1) == 0
   if not mine and (not prefix or prefix == '' or string.find(cur, prefix, 1, true) ~= 1) then
-    return {0, cur, redis.call('PTTL', KEYS[1])}
+    return redis.call('PTTL', KEYS[1]) .. '\\0' .. cur
   end
   last = string.match(cur, '^%Z*%z(%d+)%z')
   if not last then
-    return {0, cur, redis.call('PTTL', KEYS[1])}
+    return redis.call('PTTL', KEYS[1]) .. '\\0' .. cur
   end
   if mine then fence = last end
 end

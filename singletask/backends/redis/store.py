@@ -309,15 +309,16 @@ class RedisBackend(LockBackend):
         if packed is not None:  # the plain lock: a string record, its fields in one argument
             plain = (token, lease, packed, prefix) if prefix else (token, lease, packed)
             reply = self._call("acquire", ACQUIRE, (key,), plain)
-            if isinstance(reply, bytes | str):  # taken: its fence
-                return AcquireResult(True, fence=int(reply))
-            if len(reply) == 3 and reply[0] == 0:  # held as a string record
-                holder = string_conflict(reply[1], reply[2])
-                if holder is None:  # a string that is not a lock: as HGET would have said
-                    exc = redis.exceptions.ResponseError(WRONGTYPE)
-                    raise self._error(exc, "acquire", key) from exc
-                return AcquireResult(False, holder)
-            return self._acquired(reply)
+            if not isinstance(reply, bytes | str):  # the key is a hash
+                return self._acquired(reply)
+            left, held, value = as_text(reply).partition("\0")
+            if not held:  # taken: its fence
+                return AcquireResult(True, fence=int(left))
+            holder = string_conflict(value, int(left))  # held as a string record
+            if holder is None:  # a string that is not a lock: as HGET would have said
+                exc = redis.exceptions.ResponseError(WRONGTYPE)
+                raise self._error(exc, "acquire", key) from exc
+            return AcquireResult(False, holder)
         args: list[str | int] = [token, lease, prefix, since, *fields]
         if units:  # the key and its units in one script
             unit_keys, unit_args = take_request(token, ttl, units, units_meta(meta))
