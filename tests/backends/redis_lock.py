@@ -1,5 +1,5 @@
 """A Redis lock key read by hand, whatever its layout: the fields of the hash it is, or stands
-for (a plain lock's string record, ``scripts.py``'s ``_STRING_RECORD``)."""
+for (a plain lock's string record, ``scripts.py``'s ``STRING_RECORD``)."""
 
 from __future__ import annotations
 

@@ -815,7 +815,7 @@ def test_a_script_given_a_duration_out_of_range_writes_nothing(
     (The acquire script used to write the lock hash and then fail on PEXPIRE: a lock that never
     expired, so its task was skipped for ever.)
     """
-    from singletask.backends.redis import scripts
+    from singletask.backends.redis import lock_scripts as scripts
 
     fence = fence_key(key)
     calls = [

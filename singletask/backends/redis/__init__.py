@@ -3,8 +3,10 @@
 * ``store``: :class:`RedisBackend` (``redis://``, ``rediss://``, ``unix://``);
 * ``deploy``: :class:`RedisSentinelBackend` (``sentinel://``) and :class:`RedisClusterBackend`
   (``redis+cluster://``, ``rediss+cluster://``), and what the two share;
-* ``scripts``: every Lua script, each under its KEYS, ARGV and reply (``limit_scripts``: those
-  of named limits);
+* ``scripts``: the rules every Lua script keeps and the Lua pieces they share; the scripts, each
+  under its KEYS, ARGV and reply, by concept: ``lock_scripts`` (the lock key), ``slot_scripts``
+  (holder slots, rated or not), ``debounce_scripts``, ``preempt_scripts``, ``limit_scripts``
+  (named limits);
 * ``slots``, ``rates``, ``replaced``, ``units``, ``bookkeeping``: holder slots; a key's
   companion records (rates, coalesce claims, debounce windows); preemption records; named
   limits (``take_units``, ``give_units``); the bookkeeping listed for operators;

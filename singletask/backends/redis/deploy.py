@@ -44,6 +44,7 @@ from ...exceptions import BackendError, BackendUnavailable, ConfigurationError, 
 from ...protocol.slots import base_key
 from ..base import Holder, StoreState
 from .bookkeeping import scan_state
+from .lock_scripts import HOLDER_SCRIPT
 from .options import (
     RECORD_OPTION,
     RETENTION_OPTIONS,
@@ -64,7 +65,6 @@ from .options import (
 )
 from .rates import ACQUIRE_SLOT_RATED, ACQUIRE_SLOT_RATED_KEEPING
 from .replaced import PREEMPT, PREEMPT_KEEPING, PREEMPT_SLOT, PREEMPT_SLOT_KEEPING
-from .scripts import HOLDER_SCRIPT
 from .slots import ACQUIRE_SLOT, ACQUIRE_SLOT_KEEPING, listed, scan_pattern
 from .store import DRIVER_ERRORS, FENCE_RETENTION, MARKER_RETENTION, RedisBackend
 from .wire import (

@@ -33,7 +33,8 @@ from typing import Final
 
 from ..holders import MAX_PRIORITY, MAX_UNITS, MAX_WEIGHT
 from ..turns import MAX_TICKETS
-from .scripts import ACQUIRE_HASH_SCRIPT, MAX_LEASE_MS, RELEASE_SCRIPT
+from .lock_scripts import ACQUIRE_HASH_SCRIPT, RELEASE_SCRIPT
+from .scripts import MAX_LEASE_MS
 
 __all__ = [
     "ACQUIRE_UNITS_SCRIPT", "GIVE_UNITS_SCRIPT", "LIMIT_STATE_SCRIPT", "RELEASE_UNITS_SCRIPT",
@@ -508,7 +509,7 @@ end
 # on one server or Sentinel: the keys of a lock and of its limits are in no common slot of a
 # cluster).
 # KEYS[1]        lock key (ACQUIRE_HASH_SCRIPT's KEYS[1]; a held string record, scripts.py's
-#                _STRING_RECORD, is read as one and written as a hash when taken)
+#                STRING_RECORD, is read as one and written as a hash when taken)
 # KEYS[2…]       the limits' keys, as TAKE_UNITS_SCRIPT's KEYS (four per limit)
 # ARGV[1]        1 (the lock's keys); ARGV[2] n, the number of ACQUIRE_HASH_SCRIPT's arguments
 # ARGV[3…n+2]    ACQUIRE_HASH_SCRIPT's ARGV; ARGV[n+3…] TAKE_UNITS_SCRIPT's ARGV (same owner

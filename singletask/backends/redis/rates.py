@@ -8,7 +8,7 @@ has a hash tag or no ``}`` at all:
 * ``}:fence`` — a hash holding a coalescing task's pending follow-up claim (:func:`fence_key`);
 * ``}:rate`` — the rate record: a string, the server time (microseconds since the epoch) of
   the key's next allowed start, expiring then (``PX`` interval).
-  :data:`~singletask.backends.redis.scripts.ACQUIRE_SLOT_RATED_SCRIPT` checks and writes it in
+  :data:`~singletask.backends.redis.slot_scripts.ACQUIRE_SLOT_RATED_SCRIPT` checks and writes it in
   the script that takes the slot, so it must share the slots' cluster slot (the Cluster store
   refuses a key whose rate record would not);
 * ``}:debounce`` — the debounce window: a hash ``{l: latest task id, o: server ms it opened}``,
@@ -30,14 +30,13 @@ from typing import Any
 from ...exceptions import LockKeyError
 from ...protocol.slots import companion_key, slot_keys
 from ..base import check_lease
-from .scripts import (
-    ACQUIRE_SLOT_RATED_KEEPING_SCRIPT,
-    ACQUIRE_SLOT_RATED_SCRIPT,
+from .debounce_scripts import (
     DEBOUNCE_PUBLISHED_SCRIPT,
     DEBOUNCE_SCRIPT,
     DEBOUNCE_TAKE_SCRIPT,
     DEBOUNCE_UNDO_SCRIPT,
 )
+from .slot_scripts import ACQUIRE_SLOT_RATED_KEEPING_SCRIPT, ACQUIRE_SLOT_RATED_SCRIPT
 from .slots import ACQUIRE_SLOT, COMPANION_ENDS
 from .wire import Script, as_text, encode_meta, lease_ms
 

@@ -1,8 +1,8 @@
 """The Redis store's preemptions (``lock_policy = "replace"``) and their records.
 
 A preemption takes the key (or the holder slot) and leaves its record in one script
-(:data:`~singletask.backends.redis.scripts.PREEMPT_SCRIPT`, ``PREEMPT_SLOT_SCRIPT``): a string
-at ``{<key>}:replaced:<preempted token>`` (the companion naming of
+(:data:`~singletask.backends.redis.preempt_scripts.PREEMPT_SCRIPT`, ``PREEMPT_SLOT_SCRIPT``): a
+string at ``{<key>}:replaced:<preempted token>`` (the companion naming of
 :func:`singletask.protocol.slots.companion_key` of the lock key, never of a slot, so it is known
 before the script chooses the slot and shares the cluster slot of the key and of every holder
 slot), holding the preemptor's task id, expiring with the preemptor's first lease. The
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ...protocol.slots import base_key, companion_key, slot_keys
-from .scripts import (
+from .preempt_scripts import (
     PREEMPT_KEEPING_SCRIPT,
     PREEMPT_SCRIPT,
     PREEMPT_SLOT_KEEPING_SCRIPT,

@@ -1,13 +1,13 @@
 """Holder slots (``lock_limit``, :mod:`singletask.protocol.slots`) on the Redis stores.
 
 A slot is a lock key of its own, one hash as :mod:`~singletask.backends.redis.scripts` describes;
-slot 0 is the key itself. :data:`~singletask.backends.redis.scripts.ACQUIRE_SLOT_SCRIPT` reads
+slot 0 is the key itself. :data:`~singletask.backends.redis.slot_scripts.ACQUIRE_SLOT_SCRIPT` reads
 every slot of a key and takes one, in one script: the slots of a key hash to the key's own Redis
 Cluster slot (a key with a hash tag, or without ``}``; :meth:`RedisClusterBackend.acquire_slot
 <singletask.backends.redis.deploy.RedisClusterBackend>` refuses any other). The key's last
 fencing token is the largest the records of its slots hold (held or released), and the server
 clock's after that, as for one key; its completion marker is the base key's (field ``d``),
-where a slot's release records it (:data:`~singletask.backends.redis.scripts.RELEASE_SCRIPT`).
+where a slot's release records it (:data:`~singletask.backends.redis.lock_scripts.RELEASE_SCRIPT`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from redis.cluster import RedisCluster
 
 from ...protocol.slots import base_key, slot_index
 from ..base import AcquireResult, Holder
-from .scripts import ACQUIRE_SLOT_KEEPING_SCRIPT, ACQUIRE_SLOT_SCRIPT
+from .slot_scripts import ACQUIRE_SLOT_KEEPING_SCRIPT, ACQUIRE_SLOT_SCRIPT
 from .units import LIMIT_ENDS
 from .wire import Script, as_text, conflict_holder, glob_escape, read_record
 

@@ -19,7 +19,7 @@ import redis
 
 from ...exceptions import BackendError, BackendTimeout, BackendUnavailable
 from ..base import Holder, check_lease
-from .scripts import (
+from .lock_scripts import (
     ACQUIRE_HASH_SCRIPT,
     ACQUIRE_KEEPING_SCRIPT,
     ACQUIRE_SCRIPT,
@@ -345,7 +345,7 @@ def hash_args(args: Sequence[str | int | bytes]) -> tuple[str | int | bytes, ...
 
 
 def string_record(value: bytes | str) -> dict[str, str] | None:
-    """The hash fields a held string record stands for (scripts.py's ``_STRING_RECORD``:
+    """The hash fields a held string record stands for (scripts.py's ``STRING_RECORD``:
     token, fence, since in ms, then the compact fields; ``a`` computed from since as the
     acquire script computes it), or None when ``value`` is not one (not singletask's)."""
     parts = as_text(value).split("\0")
