@@ -302,12 +302,15 @@ def server_costs(work: Path, runs: int, warmup: int) -> dict[str, Any]:
         runners["EVALSHA return 0, 8 arguments"] = lambda: empty(keys=["bench:empty"], args=eight)
         floor = iter(range(10**9))
 
-        def take_and_give(take_lua: str, give_lua: str, args: list[str]) -> Callable[[], None]:
-            """A run taking a new key with one script and owner-check-deleting it with another."""
+        def take_and_give(
+            take_lua: str, give_lua: str, args: list[str], key_of: Callable[[int], str] = str
+        ) -> Callable[[], None]:
+            """A run taking a new key (``bench:floor:`` and ``key_of`` a counter) with one script
+            and owner-check-deleting it with another."""
             take, give = raw.register_script(take_lua), raw.register_script(give_lua)
 
             def run() -> None:
-                key = f"bench:floor:{next(floor)}"
+                key = f"bench:floor:{key_of(next(floor))}"
                 take(keys=[key], args=args)
                 give(keys=[key], args=args[:1])
 
@@ -333,29 +336,18 @@ def server_costs(work: Path, runs: int, warmup: int) -> dict[str, Any]:
         # it in. "SET NX first" reads the clock before it knows whether the key is free;
         # "GET first" reads the key before the clock, as ACQUIRE_SCRIPT does. And a refusal
         # by the second: the holder's value and lease left.
-        shaped = iter(range(10**9))
         shaped_token = execution_token(str(uuid.uuid4()), 0)
         shaped_args = [shaped_token, "30000", "1700000000123\0n\x0011\0w\0bench"]
-        shaped_head = "singletask:bench.singletask.noop:"
 
-        def shaped_pair(take_lua: str) -> Callable[[], None]:
-            take, give = raw.register_script(take_lua), raw.register_script(_FLOOR_GIVE_STRING)
+        def shaped(n: int) -> str:  # bench:floor: and 86 more: 98 characters, as singletask's
+            return f"{n:086x}"
 
-            def run() -> None:
-                key = f"{shaped_head}{next(shaped):064x}"
-                take(keys=[key], args=shaped_args)
-                give(keys=[key], args=shaped_args[:1])
-
-            return run
-
-        runners["floor, singletask's key: SET NX first, two scripts"] = shaped_pair(
-            _FLOOR_TAKE_SHAPED
-        )
-        runners["floor, singletask's key: GET first, two scripts"] = shaped_pair(
-            _FLOOR_TAKE_GET_FIRST
-        )
+        for order, take_lua in (("SET NX", _FLOOR_TAKE_SHAPED), ("GET", _FLOOR_TAKE_GET_FIRST)):
+            runners[f"floor, singletask's key: {order} first, two scripts"] = take_and_give(
+                take_lua, _FLOOR_GIVE_STRING, shaped_args, shaped
+            )
         refuse_get_first = raw.register_script(_FLOOR_TAKE_GET_FIRST)
-        shaped_held = f"{shaped_head}{'f' * 64}"
+        shaped_held = f"bench:floor:{'f' * 86}"
         raw.set(shaped_held, f"{uuid.uuid4()}:0:h:1:n\0{'1' * 16}\0\0w\0h", px=3_600_000)
         runners["floor, singletask's key: refusal, GET first"] = lambda: refuse_get_first(
             keys=[shaped_held], args=shaped_args
