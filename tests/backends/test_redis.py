@@ -852,6 +852,12 @@ def test_a_script_given_a_duration_out_of_range_writes_nothing(
         assert lock_token(redis_client, key) == "token-1"
         assert 20_000 < redis_client.pttl(key) <= 30_000
 
+    # And another owner's acquire with the bad duration is refused, as it would be with a good
+    # one (a refusal writes nothing, so the plain acquire does not read the lease for it)
+    refused = redis_client.eval(scripts.ACQUIRE_SCRIPT, 1, key, "token-2", millis, "\0")
+    assert refused.split(b"\0", 2)[1] == b"token-1"
+    assert lock_token(redis_client, key) == "token-1"
+
 
 # -- an acquire whose reply comes too late ------------------------------------------------------
 

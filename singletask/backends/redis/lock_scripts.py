@@ -55,7 +55,8 @@ ACQUIRE_HASH_SCRIPT = (
 # handles it, ARGV[3] split into since and fields (detected by GET's WRONGTYPE error, caught). A
 # string that is not a held record (not singletask's) is refused with its value, which the
 # client does not read as a lock.
-# Errors (before any write) when ARGV[2] is out of range.
+# Errors (before any write) when ARGV[2] is out of range (a refusal, which writes nothing, does
+# not read it).
 # (Cost: the string path calls no Lua function of the script's own and builds no table but its
 # reply, the hash path's functions being defined only when it runs: closures and tables are
 # garbage the server's Lua collector walks every 50 scripts; each argument costs the server
@@ -64,8 +65,7 @@ ACQUIRE_HASH_SCRIPT = (
 # back; a refusal is one string rather than a table, cheaper to build and to read; see python -m
 # bench cost.)
 ACQUIRE_SCRIPT = (
-    checked("lease", "ARGV[2]", 1)
-    + """
+    """
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then
 local since, packed = string.match(ARGV[3], '^(%Z*)%z(.*)$')
@@ -92,7 +92,9 @@ if cur then
   end
   if mine then fence = last end
 end
-if not fence then
+"""
+    + checked("lease", "ARGV[2]", 1)
+    + """if not fence then
   local now = redis.call('TIME')
   local us = now[2]
   if #us < 6 then us = string.rep('0', 6 - #us) .. us end
