@@ -39,9 +39,10 @@ such a lock (``token`` for exclusion, ``fence`` before ``f``, ``task_id``) and n
 claim (:data:`~singletask.backends.redis.lock_scripts.CLAIM_NEXT_SCRIPT`).
 
 Every key a script writes gets its expiry in the same script, and no script leaves a key without
-one, whatever it is given: each script first checks every duration argument (a whole number of
-milliseconds from 1, or 0 where it says so, to :data:`MAX_LEASE_MS`) and fails *before its
-first write* when one is out of range, so ``PEXPIRE`` cannot fail after a write. (Redis runs a
+one, whatever it is given: each script checks every duration argument it would use (a whole
+number of milliseconds from 1, or 0 where it says so, to :data:`MAX_LEASE_MS`) and fails
+*before its first write* when one is out of range, so ``PEXPIRE`` cannot fail after a write (a
+path that writes nothing, such as a refusal, may return without reading it). (Redis runs a
 script that has started writing to its end even when it is out of memory, and a script cannot
 be killed once it has written, so nothing else can stop one between a write and its expiry.)
 
