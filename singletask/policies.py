@@ -181,23 +181,27 @@ class Skip(Policy):
 
     def apply(self, conflict: Conflict) -> Skipped:
         conflict.report("skip")
+        # At INFO, as Celery logs the messages it does not run ("Discarding revoked task"): a
+        # skipped duplicate is the lock working. The line's parts are built only for it.
         if conflict.limit is not None:
-            logger.warning(
-                "Task %s[%s] skipped: %s", conflict.task.name, conflict.task.request.id,
-                conflict.why,
-            )  # fmt: skip
+            if logger.isEnabledFor(logging.INFO):
+                logger.info(
+                    "Task %s[%s] skipped: %s", conflict.task.name, conflict.task.request.id,
+                    conflict.why,
+                )  # fmt: skip
             return Skipped(conflict.key, reason="limit", retry_after=conflict.retry_after,
                            limit=conflict.limit)  # fmt: skip
         if conflict.rated:
-            logger.warning(
-                "Task %s[%s] skipped: lock %r started too recently for its lock_rate %s "
-                "(next start in %.1fs)",
-                conflict.task.name, conflict.task.request.id, conflict.key,
-                conflict.options.rate, conflict.retry_after,
-            )  # fmt: skip
+            if logger.isEnabledFor(logging.INFO):
+                logger.info(
+                    "Task %s[%s] skipped: lock %r started too recently for its lock_rate %s "
+                    "(next start in %.1fs)",
+                    conflict.task.name, conflict.task.request.id, conflict.key,
+                    conflict.options.rate, conflict.retry_after,
+                )  # fmt: skip
             return Skipped(conflict.key, reason="rate", retry_after=conflict.retry_after)
-        if logger.isEnabledFor(logging.WARNING):  # the line's parts are built only for it
-            logger.warning(
+        if logger.isEnabledFor(logging.INFO):
+            logger.info(
                 "Task %s[%s] skipped: lock %r is held by %s (lease left: %s)",
                 conflict.task.name, conflict.task.request.id, conflict.key, conflict.who,
                 conflict.lease_left,
