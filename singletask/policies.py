@@ -47,7 +47,7 @@ __all__ = ["POLICIES", "Conflict", "Policy", "Raise", "Replace", "Retry", "Skip"
 logger = logging.getLogger("singletask")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Conflict:
     """An execution of ``task`` that found ``key`` held by ``holder``.
 
@@ -77,6 +77,34 @@ class Conflict:
     retry_after: float | None = None
     limit: str | None = None
     used: int | None = None
+
+    # The __init__ the dataclass would generate, written out: every refusal makes one, and
+    # setting the frozen fields in the instance's dict costs a fraction of the generated one's
+    # object.__setattr__ per field.
+    def __init__(
+        self,
+        task: Task[Any, Any],
+        options: LockOptions,
+        backend: LockBackend,
+        key: str,
+        holder: Holder | None,
+        direct: bool,
+        holders: tuple[Holder, ...] = (),
+        retry_after: float | None = None,
+        limit: str | None = None,
+        used: int | None = None,
+    ) -> None:
+        fields = self.__dict__
+        fields["task"] = task
+        fields["options"] = options
+        fields["backend"] = backend
+        fields["key"] = key
+        fields["holder"] = holder
+        fields["direct"] = direct
+        fields["holders"] = holders
+        fields["retry_after"] = retry_after
+        fields["limit"] = limit
+        fields["used"] = used
 
     @property
     def holder_id(self) -> str | None:
@@ -113,7 +141,8 @@ class Conflict:
                 sender=self.task, key=self.key, holder=self.holder_id, ttl=self.ttl,
                 task_id=self.task.request.id, action=action,
             )  # fmt: skip
-        report.conflict(self.task, self.key, self.holder_id, action, rated=self.rated)
+        if report.heard(self.task):  # else no span records and no event is sent
+            report.conflict(self.task, self.key, self.holder_id, action, rated=self.rated)
 
     @property
     def rated(self) -> bool:

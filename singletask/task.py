@@ -203,6 +203,10 @@ class SingletonTask(_TaskBase):
         # "replace" orders its holders by send time; else the options reach Celery as given
         if lock.policy == "replace" or report.reports_wait(self.app, lock):
             options = dict(headers.with_sent_at(options))
+        if lock.scope == "execution" and lock.debounce is None and not retrying.intercepts(task_id):
+            # Nothing to deduplicate, debounce or keep for a hold's end: Celery's send, at once.
+            send = super().apply_async
+            return send(args, kwargs, task_id, producer, link, link_error, shadow, **options)  # type: ignore[arg-type]
 
         def publish(task_id: str | None, send: Mapping[str, Any] = options) -> AsyncResult[Any]:
             # As given: Celery checks them (a str is not a tuple), and sends a list as a list.

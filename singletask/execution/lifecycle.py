@@ -249,7 +249,7 @@ class _Run:
             meta["task_id"] = str(task_id)
         if options.policy == "replace":  # newer or older, and whether its pool can terminate it
             meta.update(replace.holder_fields(request, meta["since"]))
-        if limited and options.keyless:  # limits alone hold it back: a key of its own, for its lease
+        if limited and options.keyless:  # limits alone hold it back: a key of its own (lease)
             key = own_key(key, token if direct else str(task_id))
         return cls(task, options, body, args, kwargs, request, frames, task_id, direct, key,
                    state, state.backend, retries, token, takeover, meta, attempt,

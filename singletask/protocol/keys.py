@@ -84,7 +84,7 @@ def _one_shot() -> Callable[[Any, int], Sequence[str]] | None:
             _ENCODER.key_separator, _ENCODER.item_separator, _ENCODER.sort_keys,
             _ENCODER.skipkeys, _ENCODER.allow_nan,
         )  # fmt: skip
-        sample = {"b": [1, 2.5, None, True, "\u00e9\"\n"], "a": {"y": -3, "x": ""}}
+        sample = {"b": [1, 2.5, None, True, '\u00e9"\n'], "a": {"y": -3, "x": ""}}
         if "".join(encode(sample, 0)) != _ENCODER.encode(sample):
             return None
     except Exception:
