@@ -379,7 +379,7 @@ def _preempt_or_refuse(run: _Run, result: AcquireResult) -> AcquireResult | Ende
                         result.holders, result.retry_after)  # fmt: skip
     try:
         if run.options.policy != "replace":  # only "replace" preempts: the others are refused
-            return Ended(refused(conflict))
+            return Ended(refused(conflict, run.request))
         run.sent_at = time.monotonic()
         taken = replace.preempt(conflict, run.token, run.meta)
         if taken is None:
