@@ -235,7 +235,11 @@ class Skip(Policy):
                 conflict.task.name, conflict.task.request.id, conflict.key, conflict.who,
                 conflict.lease_left,
             )  # fmt: skip
-        return Skipped(conflict.key, conflict.holder_id, conflict.ttl, conflict.holder_ids)
+        holder = conflict.holder  # holder_id and ttl, read once
+        ids = conflict.holder_ids if len(conflict.holders) > 1 else ()
+        if holder is None:
+            return Skipped(conflict.key, None, None, ids)
+        return Skipped(conflict.key, holder.task_id, holder.ttl, ids)
 
 
 class Raise(Policy):

@@ -45,7 +45,7 @@ from ..observe import report
 from ..policies import POLICIES, Conflict
 from ..protocol.headers import LATEST_HEADER, header_count, is_redelivery
 from ..protocol.slots import base_key, slot_keys
-from ..protocol.tokens import direct_token, execution_token, reservation_token, this_pid
+from ..protocol.tokens import direct_token, execution_token, reservation_token, this_pid_text
 from ..send.records import clear_follow_up
 from ..signals import lock_acquired
 from . import replace, units
@@ -242,7 +242,7 @@ class _Run:
             "task": name,
             "scope": options.scope,  # for `singletask locks`; same round trip
             "hostname": request.hostname or gethostname(),  # Celery's, memoized
-            "pid": str(this_pid()),
+            "pid": this_pid_text(),
             "since": f"{time.time():.3f}",
         }
         if attempt is not None:

@@ -31,6 +31,7 @@ __all__ = [
     "process_state",
     "reservation_token",
     "this_pid",
+    "this_pid_text",
 ]
 
 #: How long, in seconds, a holder's process found alive is taken to be alive by
@@ -48,11 +49,14 @@ _not_gone_until: dict[str, float] = {}
 #: ``<host id>:<pid>:``, the part of this process's tokens before the nonce (once per process).
 _tail = ""
 
+#: This process's pid as text (once per process).
+_pid_text = ""
+
 
 def _forked() -> None:
-    global _pid, _tail
+    global _pid, _tail, _pid_text
     _pid = os.getpid()
-    _tail = ""
+    _tail = _pid_text = ""
     _not_gone_until.clear()
 
 
@@ -62,6 +66,14 @@ os.register_at_fork(after_in_child=_forked)
 def this_pid() -> int:
     """This process's pid, without a system call (kept up to date across ``fork()``)."""
     return _pid
+
+
+def this_pid_text() -> str:
+    """:func:`this_pid` as text (the ``pid`` of a lock's metadata), made once per process."""
+    global _pid_text
+    if not _pid_text:
+        _pid_text = str(_pid)
+    return _pid_text
 
 
 def execution_token(task_id: str, retries: int) -> str:
