@@ -301,6 +301,8 @@ class KeySpec:
         """The call's arguments by parameter name, defaults applied (order is irrelevant)."""
         if self._simple is not None:
             positional, names, defaults = self._simple
+            if not kwargs and len(args) == len(names) == len(positional):
+                return dict(zip(positional, args, strict=True))  # every parameter, in order
             if len(args) <= len(positional):
                 arguments = dict(zip(positional, args, strict=False))
                 for name, value in kwargs.items():
