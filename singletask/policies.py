@@ -47,7 +47,7 @@ __all__ = ["POLICIES", "Conflict", "Policy", "Raise", "Replace", "Retry", "Skip"
 logger = logging.getLogger("singletask")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Conflict:
     """An execution of ``task`` that found ``key`` held by ``holder``.
 
@@ -77,6 +77,34 @@ class Conflict:
     retry_after: float | None = None
     limit: str | None = None
     used: int | None = None
+
+    # The __init__ the dataclass would generate, written out: every refusal makes one, and
+    # setting the frozen fields in the instance's dict costs a fraction of the generated one's
+    # object.__setattr__ per field.
+    def __init__(
+        self,
+        task: Task[Any, Any],
+        options: LockOptions,
+        backend: LockBackend,
+        key: str,
+        holder: Holder | None,
+        direct: bool,
+        holders: tuple[Holder, ...] = (),
+        retry_after: float | None = None,
+        limit: str | None = None,
+        used: int | None = None,
+    ) -> None:
+        fields = self.__dict__
+        fields["task"] = task
+        fields["options"] = options
+        fields["backend"] = backend
+        fields["key"] = key
+        fields["holder"] = holder
+        fields["direct"] = direct
+        fields["holders"] = holders
+        fields["retry_after"] = retry_after
+        fields["limit"] = limit
+        fields["used"] = used
 
     @property
     def holder_id(self) -> str | None:
@@ -113,7 +141,8 @@ class Conflict:
                 sender=self.task, key=self.key, holder=self.holder_id, ttl=self.ttl,
                 task_id=self.task.request.id, action=action,
             )  # fmt: skip
-        report.conflict(self.task, self.key, self.holder_id, action, rated=self.rated)
+        if report.heard(self.task):  # else no span records and no event is sent
+            report.conflict(self.task, self.key, self.holder_id, action, rated=self.rated)
 
     @property
     def rated(self) -> bool:
@@ -181,28 +210,36 @@ class Skip(Policy):
 
     def apply(self, conflict: Conflict) -> Skipped:
         conflict.report("skip")
+        # At INFO, as Celery logs the messages it does not run ("Discarding revoked task"): a
+        # skipped duplicate is the lock working. The line's parts are built only for it.
         if conflict.limit is not None:
-            logger.warning(
-                "Task %s[%s] skipped: %s", conflict.task.name, conflict.task.request.id,
-                conflict.why,
-            )  # fmt: skip
+            if logger.isEnabledFor(logging.INFO):
+                logger.info(
+                    "Task %s[%s] skipped: %s", conflict.task.name, conflict.task.request.id,
+                    conflict.why,
+                )  # fmt: skip
             return Skipped(conflict.key, reason="limit", retry_after=conflict.retry_after,
                            limit=conflict.limit)  # fmt: skip
         if conflict.rated:
-            logger.warning(
-                "Task %s[%s] skipped: lock %r started too recently for its lock_rate %s "
-                "(next start in %.1fs)",
-                conflict.task.name, conflict.task.request.id, conflict.key,
-                conflict.options.rate, conflict.retry_after,
-            )  # fmt: skip
+            if logger.isEnabledFor(logging.INFO):
+                logger.info(
+                    "Task %s[%s] skipped: lock %r started too recently for its lock_rate %s "
+                    "(next start in %.1fs)",
+                    conflict.task.name, conflict.task.request.id, conflict.key,
+                    conflict.options.rate, conflict.retry_after,
+                )  # fmt: skip
             return Skipped(conflict.key, reason="rate", retry_after=conflict.retry_after)
-        if logger.isEnabledFor(logging.WARNING):  # the line's parts are built only for it
-            logger.warning(
+        if logger.isEnabledFor(logging.INFO):
+            logger.info(
                 "Task %s[%s] skipped: lock %r is held by %s (lease left: %s)",
                 conflict.task.name, conflict.task.request.id, conflict.key, conflict.who,
                 conflict.lease_left,
             )  # fmt: skip
-        return Skipped(conflict.key, conflict.holder_id, conflict.ttl, conflict.holder_ids)
+        holder = conflict.holder  # holder_id and ttl, read once
+        ids = conflict.holder_ids if len(conflict.holders) > 1 else ()
+        if holder is None:
+            return Skipped(conflict.key, None, None, ids)
+        return Skipped(conflict.key, holder.task_id, holder.ttl, ids)
 
 
 class Raise(Policy):

@@ -23,7 +23,7 @@ from kombu.utils.json import register_type
 __all__ = ["Skipped"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Skipped:
     """An execution did not run its body because another execution held the lock.
 
@@ -55,6 +55,28 @@ class Skipped:
     reason: str = "held"
     retry_after: float | None = None
     limit: str | None = None
+
+    # The __init__ the dataclass would generate, written out: a refused duplicate makes one,
+    # and setting the frozen fields in the instance's dict costs a fraction of the generated
+    # one's object.__setattr__ per field.
+    def __init__(
+        self,
+        key: str,
+        holder: str | None = None,
+        ttl: float | None = None,
+        holders: tuple[str | None, ...] = (),
+        reason: str = "held",
+        retry_after: float | None = None,
+        limit: str | None = None,
+    ) -> None:
+        fields = self.__dict__
+        fields["key"] = key
+        fields["holder"] = holder
+        fields["ttl"] = ttl
+        fields["holders"] = holders
+        fields["reason"] = reason
+        fields["retry_after"] = retry_after
+        fields["limit"] = limit
 
     def __str__(self) -> str:
         if self.reason == "limit":

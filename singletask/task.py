@@ -203,6 +203,10 @@ class SingletonTask(_TaskBase):
         # "replace" orders its holders by send time; else the options reach Celery as given
         if lock.policy == "replace" or report.reports_wait(self.app, lock):
             options = dict(headers.with_sent_at(options))
+        if lock.scope == "execution" and lock.debounce is None and not retrying.intercepts(task_id):
+            # Nothing to deduplicate, debounce or keep for a hold's end: Celery's send, at once.
+            send = super().apply_async
+            return send(args, kwargs, task_id, producer, link, link_error, shadow, **options)  # type: ignore[arg-type]
 
         def publish(task_id: str | None, send: Mapping[str, Any] = options) -> AsyncResult[Any]:
             # As given: Celery checks them (a str is not a tuple), and sends a list as a list.
@@ -284,8 +288,10 @@ class SingletonTask(_TaskBase):
     # time limit on Celery >= 5.7): there they release for it.
 
     def _outside_execution(self, task_id: str) -> bool:
-        request = self.request
-        return bool(request.called_directly) or request.id != task_id
+        # self.request, without its frame: no request pushed is Celery's default Context,
+        # which is called directly.
+        request = self.request_stack.top
+        return request is None or bool(request.called_directly) or request.id != task_id
 
     def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
         if self._outside_execution(task_id):

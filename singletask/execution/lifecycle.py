@@ -45,7 +45,7 @@ from ..observe import report
 from ..policies import POLICIES, Conflict
 from ..protocol.headers import LATEST_HEADER, header_count, is_redelivery
 from ..protocol.slots import base_key, slot_keys
-from ..protocol.tokens import direct_token, execution_token, reservation_token, this_pid
+from ..protocol.tokens import direct_token, execution_token, reservation_token, this_pid_text
 from ..send.records import clear_follow_up
 from ..signals import lock_acquired
 from . import replace, units
@@ -207,19 +207,21 @@ class _Run:
         """Who is running: a worker or eager execution (a task id and ``retries``: its token
         names that attempt, and it may take over the reservation made for it), or a direct
         call (neither). None for a direct call from inside the execution holding the key."""
-        request = task.request
+        request = task.request  # a lookup in Celery's request stack: read once
         frames = _frames.get()
         task_id: str | None = request.id
+        name = task.name
         # A call from inside a running execution of this same task inherits its request.
-        nested = any(f.task == task.name and f.request_id == task_id for f in frames)
+        nested = bool(frames) and any(f.task == name and f.request_id == task_id for f in frames)
         direct = bool(request.called_directly) or task_id is None or nested
         key = options.key(args, kwargs)
-        if direct and any(base_key(f.handle.key) == key for f in frames):
+        if direct and frames and any(base_key(f.handle.key) == key for f in frames):
             return None
         retries = int(request.retries or 0)
         state = app_state(task.app)
         want = None
-        if options.limits is not None or options.cost is not None:
+        limited = options.limits is not None or options.cost is not None
+        if limited:
             want = wanted(task, options, state, key, args, kwargs)  # a bad cost fails here
             waits = options.policy == "retry" or retries > 0  # see _no_room
             turns = state.settings.limit_turns and state.backend.supports_turns
@@ -232,20 +234,22 @@ class _Run:
             token = execution_token(str(task_id), retries)
             # Take over the reservation made for this attempt: by apply_async when the message
             # was sent (lock_scope "queue" / "coalesce"), or by the previous attempt when it
-            # ended with a retry (see endings.release_or_reserve); never a running attempt itself.
-            takeover = reservation_token(str(task_id), retries)
+            # ended with a retry (see endings.release_or_reserve); never a running attempt
+            # itself. A first attempt sent with lock_scope "execution" has none to take over.
+            reserved = retries > 0 or options.scope != "execution"
+            takeover = reservation_token(str(task_id), retries) if reserved else None
         meta = {
-            "task": task.name,
+            "task": name,
             "scope": options.scope,  # for `singletask locks`; same round trip
             "hostname": request.hostname or gethostname(),  # Celery's, memoized
-            "pid": str(this_pid()),
+            "pid": this_pid_text(),
             "since": f"{time.time():.3f}",
         }
         if attempt is not None:
             meta["task_id"] = str(task_id)
         if options.policy == "replace":  # newer or older, and whether its pool can terminate it
             meta.update(replace.holder_fields(request, meta["since"]))
-        if options.keyless:  # limits alone hold it back: a key of its own, for its lease
+        if limited and options.keyless:  # limits alone hold it back: a key of its own (lease)
             key = own_key(key, token if direct else str(task_id))
         return cls(task, options, body, args, kwargs, request, frames, task_id, direct, key,
                    state, state.backend, retries, token, takeover, meta, attempt,
@@ -374,6 +378,8 @@ def _preempt_or_refuse(run: _Run, result: AcquireResult) -> AcquireResult | Ende
     conflict = Conflict(run.task, run.options, run.backend, run.key, result.holder, run.direct,
                         result.holders, result.retry_after)  # fmt: skip
     try:
+        if run.options.policy != "replace":  # only "replace" preempts: the others are refused
+            return Ended(refused(conflict, run.request))
         run.sent_at = time.monotonic()
         taken = replace.preempt(conflict, run.token, run.meta)
         if taken is None:

@@ -88,15 +88,17 @@ logger = logging.getLogger("singletask")
 BACKEND_RETRY_CAP = 30.0
 
 
-def refused(conflict: Conflict) -> Any:
+def refused(conflict: Conflict, request: Any = None) -> Any:
     """Act for an execution that could not take its key: return its value, or raise to end it.
 
     The order of the module's docstring: the rate, then holders under this task id, then a
-    coalescing follow-up's wait, then the task's policy.
+    coalescing follow-up's wait, then the task's policy. ``request``: the task's current
+    request, when the caller has it at hand (else it is read).
     """
     if conflict.rated:
         return _rate_refused(conflict)
-    request = conflict.task.request
+    if request is None:
+        request = conflict.task.request
     for holder in conflict.holders or ((conflict.holder,) if conflict.holder else ()):
         if not conflict.direct and holder.task_id == request.id:
             _held_by_same_task(conflict, holder)

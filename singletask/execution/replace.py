@@ -120,9 +120,10 @@ def preempt(
     between; an execution takes the key over only from an older one, so the holders it can meet
     that way are the finitely many sends older than this one.
     """
-    request, options = conflict.task.request, conflict.options
+    options = conflict.options
     if options.policy != "replace" or conflict.rated:
         return None
+    request = conflict.task.request
     holders = conflict.holders or ((conflict.holder,) if conflict.holder else ())
     if not conflict.direct and (
         int(request.retries or 0) > 0

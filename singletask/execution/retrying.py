@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from celery import Task
     from celery.result import AsyncResult
 
-__all__ = ["published", "retrying"]
+__all__ = ["intercepts", "published", "retrying"]
 
 #: The task id whose ``SingletonTask.retry`` is in progress in this thread, if any.
 _retrying: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -58,6 +58,12 @@ def retrying(task: Task[Any, Any], *, throw: bool) -> Iterator[None]:
         yield
     finally:
         _retrying.reset(reset)
+
+
+def intercepts(task_id: str | None) -> bool:
+    """Whether :func:`published` may keep a send of ``task_id`` for the end of the hold: only
+    the retry that ``Task.retry`` is making for the execution in progress in this thread."""
+    return bool(task_id) and _retrying.get() == task_id
 
 
 def published(

@@ -43,6 +43,7 @@ __all__ = [
     "conflict",
     "emit",
     "first_sent",
+    "heard",
     "lease_lost",
     "reports_wait",
     "sends_events",
@@ -207,6 +208,12 @@ def emit(
             "singletask: could not tell the outcome %s of task %s", outcome,
             task.name, exc_info=True,
         )  # fmt: skip
+
+
+def heard(task: Task[Any, Any]) -> bool:
+    """Whether an outcome of an execution of ``task`` would be told at all: a span records in
+    this thread, or this process sends events (else there is nothing to build for it)."""
+    return spans.current() is not None or sends_events(task.app)
 
 
 def conflict(

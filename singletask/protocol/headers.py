@@ -67,7 +67,7 @@ def message_headers(request: Any) -> Mapping[str, Any]:
     """The headers of the request being executed, or ``{}`` when it has none or they are not a
     mapping (Celery keeps whatever ``apply(headers=...)`` was given, an int included)."""
     given = getattr(request, "headers", None)
-    return given if isinstance(given, Mapping) else {}
+    return given if type(given) is dict or isinstance(given, Mapping) else {}
 
 
 def with_header(options: Mapping[str, Any], header: str, value: Any) -> dict[str, Any] | None:

@@ -18,10 +18,12 @@ so no key part but the prefix can form a Redis Cluster hash tag.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import re
 import string
 from collections.abc import Callable, Mapping, Sequence
+from json import encoder as json_encoder
 from typing import Any
 
 from kombu.utils import json as kombu_json
@@ -59,7 +61,9 @@ def unescape_name(text: str) -> str:
 
 def escape_suffix(suffix: str) -> str:
     """A key's suffix as it appears in the key: ``%``, ``{`` and ``}`` percent-escaped."""
-    return suffix.translate(_SUFFIX_ESCAPES)
+    if "%" in suffix or "{" in suffix or "}" in suffix:  # else as it is (a digest always is)
+        return suffix.translate(_SUFFIX_ESCAPES)
+    return suffix
 
 
 #: kombu's JSON encoder as ``kombu.utils.json.dumps(value, sort_keys=True, separators=(",", ":"),
@@ -68,12 +72,42 @@ def escape_suffix(suffix: str) -> str:
 _ENCODER = kombu_json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def _one_shot() -> Callable[[Any, int], Sequence[str]] | None:
+    """The C encoder that ``_ENCODER.encode`` builds anew for each value, built once (the
+    same arguments, but no circular-reference check: see :func:`canonical_json`); None where
+    the ``json`` module has no C accelerator, or where it does not encode as ``_ENCODER``."""
+    make = getattr(json_encoder, "c_make_encoder", None)
+    if make is None:
+        return None
+    try:
+        encode: Callable[[Any, int], Sequence[str]] = make(
+            None, _ENCODER.default, json_encoder.encode_basestring, _ENCODER.indent,
+            _ENCODER.key_separator, _ENCODER.item_separator, _ENCODER.sort_keys,
+            _ENCODER.skipkeys, _ENCODER.allow_nan,
+        )  # fmt: skip
+        sample = {"b": [1, 2.5, None, True, '\u00e9"\n'], "a": {"y": -3, "x": ""}}
+        if "".join(encode(sample, 0)) != _ENCODER.encode(sample):
+            return None
+    except Exception:
+        return None
+    return encode
+
+
+_C_ENCODE = _one_shot()
+
+
 def canonical_json(value: Any) -> str:
     """Serialise ``value`` with kombu's JSON encoder, keys sorted, no whitespace.
 
     Raises:
         TypeError: A value cannot be serialised.
+        ValueError: A value refers to itself, or is a float JSON cannot write.
     """
+    if _C_ENCODE is not None:
+        try:
+            return "".join(_C_ENCODE(value, 0))
+        except Exception:
+            pass  # a value it cannot write (or one that refers to itself): said below
     text: str = _ENCODER.encode(value)
     return text
 
@@ -85,7 +119,7 @@ def digest(arguments: Mapping[str, Any], *, where: str) -> str:
         LockKeyError: An argument cannot be serialised; the message names it.
     """
     try:
-        text = canonical_json(dict(arguments))
+        text = canonical_json(arguments if type(arguments) is dict else dict(arguments))
     except (TypeError, ValueError) as exc:
         for name, value in arguments.items():
             try:
@@ -97,7 +131,23 @@ def digest(arguments: Mapping[str, Any], *, where: str) -> str:
         raise LockKeyError(f"{where}: arguments cannot be part of a lock key: {exc}") from exc
     # "surrogatepass": a lone surrogate in a str argument hashes (to its own key) instead of
     # failing; the text is only hashed, never stored.
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    hexdigest: str = _sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    return hexdigest
+
+
+def _builtin_sha256() -> Callable[[bytes], Any]:
+    """Python's own SHA-256 (the same digest as OpenSSL's, made with fewer instructions for a
+    key's few bytes), or ``hashlib``'s where the interpreter was built without it."""
+    for module in ("_sha2", "_sha256"):  # its name since Python 3.12, and before
+        try:
+            sha256: Callable[[bytes], Any] = importlib.import_module(module).sha256
+        except (ImportError, AttributeError):
+            continue
+        return sha256
+    return hashlib.sha256
+
+
+_sha256 = _builtin_sha256()
 
 
 def run_signature(task_cls: type) -> inspect.Signature | None:
@@ -251,6 +301,8 @@ class KeySpec:
         """The call's arguments by parameter name, defaults applied (order is irrelevant)."""
         if self._simple is not None:
             positional, names, defaults = self._simple
+            if not kwargs and len(args) == len(names) == len(positional):
+                return dict(zip(positional, args, strict=True))  # every parameter, in order
             if len(args) <= len(positional):
                 arguments = dict(zip(positional, args, strict=False))
                 for name, value in kwargs.items():

@@ -10,9 +10,10 @@ the token ``<task id>:<retries>:-:0:reserved``; a direct call's token is ``direc
 
 from __future__ import annotations
 
-import base64
+import binascii
 import functools
 import hashlib
+import math
 import os
 import random
 import secrets
@@ -30,6 +31,7 @@ __all__ = [
     "process_state",
     "reservation_token",
     "this_pid",
+    "this_pid_text",
 ]
 
 #: How long, in seconds, a holder's process found alive is taken to be alive by
@@ -40,14 +42,22 @@ ALIVE_FOR: Final = 1.0
 #: This process's pid, read again in a forked child (``os.getpid()`` is a system call).
 _pid = os.getpid()
 
-#: pid -> ``time.monotonic()`` until which that process of this host is taken to be alive.
-_alive_until: dict[int, float] = {}
+#: owner token -> ``time.monotonic()`` until which :func:`holder_gone` takes its process not to
+#: be gone: for a while if found alive, for good if it is not another process of this host.
+_not_gone_until: dict[str, float] = {}
+
+#: ``<host id>:<pid>:``, the part of this process's tokens before the nonce (once per process).
+_tail = ""
+
+#: This process's pid as text (once per process).
+_pid_text = ""
 
 
 def _forked() -> None:
-    global _pid
+    global _pid, _tail, _pid_text
     _pid = os.getpid()
-    _alive_until.clear()
+    _tail = _pid_text = ""
+    _not_gone_until.clear()
 
 
 os.register_at_fork(after_in_child=_forked)
@@ -56,6 +66,14 @@ os.register_at_fork(after_in_child=_forked)
 def this_pid() -> int:
     """This process's pid, without a system call (kept up to date across ``fork()``)."""
     return _pid
+
+
+def this_pid_text() -> str:
+    """:func:`this_pid` as text (the ``pid`` of a lock's metadata), made once per process."""
+    global _pid_text
+    if not _pid_text:
+        _pid_text = str(_pid)
+    return _pid_text
 
 
 def execution_token(task_id: str, retries: int) -> str:
@@ -68,13 +86,19 @@ def execution_token(task_id: str, retries: int) -> str:
     64 bytes: Redis keeps a hash whose values are all that short in its compact encoding, which
     about halves the memory of a lock's hash (see ``bench/suites/layouts.py``).
     """
-    nonce = _b64(random.getrandbits(32).to_bytes(4, "big"))
-    return f"{task_id}:{retries}:{host_id()}:{_pid}:{nonce}"
+    global _tail
+    if not _tail:
+        _tail = f"{host_id()}:{_pid}:"
+    return f"{task_id}:{retries}:{_tail}{_b64(random.getrandbits(32).to_bytes(4, 'big'))}"
 
 
 def _b64(data: bytes) -> str:
     """``data`` in unpadded base64url: letters, digits, ``-`` and ``_``, never ``:``."""
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+    return binascii.b2a_base64(data, newline=False).rstrip(b"=").translate(_URLSAFE).decode()
+
+
+#: base64 to base64url.
+_URLSAFE: Final = bytes.maketrans(b"+/", b"-_")
 
 
 def direct_token() -> str:
@@ -141,15 +165,20 @@ def holder_gone(token: str) -> bool:
     """Whether the process an owner token names, on this host, is gone (:func:`process_state`),
     asking the kernel at most once per :data:`ALIVE_FOR` seconds about a process found alive:
     what a refused execution checks of its key's holder."""
+    now = time.monotonic()
+    if _not_gone_until.get(token, 0.0) > now:
+        return False  # the common case: the holder of the last refusals, alive
     parsed = parse_token(token)
     if parsed is None or parsed[2] == "-" or parsed[2] != host_id() or parsed[3] == _pid:
-        return False
-    now = time.monotonic()
-    if _alive_until.get(parsed[3], 0.0) > now:
+        _not_gone(token, math.inf)  # not another process of this host: never gone
         return False
     state = process_state(token)
     if state == "alive":
-        if len(_alive_until) >= 4096:  # many holders seen: forget them all, ask again
-            _alive_until.clear()
-        _alive_until[parsed[3]] = now + ALIVE_FOR
+        _not_gone(token, now + ALIVE_FOR)
     return state == "gone"
+
+
+def _not_gone(token: str, until: float) -> None:
+    if len(_not_gone_until) >= 4096:  # many holders seen: forget them all, ask again
+        _not_gone_until.clear()
+    _not_gone_until[token] = until

@@ -452,10 +452,11 @@ def test_retry_policy_raises_task_locked_at_once_in_eager_mode_and_direct_calls(
     env.assert_held_by_other(key)
 
 
-def test_a_skip_is_logged_as_a_warning_with_key_and_holder(
+def test_a_skip_is_logged_at_info_with_key_and_holder(
     env: Env, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A skipped execution is visible in the logs: a WARNING naming the key and the holder."""
+    """A skipped execution is visible in the logs: one INFO line naming the key and the holder
+    (a duplicate turned away is the lock working, as Celery logs the messages it discards)."""
 
     @env.task(name="inprocess.logged")
     def logged() -> None: ...
@@ -463,13 +464,38 @@ def test_a_skip_is_logged_as_a_warning_with_key_and_holder(
     key = logged.lock_key_for()
     env.hold(key)
 
-    with caplog.at_level(logging.WARNING, logger="singletask"):
+    with caplog.at_level(logging.INFO, logger="singletask"):
         logged()
 
-    warnings = [r for r in caplog.records if r.name == "singletask" and r.levelname == "WARNING"]
-    assert len(warnings) == 1
-    assert key in warnings[0].getMessage()
-    assert HOLDER_ID in warnings[0].getMessage()
+    lines = [r for r in caplog.records if r.name == "singletask"]
+    assert [r.levelname for r in lines] == ["INFO"]
+    assert key in lines[0].getMessage()
+    assert HOLDER_ID in lines[0].getMessage()
+
+
+def test_a_skip_writes_nothing_at_the_default_warning_level(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At a worker's default level (WARNING) a skip logs nothing; a raise still warns."""
+
+    @env.task(name="inprocess.quiet")
+    def quiet() -> None: ...
+
+    @env.task(name="inprocess.loud", lock_policy="raise")
+    def loud() -> None: ...
+
+    env.hold(quiet.lock_key_for())
+    env.hold(loud.lock_key_for())
+
+    with caplog.at_level(logging.WARNING, logger="singletask"):
+        assert isinstance(quiet(), Skipped)
+        with pytest.raises(TaskLocked):
+            loud()
+
+    lines = [r for r in caplog.records if r.name == "singletask"]
+    assert [(r.levelname, "raises TaskLocked" in r.getMessage()) for r in lines] == [
+        ("WARNING", True)
+    ]
 
 
 def test_the_lock_is_free_for_the_next_run_once_the_holder_releases(env: Env) -> None:
