@@ -78,6 +78,15 @@ class Skipped:
         fields["retry_after"] = retry_after
         fields["limit"] = limit
 
+    # The __repr__ the dataclass would generate, written out without its guard against a
+    # value that contains itself (no field can): Celery's tracer writes every result's repr.
+    def __repr__(self) -> str:
+        return (
+            f"Skipped(key={self.key!r}, holder={self.holder!r}, ttl={self.ttl!r}, "
+            f"holders={self.holders!r}, reason={self.reason!r}, "
+            f"retry_after={self.retry_after!r}, limit={self.limit!r})"
+        )
+
     def __str__(self) -> str:
         if self.reason == "limit":
             left = f" (room in {self.retry_after:.1f}s)" if self.retry_after else ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import uuid
 from collections.abc import Iterator
@@ -162,6 +163,13 @@ def test_skipped_through_a_stored_success_result(result_app: celery.Celery) -> N
 def test_skipped_str_is_readable() -> None:
     assert str(Skipped(KEY, "holder-id")) == f"skipped: lock {KEY!r} is held by holder-id"
     assert str(Skipped(KEY)) == f"skipped: lock {KEY!r} is held by another execution"
+
+
+def test_skipped_repr_names_every_field_as_a_dataclass_does() -> None:
+    value = Skipped(KEY, "holder-id", 4.5, ("a", None), "limit", 1.25, "gate")
+    fields = ", ".join(f"{f.name}={getattr(value, f.name)!r}" for f in dataclasses.fields(value))
+
+    assert repr(value) == f"Skipped({fields})"
 
 
 def test_the_tree_drawn_in_the_module_is_the_hierarchy() -> None:

@@ -10,6 +10,7 @@ redis-py's errors into singletask's (:func:`driver_error`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import re
 from collections.abc import Mapping, Sequence
@@ -194,9 +195,16 @@ def _token_parts(token: str) -> tuple[str, str] | None:
 _ESCAPED = re.compile("[%:{}]")
 
 
+@functools.lru_cache(maxsize=256)
+def _unescaped(task: str) -> bool:
+    """Whether a task name stands in a key as it is (a property of the name alone: kept for the
+    few names a process locks)."""
+    return _ESCAPED.search(task) is None
+
+
 def _task_offset(key: str, task: str) -> int | None:
     """Where ``task`` stands in ``key`` followed by ``:`` or the end, if it does unescaped."""
-    if not task or _ESCAPED.search(task):
+    if not task or not _unescaped(task):
         return None
     start = key.find(task)
     while start != -1:
@@ -208,10 +216,18 @@ def _task_offset(key: str, task: str) -> int | None:
 
 
 def _millis(since: str) -> int | None:
-    """``since`` (``1700000000.123``) as whole milliseconds, when that reads back the same."""
+    """``since`` (``1700000000.123``) as whole milliseconds, when that reads back the same:
+    ASCII digits, a dot and three digits, no leading zero (but ``0.xxx``)."""
     whole, dot, frac = since.partition(".")
-    if dot and len(frac) == 3 and frac.isdigit() and whole.isdigit() and whole == str(int(whole)):
-        return int(whole) * 1000 + int(frac)
+    if (
+        dot
+        and len(frac) == 3
+        and since.isascii()
+        and frac.isdigit()
+        and whole.isdigit()
+        and (whole[0] != "0" or whole == "0")
+    ):
+        return int(whole + frac)
     return None
 
 
