@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.bench
 
 
+@pytest.mark.timeout(600)  # seven contenders and nine references under Valgrind, beside others
 def test_the_cost_benchmark_counts_every_contender_per_execution_and_per_refusal(
     tmp_path: Path,
 ) -> None:

@@ -294,19 +294,32 @@ return 1
 
 # KEYS[1]  lock key
 # ARGV[1]  owner token
-# Returns 1 when the lock was released (the key deleted), 0 when ARGV[1] does not hold it (no key,
-# or a string record of another owner), -1 when the key is a hash: nothing is done, and the
-# caller sends RELEASE_SCRIPT, which releases a hash record (keeping what it carries).
-# The release of a plain lock that leaves nothing behind, RELEASE_SCRIPT's case of no completion
-# marker given, fence_retention 0 and no holder slot, with one argument: a held string record
-# carries nothing to keep. A string that is not a held record fails with WRONGTYPE, as
-# RELEASE_SCRIPT does.
-RELEASE_STRING_SCRIPT = """
+# ARGV[2]  how long a completion marker the held record carries is kept, in milliseconds (0: not
+#          at all); read only when the key is a hash
+# Returns 1 when the lock was released, 0 when ARGV[1] does not hold it (no key, or another
+# owner's record).
+# RELEASE_SCRIPT's case of no completion marker given, fence_retention 0 and no holder slot key
+# beside it, in two arguments: a held string record carries nothing to keep, so it is deleted; a
+# held hash (a slot's, the replica wait's, one taken over a released record) is deleted and keeps
+# the marker it carries, if any, for ARGV[2] ms, as RELEASE_SCRIPT would. A string that is not a
+# held record fails with WRONGTYPE, as RELEASE_SCRIPT does.
+# Errors (before any write) when the key is a hash and ARGV[2] is out of range.
+RELEASE_STRING_SCRIPT = (
+    """
 local cur = redis.pcall('GET', KEYS[1])
-if type(cur) ~= 'string' then
-  if cur then return -1 end
-  return 0
+if type(cur) == 'table' then
+"""
+    + checked("marker_keep", "ARGV[2]", 0)
+    + """local rec = redis.call('HMGET', KEYS[1], 'token', 'f', 'd')
+  if rec[1] ~= ARGV[1] then return 0 end
+  redis.call('DEL', KEYS[1])
+  if rec[2] and rec[3] and marker_keep > 0 then
+    redis.call('HSET', KEYS[1], 'f', rec[2], 'd', rec[3])
+    redis.call('PEXPIRE', KEYS[1], marker_keep)
+  end
+  return 1
 end
+if not cur then return 0 end
 if string.find(cur, ARGV[1], 1, true) == 1 and string.byte(cur, #ARGV[1] + 1) == 0 then
   redis.call('DEL', KEYS[1])
   return 1
@@ -316,6 +329,7 @@ if not string.find(cur, '^%Z*%z%d+%z') then
 end
 return 0
 """
+)
 
 # KEYS[1]  lock key
 # ARGV[1]  owner token

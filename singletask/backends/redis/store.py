@@ -420,10 +420,8 @@ class RedisBackend(LockBackend):
             self.check_units_together([item.key for item in held], f"{self!r}: release")
             keys, both = with_lock(self._release_keys(key), args, unit_keys, unit_args)
             return bool(self._call("release", RELEASE_UNITS, keys, both))
-        if self._keeps_nothing(key, completed, held):  # one argument, unless the key is a hash
-            done = self._call("release", RELEASE_STRING, (key,), (token,))
-            if done != -1:
-                return bool(done)
+        if self._keeps_nothing(key, completed, held):  # the token and the marker retention
+            return bool(self._call("release", RELEASE_STRING, (key,), (token, self._keep[0])))
         self._give_units_before(token, held)
         return bool(self._call("release", RELEASE, self._release_keys(key), args))
 
