@@ -35,6 +35,7 @@ from .servers import RedisServer, free_port, redis_server_binary
 #: The master name the Sentinel deployment's sentinels watch.
 MASTER_NAME = "mymaster"
 
+
 def cluster_ports(count: int) -> list[int]:
     """``count`` free loopback ports whose port + 10000 (the node's cluster bus) is free too."""
     return [free_port(bus=True) for _ in range(count)]
