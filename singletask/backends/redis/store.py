@@ -426,9 +426,10 @@ class RedisBackend(LockBackend):
         return bool(self._call("release", RELEASE, self._release_keys(key), args))
 
     def _keeps_nothing(self, key: str, completed: str | None, held: Sequence[Units]) -> bool:
-        """Whether a release of ``key`` leaves nothing behind when it finds a string record: no
-        marker to record, no fence kept, no units to give back, not a holder slot (whose base
-        key records the marker), and the plain acquire writes strings (``lock_record``)."""
+        """Whether the release of ``key`` can send the token and the marker retention alone
+        (``RELEASE_STRING_SCRIPT``): no completion marker to record, no fence kept, no units to
+        give back, not a holder slot (whose base key records the marker), and the plain acquire
+        writes string records (``lock_record``; with hash records, the full release)."""
         return not (held or completed or self._keep[1] or self._hash_records) and (
             base_key(key) == key
         )

@@ -37,7 +37,7 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import redis
 from celery import Celery
@@ -174,7 +174,7 @@ class Settings:
     burst: float = 2.5  # seconds of sends per round
     sends_per_key: int = 6
     keys: int = 2
-    quiet_bound: float = 25.0  # seconds after a burst for every send to resolve
+    quiet_bound: float = 25.0  # seconds with no send resolving that end the wait (_wait_quiet)
     killed_producer: bool = False
     run_faults: bool = False
     store_faults_at_send: bool = True
@@ -772,20 +772,32 @@ def _sqlite_records(group: Group, prefix: str) -> list[Residue]:
     return found
 
 
+#: The quiet wait after the last burst ends after ``quiet_bound`` seconds with no send resolving,
+#: and after this many times ``quiet_bound`` whatever happens.
+QUIET_ROUNDS: Final = 4
+
+
 def _wait_quiet(app: Celery, ledger: Sequence[Send], probe: redis.Redis, run: str,
                 bound: float) -> None:  # fmt: skip
-    """Wait until every AsyncResult a caller got resolves (or the bound passes)."""
-    deadline = time.time() + bound
+    """Wait until every AsyncResult a caller got resolves: until ``bound`` seconds pass with
+    none resolving, and at most ``QUIET_ROUNDS`` times ``bound`` in all. A backlog still
+    draining (sends of a key kept full by its rate and limits, retrying on a loaded machine)
+    is waited for; a send that never resolves is left for the checker to name."""
+    started = time.time()
+    stalled_at = started + bound
     pending = {s.returned for s in ledger if s.returned}
-    while pending and time.time() < deadline:
+    while pending and time.time() < min(stalled_at, started + QUIET_ROUNDS * bound):
         bodies = _bodies(probe, run)
         unstored = unstored_endings()  # Ignore (and Reject before Celery 5.7) store nothing
         ignored = {b.task_id for b in bodies if b.how in unstored}
-        pending = {
+        still = {
             tid for tid in pending
             if tid not in ignored and app.backend.get_task_meta(tid).get("status") not in
             ("SUCCESS", "FAILURE", "REVOKED")
         }  # fmt: skip
+        if still != pending:
+            stalled_at = time.time() + bound
+        pending = still
         time.sleep(0.5)
 
 
