@@ -288,10 +288,9 @@ class SingletonTask(_TaskBase):
     # time limit on Celery >= 5.7): there they release for it.
 
     def _outside_execution(self, task_id: str) -> bool:
-        # self.request, without its frame: no request pushed is Celery's default Context,
-        # which is called directly.
-        request = self.request_stack.top
-        return request is None or bool(request.called_directly) or request.id != task_id
+        # Not the execution of task_id that last began or ended in this thread: the worker's
+        # main process, or a hook called by hand.
+        return not lifecycle.ended_here(task_id)
 
     def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
         if self._outside_execution(task_id):

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from ..conf.options import LockOptions
     from ..conf.runtime import AppState
 
-__all__ = ["Ended", "current_execution", "current_lock", "execute"]
+__all__ = ["Ended", "current_execution", "current_lock", "ended_here", "execute"]
 
 logger = logging.getLogger("singletask")
 
@@ -79,6 +79,23 @@ class _Frame(NamedTuple):
 _frames: contextvars.ContextVar[tuple[_Frame, ...]] = contextvars.ContextVar(
     "singletask_frames", default=()
 )
+
+
+#: The task id of the execution that last began or ended in this thread / greenlet (a worker or
+#: eager execution, not a direct call). Celery calls the task's ``on_success``, ``on_failure``
+#: and ``after_return`` in the same thread right after ``__call__``; the hooks ask
+#: :func:`ended_here` instead of reading Celery's request stack, a pure-Python thread local
+#: (several thousand instructions a read, twice per execution).
+_last: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "singletask_last_execution", default=None
+)
+
+
+def ended_here(task_id: str) -> bool:
+    """Whether the execution of ``task_id`` is the one that last began or ended in this thread:
+    Celery's hooks calling for it come from its own execution, not from the worker's main
+    process (a hard time limit) or a call of the hook by hand."""
+    return _last.get() == task_id
 
 
 def current_lock(task_name: str) -> LockHandle | None:
@@ -111,6 +128,15 @@ def execute(
     if run is None:
         # Re-entrant: the body of the execution holding this key calls the task directly.
         return body(*args, **kwargs)
+    try:
+        return _steps(run)
+    finally:
+        if not run.direct:  # for the hooks Celery calls next (ended_here)
+            _last.set(run.task_id)
+
+
+def _steps(run: _Run) -> Any:
+    """2 to 4: acquire, hold, run the body and end the hold."""
     try:
         taken = _acquire(run)  # 2. acquire, or end without the body
     except BaseException as exc:
@@ -214,6 +240,8 @@ class _Run:
         # A call from inside a running execution of this same task inherits its request.
         nested = bool(frames) and any(f.task == name and f.request_id == task_id for f in frames)
         direct = bool(request.called_directly) or task_id is None or nested
+        if not direct:  # before anything here can fail: its hooks follow (ended_here)
+            _last.set(task_id)
         key = options.key(args, kwargs)
         if direct and frames and any(base_key(f.handle.key) == key for f in frames):
             return None

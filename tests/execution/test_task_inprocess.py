@@ -7,6 +7,7 @@ fixture). Tasks are created with ``shared=False, lazy=False`` so each exists on 
 from __future__ import annotations
 
 import logging
+import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry, So
 
 from singletask import LockHandle, SingletonTask, Skipped, TaskLocked
 from singletask.backends.base import LockBackend
+from singletask.protocol.tokens import host_id
 from singletask.signals import lock_conflict
 
 HOLDER_TOKEN = "other-token"
@@ -593,3 +595,58 @@ def test_a_nested_direct_call_for_another_key_takes_its_own_lock(env: Env) -> No
     # And both are free at the end
     env.assert_free(outer.key)
     env.assert_free(inner.key)
+
+
+def test_the_hooks_celery_calls_after_an_execution_are_its_own_even_after_a_nested_one(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """on_success and after_return, called by Celery in the executing thread, find the lock
+    already released by ``__call__``: they release nothing for it, even when the body ran
+    another task eagerly (whose own hooks ran in between)."""
+    # Given an outer task whose body runs an inner task eagerly, and release_for watched
+    released: list[str] = []
+    monkeypatch.setattr(
+        SingletonTask, "release_for", lambda self, task_id, *a, **k: released.append(task_id)
+    )
+
+    @env.task(name="inprocess.inner")
+    def inner() -> str:
+        return "inner"
+
+    @env.task(name="inprocess.outer")
+    def outer() -> str:
+        return str(inner.apply().result)
+
+    # When the outer task runs eagerly
+    assert outer.delay().get() == "inner"
+
+    # Then no hook took itself for the worker's main process
+    assert released == []
+    env.assert_free(outer.lock_key_for())
+    env.assert_free(inner.lock_key_for())
+
+
+def test_a_hook_called_for_an_execution_that_did_not_run_here_releases_for_it(
+    env: Env,
+) -> None:
+    """Celery's worker main process calls on_failure for an execution it lost (a hard time
+    limit): the hook, finding that execution did not run in this thread, releases its lock."""
+
+    # Given a task whose lock an execution of task id "lost-id" holds, from a process of this
+    # host that is gone, after another execution ran in this thread
+    @env.task(name="inprocess.lost", lock_args=("n",))
+    def lost(n: int) -> int:
+        return n
+
+    assert lost.delay(1).get() == 1
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    token = f"lost-id:0:{host_id()}:{gone.pid}:nonce"
+    key = lost.lock_key_for((2,), {})
+    assert env.backend.acquire(key, token, HOLDER_LEASE, meta={"task_id": "lost-id"}).acquired
+
+    # When on_failure is called for it, as the main process does
+    lost.on_failure(RuntimeError("hard time limit"), "lost-id", (2,), {}, None)
+
+    # Then its lock is released
+    env.assert_free(key)
