@@ -88,6 +88,19 @@ def test_a_waiter_with_its_own_key_ahead_of_it_waits_behind_them_too() -> None:
     assert [v for v in report.violations if "body(e" in v] == []
 
 
+def test_an_attempt_delivered_twice_is_not_judged_on_a_wait_spanning_both() -> None:
+    """E's first delivery started at 1.5 and its process was killed; the message came back,
+    was refused at 2.4 and ran at 2.8. Its refusals are one attempt's, but no one wait of a
+    delivery runs from 1.0 to 2.4: k2's three takes are not judged against it (seed
+    1131123807)."""
+    first = started("e", 1.5)
+    first.end, first.how = None, None
+    again = started("e", 2.8)
+    three = [started(f"b{i}", 1.3 + 0.4 * i, key="k2") for i in range(3)]
+    report = judged([first, again, *three], refused("e", 1.0, 1.4, 2.4))
+    assert report.violations == []
+
+
 def test_a_wait_the_ledger_cannot_follow_is_not_judged() -> None:
     """Back later than its hold (the room kept for it may have lapsed), refused by its key's
     holder, or met by a fault of the workers' store link: not judged."""

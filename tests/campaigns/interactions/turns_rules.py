@@ -6,7 +6,8 @@
   (``"pool"`` or ``"budget"``) and takes nothing else in units (no ``lock_cost``, no
   ``lock_rate``); every refusal of the attempt by that limit (no holder named: its key was
   never held), each back within its ticket's *hold* of the one before (so the room kept for it
-  never lapsed), and no fault of the workers' link to its store while it waited. Such an
+  never lapsed), one delivery of the attempt (a redelivered one's refusals mix with the first
+  delivery's), and no fault of the workers' link to its store while it waited. Such an
   execution ``E`` of key ``g`` (weight ``w``, priority ``p``, ``u`` units) took its ticket at
   its first refusal ``t0``; its ticket finishes at most ``(K + u) / w`` after the line's
   virtual time then, ``K`` being the units of the attempts of its own key waiting before it.
@@ -107,6 +108,7 @@ def turn_order(judge: _Judge, refusals: Sequence[Refusal]) -> None:
     first = {attempt: rs[0].t for attempt, rs in by_attempt.items()}
     takers: dict[tuple[str, str], list[Body]] = collections.defaultdict(list)
     started = {b.token: b for b in h.bodies}
+    deliveries = collections.Counter(b.token for b in h.bodies)
     for body in h.bodies:
         if body.config in h.configs:
             for name in body.units:
@@ -117,6 +119,8 @@ def turn_order(judge: _Judge, refusals: Sequence[Refusal]) -> None:
         waited = by_attempt.get(body.token, [])
         if config is None or limit is None or not waited or body.redelivered:
             continue
+        if deliveries[body.token] > 1:
+            continue  # delivered again (its process killed): its waits are split between them
         if any(r.holder is not None or r.action != "retry" for r in waited):
             continue  # its key was held too: a refusal that did not renew its ticket
         times = [r.t for r in waited] + [body.start]
