@@ -19,7 +19,8 @@
   ``h``'s takes (two takes a few milliseconds apart are in no order the probe can tell).
 * ``tickets-end``: every ticket ends: once the fleet is idle, a ticket still in a line belongs
   to an execution that stopped waiting without being served (its lease ends it), never to one
-  whose body started after the ticket was last renewed (a start uses its ticket), nor to one
+  whose body started after the ticket was last renewed and before its lease ended (a start
+  uses its ticket; one that starts later, back from store retries, finds it ended), nor to one
   that ended ``TaskLocked`` naming a limit (lock retries spent: it gives its tickets back), and
   no ticket outlives its lease.
 """
@@ -236,9 +237,17 @@ def tickets_end(judge: _Judge, tickets: Iterable[Ticket]) -> None:
                 f"{here} has {left:.1f} s left, over its lease {lease:.1f} s",
             )
             continue  # fmt: skip
-        started = [b for b in judge.bodies.get(ticket.ticket, ()) if b.start > renewed + TIE]
+        bodies = judge.bodies.get(ticket.ticket, ())
+        started = [b for b in bodies if renewed + TIE < b.start < ticket.expires - TIE]
+        late = [b for b in bodies if b.start >= ticket.expires - TIE]
         outcome = judge.outcome(ticket.ticket)
-        if started:
+        if late and not started:
+            judge.report.documented.append(
+                f"{here}: its lease ended at {ticket.expires:.3f}, before its execution started "
+                f"({late[0].describe()}): an ended ticket takes no part in the line, and the "
+                "line's next change drops it"
+            )
+        elif started:
             judge.violation(
                 "tickets-end", where, sends,
                 f"{here} was renewed at {renewed:.3f}, and its execution started after: "
