@@ -14,7 +14,7 @@ The key's states and the rules every script keeps are in
 
 from __future__ import annotations
 
-from .scripts import ACQUIRE_FUNCTION, CHECK_MS, STRING_RECORD, checked
+from .scripts import ACQUIRE_FUNCTION, CHECK_MS, KEPT_READ, KEPT_REPLY, STRING_RECORD, checked
 
 __all__ = [
     "ACQUIRE_HASH_SCRIPT",
@@ -121,17 +121,13 @@ ACQUIRE_KEEPING_SCRIPT = (
     + """
 ms(ARGV[2])
 hashed(KEYS[1])
-local fields = redis.call('HGETALL', KEYS[1])
-local pttl = redis.call('PTTL', KEYS[1])
-local now = redis.call('TIME')
-local reply = acquire()
+"""
+    + KEPT_READ
+    + """local reply = acquire()
 if reply[1] == 1 then
-  local before = {tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000), pttl}
-  for i = 1, #fields do
-    before[i + 2] = fields[i]
-  end
-  reply[4] = before
-end
+"""
+    + KEPT_REPLY
+    + """end
 return reply
 """
 )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from .scripts import ACQUIRE_FUNCTION, CHECK_MS
+from .scripts import ACQUIRE_FUNCTION, CHECK_MS, KEPT_READ, KEPT_REPLY
 from .slot_scripts import ACQUIRE_SLOT_FUNCTION
 
 __all__ = [
@@ -70,18 +70,14 @@ PREEMPT_KEEPING_SCRIPT: Final = (
 ms(ARGV[2])
 hashed(KEYS[1])
 local cur = redis.call('HGET', KEYS[1], 'token')
-local fields = redis.call('HGETALL', KEYS[1])
-local pttl = redis.call('PTTL', KEYS[1])
-local now = redis.call('TIME')
-local reply = acquire()
+"""
+    + KEPT_READ
+    + """local reply = acquire()
 if reply[1] == 1 then
   replaced(cur)
-  local before = {tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000), pttl}
-  for i = 1, #fields do
-    before[i + 2] = fields[i]
-  end
-  reply[4] = before
-end
+"""
+    + KEPT_REPLY
+    + """end
 return reply
 """
 )  # fmt: skip

@@ -75,6 +75,8 @@ from ..base import MAX_LEASE
 __all__ = [
     "ACQUIRE_FUNCTION",
     "CHECK_MS",
+    "KEPT_READ",
+    "KEPT_REPLY",
     "MAX_LEASE_MS",
     "STRING_RECORD",
     "checked",
@@ -234,3 +236,20 @@ return take(KEYS[1], cur, rec[1] or rec[2], rec[3], lease)
 end
 """
 )
+
+# Lua of the opt-in replica wait's acquisitions (ACQUIRE_KEEPING_SCRIPT, PREEMPT_KEEPING_SCRIPT),
+# which may have to be undone: KEPT_READ reads what KEYS[1] is before acquire() runs (its fields,
+# its PTTL, the server's time); KEPT_REPLY, run once the caller holds the lock, adds it to the
+# reply as its fourth element {server time in ms, PTTL, field, value, ...}.
+KEPT_READ = """\
+local fields = redis.call('HGETALL', KEYS[1])
+local pttl = redis.call('PTTL', KEYS[1])
+local now = redis.call('TIME')
+"""
+KEPT_REPLY = """\
+  local before = {tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000), pttl}
+  for i = 1, #fields do
+    before[i + 2] = fields[i]
+  end
+  reply[4] = before
+"""
