@@ -23,7 +23,12 @@ The server's rows add two references measured the same way: celery-once's refusa
 ``SET NX PX`` refused, then ``PTTL``: the pair of commands it sends), and the floor of any
 script, an ``EVALSHA`` of ``return 0`` with one key, and those of a lock record kept as a hash
 and as one string (two scripts of the fewest commands that take and owner-check-release it;
-and one that reads a string holder and its lease, as a refusal does).
+and one that reads a string holder and its lease, as a refusal does). Last, the floors of each
+design a one-round-trip acquire with a server-made fencing token can take (``DESIGNS``), per
+execution and per refusal, with singletask's key and with a one-lock-per-task key, as scripts
+and (Redis 7 and later) as functions; ``cost.json``'s ``designs`` says which of issue 41's two
+server targets each floor is within (on Redis 6, without the functions and the design that
+needs ``SET NX GET``).
 
 Server: one ``redis-server`` under callgrind (``--hz 1``; what its cron costs, if it ran, is
 taken out), the loops run natively in this process, a dump (``callgrind_control -d``) around
@@ -31,13 +36,15 @@ each loop. Client: each variant and mode in a Python process of its own under ca
 (``--collect-systime=yes`` counts system calls, but the clock's: natively the vDSO answers
 those without one), against a native ``redis-server``; the process
 marks each loop's ends by calling ``os.getloadavg()``, before which callgrind dumps
-(``--dump-before``). Needs ``valgrind`` and ``redis-server`` on PATH. Writes ``cost.json`` and
-``cost.rst`` to ``--out``.
+(``--dump-before``), each loop starting and ending with a collection of Python's cyclic
+collector (what the warm-up left alive frozen). Needs ``valgrind`` and ``redis-server`` on
+PATH. Writes ``cost.json`` and ``cost.rst`` to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -50,6 +57,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -175,12 +183,22 @@ def child(argv: list[str]) -> int:
     run = _runner(app, variant, mode)
     for _ in range(warmup):
         run()
+    # Each loop starts from the same state of Python's cyclic collector, so that its
+    # collections, counted with the runs that trigger them, grow with the loop's length: without
+    # this, a collection of an older generation falling in one loop and not the other (as any
+    # change to the code imported moves them) shifts a figure by up to some 20k. What the
+    # warm-up left alive (the app, its modules) is frozen: a worker's long-lived objects, which
+    # its collector seldom walks.
+    gc.collect()
+    gc.freeze()
     os.getloadavg()
     for _ in range(runs):
         run()
+    gc.collect()
     os.getloadavg()
     for _ in range(2 * runs):
         run()
+    gc.collect()
     os.getloadavg()
     return 0
 
@@ -330,28 +348,36 @@ def server_costs(work: Path, runs: int, warmup: int) -> dict[str, Any]:
         runners["floor: string refusal, one script"] = lambda: refuse_string(
             keys=["bench:floor-held"], args=packed
         )
-        # The same floors with a key, an owner token and arguments shaped as singletask's own
-        # (a lock_args key of 98 characters, an execution's token, the acquire's 3 arguments):
-        # what any script-made lock of this key costs, in the two orders a script can take
-        # it in. "SET NX first" reads the clock before it knows whether the key is free;
-        # "GET first" reads the key before the clock, as ACQUIRE_SCRIPT does. And a refusal
-        # by the second: the holder's value and lease left.
+        # The floors of the designs a one-script acquire with a server-made fencing token can
+        # take, with an owner token and arguments shaped as singletask's own (an execution's
+        # token; the acquire's 3 arguments: token, lease, the rest of the record) and two
+        # keys: singletask's lock_args key (98 characters) and a one-lock-per-task key (32, as
+        # ``singletask:`` and a short task name). Each design's execution takes a new key and
+        # gives it back by the owner-checked release (GET, compare, DEL); its refusal meets a
+        # key held by another owner. Run as scripts (EVALSHA) and, on Redis 7 and later, as
+        # functions (FCALL). No design carries singletask's own checks (the lease's range, a
+        # retried acquire by the holder, take-over, a kept hash record): these are floors.
         shaped_token = execution_token(str(uuid.uuid4()), 0)
         shaped_args = [shaped_token, "30000", "1700000000123\0n\x0011\0w\0bench"]
-
-        def shaped(n: int) -> str:  # bench:floor: and 86 more: 98 characters, as singletask's
-            return f"{n:086x}"
-
-        for order, take_lua in (("SET NX", _FLOOR_TAKE_SHAPED), ("GET", _FLOOR_TAKE_GET_FIRST)):
-            runners[f"floor, singletask's key: {order} first, two scripts"] = take_and_give(
-                take_lua, _FLOOR_GIVE_STRING, shaped_args, shaped
-            )
-        refuse_get_first = raw.register_script(_FLOOR_TAKE_GET_FIRST)
-        shaped_held = f"bench:floor:{'f' * 86}"
-        raw.set(shaped_held, f"{uuid.uuid4()}:0:h:1:n\0{'1' * 16}\0\0w\0h", px=3_600_000)
-        runners["floor, singletask's key: refusal, GET first"] = lambda: refuse_get_first(
-            keys=[shaped_held], args=shaped_args
-        )
+        keys = {
+            "singletask's key": lambda n: f"bench:floor:{n:086x}",  # 12 + 86: 98 characters
+            "one-per-task key": lambda n: f"singletask:bench.floor.{n:09x}",  # 32 characters
+        }
+        redis_7 = int(str(raw.info("server")["redis_version"]).split(".")[0]) >= 7
+        designs = {name: body for name, body in DESIGNS.items() if redis_7 or name not in REDIS_7}
+        engines = {"EVALSHA": _scripts(raw, designs)}
+        if redis_7:
+            engines["FCALL"] = _functions(raw, designs)
+        for engine, calls in engines.items():
+            for design in designs:
+                for key_name, key_of in keys.items():
+                    held = key_of(16**9 - 1)
+                    raw.set(held, f"{uuid.uuid4()}:0:h:1:n\0{'1' * 16}\0\0w\0h", px=3_600_000)
+                    name = f"design {design}, {key_name}, {engine}"
+                    runners[f"{name}: execution"] = _design_execution(
+                        calls[design], calls["give"], shaped_args, key_of
+                    )
+                    runners[f"{name}: refusal"] = partial(calls[design], [held], shaped_args)
         out: dict[str, Any] = {}
         for name, run in runners.items():
             for _ in range(warmup):
@@ -402,33 +428,91 @@ local cur = redis.call('GET', KEYS[1])
 return {0, cur, redis.call('PTTL', KEYS[1])}
 """
 
-#: The floor of an acquire of singletask's string record given its 3 arguments (token, lease,
-#: the rest of the record): the clock, then SET NX PX.
-_FLOOR_TAKE_SHAPED = """
-local now = redis.call('TIME')
-local fence = now[1] .. now[2]
-if not redis.call('SET', KEYS[1], ARGV[1] .. '\\0' .. fence .. '\\0' .. ARGV[3], 'NX', 'PX',
-  ARGV[2]) then return 0 end
-return fence
-"""
-
-#: The same, the key read first: a held key is refused with its value and lease left, before
-#: the clock is read.
-_FLOOR_TAKE_GET_FIRST = """
-local cur = redis.call('GET', KEYS[1])
-if cur then return {0, cur, redis.call('PTTL', KEYS[1])} end
-local now = redis.call('TIME')
-local fence = now[1] .. now[2]
-redis.call('SET', KEYS[1], ARGV[1] .. '\\0' .. fence .. '\\0' .. ARGV[3], 'PX', ARGV[2])
-return fence
-"""
-
 #: The floor of its owner-checked release.
 _FLOOR_GIVE_STRING = """
 local cur = redis.call('GET', KEYS[1])
 if not cur or string.find(cur, ARGV[1], 1, true) ~= 1 then return 0 end
 return redis.call('DEL', KEYS[1])
 """
+
+
+#: The designs of a one-script acquire that issues a server-made fencing token (the server's
+#: clock) in the step that takes the key, as Lua bodies run with KEYS[1] the lock key and ARGV
+#: an owner token, a lease in ms and the rest of the record; each returns the fence when it
+#: takes the key and the holder's record (and lease left) when it refuses. "reads first" is
+#: singletask's order and reply; "no lease left" refuses with the holder alone (a refusal's
+#: lease left would then have to come from the record and the client's clock); "writes first"
+#: reads the clock and tries SET NX GET before it knows whether the key is free.
+DESIGNS = {
+    "reads first": """
+local cur = redis.call('GET', KEYS[1])
+if cur then return redis.call('PTTL', KEYS[1]) .. '\\0' .. cur end
+local now = redis.call('TIME')
+local fence = now[1] .. now[2]
+redis.call('SET', KEYS[1], ARGV[1] .. '\\0' .. fence .. '\\0' .. ARGV[3], 'PX', ARGV[2])
+return fence
+""",
+    "reads first, no lease left": """
+local cur = redis.call('GET', KEYS[1])
+if cur then return cur end
+local now = redis.call('TIME')
+local fence = now[1] .. now[2]
+redis.call('SET', KEYS[1], ARGV[1] .. '\\0' .. fence .. '\\0' .. ARGV[3], 'PX', ARGV[2])
+return fence
+""",
+    "writes first, no lease left": """
+local now = redis.call('TIME')
+local fence = now[1] .. now[2]
+local cur = redis.call('SET', KEYS[1], ARGV[1] .. '\\0' .. fence .. '\\0' .. ARGV[3], 'NX', 'GET',
+  'PX', ARGV[2])
+if cur then return cur end
+return fence
+""",
+}
+
+#: The designs that need Redis 7 or later (``SET`` with both ``NX`` and ``GET``).
+REDIS_7 = frozenset({"writes first, no lease left"})
+
+_Call = Callable[[list[str], list[str]], Any]
+
+
+def _scripts(raw: Any, bodies: dict[str, str]) -> dict[str, _Call]:
+    """Each body, and the owner-checked release as ``give``, as a script run by EVALSHA."""
+    scripts = {name: raw.register_script(body) for name, body in bodies.items()}
+    scripts["give"] = raw.register_script(_FLOOR_GIVE_STRING)
+    return {
+        name: partial(lambda script, keys, args: script(keys=keys, args=args), script)
+        for name, script in scripts.items()
+    }
+
+
+def _functions(raw: Any, bodies: dict[str, str]) -> dict[str, _Call]:
+    """The same as functions of one library (Redis 7 and later), run by FCALL."""
+    names = {name: f"f{index}" for index, name in enumerate([*bodies, "give"])}
+    library = "#!lua name=benchfloor\n" + "".join(
+        f"redis.register_function('{names[name]}', function(KEYS, ARGV)\n{body}\nend)\n"
+        for name, body in [*bodies.items(), ("give", _FLOOR_GIVE_STRING)]
+    )
+    raw.execute_command("FUNCTION", "LOAD", "REPLACE", library)
+
+    def call(function: str, keys: list[str], args: list[str]) -> Any:
+        return raw.execute_command("FCALL", function, len(keys), *keys, *args)
+
+    return {name: partial(call, function) for name, function in names.items()}
+
+
+def _design_execution(
+    take: _Call, give: _Call, args: list[str], key_of: Callable[[int], str]
+) -> Callable[[], None]:
+    """A run taking a new key with ``take`` and giving it back with ``give``."""
+    count = iter(range(10**9))
+
+    def run() -> None:
+        key = key_of(next(count))
+        take([key], args)
+        give([key], args[:1])
+
+    return run
 
 
 # -- the report ---------------------------------------------------------------------------------
@@ -456,11 +540,11 @@ def figures(client: dict[str, Any], server: dict[str, Any]) -> dict[str, Any]:
         "floor: hash lock, two scripts",
         "floor: string lock, two scripts",
         "floor: string refusal, one script",
-        "floor, singletask's key: SET NX first, two scripts",
-        "floor, singletask's key: GET first, two scripts",
-        "floor, singletask's key: refusal, GET first",
     ):
         rows[name] = {"server_instructions": server[name]["instructions"]}
+    for name in server:
+        if name.startswith("design "):
+            rows[name] = {"server_instructions": server[name]["instructions"]}
     return rows
 
 
@@ -481,6 +565,21 @@ def targets(rows: dict[str, Any]) -> dict[str, bool]:
         <= get("only-one/refusal", "client_instructions"),
         "syscalls per refusal <= only-one": get("singletask/refusal", "client_syscalls")
         <= get("only-one/refusal", "client_syscalls"),
+    }
+
+
+def design_verdicts(rows: dict[str, Any]) -> dict[str, dict[str, bool]]:
+    """Whether each design's floor, in this run, is within issue 41's two server targets."""
+    execution_cap = 2 * rows["only-one/execution"]["server_instructions"]
+    refusal_cap = 2 * rows["celery-once/refusal"]["server_instructions"]
+    return {
+        name.removesuffix(": execution"): {
+            "execution": rows[name]["server_instructions"] <= execution_cap,
+            "refusal": rows[name.replace(": execution", ": refusal")]["server_instructions"]
+            <= refusal_cap,
+        }
+        for name in rows
+        if name.startswith("design ") and name.endswith(": execution")
     }
 
 
@@ -568,6 +667,7 @@ def main(argv: list[str]) -> int:
         "raw": {"client": client, "server": server},
         "rows": rows,
         "targets": targets(rows),
+        "designs": design_verdicts(rows),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cost.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -575,5 +675,8 @@ def main(argv: list[str]) -> int:
     print(rst_table(rows))
     for target, met in results["targets"].items():
         print(f"{'met' if met else 'NOT met'}: {target}")
+    for design, met in results["designs"].items():
+        within = [mode for mode, ok in met.items() if ok] or ["neither"]
+        print(f"floor of {design} within the server target of: {', '.join(within)}")
     shutil.rmtree(work, ignore_errors=True)
     return 0

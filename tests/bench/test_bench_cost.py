@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.bench
 
 
-@pytest.mark.timeout(600)  # seven contenders and nine references under Valgrind, beside others
+@pytest.mark.timeout(600)  # contenders, references and floors under Valgrind
 def test_the_cost_benchmark_counts_every_contender_per_execution_and_per_refusal(
     tmp_path: Path,
 ) -> None:
@@ -52,6 +52,13 @@ def test_the_cost_benchmark_counts_every_contender_per_execution_and_per_refusal
     assert rows["floor: hash lock, two scripts"]["server_instructions"] > 2000
     assert rows["floor: string lock, two scripts"]["server_instructions"] > 2000
     assert rows["floor: string refusal, one script"]["server_instructions"] > 2000
+    designs = [name for name in rows if name.startswith("design ")]
+    assert len(designs) >= 8  # designs (two on Redis 6), two keys, two modes, EVALSHA (FCALL)
+    for name in designs:
+        assert rows[name]["server_instructions"] > 2000
     assert results["targets"]
     assert all(isinstance(met, bool) for met in results["targets"].values())
+    assert len(results["designs"]) == len(designs) // 2
+    for verdict in results["designs"].values():
+        assert set(verdict) == {"execution", "refusal"}
     assert (tmp_path / "cost.rst").read_text().startswith(".. list-table::")
