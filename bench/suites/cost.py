@@ -318,28 +318,19 @@ def server_costs(work: Path, runs: int, warmup: int) -> dict[str, Any]:
         # PEXPIRE) and owner-check and delete it (HGET, DEL), in two scripts.
         eight = ["t:0:h:1:n", "30000", "t:0:-:0:reserved", "1700000000123", "w", "h", "n", "11"]
         runners["EVALSHA return 0, 8 arguments"] = lambda: empty(keys=["bench:empty"], args=eight)
-        floor = iter(range(10**9))
+        script = raw.register_script
 
-        def take_and_give(
-            take_lua: str, give_lua: str, args: list[str], key_of: Callable[[int], str] = str
-        ) -> Callable[[], None]:
-            """A run taking a new key (``bench:floor:`` and ``key_of`` a counter) with one script
-            and owner-check-deleting it with another."""
-            take, give = raw.register_script(take_lua), raw.register_script(give_lua)
+        def floor_key(n: int) -> str:
+            return f"bench:floor:{n}"
 
-            def run() -> None:
-                key = f"bench:floor:{key_of(next(floor))}"
-                take(keys=[key], args=args)
-                give(keys=[key], args=args[:1])
-
-            return run
-
-        runners["floor: hash lock, two scripts"] = take_and_give(_FLOOR_TAKE, _FLOOR_GIVE, eight)
+        runners["floor: hash lock, two scripts"] = _take_and_give(
+            script(_FLOOR_TAKE), script(_FLOOR_GIVE), eight, floor_key
+        )
         # The same for a lock kept as one string (singletask's plain lock since issue 41): TIME
         # and SET NX PX of token, fence and packed metadata, then GET, compare and DEL.
         packed = ["t:0:h:1:n", "30000", "", "1700000000123", "w\0h\0n\x0011"]
-        runners["floor: string lock, two scripts"] = take_and_give(
-            _FLOOR_TAKE_STRING, _FLOOR_GIVE_STRING, packed
+        runners["floor: string lock, two scripts"] = _take_and_give(
+            script(_FLOOR_TAKE_STRING), script(_FLOOR_GIVE_STRING), packed, floor_key
         )
         # And of a refusal by such a lock: a script given the acquire's 5 arguments that reads
         # the holder's value and its lease left (GET, PTTL) and returns them.
@@ -374,10 +365,12 @@ def server_costs(work: Path, runs: int, warmup: int) -> dict[str, Any]:
                     held = key_of(16**9 - 1)
                     raw.set(held, f"{uuid.uuid4()}:0:h:1:n\0{'1' * 16}\0\0w\0h", px=3_600_000)
                     name = f"design {design}, {key_name}, {engine}"
-                    runners[f"{name}: execution"] = _design_execution(
+                    runners[f"{name}: execution"] = _take_and_give(
                         calls[design], calls["give"], shaped_args, key_of
                     )
-                    runners[f"{name}: refusal"] = partial(calls[design], [held], shaped_args)
+                    runners[f"{name}: refusal"] = partial(
+                        calls[design], keys=[held], args=shaped_args
+                    )
         out: dict[str, Any] = {}
         for name, run in runners.items():
             for _ in range(warmup):
@@ -473,17 +466,14 @@ return fence
 #: The designs that need Redis 7 or later (``SET`` with both ``NX`` and ``GET``).
 REDIS_7 = frozenset({"writes first, no lease left"})
 
-_Call = Callable[[list[str], list[str]], Any]
+#: A script or function of the floors, called as ``call(keys=[...], args=[...])``.
+_Call = Callable[..., Any]
 
 
 def _scripts(raw: Any, bodies: dict[str, str]) -> dict[str, _Call]:
     """Each body, and the owner-checked release as ``give``, as a script run by EVALSHA."""
-    scripts = {name: raw.register_script(body) for name, body in bodies.items()}
-    scripts["give"] = raw.register_script(_FLOOR_GIVE_STRING)
-    return {
-        name: partial(lambda script, keys, args: script(keys=keys, args=args), script)
-        for name, script in scripts.items()
-    }
+    bodies = {**bodies, "give": _FLOOR_GIVE_STRING}
+    return {name: raw.register_script(body) for name, body in bodies.items()}
 
 
 def _functions(raw: Any, bodies: dict[str, str]) -> dict[str, _Call]:
@@ -501,16 +491,17 @@ def _functions(raw: Any, bodies: dict[str, str]) -> dict[str, _Call]:
     return {name: partial(call, function) for name, function in names.items()}
 
 
-def _design_execution(
+def _take_and_give(
     take: _Call, give: _Call, args: list[str], key_of: Callable[[int], str]
 ) -> Callable[[], None]:
-    """A run taking a new key with ``take`` and giving it back with ``give``."""
+    """A run taking a new key (``key_of`` a counter) with ``take`` and owner-check-deleting it
+    with ``give`` (given the owner token, ``args[0]``)."""
     count = iter(range(10**9))
 
     def run() -> None:
         key = key_of(next(count))
-        take([key], args)
-        give([key], args[:1])
+        take(keys=[key], args=args)
+        give(keys=[key], args=args[:1])
 
     return run
 
