@@ -24,6 +24,9 @@ function here:
   4. the task's ``lock_policy`` (:mod:`singletask.policies`). With "replace", only an
      execution that may not preempt the holder (:func:`singletask.execution.replace.preempt`) gets
      this far: a retried attempt or a redelivered copy, older than the holder, stands aside.
+     With "skip" or "raise", a retried attempt of the body that finds its key held by another
+     task (its reservation ended before it came, or was never made) waits as the ``"retry"``
+     policy does: the retry the body asked for is not lost to a duplicate either.
 
 Besides the lock, the store can keep something for one message alone: the reservation
 ``apply_async`` made for it (``lock_scope`` "queue" or "coalesce"), the reservation the previous
@@ -104,7 +107,21 @@ def refused(conflict: Conflict, request: Any = None) -> Any:
             _held_by_same_task(conflict, holder)
     if conflict.options.scope == "coalesce" and not conflict.direct and not request.is_eager:
         _wait_as_follow_up(conflict)
-    return POLICIES[conflict.options.policy].apply(conflict)
+    policy = conflict.options.policy
+    if policy in ("skip", "raise") and _asked_for(conflict, request):
+        logger.info(
+            "Task %s[%s]: lock %r is held by another task, not reserved for this retry (its "
+            "reservation ended before it came, or was never made); it waits as a lock retry",
+            conflict.task.name, request.id, conflict.key,
+        )  # fmt: skip
+        policy = "retry"
+    return POLICIES[policy].apply(conflict)
+
+
+def _asked_for(conflict: Conflict, request: Any) -> bool:
+    """Whether the refused execution is an attempt its body asked for (``self.retry()``), run
+    by a worker: it is not dropped as a duplicate."""
+    return int(request.retries or 0) > 0 and not conflict.direct and not request.is_eager
 
 
 def superseded(

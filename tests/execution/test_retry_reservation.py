@@ -20,9 +20,10 @@ from celery import states
 from celery.app.trace import build_tracer
 from celery.signals import before_task_publish
 
-from singletask import SingletonTask
+from singletask import SingletonTask, Skipped
 from singletask.backends.base import Holder, LockBackend
-from singletask.protocol.tokens import reservation_token
+from singletask.protocol.tokens import execution_token, reservation_token
+from singletask.task import LOCK_RETRIES_HEADER
 
 
 @pytest.fixture
@@ -52,10 +53,12 @@ def published() -> Iterator[list[dict[str, Any]]]:
     before_task_publish.disconnect(receiver)
 
 
-def run_on_worker(task: Any, task_id: str) -> Any:
-    """Run one execution of ``task`` as a worker's pool process does (not eagerly)."""
+def run_on_worker(task: Any, task_id: str, retries: int = 0) -> Any:
+    """Run one execution of ``task`` as a worker's pool process does (not eagerly): its
+    attempt ``retries`` (0: the first)."""
     tracer = build_tracer(task.name, task, eager=False, propagate=False, app=task.app)
-    return tracer(task_id, (), {}, {"id": task_id, "retries": 0, "hostname": "worker@test"})
+    request = {"id": task_id, "retries": retries, "hostname": "worker@test"}
+    return tracer(task_id, (), {}, request)
 
 
 def holder_of(backend: LockBackend, key: str) -> Holder | None:
@@ -144,3 +147,48 @@ def test_a_body_that_goes_on_after_its_retry_holds_its_lock_until_it_ends(
     assert during[0].startswith(f"{task_id}:0:")
     # And the lock is released when the body ends
     assert holder_of(goes_on.lock_backend, goes_on.lock_key_for()) is None
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_a_retried_attempt_that_finds_its_key_held_by_another_task_waits_whatever_the_policy(
+    app: celery.Celery, published: list[dict[str, Any]], policy: str
+) -> None:
+    """The reservation for a retry lasts its countdown plus ``lock_ttl``: a retry that comes
+    later (a busy worker, a broker outage) may find another task holding the key. It is the
+    attempt the body asked for, so it is not dropped as a duplicate (interaction campaign seed
+    1770154341): it waits as a lock retry, as for a rate or a limit without room."""
+    ran: list[str] = []
+
+    # Given a task of policy "skip" or "raise", and its key held by another task
+    @app.task(base=SingletonTask, bind=True, shared=False, lazy=False,
+              name=f"retrying.late.{policy}", lock_policy=policy)  # fmt: skip
+    def late(self: Any) -> None:
+        ran.append(self.request.id)
+
+    key = late.lock_key_for()
+    holder = execution_token(str(uuid.uuid4()), 0)
+    assert late.lock_backend.acquire(key, holder, 30.0).acquired
+    task_id = str(uuid.uuid4())
+
+    # When the attempt its body asked for (retries 1) runs on a worker, its reservation gone
+    result = run_on_worker(late, task_id, retries=1)
+
+    # Then it is sent again as a lock retry (the same attempt), neither skipped nor failed
+    assert result.info.state == states.RETRY
+    assert ran == []
+    (headers,) = published
+    assert headers["id"] == task_id
+    assert headers["retries"] == 1
+    assert int(headers[LOCK_RETRIES_HEADER]) == 1
+    # And the holder keeps the key
+    held = holder_of(late.lock_backend, key)
+    assert held is not None
+    assert held.token == holder
+
+    # And a first attempt (a duplicate send) still gets the policy
+    first = run_on_worker(late, str(uuid.uuid4()))
+    assert len(published) == 1
+    if policy == "raise":
+        assert first.info.state == states.FAILURE
+    else:
+        assert isinstance(first.retval, Skipped)
