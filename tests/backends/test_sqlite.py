@@ -7,9 +7,12 @@ import multiprocessing
 import os
 import signal
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -324,3 +327,105 @@ def _exit_code(pid: int, within: float) -> int | str:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     return "hung"
+
+
+def _take_keys_when_told(path: str, opened: Any, go: Any, results: Any) -> None:
+    """In a forked child: open the store, say so, wait for the word, take keys K0..K19."""
+    backend = SQLiteBackend(path)
+    backend.holder("warm-up")  # the child's connection is open before the parent closes its own
+    opened.set()
+    go.wait(30)
+    results.put([backend.acquire(f"K{n}", "child", 30).acquired for n in range(20)])
+
+
+_TAKE_KEYS_LATER = """
+import pathlib, sys, time
+from singletask.backends.sql.sqlite import SQLiteBackend
+backend = SQLiteBackend(sys.argv[1])
+backend.holder("warm-up")
+print("ready", flush=True)
+while not pathlib.Path(sys.argv[1] + ".go").exists():
+    time.sleep(0.001)
+print(",".join(str(int(backend.acquire(f"K{n}", "later", 30).acquired)) for n in range(20)))
+"""
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_child_forked_while_its_parent_had_the_file_open_excludes_processes_started_later(
+    tmp_path: Path,
+) -> None:
+    """SQLite copies into a forked child the parent's record of the file's locks: a child forked
+    while its parent had the database open held none of its own and relied on the parent's. When
+    the parent then closed its connection (a store dropped and collected), it found itself the
+    last user, checkpointed and deleted the WAL and shared-memory files under the running child,
+    and a process that opened the file afterwards took every key the child held. The store
+    closes its connection before every fork (and opens a new one at its next use)."""
+    # Given a process whose store has the file open, and a child forked from it that opened it too
+    path = str(tmp_path / "locks.db")
+    parent = SQLiteBackend(path)
+    assert parent.acquire("warm-up", "parent", 30).acquired
+    fork = multiprocessing.get_context("fork")
+    opened, go, results = fork.Event(), fork.Event(), fork.Queue()
+    child = fork.Process(target=_take_keys_when_told, args=(path, opened, go, results))
+    child.start()
+    assert opened.wait(30)
+    # And the parent closes its store, then another process opens the file
+    parent.close()
+    later = subprocess.Popen(
+        [sys.executable, "-c", _TAKE_KEYS_LATER, path], stdout=subprocess.PIPE, text=True
+    )
+    assert later.stdout is not None
+    assert later.stdout.readline().strip() == "ready"
+
+    # When the child and that process take the same twenty keys at once
+    Path(path + ".go").touch()
+    go.set()
+    by_child = results.get(timeout=60)
+    out, _ = later.communicate(timeout=60)
+    child.join(30)
+    by_later = [bool(int(flag)) for flag in out.strip().split(",")]
+
+    # Then each key was taken by exactly one of them
+    assert [a != b for a, b in zip(by_child, by_later, strict=True)] == [True] * 20, (
+        by_child,
+        by_later,
+    )
+    # And the parent's store still works, on a new connection
+    assert parent.acquire("after", "parent", 30).acquired
+    parent.close()
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_connection_that_fails_to_close_before_a_fork_is_reported_and_the_others_still_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given stores with their connections open, one failing to close
+    broken, *others = [SQLiteBackend(tmp_path / f"{n}.db") for n in range(6)]
+    for store in (broken, *others):
+        assert store.acquire("k", "t", 30).acquired
+    connection = broken._conn
+    assert connection is not None
+
+    def fail() -> None:
+        broken._conn = None
+        raise sqlite3.OperationalError("cannot close")
+
+    monkeypatch.setattr(broken, "_disconnect", fail)
+    reported: list[BaseException | None] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: reported.append(info.exc_value))
+
+    # When the process forks
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    assert _exit_code(pid, within=10.0) == 0
+
+    # Then the failure was reported, and every other store's connection was closed all the same
+    assert [type(exc) for exc in reported] == [sqlite3.OperationalError]
+    assert [store._conn for store in others] == [None] * len(others)
+    # And every store works on
+    for store in (broken, *others):
+        assert store.holder("k") is not None
+    connection.close()
+    for store in others:
+        store.close()

@@ -506,6 +506,13 @@ class SQLiteBackend(LockBackend):
 
     def close(self) -> None:
         with self._mutex:
+            self._disconnect()
+
+    def _disconnect(self) -> None:
+        """Close this process's connection, idle since the caller holds ``_mutex``; the next
+        use opens a new one (:mod:`.fork` calls it before every fork)."""
+        try:
             if self._conn is not None and self._pid == os.getpid():
                 self._conn.close()
+        finally:
             self._conn = None
