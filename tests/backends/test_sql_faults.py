@@ -354,6 +354,19 @@ def test_no_startup_parameter_a_pooler_refuses(sql_store: SqlStore) -> None:
 # -- release by holder is atomic (finding 9) ----------------------------------------------------
 
 
+def _running(conn: Any, text: str) -> bool:
+    """Whether a statement containing ``text`` runs on the MySQL server now."""
+    cursor = conn.cursor()
+    cursor.execute(
+        "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE INFO LIKE %s AND ID != "
+        "CONNECTION_ID()",
+        (f"%{text}%",),
+    )
+    (count,) = cursor.fetchone()
+    conn.rollback()
+    return bool(count)
+
+
 @pytest.mark.parametrize("sql_store", KINDS, indirect=True)
 @pytest.mark.parametrize("before", ["no row yet", "held by another task"])
 def test_release_held_by_never_frees_a_lock_it_reports_as_not_held(
@@ -372,11 +385,16 @@ def test_release_held_by_never_frees_a_lock_it_reports_as_not_held(
     slow = backend_from_url(url, table=table)
     text = slow._q["release_holder"]
     at = text.rindex("UPDATE")  # the update that frees the row
-    slow._q["release_holder"] = f"{text[:at]}DO SLEEP(1);\n{text[at:]}"
+    pause = f"SLEEP(1.{random.randrange(10**6):06d})"  # this test's own, to find it running
+    slow._q["release_holder"] = f"{text[:at]}DO {pause};\n{text[at:]}"
     released: list[Any] = []
     thread = threading.Thread(target=lambda: released.append(slow.release_held_by("k", "task-1")))
     thread.start()
-    time.sleep(0.3)
+    with session("mysql") as watcher:  # the call has read the row once its pause runs
+        deadline = time.monotonic() + 10
+        while not _running(watcher, pause):
+            assert time.monotonic() < deadline, "release_held_by never reached its pause"
+            time.sleep(0.01)
 
     # When, meanwhile, task-1 acquires the key (after task-2 released it)
     if before == "held by another task":

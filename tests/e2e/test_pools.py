@@ -311,8 +311,8 @@ def test_revoke_with_terminate(pool: Pool, pooled: Cluster) -> None:
 
 
 def test_the_lease_is_renewed_while_a_body_runs_three_leases(pool: Pool, pooled: Cluster) -> None:
-    # Given a singleton with a 2-second lease whose body runs 6 seconds of CPU work: green
-    # pools yield between slices of 1.2 s (over a half lease; renewal is due every third),
+    # Given a singleton with a 4-second lease whose body runs 12 seconds of CPU work: green
+    # pools yield between slices of 2.4 s (over a half lease; renewal is due every third),
     # the others never yield
     label = pooled.label()
     key = lock_of(label, "renew")
