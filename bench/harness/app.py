@@ -16,6 +16,8 @@ there are:
     database under ``token``, and counts how many bodies of ``key`` run at once.
 ``bench.singletask-{limit,rate,debounce}.noop(i)``
     The empty body with ``lock_limit``, ``lock_rate`` or ``lock_debounce`` (``BEYOND``).
+``bench.singletask-default.noop(i)``
+    The empty body with singletask's default options: one lock per task (``BEYOND``).
 ``bench.singletask-{units,units-only,units-charge}.noop(i)``
     The empty body with named limits (``BEYOND``, the app's ``LIMITS``): one limit beside the
     key, one limit and no key of its own, or two limits (a concurrency and a rate) and a
@@ -78,6 +80,7 @@ REQUIRES = {
 #: (``LIMITS``): what they measure is the take and the giving back. ``singletask-units-only``
 #: names no key (``lock_args`` None): the limits alone hold it back.
 BEYOND: dict[str, dict[str, Any]] = {
+    "singletask-default": {"lock_args": None},  # the defaults: one lock per task
     "singletask-limit": {"lock_limit": 5},
     "singletask-rate": {"lock_rate": "1000/s"},
     "singletask-debounce": {"lock_debounce": 1.0},

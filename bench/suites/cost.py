@@ -11,7 +11,9 @@ stack protection installed, no result backend, and for singletask the lease rene
 kept between executions as the worker's bootstep keeps it), a no-op body, for:
 
 * ``plain``: Celery's own Task, the reference subtracted from the others;
-* ``singletask``: :class:`~singletask.SingletonTask` with ``lock_args="*"``, default options;
+* ``singletask``: :class:`~singletask.SingletonTask` with its default options (one lock per
+  task); the server's rows add ``singletask-args``, with ``lock_args="*"`` (a key per
+  argument, 98 characters here);
 * ``only-one``: the redis-py ``Lock`` decorator recipe (``bench/alternatives/only_one.py``);
 * ``cookbook``: the cookbook's ``cache.add`` recipe, SET NX + DEL
   (``bench/alternatives/cookbook.py``).
@@ -65,10 +67,28 @@ from bench import RESULTS, ROOT
 
 #: The contenders, in report order; ``plain`` is subtracted from the others.
 VARIANTS = ("plain", "singletask", "only-one", "cookbook")
+#: Measured on the server only: singletask with ``lock_args="*"`` (a key per argument).
+SERVER_ONLY = ("singletask-args",)
+#: The bench app's variant (bench/harness/app.py) each row runs: ``singletask`` is the default
+#: options (one lock per task), ``singletask-args`` the app's ``singletask`` (``lock_args="*"``).
+HARNESS = {"singletask": "singletask-default", "singletask-args": "singletask"}
 MODES = ("execution", "refusal")
 
 #: Loop lengths: ``N`` runs, then ``2N``; warm-up runs before them.
 CONFIGS = {"full": {"runs": 50, "warmup": 50}, "quick": {"runs": 10, "warmup": 10}}
+
+#: Redis takes a step of its Lua collector once every this many scripts or functions (its
+#: ``LUA_GC_CYCLE_PERIOD``), some 80k instructions: the server's loops are a multiple of it long,
+#: so that each holds as many steps as its length says (with loops of 10 and 20 runs, a step fell
+#: in one or the other by where the count stood, and a reference came out negative).
+LUA_GC_PERIOD = 50
+
+
+def server_runs(runs: int) -> int:
+    """The length ``N`` of the server's first loop for a client's ``runs``: a multiple of
+    :data:`LUA_GC_PERIOD`, at least one."""
+    return max(1, -(-runs // LUA_GC_PERIOD)) * LUA_GC_PERIOD
+
 
 #: The function before which the client's callgrind dumps: nothing in a run calls it.
 MARKER = "os_getloadavg"
@@ -124,9 +144,19 @@ def _app(lock_url: str, variants: list[str]) -> Any:
     # As in a worker process: a task's own __call__ calling super().__call__() goes to run.
     _install_stack_protection()
     app = bench_app.make_app(
-        broker="memory://", eager=True, lock_url=lock_url, probe_url=lock_url, variants=variants
+        broker="memory://",
+        eager=True,
+        lock_url=lock_url,
+        probe_url=lock_url,
+        variants=[HARNESS.get(variant, variant) for variant in variants],
     )
     if "singletask" in variants:
+        from bench.harness.app import noop
+        from singletask import SingletonTask
+
+        # The refusals of one lock per task meet this task's key, held, not the executions'.
+        app.task(name="bench.singletask-default.held", base=SingletonTask, shared=False)(noop)
+    if any(variant.startswith("singletask") for variant in variants):
         from singletask.conf.runtime import app_state
 
         # As the worker's ServeWorker bootstep does: the lease renewer's thread waits for the
@@ -135,13 +165,34 @@ def _app(lock_url: str, variants: list[str]) -> Any:
     return app
 
 
+def _task(app: Any, variant: str, mode: str) -> Any:
+    """The no-op task of row ``variant`` in ``mode``: with one lock per task (``singletask``),
+    a refusal's is a second task of the same options, whose key (as long) is the one held."""
+    name = f"bench.{HARNESS.get(variant, variant)}.noop"
+    if mode == "refusal" and HARNESS.get(variant) == "singletask-default":
+        return app.tasks[name.replace(".noop", ".held")]
+    return app.tasks[name]
+
+
 def _runner(app: Any, variant: str, mode: str) -> Callable[[], Any]:
-    """One run of ``variant`` in ``mode``: a new key each execution, the held key to refuse."""
-    task = app.tasks[f"bench.{variant}.noop"]
+    """One run of ``variant`` in ``mode``: a new argument each execution (a new key, but for
+    one lock per task), the held key to refuse."""
+    task = _task(app, variant, mode)
     count = iter(range(HELD + 1, 10**9))
     if mode == "refusal":
         return lambda: task.apply_async((HELD,))
     return lambda: task.apply_async((next(count),))
+
+
+def check_outcome(variant: str, mode: str, outcome: Any) -> None:
+    """Raise if a singletask run did not end as its mode says: a refusal is skipped, an
+    execution runs (a run measuring the other would count the wrong path)."""
+    if not variant.startswith("singletask"):
+        return
+    from singletask import Skipped
+
+    if isinstance(outcome.result, Skipped) != (mode == "refusal"):
+        raise RuntimeError(f"{variant}/{mode}: a run ended {outcome.result!r}")
 
 
 def hold_keys(app: Any, lock_url: str) -> None:
@@ -154,12 +205,15 @@ def hold_keys(app: Any, lock_url: str) -> None:
     from singletask.protocol.tokens import execution_token
 
     client = redis.Redis.from_url(lock_url)
-    if "bench.singletask.noop" in app.tasks:
-        key = app.tasks["bench.singletask.noop"].lock_key_for((HELD,))
+    for variant in ("singletask", *SERVER_ONLY):
+        if f"bench.{HARNESS[variant]}.noop" not in app.tasks:
+            continue
+        name = _task(app, variant, "refusal").name
+        key = app.tasks[name].lock_key_for((HELD,))
         backend = RedisBackend.from_url(lock_url)
         task_id = str(uuid.uuid4())
         meta = {
-            "task": "bench.singletask.noop",
+            "task": name,
             "scope": "execution",
             "hostname": "celery@bench",
             "pid": str(os.getpid()),
@@ -181,6 +235,7 @@ def child(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     app = _app(lock_url, [variant])
     run = _runner(app, variant, mode)
+    check_outcome(variant, mode, run())
     for _ in range(warmup):
         run()
     # Each loop starts from the same state of Python's cyclic collector, so that its
@@ -295,16 +350,17 @@ def server_costs(work: Path, runs: int, warmup: int) -> dict[str, Any]:
     server = _CountedServer(work)
     try:
         lock_url = f"{server.url}/1"
-        app = _app(lock_url, list(VARIANTS))
+        app = _app(lock_url, [*VARIANTS, *SERVER_ONLY])
         hold_keys(app, lock_url)
         raw = redis.Redis.from_url(lock_url)
         raw.set("bench:once", "other", px=600_000)
         empty = raw.register_script("return 0")
         runners: dict[str, Callable[[], Any]] = {}
-        for variant in VARIANTS:
+        for variant in (*VARIANTS, *SERVER_ONLY):
             for mode in MODES:
                 if not (variant == "plain" and mode == "refusal"):
                     runners[f"{variant}/{mode}"] = _runner(app, variant, mode)
+                    check_outcome(variant, mode, runners[f"{variant}/{mode}"]())
 
         def once() -> None:  # celery-once's refusal: SET NX PX refused, then PTTL
             raw.set("bench:once", "x", nx=True, px=3_600_000)
@@ -522,6 +578,10 @@ def figures(client: dict[str, Any], server: dict[str, Any]) -> dict[str, Any]:
                 "client_instructions": client[name]["instructions"] - base_client["instructions"],
                 "client_syscalls": client[name]["syscalls"] - base_client["syscalls"],
             }
+    for variant in SERVER_ONLY:
+        for mode in MODES:
+            name = f"{variant}/{mode}"
+            rows[name] = {"server_instructions": server[name]["instructions"] - base_server}
     rows["celery-once/refusal"] = {
         "server_instructions": server["celery-once/refusal"]["instructions"]
     }
@@ -635,7 +695,7 @@ def main(argv: list[str]) -> int:
         client = client_costs(lock_url, work, runs, warmup)
     finally:
         native.stop()
-    server = server_costs(work, runs, warmup)
+    server = server_costs(work, server_runs(runs), warmup)
     rows = figures(client, server)
     results = {
         "environment": {
@@ -653,6 +713,7 @@ def main(argv: list[str]) -> int:
                 ["valgrind", "--version"], capture_output=True, text=True, check=True
             ).stdout.strip(),
             "runs": runs,
+            "server_runs": server_runs(runs),
             "warmup": warmup,
         },
         "raw": {"client": client, "server": server},

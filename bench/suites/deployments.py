@@ -75,9 +75,10 @@ def make_app(url: str, options: dict[str, Any]) -> tuple[Celery, Any, Any]:
     return app, plain, locked
 
 
-#: The commands a client sends to run the lock (the commands the scripts run inside are
-#: counted by Redis too, and replication and the sentinels send their own: left out).
-CLIENT_COMMANDS = ("evalsha", "eval", "wait", "script|load")
+#: The commands a client sends to run the lock: scripts, and on Redis 7 and later the plain
+#: lock's functions (the commands the scripts run inside are counted by Redis too, and
+#: replication and the sentinels send their own: left out).
+CLIENT_COMMANDS = ("evalsha", "eval", "fcall", "function|load", "wait", "script|load")
 
 
 def commands(ports: list[int]) -> dict[str, int]:

@@ -59,9 +59,9 @@ BUILDERS: dict[str, Callable[[FailoverPair], RedisBackend]] = {
 
 
 def script_clients(port: int) -> int:
-    """How many connections of the server at ``port`` last ran a script."""
+    """How many connections of the server at ``port`` last ran a script or function."""
     with contextlib.closing(redis.Redis(port=port, socket_timeout=5)) as admin:
-        return sum(1 for c in admin.client_list() if c.get("cmd") in ("evalsha", "eval"))
+        return sum(1 for c in admin.client_list() if c.get("cmd") in ("evalsha", "eval", "fcall"))
 
 
 @pytest.mark.parametrize("made_with", sorted(BUILDERS))

@@ -64,7 +64,7 @@ def execution(key_prefix: str, n: int = 0) -> tuple[str, str, dict[str, str]]:
 def test_an_executions_lock_is_one_compact_string_and_nothing_else(
     store: RedisBackend, redis_client: redis.Redis, key_prefix: str
 ) -> None:
-    """The lock key alone, one string: token, fence, the since in milliseconds, and each
+    """The lock key alone, one string: token, fence, lease, the since in milliseconds, and each
     metadata field in one letter, with what the token or the key already says left out."""
     # Given the record an execution on a worker writes
     key, token, meta = execution(key_prefix)
@@ -83,8 +83,10 @@ def test_an_executions_lock_is_one_compact_string_and_nothing_else(
         "n": str(len(key_prefix)),  # where the task name stands in the key
         "a": str(result.fence // 1000 - 1763900000123),
     }
-    parts = [token, str(result.fence), "1763900000123", "n", str(len(key_prefix)), "w", "worker-1"]
-    assert redis_client.get(key) == "\x00".join(parts).encode()
+    # (the lease in ms, which runs from the fence's time: a refusal reads what is left of it)
+    lease = str(int(LEASE * 1000))
+    parts = [token, str(result.fence), lease, "1763900000123", "n", str(len(key_prefix)), "w"]
+    assert redis_client.get(key) == "\x00".join([*parts, "worker-1"]).encode()
     # And no other key was written (no companion hash)
     assert redis_client.keys(f"*{key_prefix}*") == [key.encode()]
     # And every reader gets the metadata back as it was given

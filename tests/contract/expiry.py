@@ -261,6 +261,7 @@ INSPECTORS: dict[str, Inspector] = {
     "memory": _memory,
     "redis": _redis,
     "redis-client": _redis,
+    "redis-scripts": _redis_deployment,
     "redis-cluster": _redis_deployment,
     "redis-sentinel": _redis_deployment,
     "rediss": _redis_deployment,

@@ -54,6 +54,7 @@ from ..servers import (
     SQL_URLS,
     MemcachedServer,
     RedisServer,
+    redis_scripts_binary,
     redis_server_binary,
     sql_test_table,
     start_memcached,
@@ -63,10 +64,21 @@ from .test_contract import wait_until_free
 
 T = TypeVar("T")
 
-#: The stores reached over the network, each through the proxy.
-NETWORKED = ["redis", "postgresql", "mysql", "memcached", "django-redis", "django-memcached"]
-#: Those with a second server of the test's own to re-point to.
-REPOINTABLE = ["redis", "memcached", "django-redis", "django-memcached"]
+#: The stores reached over the network, each through the proxy (``redis-scripts``: a Redis
+#: older than 7, on which every call is a script; ``redis``: the session's server, a Redis 7
+#: where the machine has one).
+NETWORKED = [
+    "redis",
+    "redis-scripts",
+    "postgresql",
+    "mysql",
+    "memcached",
+    "django-redis",
+    "django-memcached",
+]
+#: Those with a second server of the test's own to re-point to (a new server: one that does not
+#: have singletask's functions or scripts yet).
+REPOINTABLE = ["redis", "redis-scripts", "memcached", "django-redis", "django-memcached"]
 
 #: Client timeout (seconds) per store: socket reads/writes and connects for Redis and memcached;
 #: the ``timeout`` option of the SQL stores (PostgreSQL connects within at least 2 s).
@@ -103,7 +115,7 @@ class Link:
 
 
 def _base(kind: str) -> str:
-    return kind.removeprefix("django-")
+    return kind.removeprefix("django-").removesuffix("-scripts")
 
 
 def _redis_url(base_url: str, timeout: float) -> str:
@@ -151,6 +163,11 @@ def link(request: pytest.FixtureRequest) -> Iterator[Link]:
 
             def build(url: str, seconds: float) -> LockBackend:
                 return backend_from_url(url, table=table, timeout=seconds, pool_size=8)
+        elif kind == "redis-scripts":
+            server_url = request.getfixturevalue("redis_scripts_url")
+
+            def build(url: str, seconds: float) -> LockBackend:
+                return backend_from_url(_redis_url(url, seconds))
         elif base == "redis":
             server_url = request.getfixturevalue("redis_url")
             request.getfixturevalue("redis_client")  # fails / skips when the server is missing
@@ -367,7 +384,8 @@ def second_server(link: Link, tmp_path: Path) -> Iterator[str]:
     """Base URL of a second server of the link's kind, of this test's own."""
     assert link.kind in REPOINTABLE, "only the stores of REPOINTABLE have a second server"
     if _base(link.kind) == "redis":
-        binary = redis_server_binary()
+        binary = redis_scripts_binary() if link.kind == "redis-scripts" else None
+        binary = binary or redis_server_binary()
         if binary is None:
             unavailable("no redis-server for a second server")
         assert binary is not None

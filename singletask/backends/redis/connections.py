@@ -1,5 +1,6 @@
 """The connections a URL-built :class:`~singletask.backends.redis.RedisBackend` keeps itself:
-sending a script on one (:func:`send`), closing the ones that failed (:func:`drop`)."""
+sending a script or function on one (:func:`send`), closing the ones that failed
+(:func:`drop`); and a function called through a redis-py client (:func:`call_function`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,18 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import redis
+from redis.cluster import RedisCluster
 
+from .functions import LIBRARY, FunctionLoadError, missing
 from .wire import Connection, Script, not_run
 
-__all__ = ["drop", "send"]
+__all__ = ["call_function", "drop", "send"]
+
+#: FUNCTION LOAD REPLACE of the library, RESP-encoded.
+_LOAD = b"*4\r\n" + b"".join(
+    b"$%d\r\n%s\r\n" % (len(part), part)
+    for part in (b"FUNCTION", b"LOAD", b"REPLACE", LIBRARY.encode())
+)
 
 
 def send(
@@ -20,8 +29,12 @@ def send(
     script: Script,
     keys: Sequence[str],
     args: Sequence[str | int | bytes],
+    *,
+    fcall: bool = False,
 ) -> Any:
-    """Run ``script`` on one of a backend's own connections (``idle``: those idle now).
+    """Run ``script`` on one of a backend's own connections (``idle``: those idle now); with
+    ``fcall``, as its function (:mod:`~singletask.backends.redis.functions`): a server that
+    does not have the library gets it, and the call is made again (it did not run).
 
     A connection serves one call at a time: it is taken from the idle list (or made with the
     client's connection settings) and put back once the reply is read. One that fails, or
@@ -44,13 +57,24 @@ def send(
             connection = cast(Connection, pool.connection_class(**pool.connection_kwargs))
             fresh = True
         try:
-            connection.send_packed_command([script.command(keys, args)])
+            command = script.command(keys, args, fcall=fcall)
+            connection.send_packed_command([command])
             try:
                 reply = connection.read_response()
             except redis.exceptions.NoScriptError:
                 # The server's script cache was emptied (a restart, SCRIPT FLUSH): sending
                 # the text runs the script and caches it again.
                 connection.send_packed_command([script.command(keys, args, text=True)])
+                reply = connection.read_response()
+            except redis.exceptions.ResponseError as exc:
+                if not (fcall and missing(exc)):
+                    raise
+                connection.send_packed_command([_LOAD])
+                try:
+                    connection.read_response()
+                except redis.exceptions.ResponseError as refused:
+                    raise FunctionLoadError(str(refused)) from refused
+                connection.send_packed_command([command])
                 reply = connection.read_response()
         except redis.exceptions.ResponseError as exc:
             if not not_run(exc):
@@ -80,3 +104,41 @@ def drop(idle: list[Connection], connection: Connection, fresh: bool) -> None:
     while idle:
         with contextlib.suppress(IndexError):
             idle.pop().disconnect()
+
+
+def call_function(
+    client: redis.Redis, script: Script, keys: Sequence[str], args: Sequence[str | int | bytes]
+) -> Any:
+    """Call ``script``'s function through ``client`` (a ready client, Sentinel's, a Cluster's,
+    which routes it by its key); a server that does not have the library gets it (on a Cluster,
+    the primary of the key and every other that answers), and the call is made again (it did
+    not run)."""
+    assert script.function is not None
+    try:
+        return client.fcall(script.function, len(keys), *keys, *args)
+    except redis.exceptions.ResponseError as exc:
+        if not missing(exc):
+            raise
+    try:
+        if isinstance(client, RedisCluster):
+            _load_on_primaries(client, keys[0])
+        else:
+            client.function_load(LIBRARY, replace=True)
+    except redis.exceptions.ResponseError as refused:
+        raise FunctionLoadError(str(refused)) from refused
+    return client.fcall(script.function, len(keys), *keys, *args)
+
+
+def _load_on_primaries(cluster: Any, key: str) -> None:
+    """Load the library on the primary of ``key`` (its errors raised), then on every other
+    primary that can be reached: a slot being migrated is served by two, and one that cannot be
+    reached (a killed master, until its replica is promoted) is left to its own keys' calls."""
+    first = cluster.get_node_from_key(key)
+    cluster.execute_command("FUNCTION LOAD", "REPLACE", LIBRARY, target_nodes=first)
+    for node in cluster.get_primaries():
+        if node.name == first.name:
+            continue
+        try:
+            cluster.execute_command("FUNCTION LOAD", "REPLACE", LIBRARY, target_nodes=node)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            continue

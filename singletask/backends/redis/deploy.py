@@ -69,6 +69,7 @@ from .slots import ACQUIRE_SLOT, ACQUIRE_SLOT_KEEPING, listed, scan_pattern
 from .store import DRIVER_ERRORS, FENCE_RETENTION, MARKER_RETENTION, RedisBackend
 from .wire import (
     ACQUIRE,
+    ACQUIRE_FIRST,
     ACQUIRE_HASH,
     ACQUIRE_KEEPING,
     RESTORE,
@@ -90,6 +91,7 @@ MAX_REDIRECTS = 5
 #: The acquire scripts the replica wait runs instead (they also return what the key was before).
 _KEEPING = {
     ACQUIRE: ACQUIRE_KEEPING,
+    ACQUIRE_FIRST: ACQUIRE_KEEPING,
     ACQUIRE_HASH: ACQUIRE_KEEPING,
     ACQUIRE_SLOT: ACQUIRE_SLOT_KEEPING,
     ACQUIRE_SLOT_RATED: ACQUIRE_SLOT_RATED_KEEPING,
@@ -206,7 +208,7 @@ class _Deployed(RedisBackend):
         keeping = _KEEPING.get(script)
         if wait is None or keeping is None:
             return super()._call(operation, script, keys, args)
-        if script is ACQUIRE:  # the keeping script takes the fields one per argument
+        if script in (ACQUIRE, ACQUIRE_FIRST):  # the keeping script: a field per argument
             args = hash_args(args)
         try:
             reply, acks = self._acquire_and_wait(keeping, keys, args, wait)
@@ -228,7 +230,8 @@ class _Deployed(RedisBackend):
         # The keeping scripts add what the key was before last; a slot's reply names the slot.
         # A rated acquisition's start stays spent: only the slot is put back.
         fence, before = reply[1], reply[-1]
-        taken = keys[int(reply[3])] if script not in (ACQUIRE, ACQUIRE_HASH, PREEMPT) else keys[0]
+        plain = (ACQUIRE, ACQUIRE_FIRST, ACQUIRE_HASH, PREEMPT)
+        taken = keys[int(reply[3])] if script not in plain else keys[0]
         try:
             undone = super()._call("acquire", RESTORE, (taken,), (args[0], fence, *before))
             outcome = "the key was put back as it was" if undone else "the key has changed since"

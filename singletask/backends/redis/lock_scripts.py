@@ -14,9 +14,20 @@ The key's states and the rules every script keeps are in
 
 from __future__ import annotations
 
-from .scripts import ACQUIRE_FUNCTION, CHECK_MS, KEPT_READ, KEPT_REPLY, STRING_RECORD, checked
+from .scripts import (
+    ACQUIRE_FUNCTION,
+    ACQUIRE_HASH_PATH,
+    CHECK_MS,
+    KEPT_READ,
+    KEPT_REPLY,
+    MAX_LEASE_MS,
+    STRING_RECORD,
+    checked,
+)
 
 __all__ = [
+    "ACQUIRE_FIRST_BODY",
+    "ACQUIRE_FUNCTION_BODY",
     "ACQUIRE_HASH_SCRIPT",
     "ACQUIRE_KEEPING_SCRIPT",
     "ACQUIRE_SCRIPT",
@@ -38,74 +49,143 @@ ACQUIRE_HASH_SCRIPT = (
 
 # KEYS[1]  lock key
 # ARGV[1]  owner token
-# ARGV[2]  lease in milliseconds
-# ARGV[3]  the rest of the held record: when the holder started, in milliseconds since the epoch
-#          (or ''), NUL, then the record's other fields (ACQUIRE_HASH_SCRIPT's ARGV[5…]) joined
-#          by NUL bytes: since NUL field NUL value NUL field NUL value, or since NUL for none
-# ARGV[4]  token prefix whose holder may be taken over; absent (or '') for none
+# ARGV[2]  the rest of the held record: the lease in milliseconds, NUL, when the holder started
+#          (milliseconds since the epoch, '=': at the fence's time, or ''), then the record's
+#          other fields
+#          (ACQUIRE_HASH_SCRIPT's ARGV[5…]), each after a NUL byte: lease NUL since NUL field NUL
+#          value …, or lease NUL since for none
+# ARGV[3]  token prefix whose holder may be taken over; absent (or '') for none
 # Returns the new fence alone (a string of digits) when the caller takes a free key or a string
-# record; when a string refuses it, one string too: its lease left in ms (-1: no expiry), NUL,
-# then its value (the record); ACQUIRE_HASH_SCRIPT's replies when the key is a hash.
+# record; when a string refuses it, that string (the holder's record, which says its lease
+# left: STRING_RECORD), after a NUL byte when it has none (then it is not a record: the reply
+# is never a string of digits); ACQUIRE_HASH_SCRIPT's replies when the key is a hash.
 # The plain lock: when the key does not exist, or is a held string record (STRING_RECORD), the
 # caller who takes it writes it as a string record, SET PX the lease, in one command: ARGV[1],
-# NUL, the fence, NUL, ARGV[3]. A new fence is the server's time in microseconds (max(its fence
-# + 1, that time) when taking over a string record; a retried acquire by the holder keeps its
-# fence). A key that is a hash (a released record kept by fence_retention or marker_retention,
-# a lock written by another script or by singletask 0.3.0) is handled as ACQUIRE_HASH_SCRIPT
-# handles it, ARGV[3] split into since and fields (detected by GET's WRONGTYPE error, caught). A
-# string that is not a held record (not singletask's) is refused with its value, which the
-# client does not read as a lock.
-# Errors (before any write) when ARGV[2] is out of range (a refusal, which writes nothing, does
-# not read it).
-# (Cost: the string path calls no Lua function of the script's own and builds no table but its
-# reply, the hash path's functions being defined only when it runs: closures and tables are
-# garbage the server's Lua collector walks every 50 scripts; each argument costs the server
-# about 1,500 instructions, hence the fields in one argument and the prefix only when there is
-# one; the lease goes to SET as the string it came as, checked, since a number would be printed
-# back; a refusal is one string rather than a table, cheaper to build and to read; see python -m
-# bench cost.)
-ACQUIRE_SCRIPT = (
-    """
-local cur = redis.pcall('GET', KEYS[1])
-if type(cur) == 'table' then
-local since, packed = string.match(ARGV[3], '^(%Z*)%z(.*)$')
-local ARGV = {ARGV[1], ARGV[2], ARGV[4] or '', since or ''}
+# NUL, the fence (and @ the server's time when the fence is not that time), NUL, ARGV[2]. A new
+# fence is the server's time in microseconds (max(its fence + 1, that time) when taking over a
+# string record; a retried acquire by the holder keeps its fence). A key that is a hash (a
+# released record kept by fence_retention or marker_retention, a lock written by another script
+# or by singletask 0.3.0) is handled as ACQUIRE_HASH_SCRIPT handles it, ARGV[2] split into lease,
+# since and fields (detected by GET's WRONGTYPE error, caught). A string that is not a held
+# record (not singletask's) is refused with its value (a NUL byte before it when it does not
+# read as a record), which the client does not read as a lock.
+# Errors (before any write) when the lease is out of range (a refusal, which writes nothing,
+# does not read it).
+# (Cost, python -m bench cost: the string path calls no Lua function of the script's own and
+# builds no table but TIME's; it converts no number (the lease is checked as the digits it came
+# as and goes to SET as they are; the fence is TIME's two strings concatenated): strtod and
+# printf cost the server some thousands of instructions each; closures and tables are garbage
+# its Lua collector walks every 50 calls; each argument costs it about 1,200 instructions, hence
+# the lease and the fields in one argument and the prefix only when there is one; a refusal is
+# the record as it is, which also says the lease left, so no PTTL.)
+# The digits of MAX_LEASE_MS: a lease of more digits is out of range, of as many compared as text.
+_WIDTH = len(str(MAX_LEASE_MS))
+# The pieces of the plain acquire (ACQUIRE_SCRIPT reads the key first, ACQUIRE_FIRST_BODY writes
+# first), with cur the key's value (or the error of reading or writing it) and fence, last the
+# fence kept and the last one to grow from (false: none):
+# _HASH_PATH: a key that is a hash is taken as ACQUIRE_HASH_SCRIPT takes it.
+_HASH_PATH = (
+    """if type(cur) == 'table' then
+if not string.find(cur.err or '', '^WRONGTYPE') then return cur end
+local lease, since, packed = string.match(ARGV[2], '^(%Z*)%z(%Z*)(.*)$')
+if since == '=' then since, packed = '', packed .. '\\0a\\0' .. '0' end
+local ARGV = {ARGV[1], lease or ARGV[2], ARGV[3] or '', since or ''}
 """
     + CHECK_MS
-    + ACQUIRE_FUNCTION
+    + ACQUIRE_HASH_PATH
     + """
-if packed and packed ~= '' then
-  for part in string.gmatch(packed .. '\\0', '(%Z*)%z') do ARGV[#ARGV + 1] = part end
+if packed then
+  for part in string.gmatch(packed, '%z(%Z*)') do ARGV[#ARGV + 1] = part end
 end
 return acquire()
 end
-local fence, last = false, false
-if cur then
-  local prefix = ARGV[4]
-  local mine = string.find(cur, ARGV[1], 1, true) == 1 and string.byte(cur, #ARGV[1] + 1) == 0
-  if not mine and (not prefix or prefix == '' or string.find(cur, prefix, 1, true) ~= 1) then
-    return redis.call('PTTL', KEYS[1]) .. '\\0' .. cur
-  end
-  last = string.match(cur, '^%Z*%z(%d+)%z')
-  if not last then
-    return redis.call('PTTL', KEYS[1]) .. '\\0' .. cur
-  end
-  if mine then fence = last end
+"""
+)
+# _HELD: a string refuses the caller, unless it is the caller's (a retried acquire: its fence is
+# kept) or its token starts with ARGV[3] (a takeover: the fence grows from its).
+_HELD = """local prefix = ARGV[3]
+local mine = string.find(cur, ARGV[1], 1, true) == 1 and string.byte(cur, #ARGV[1] + 1) == 0
+if not mine and (not prefix or prefix == '' or string.find(cur, prefix, 1, true) ~= 1) then
+  if string.find(cur, '\\0', 1, true) then return cur end
+  return '\\0' .. cur
+end
+last = string.match(cur, '^%Z*%z(%d+)[@%d]*%z')
+if not last then
+  return '\\0' .. cur
+end
+if mine then fence = last end
+"""
+# _LEASE: the lease, checked as the digits it came as; _CLOCK: the server's time (us: its
+# microseconds, 6 digits).
+_LEASE = (
+    """local lease = string.match(ARGV[2], '^([1-9]%d*)%z')
+"""
+    + f"""if not lease or #lease > {_WIDTH} or (#lease == {_WIDTH} and lease > '{MAX_LEASE_MS}')
+then
+  error('singletask: duration out of range (1 to {MAX_LEASE_MS} ms): '
+    .. string.match(ARGV[2], '^%Z*'))
 end
 """
-    + checked("lease", "ARGV[2]", 1)
-    + """if not fence then
-  local now = redis.call('TIME')
-  local us = now[2]
-  if #us < 6 then us = string.rep('0', 6 - #us) .. us end
+)
+_CLOCK = """local now = redis.call('TIME')
+local us = now[2]
+if #us < 6 then us = string.rep('0', 6 - #us) .. us end
+"""
+# _WRITE: the string record written, the fence returned.
+_WRITE = """local at = ''
+if not fence then
   fence = now[1] .. us
   if last and tonumber(last) >= tonumber(fence) then
+    at = '@' .. fence
     fence = string.format('%.0f', tonumber(last) + 1)
   end
+else
+  at = '@' .. now[1] .. us
 end
-redis.call('SET', KEYS[1], ARGV[1] .. '\\0' .. fence .. '\\0' .. ARGV[3], 'PX', ARGV[2])
+redis.call('SET', KEYS[1], ARGV[1] .. '\\0' .. fence .. at .. '\\0' .. ARGV[2], 'PX', lease)
 return fence
 """
+_ACQUIRE_PLAIN = (
+    """
+local cur = redis.pcall('GET', KEYS[1])
+local fence, last = false, false
+if cur then
+"""
+    + _HASH_PATH
+    + _HELD
+    + "end\n"
+    + _LEASE
+    + _CLOCK
+    + _WRITE
+)
+ACQUIRE_SCRIPT = _ACQUIRE_PLAIN
+
+# ACQUIRE_SCRIPT as the body of a Redis 7 function (functions.py; KEYS, ARGV and reply the
+# same): its SET also asks for the old value (GET, Redis 6.2 and later), nil here, which costs
+# the server less than the status reply a plain SET returns, a table in Lua.
+ACQUIRE_FUNCTION_BODY = _ACQUIRE_PLAIN.replace("'PX', lease)", "'PX', lease, 'GET')")
+
+# KEYS, ARGV, reply and effect: ACQUIRE_SCRIPT's. The Redis 7 function of an acquire that writes
+# first: it reads the clock, checks the lease and tries SET NX GET (Redis 7.0 and later) of the
+# new record before it knows whether the key is free, then, when the key was not, does what
+# ACQUIRE_SCRIPT does with what SET returned (a retried acquire or a takeover writes the record
+# once more). One command fewer than ACQUIRE_SCRIPT for a free key (no GET), one more for a held
+# one (TIME): the client sends it unless the key was held at its last acquire
+# (RedisBackend.acquire). An error other than WRONGTYPE (a hash) that SET meets, such as OOM,
+# is the reply.
+ACQUIRE_FIRST_BODY = (
+    _LEASE
+    + _CLOCK
+    + """local fence = now[1] .. us
+local cur = redis.pcall('SET', KEYS[1], ARGV[1] .. '\\0' .. fence .. '\\0' .. ARGV[2], 'NX', 'PX',
+  lease, 'GET')
+if not cur then return fence end
+local last = false
+fence = false
+"""
+    + _HASH_PATH
+    + _HELD
+    + _WRITE.replace("'PX', lease)", "'PX', lease, 'GET')")
 )
 
 # KEYS[1]  lock key
@@ -260,7 +340,7 @@ else
     return 0
   end
   if string.find(cur, ARGV[1], 1, true) ~= 1 or string.byte(cur, #ARGV[1] + 1) ~= 0 then
-    if not string.find(cur, '^%Z*%z%d+%z') then
+    if not string.find(cur, '^%Z*%z%d+[@%d]*%z') then
       return redis.error_reply('WRONGTYPE Operation against a key holding the wrong kind of value')
     end
     return 0
@@ -288,10 +368,16 @@ return 1
 """
 )
 
+#: The marker retention, in milliseconds, a release that keeps nothing applies to a hash when
+#: its call leaves it out: the default ``marker_retention`` (store.MARKER_RETENTION, one day).
+DEFAULT_MARKER_KEEP_MS = 86_400_000
+
 # KEYS[1]  lock key
 # ARGV[1]  owner token
 # ARGV[2]  how long a completion marker the held record carries is kept, in milliseconds (0: not
-#          at all); read only when the key is a hash
+#          at all); read only when the key is a hash; left out, DEFAULT_MARKER_KEEP_MS (a plain
+#          lock's key is a string, and each argument costs the server some 1,200 instructions:
+#          the client sends it only when its marker_retention is not the default)
 # Returns 1 when the lock was released, 0 when ARGV[1] does not hold it (no key, or another
 # owner's record).
 # RELEASE_SCRIPT's case of no completion marker given, fence_retention 0 and no holder slot key
@@ -305,7 +391,7 @@ RELEASE_STRING_SCRIPT = (
 local cur = redis.pcall('GET', KEYS[1])
 if type(cur) == 'table' then
 """
-    + checked("marker_keep", "ARGV[2]", 0)
+    + checked("marker_keep", f"(ARGV[2] or '{DEFAULT_MARKER_KEEP_MS}')", 0)
     + """local rec = redis.call('HMGET', KEYS[1], 'token', 'f', 'd')
   if rec[1] ~= ARGV[1] then return 0 end
   redis.call('DEL', KEYS[1])
@@ -320,7 +406,7 @@ if string.find(cur, ARGV[1], 1, true) == 1 and string.byte(cur, #ARGV[1] + 1) ==
   redis.call('DEL', KEYS[1])
   return 1
 end
-if not string.find(cur, '^%Z*%z%d+%z') then
+if not string.find(cur, '^%Z*%z%d+[@%d]*%z') then
   return redis.error_reply('WRONGTYPE Operation against a key holding the wrong kind of value')
 end
 return 0
@@ -330,17 +416,14 @@ return 0
 # KEYS[1]  lock key
 # ARGV[1]  owner token
 # ARGV[2]  new lease in milliseconds (from now)
-# Returns 1 when the lease was set, 0 when ARGV[1] does not hold the lock.
+# Returns 1 when the lease was set, 0 when ARGV[1] does not hold the lock. A string record is
+# written again with its new lease and the time it runs from (renew(), STRING_RECORD).
 # Errors when ARGV[2] is out of range.
 EXTEND_SCRIPT = (
     CHECK_MS
     + STRING_RECORD
     + """
-local lease = ms(ARGV[2])
-if holds(KEYS[1], ARGV[1]) then
-  return redis.call('PEXPIRE', KEYS[1], lease)
-end
-return 0
+return renew(KEYS[1], ARGV[1], ms(ARGV[2]))
 """
 )
 
@@ -359,11 +442,7 @@ for i = 1, #KEYS do
 end
 local out = {}
 for i = 1, #KEYS do
-  if holds(KEYS[i], ARGV[2 * i - 1]) then
-    out[i] = redis.call('PEXPIRE', KEYS[i], leases[i])
-  else
-    out[i] = 0
-  end
+  out[i] = renew(KEYS[i], ARGV[2 * i - 1], leases[i])
 end
 return out
 """

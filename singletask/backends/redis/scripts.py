@@ -9,11 +9,13 @@ them has moved). The key is in one of three states:
 * *held, plain*: a string, written by
   :data:`~singletask.backends.redis.lock_scripts.ACQUIRE_SCRIPT` (the plain lock: no holder
   slots, no preemption, no named limits in the same script, no replica wait):
-  ``<token> NUL <fence> NUL <since in ms or ''> NUL <field> NUL <value> ...``, the compact
-  metadata fields :mod:`singletask.backends.redis.wire` writes; its expiry is the lease. One
-  ``SET ... PX`` takes it, a ``GET`` and a comparison of the token with the start of the value
-  release or renew it: about a third less of the server's work than a hash (``python -m bench
-  cost``);
+  ``<token> NUL <fence>[@<written>] NUL <lease in ms> NUL <since in ms, = or ''> NUL <field>
+  NUL <value> ...``, the compact metadata fields :mod:`singletask.backends.redis.wire` writes; its
+  expiry is the lease, which the record states too (from ``<written>``, the server's time in
+  microseconds, or else the fence's: ``STRING_RECORD`` below), so that a refusal needs no
+  ``PTTL``. One ``SET ... PX`` takes it, a ``GET`` and a comparison of the token with the start
+  of the value release it (a renewal writes it again): about a third less of the server's work
+  than a hash (``python -m bench cost``);
 * *held, hash*: the field ``token`` (the owner token), ``f`` (the fencing token), ``a`` (the
   since, as ms before the fence's time), ``d`` (a carried completion marker) and the same
   metadata fields; its expiry is the lease. Written by every other acquiring script, and by
@@ -65,7 +67,8 @@ in a module per concept; each one's keys share a Redis Cluster slot, and
 
 Here: :data:`MAX_LEASE_MS`, and the Lua pieces the scripts start with: ``CHECK_MS`` (the
 duration checks), ``checked()`` (one check written out inline), ``STRING_RECORD`` (reading a
-string lock) and ``ACQUIRE_FUNCTION`` (``acquire()`` and ``take()``: taking a key).
+string lock) and ``ACQUIRE_FUNCTION`` (``acquire()`` and ``take()``: taking a key; without
+``STRING_RECORD``, ``ACQUIRE_HASH_PATH``).
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ from ..base import MAX_LEASE
 
 __all__ = [
     "ACQUIRE_FUNCTION",
+    "ACQUIRE_HASH_PATH",
     "CHECK_MS",
     "KEPT_READ",
     "KEPT_REPLY",
@@ -116,33 +120,40 @@ def checked(name: str, value: str, low: int) -> str:
 
 
 # Lua: the held record as a string (the plain lock's layout, written by ACQUIRE_SCRIPT):
-# <token> NUL <fence> NUL <since in ms, or ''> NUL <field> NUL <value> NUL ... (the compact
-# metadata fields, possibly none). hashed(key) rewrites such a string as the equivalent held
-# hash (token, f, a: ms before the fence's time, the fields), keeping its expiry, so that the
-# scripts that read hashes read it; any other key (no key, a hash, a string that is not a
-# held record: not singletask's) is left as it is. holds(key, token): whether token holds key,
-# as a string record or a hash; a string that is not a held record raises WRONGTYPE there, as
-# HGET does (ours(value) checks).
+# <token> NUL <fence>[@<written>] NUL <lease in ms> NUL <since in ms, '=' (the fence's time:
+# the holder started as it took the lock) or ''> NUL <field> NUL <value> ... (the compact
+# metadata fields, possibly none). The record's expiry is the lease
+# counted from <written>, the server's time in microseconds when the record was last written, or
+# from the fence's time when there is no @<written> (the fence is the server's time then): a
+# refusal tells the lease left from the record alone, with no PTTL. hashed(key) rewrites such a
+# string as the equivalent held hash (token, f, a: ms before the fence's time, the fields),
+# keeping its expiry, so that the scripts that read hashes read it; any other key (no key, a
+# hash, a string that is not a held record: not singletask's) is left as it is.
+# holds(key, token): whether token holds key, as a string record or a hash; a string that is
+# not a held record raises WRONGTYPE there, as HGET does (ours(value) checks). renew(key,
+# token, lease): holds() and, when it does, the key's expiry set to lease ms from now (a string
+# record is written again with its new @<written> and lease); returns 1, or 0 when token does
+# not hold key.
 STRING_RECORD = """
 local function hashed(key)
   local value = redis.pcall('GET', key)
   if type(value) ~= 'string' then return end
-  local token, fence, since, rest = string.match(value, '^(%Z*)%z(%d+)%z(%d*)%z(.*)$')
+  local token, fence, since, rest = string.match(value, '^(%Z*)%z(%d+)[@%d]*%z%d+%z([=%d]*)(.*)$')
   if not token then return end
   local record = {'token', token, 'f', fence}
-  if since ~= '' then
+  if since == '=' then
+    record[5], record[6] = 'a', '0'
+  elseif since ~= '' then
     record[5], record[6] = 'a', string.format('%.0f', math.floor(tonumber(fence) / 1000) - since)
   end
-  if rest ~= '' then
-    for part in string.gmatch(rest .. '\\0', '(%Z*)%z') do record[#record + 1] = part end
-  end
+  for part in string.gmatch(rest, '%z(%Z*)') do record[#record + 1] = part end
   local pttl = redis.call('PTTL', key)
   redis.call('DEL', key)
   redis.call('HSET', key, unpack(record))
   if pttl > 0 then redis.call('PEXPIRE', key, pttl) end
 end
 local function ours(value)
-  if not string.find(value, '^%Z*%z%d+%z') then
+  if not string.find(value, '^%Z*%z%d+[@%d]*%z') then
     error({err = 'WRONGTYPE Operation against a key holding the wrong kind of value'})
   end
 end
@@ -155,6 +166,27 @@ local function holds(key, token)
   end
   ours(value)
   return false
+end
+local function renew(key, token, lease)
+  local value = redis.pcall('GET', key)
+  if type(value) == 'table' then
+    if redis.call('HGET', key, 'token') ~= token then return 0 end
+    return redis.call('PEXPIRE', key, lease)
+  end
+  if not value then return 0 end
+  if string.sub(value, 1, #token) ~= token or string.byte(value, #token + 1) ~= 0 then
+    ours(value)
+    return 0
+  end
+  local head, rest = string.match(value, '^(%Z*%z%d+)[@%d]*%z%d+(%z.*)$')
+  if not head then
+    error({err = 'WRONGTYPE Operation against a key holding the wrong kind of value'})
+  end
+  local now = redis.call('TIME')
+  local us = string.rep('0', 6 - #now[2]) .. now[2]
+  lease = string.format('%d', lease)
+  redis.call('SET', key, head .. '@' .. now[1] .. us .. '\\0' .. lease .. rest, 'PX', lease)
+  return 1
 end
 """
 
@@ -213,13 +245,15 @@ return {1, fence, marker}
 end
 """
 
+# ACQUIRE_HASH_PATH: take() and acquire() alone, for a script that knows the key is a hash
+# (ACQUIRE_SCRIPT's hash path); ACQUIRE_FUNCTION: with STRING_RECORD, for the scripts that
+# rewrite a string lock first.
 # acquire(): the holder's token is read alone first (a hash field costs the server a scan of
 # the record): a refusal then reads only the fields its reply names, a key that does not exist
 # (the common case) is taken at once, and a released record or a takeover reads its fence and
 # marker.
-ACQUIRE_FUNCTION = (
-    STRING_RECORD
-    + _TAKE_FUNCTION
+ACQUIRE_HASH_PATH = (
+    _TAKE_FUNCTION
     + """
 local function acquire()
 local lease = ms(ARGV[2])
@@ -236,6 +270,7 @@ return take(KEYS[1], cur, rec[1] or rec[2], rec[3], lease)
 end
 """
 )
+ACQUIRE_FUNCTION = STRING_RECORD + ACQUIRE_HASH_PATH
 
 # Lua of the opt-in replica wait's acquisitions (ACQUIRE_KEEPING_SCRIPT, PREEMPT_KEEPING_SCRIPT),
 # which may have to be undone: KEPT_READ reads what KEYS[1] is before acquire() runs (its fields,

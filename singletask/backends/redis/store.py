@@ -46,7 +46,9 @@ from ..base import (
 )
 from ..urls import mask_url
 from .bookkeeping import scan_state
-from .connections import send
+from .connections import call_function, send
+from .functions import unavailable
+from .lock_scripts import DEFAULT_MARKER_KEEP_MS
 from .options import connection_options, parse_redis_url, record_layout, retentions
 from .rates import (
     COMPANION_ENDS,
@@ -76,6 +78,7 @@ from .units import (
 )
 from .wire import (
     ACQUIRE,
+    ACQUIRE_FIRST,
     ACQUIRE_HASH,
     CLAIM_NEXT,
     CLEAR_NEXT,
@@ -113,7 +116,10 @@ FENCE_RETENTION = 0.0
 
 #: How long a released key keeps the completion marker its release recorded, by default: one
 #: day. The transport option ``marker_retention`` (seconds) sets it.
-MARKER_RETENTION = 24 * 3600.0
+MARKER_RETENTION = DEFAULT_MARKER_KEEP_MS / 1000
+
+#: How many plain locks a process remembers as found held (the set is emptied when full).
+_REFUSED_KEPT = 1024
 
 #: Client defaults; options given in the URL's query string or to ``from_url`` win.
 CLIENT_DEFAULTS: dict[str, Any] = {
@@ -179,6 +185,9 @@ class RedisBackend(LockBackend):
         )
         # The retentions in whole milliseconds, as the release scripts take them.
         self._keep = (keep_ms(self.marker_retention), keep_ms(self.fence_retention))
+        # What the release that keeps nothing sends after the token: the marker retention,
+        # unless it is the default, which the script applies when it is left out.
+        self._marker = () if self._keep[0] == DEFAULT_MARKER_KEEP_MS else (self._keep[0],)
         if url is not None:
             self._check_url(url)  # fail early, and strictly, on a bad URL
         self._url = url
@@ -191,6 +200,13 @@ class RedisBackend(LockBackend):
         # Connections of a URL-built backend, idle between two script calls (see
         # connections.send).
         self._idle: list[Connection] = []
+        # Whether the plain lock's calls go as functions (FCALL, Redis 7 and later): until the
+        # server says it cannot (see functions.py), then scripts for the rest of the process.
+        self._functions = True
+        # The plain locks this process found held at its last try (at most _REFUSED_KEPT):
+        # their next acquire reads the key first (ACQUIRE), the others' write first
+        # (ACQUIRE_FIRST), which costs the server less for a free key and more for a held one.
+        self._refused: set[str] = set()
 
     @classmethod
     def from_url(
@@ -267,16 +283,32 @@ class RedisBackend(LockBackend):
         keys: Sequence[str],
         args: Sequence[str | int | bytes],
     ) -> Any:
-        """Run ``script``: one round trip, two when the server does not have it cached.
+        """Run ``script`` (as its function when it is one and the server has functions, see
+        functions.py): one round trip, two when the server does not have it cached.
 
         Errors are translated here rather than with :meth:`_translate`, which would cost a
         generator per call on the path every execution takes twice.
         """
         try:
             client = self.client
+            fcall = self._functions and script.function is not None
             if self._own_connections:
+                if fcall:
+                    try:
+                        return send(self._idle, client, script, keys, args, fcall=True)
+                    except redis.exceptions.ResponseError as exc:
+                        if not unavailable(exc):
+                            raise
+                        self._functions = False  # scripts, for the rest of this process
                 return send(self._idle, client, script, keys, args)
             try:
+                if fcall:
+                    try:
+                        return call_function(client, script, keys, args)
+                    except redis.exceptions.RedisError as exc:
+                        if not unavailable(exc):
+                            raise
+                        self._functions = False
                 try:
                     return client.evalsha(script.sha, len(keys), *keys, *args)
                 except redis.exceptions.NoScriptError:
@@ -305,19 +337,30 @@ class RedisBackend(LockBackend):
         since, fields = encode_meta(key, token, meta or {})
         lease = lease_ms(ttl, "acquire")
         prefix = takeover_prefix or ""
-        packed = None if units or self._hash_records else pack_fields(token, prefix, since, fields)
+        packed = (
+            None
+            if units or self._hash_records
+            else pack_fields(token, prefix, lease, since, fields)
+        )
         if packed is not None:  # the plain lock: a string record, its fields in one argument
-            plain = (token, lease, packed, prefix) if prefix else (token, lease, packed)
-            reply = self._call("acquire", ACQUIRE, (key,), plain)
+            plain = (token, packed, prefix) if prefix else (token, packed)
+            # Written first (a function: one command fewer) unless held at the last try here.
+            seen = self._refused
+            script = ACQUIRE if key in seen else ACQUIRE_FIRST
+            reply = self._call("acquire", script, (key,), plain)
             if not isinstance(reply, bytes | str):  # the key is a hash
                 return self._acquired(reply)
-            left, held, value = as_text(reply).partition("\0")
-            if not held:  # taken: its fence
-                return AcquireResult(True, fence=int(left))
-            holder = string_conflict(value, int(left))  # held as a string record
+            value = as_text(reply)
+            if "\0" not in value:  # taken: its fence
+                seen.discard(key)
+                return AcquireResult(True, fence=int(value))
+            holder = string_conflict(value)  # held as a string record
             if holder is None:  # a string that is not a lock: as HGET would have said
                 exc = redis.exceptions.ResponseError(WRONGTYPE)
                 raise self._error(exc, "acquire", key) from exc
+            if len(seen) >= _REFUSED_KEPT:
+                seen.clear()
+            seen.add(key)
             return AcquireResult(False, holder)
         args: list[str | int] = [token, lease, prefix, since, *fields]
         if units:  # the key and its units in one script
@@ -420,14 +463,15 @@ class RedisBackend(LockBackend):
             self.check_units_together([item.key for item in held], f"{self!r}: release")
             keys, both = with_lock(self._release_keys(key), args, unit_keys, unit_args)
             return bool(self._call("release", RELEASE_UNITS, keys, both))
-        if self._keeps_nothing(key, completed, held):  # the token and the marker retention
-            return bool(self._call("release", RELEASE_STRING, (key,), (token, self._keep[0])))
+        if self._keeps_nothing(key, completed, held):  # the token (and the marker retention)
+            return bool(self._call("release", RELEASE_STRING, (key,), (token, *self._marker)))
         self._give_units_before(token, held)
         return bool(self._call("release", RELEASE, self._release_keys(key), args))
 
     def _keeps_nothing(self, key: str, completed: str | None, held: Sequence[Units]) -> bool:
-        """Whether the release of ``key`` can send the token and the marker retention alone
-        (``RELEASE_STRING_SCRIPT``): no completion marker to record, no fence kept, no units to
+        """Whether the release of ``key`` can send the token alone (``RELEASE_STRING_SCRIPT``;
+        and the marker retention, when it is not the default, for a hash it may meet): no
+        completion marker to record, no fence kept, no units to
         give back, not a holder slot (whose base key records the marker), and the plain acquire
         writes string records (``lock_record``; with hash records, the full release)."""
         return not (held or completed or self._keep[1] or self._hash_records) and (

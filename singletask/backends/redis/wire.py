@@ -13,6 +13,7 @@ import contextlib
 import functools
 import hashlib
 import re
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -20,6 +21,7 @@ import redis
 
 from ...exceptions import BackendError, BackendTimeout, BackendUnavailable
 from ..base import Holder, check_lease
+from .functions import NAMES
 from .lock_scripts import (
     ACQUIRE_HASH_SCRIPT,
     ACQUIRE_KEEPING_SCRIPT,
@@ -36,6 +38,7 @@ from .lock_scripts import (
 
 __all__ = [
     "ACQUIRE",
+    "ACQUIRE_FIRST",
     "ACQUIRE_HASH",
     "ACQUIRE_KEEPING",
     "CLAIM_NEXT",
@@ -96,24 +99,34 @@ def _bulk(data: bytes) -> bytes:
 
 class Script:
     """A script of :mod:`~singletask.backends.redis.scripts`, called by its SHA1 digest, with
-    the command encoded here."""
+    the command encoded here; or, when it is also a function of
+    :data:`~singletask.backends.redis.functions.LIBRARY` (``function``: its name there), by
+    ``FCALL`` on the servers that have functions."""
 
-    __slots__ = ("_eval", "_evalsha", "_heads", "sha", "text")
+    __slots__ = ("_eval", "_evalsha", "_fcall", "_heads", "function", "sha", "text")
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, *, function: str | None = None) -> None:
         self.text = text
         self.sha = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
+        self.function = function
         self._evalsha = _bulk(b"EVALSHA") + _bulk(self.sha.encode())
+        self._fcall = _bulk(b"FCALL") + _bulk(function.encode()) if function else b""
         self._eval = _bulk(b"EVAL") + _bulk(text.encode())
-        # The command's head (length, EVALSHA and digest, number of keys) by (number of keys,
-        # number of arguments): the same on every call of the lock's scripts.
-        self._heads: dict[tuple[int, int], bytes] = {}
+        # The command's head (length, EVALSHA and digest or FCALL and name, number of keys) by
+        # (number of keys, number of arguments, FCALL): the same on every call of the lock's
+        # scripts.
+        self._heads: dict[tuple[int, int, bool], bytes] = {}
 
     def command(
-        self, keys: Sequence[str], args: Sequence[str | int | bytes], *, text: bool = False
+        self,
+        keys: Sequence[str],
+        args: Sequence[str | int | bytes],
+        *,
+        text: bool = False,
+        fcall: bool = False,
     ) -> bytes:
-        """The RESP-encoded EVALSHA (or, with ``text``, EVAL) of this script; strings as UTF-8,
-        bytes as they are."""
+        """The RESP-encoded EVALSHA (or, with ``text``, EVAL; with ``fcall``, the FCALL of its
+        function) of this script; strings as UTF-8, bytes as they are."""
         if text:
             head = b"*%d\r\n%s%s" % (
                 3 + len(keys) + len(args),
@@ -121,12 +134,13 @@ class Script:
                 _bulk(b"%d" % len(keys)),
             )
         else:
-            shape = (len(keys), len(args))
+            shape = (len(keys), len(args), fcall)
             found = self._heads.get(shape)
             if found is None:
                 if len(self._heads) >= 64:  # scripts over many keys (extend_many): few kept
                     self._heads.clear()
-                found = b"*%d\r\n%s%s" % (3 + sum(shape), self._evalsha, _bulk(b"%d" % shape[0]))
+                name = self._fcall if fcall else self._evalsha
+                found = b"*%d\r\n%s%s" % (3 + len(keys) + len(args), name, _bulk(b"%d" % len(keys)))
                 self._heads[shape] = found
             head = found
         parts = [head]
@@ -142,10 +156,12 @@ class Script:
         return b"".join(parts)
 
 
-ACQUIRE = Script(ACQUIRE_SCRIPT)
+ACQUIRE = Script(ACQUIRE_SCRIPT, function=NAMES["acquire"])
+# The same acquire, writing first where it is a function (where it is not: ACQUIRE_SCRIPT).
+ACQUIRE_FIRST = Script(ACQUIRE_SCRIPT, function=NAMES["acquire_first"])
 ACQUIRE_HASH = Script(ACQUIRE_HASH_SCRIPT)
 RELEASE = Script(RELEASE_SCRIPT)
-RELEASE_STRING = Script(RELEASE_STRING_SCRIPT)
+RELEASE_STRING = Script(RELEASE_STRING_SCRIPT, function=NAMES["release"])
 EXTEND = Script(EXTEND_SCRIPT)
 EXTEND_MANY = Script(EXTEND_MANY_SCRIPT)
 CLAIM_NEXT = Script(CLAIM_NEXT_SCRIPT)
@@ -341,12 +357,24 @@ def holder_from_reply(key: str, fields: Mapping[Any, bytes | str], pttl: int) ->
     )
 
 
-def pack_fields(token: str, prefix: str, since: str, fields: Sequence[str]) -> str | None:
-    """``since`` and ``fields`` (:func:`encode_meta`'s) as ACQUIRE_SCRIPT's ARGV[3], joined by
-    NUL bytes (``since NUL field NUL value ...``); None when the token, the takeover prefix or a
-    field holds a NUL byte itself (then ACQUIRE_HASH_SCRIPT takes them as they are)."""
-    packed = "\0".join((since, *fields))
-    if "\0" in token or "\0" in prefix or packed.count("\0") != len(fields):
+#: How near this host's present a holder's start must be for the record to say "the fence's
+#: time" instead (ms): the start of an execution is read as it takes its lock.
+_AT_TAKE_MS = 1000
+
+
+def pack_fields(
+    token: str, prefix: str, lease: int, since: str, fields: Sequence[str]
+) -> str | None:
+    """The lease (ms), ``since`` and ``fields`` (:func:`encode_meta`'s) as ACQUIRE_SCRIPT's
+    ARGV[2], joined by NUL bytes (``lease NUL since NUL field NUL value ...``); ``since`` is
+    ``=`` when it is this host's present (the holder starts as it takes the lock: the record
+    then says the fence's time, by the server's clock, 12 bytes shorter); None when the token,
+    the takeover prefix or a field holds a NUL byte itself (then ACQUIRE_HASH_SCRIPT takes them
+    as they are)."""
+    if since and abs(time.time() * 1000 - int(since)) < _AT_TAKE_MS:
+        since = "="  # the holder starts as it takes the lock: the fence's time says when
+    packed = "\0".join((str(lease), since, *fields))
+    if "\0" in token or "\0" in prefix or packed.count("\0") != len(fields) + 1:
         return None
     return packed
 
@@ -354,28 +382,51 @@ def pack_fields(token: str, prefix: str, since: str, fields: Sequence[str]) -> s
 def hash_args(args: Sequence[str | int | bytes]) -> tuple[str | int | bytes, ...]:
     """ACQUIRE_SCRIPT's arguments as ACQUIRE_HASH_SCRIPT's (token, lease, takeover prefix,
     since, field, value, ...), which the scripts of the replica wait take."""
-    token, lease, packed = args[0], args[1], str(args[2])
-    prefix = args[3] if len(args) > 3 else ""
-    since, _, rest = packed.partition("\0")
-    return (token, lease, prefix, since, *(rest.split("\0") if rest else ()))
+    token, packed = args[0], str(args[1])
+    prefix = args[2] if len(args) > 2 else ""
+    lease, since, *fields = packed.split("\0")
+    if since == "=":  # the fence's time: field a, ms before it, is 0
+        since, fields = "", [*fields, "a", "0"]
+    return (token, lease, prefix, since, *fields)
+
+
+def _string_parts(value: bytes | str) -> list[str] | None:
+    """A held string record's parts (scripts.py's ``STRING_RECORD``): token, fence, the time
+    its lease runs from (µs, or '': the fence's), lease (ms), since (ms, '=': the fence's time,
+    or ''), then the compact fields by pairs; None when ``value`` is not one (not
+    singletask's)."""
+    parts = as_text(value).split("\0")
+    if len(parts) < 4 or len(parts) % 2 or not parts[0]:  # a NUL first: not a record
+        return None
+    fence, _, written = parts[1].partition("@")
+    if not (fence.isdigit() and parts[2].isdigit() and (not written or written.isdigit())):
+        return None
+    if parts[3] and not (parts[3].isdigit() or parts[3] == "="):
+        return None
+    return [parts[0], fence, written, *parts[2:]]
+
+
+def _lease_left(fence: str, written: str, lease: str) -> float:
+    """What is left of a string record's lease, in seconds, by this host's clock: from the
+    server's time the record's lease runs from (its ``@`` time, else its fence's) and the
+    lease; never below 0 nor above the lease (a clock that differs from the server's by more
+    than that says nothing of it)."""
+    total = int(lease) / 1000
+    left = int(written or fence) / 1e6 + total - time.time()
+    return min(total, max(0.0, left))
 
 
 def string_record(value: bytes | str) -> dict[str, str] | None:
     """The hash fields a held string record stands for (scripts.py's ``STRING_RECORD``:
     token, fence, since in ms, then the compact fields; ``a`` computed from since as the
     acquire script computes it), or None when ``value`` is not one (not singletask's)."""
-    parts = as_text(value).split("\0")
-    rest = parts[3:]
-    if rest == [""]:
-        rest = []
-    if len(parts) < 4 or len(rest) % 2 or not parts[1].isdigit():
+    parts = _string_parts(value)
+    if parts is None:
         return None
-    token, fence, since = parts[0], parts[1], parts[2]
+    token, fence, since, rest = parts[0], parts[1], parts[4], parts[5:]
     record = {"token": token, "f": fence}
     if since:
-        if not since.isdigit():
-            return None
-        record["a"] = str(int(fence) // 1000 - int(since))
+        record["a"] = "0" if since == "=" else str(int(fence) // 1000 - int(since))
     record.update(zip(rest[::2], rest[1::2], strict=True))
     return record
 
@@ -401,22 +452,18 @@ def read_record(key: str, value: Any, fields: Any, pttl: Any) -> Holder | None:
     return holder_from_reply(key, fields, int(pttl))
 
 
-def string_conflict(value: bytes | str, pttl: int) -> Holder | None:
+def string_conflict(value: bytes | str) -> Holder | None:
     """The Holder of ACQUIRE_SCRIPT's refusal by a string record (brief, as
-    :func:`conflict_holder`'s); None when the key holds a string that is not a lock. Reads the
-    record as :func:`string_record` does, but only what a refusal needs (the token, the fence,
-    the task id): this is every refused duplicate's path."""
-    parts = as_text(value).split("\0")
-    count = len(parts)
-    if not ((count % 2 and count > 4) or (count == 4 and parts[3] == "")):
-        return None  # token, fence, since, then fields by pairs
-    token, fence, since = parts[0], parts[1], parts[2]
-    if not fence.isdigit() or (since and not since.isdigit()):
+    :func:`conflict_holder`'s), its lease left read from the record (:func:`_lease_left`);
+    None when the key holds a string that is not a lock. Reads only what a refusal needs (the
+    token, the fence, the lease, the task id): this is every refused duplicate's path."""
+    parts = _string_parts(value)
+    if parts is None:
         return None
-    fields = dict(zip(parts[3::2], parts[4::2], strict=True)) if count > 4 else {}
-    return Holder(
-        token, _from_token("i", token, fields), pttl / 1000 if pttl >= 0 else None, {}, int(fence)
-    )
+    token, fence, written, lease = parts[0], parts[1], parts[2], parts[3]
+    fields = dict(zip(parts[5::2], parts[6::2], strict=True)) if len(parts) > 5 else {}
+    left = _lease_left(fence, written, lease)
+    return Holder(token, _from_token("i", token, fields), left, {}, int(fence))
 
 
 #: What the server says of a command on a key of another type (a string record's refusal by a
