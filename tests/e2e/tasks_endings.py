@@ -8,6 +8,7 @@ and the attempt number (``retries``).
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -27,16 +28,25 @@ def _token(task: SingletonTask) -> str | None:
 @contextlib.contextmanager
 def _sigterm_deferred(defer: bool) -> Iterator[None]:
     """With ``defer``, SIGTERM waits until the block ends, as it does while a process is inside
-    C code (a database driver call, a long computation in an extension): Python runs its
-    handler only when the block is over."""
+    C code (a database driver call, a long computation in an extension): a handler of our own
+    notes it, and it is sent again once the block is over, to the handler it found.
+
+    Not a blocked signal mask: that blocks the main thread alone, and a process with another
+    thread (the lock renewer) gets the signal there, so Python ran the pool's handler at the
+    main thread's next line. Enter it before the probe records the start: a test signals as
+    soon as it sees the start (a SIGTERM that came between the two once stopped the body at
+    once, and a duplicate rightly ran: CI, Python 3.10, a loaded machine)."""
     if not defer:
         yield
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    received: list[int] = []
+    found = signal.signal(signal.SIGTERM, lambda signum, _frame: received.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if found is None else found)
+        if received:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 @shared_task(base=SingletonTask, name="e2e.endings.end", bind=True, lock_key="{label}")
@@ -88,8 +98,8 @@ def soft(self: SingletonTask, label: str, seconds: float = 0.0) -> str:
 def hard(self: SingletonTask, label: str, seconds: float = 0.0, defer_sigterm: bool = False) -> str:
     """Sleeps ``seconds``; past 1 s the pool kills the process running it (hard time limit)."""
     with (
-        probe().running(label, self.request.id, token=_token(self)),
         _sigterm_deferred(defer_sigterm),
+        probe().running(label, self.request.id, token=_token(self)),
     ):
         time.sleep(seconds)
     return "done"
@@ -194,8 +204,8 @@ def long(
     """Sleeps long enough to be stopped from outside (revoke with terminate, SIGKILL). Its
     10-minute lease makes any release within the tests' bounds a real release, not an expiry."""
     with (
-        probe().running(label, self.request.id, token=_token(self)),
         _sigterm_deferred(defer_sigterm),
+        probe().running(label, self.request.id, token=_token(self)),
     ):
         time.sleep(seconds)
     return "done"

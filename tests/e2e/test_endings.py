@@ -381,6 +381,7 @@ def test_revoke_with_terminate_keeps_the_lock_while_a_body_deferring_sigterm_sti
     cluster.app.control.revoke(holder.id, terminate=True, destination=[worker_hostname(cluster)])
     time.sleep(3.0)
     assert not cluster.probe.events(label, "end"), "precondition: the holder's body still runs"
+    assert start["pid"] in cluster.worker.children(), "precondition: the holder's process lives"
     duplicate = cluster.task(task_name).apply_async(kwargs={"label": label, "seconds": 0.0})
     value = duplicate.get(timeout=BOUND)
 
