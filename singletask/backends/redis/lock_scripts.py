@@ -51,9 +51,8 @@ ACQUIRE_HASH_SCRIPT = (
 # ARGV[1]  owner token
 # ARGV[2]  the rest of the held record: the lease in milliseconds, NUL, when the holder started
 #          (milliseconds since the epoch, '=': at the fence's time, or ''), then the record's
-#          other fields
-#          (ACQUIRE_HASH_SCRIPT's ARGV[5…]), each after a NUL byte: lease NUL since NUL field NUL
-#          value …, or lease NUL since for none
+#          other fields (ACQUIRE_HASH_SCRIPT's ARGV[5…]), each after a NUL byte: lease NUL since
+#          NUL field NUL value …, or lease NUL since for none
 # ARGV[3]  token prefix whose holder may be taken over; absent (or '') for none
 # Returns the new fence alone (a string of digits) when the caller takes a free key or a string
 # record; when a string refuses it, that string (the holder's record, which says its lease
@@ -131,8 +130,11 @@ _CLOCK = """local now = redis.call('TIME')
 local us = now[2]
 if #us < 6 then us = string.rep('0', 6 - #us) .. us end
 """
-# _WRITE: the string record written, the fence returned.
-_WRITE = """local at = ''
+
+
+def _write(get: str) -> str:
+    """Lua: the string record written (``get``: SET's option GET, or ''), the fence returned."""
+    return f"""local at = ''
 if not fence then
   fence = now[1] .. us
   if last and tonumber(last) >= tonumber(fence) then
@@ -142,28 +144,34 @@ if not fence then
 else
   at = '@' .. now[1] .. us
 end
-redis.call('SET', KEYS[1], ARGV[1] .. '\\0' .. fence .. at .. '\\0' .. ARGV[2], 'PX', lease)
+redis.call('SET', KEYS[1], ARGV[1] .. '\\0' .. fence .. at .. '\\0' .. ARGV[2], 'PX', lease{get})
 return fence
 """
-_ACQUIRE_PLAIN = (
-    """
+
+
+def _acquire_plain(get: str) -> str:
+    """Lua: the plain acquire that reads the key first (``get``: its SET's option GET, or '')."""
+    return (
+        """
 local cur = redis.pcall('GET', KEYS[1])
 local fence, last = false, false
 if cur then
 """
-    + _HASH_PATH
-    + _HELD
-    + "end\n"
-    + _LEASE
-    + _CLOCK
-    + _WRITE
-)
-ACQUIRE_SCRIPT = _ACQUIRE_PLAIN
+        + _HASH_PATH
+        + _HELD
+        + "end\n"
+        + _LEASE
+        + _CLOCK
+        + _write(get)
+    )
+
+
+ACQUIRE_SCRIPT = _acquire_plain("")
 
 # ACQUIRE_SCRIPT as the body of a Redis 7 function (functions.py; KEYS, ARGV and reply the
 # same): its SET also asks for the old value (GET, Redis 6.2 and later), nil here, which costs
 # the server less than the status reply a plain SET returns, a table in Lua.
-ACQUIRE_FUNCTION_BODY = _ACQUIRE_PLAIN.replace("'PX', lease)", "'PX', lease, 'GET')")
+ACQUIRE_FUNCTION_BODY = _acquire_plain(", 'GET'")
 
 # KEYS, ARGV, reply and effect: ACQUIRE_SCRIPT's. The Redis 7 function of an acquire that writes
 # first: it reads the clock, checks the lease and tries SET NX GET (Redis 7.0 and later) of the
@@ -185,7 +193,7 @@ fence = false
 """
     + _HASH_PATH
     + _HELD
-    + _WRITE.replace("'PX', lease)", "'PX', lease, 'GET')")
+    + _write(", 'GET'")
 )
 
 # KEYS[1]  lock key

@@ -471,9 +471,9 @@ class RedisBackend(LockBackend):
     def _keeps_nothing(self, key: str, completed: str | None, held: Sequence[Units]) -> bool:
         """Whether the release of ``key`` can send the token alone (``RELEASE_STRING_SCRIPT``;
         and the marker retention, when it is not the default, for a hash it may meet): no
-        completion marker to record, no fence kept, no units to
-        give back, not a holder slot (whose base key records the marker), and the plain acquire
-        writes string records (``lock_record``; with hash records, the full release)."""
+        completion marker to record, no fence kept, no units to give back, not a holder slot
+        (whose base key records the marker), and the plain acquire writes string records
+        (``lock_record``; with hash records, the full release)."""
         return not (held or completed or self._keep[1] or self._hash_records) and (
             base_key(key) == key
         )

@@ -417,9 +417,10 @@ def _lease_left(fence: str, written: str, lease: str) -> float:
 
 
 def string_record(value: bytes | str) -> dict[str, str] | None:
-    """The hash fields a held string record stands for (scripts.py's ``STRING_RECORD``:
-    token, fence, since in ms, then the compact fields; ``a`` computed from since as the
-    acquire script computes it), or None when ``value`` is not one (not singletask's)."""
+    """The hash fields a held string record stands for (scripts.py's ``STRING_RECORD``, read
+    by :func:`_string_parts`: token, fence, since, then the compact fields; ``a`` computed from
+    since as the acquire script computes it), or None when ``value`` is not one (not
+    singletask's)."""
     parts = _string_parts(value)
     if parts is None:
         return None
