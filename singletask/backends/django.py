@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 from ..exceptions import ConfigurationError, UnsupportedOperation
 from .base import AcquireResult, Holder, LockBackend, Units
-from .memcached.store import MAX_RELATIVE_EXPIRY
+from .memcached.store import MemcachedBackend
 from .urls import mask_url
 
 __all__ = ["REFUSED", "DjangoCacheBackend"]
@@ -104,8 +104,9 @@ class DjangoCacheBackend(LockBackend):
         self._redis: Any = None  # the client of a Redis cache, whose pool the store closes
         self._pid: int | None = None
 
-    #: As memcached's (a Django cache may be one): 30 days less the second an item is kept longer.
-    max_lease = float(MAX_RELATIVE_EXPIRY - 1)
+    #: As memcached's (a Django cache may be one): 30 days less the two seconds an item is kept
+    #: longer.
+    max_lease = MemcachedBackend.max_lease
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> DjangoCacheBackend:
@@ -249,7 +250,6 @@ class DjangoCacheBackend(LockBackend):
         return RedisBackend(client=client)
 
     def _memcached_store(self, cache: Any) -> LockBackend:
-        from .memcached.store import MemcachedBackend
 
         # Options left unset (or None) take the memcached store's defaults (5 s timeouts):
         # pymemcache's own default is to wait for ever.

@@ -49,6 +49,7 @@ from ..base import AcquireResult, Holder, LockBackend, Units
 from .fences import next_fence
 from .items import (
     CLIENT_DEFAULTS,
+    EXPIRY_SLACK,
     MAX_RELATIVE_EXPIRY,
     OPTION_TYPES,
     RECORD_RETENTION,
@@ -106,12 +107,12 @@ class MemcachedBackend(LockBackend):
         self._clients: dict[tuple[str, int], Any] = {}
         self._pid: int | None = None
 
-    #: The longest lease and follow-up claim, 30 days less a second: memcached reads an expiry
-    #: over 30 days (2,592,000 s) as an absolute Unix time, and an item is kept a second longer
-    #: than its lease (see :func:`~singletask.backends.memcached.store.expiry`). Longer leases
-    #: as absolute times are not offered: they would rest on the agreement of the workers' and
-    #: the server's clocks.
-    max_lease = float(MAX_RELATIVE_EXPIRY - 1)
+    #: The longest lease and follow-up claim, 30 days less two seconds: memcached reads an
+    #: expiry over 30 days (2,592,000 s) as an absolute Unix time, and an item is kept two
+    #: seconds longer than its lease (see :func:`~singletask.backends.memcached.store.expiry`).
+    #: Longer leases as absolute times are not offered: they would rest on the agreement of the
+    #: workers' and the server's clocks.
+    max_lease = float(MAX_RELATIVE_EXPIRY - EXPIRY_SLACK)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MemcachedBackend:
