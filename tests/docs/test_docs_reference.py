@@ -410,7 +410,8 @@ def _fact_sentences() -> list[tuple[str, str]]:
         ),
         (
             "store-memcached.rst",
-            "at least the time asked for and less than 2 seconds longer",
+            f"It gets ``ceil(lease) + {items.EXPIRY_SLACK}`` seconds: a lease lasts at least the "
+            f"time asked for and less than {items.EXPIRY_SLACK + 1} seconds longer",
         ),
         (
             "store-memcached.rst",
@@ -423,7 +424,8 @@ def _fact_sentences() -> list[tuple[str, str]]:
         ),
         (
             "store-memcached.rst",
-            f"{MemcachedBackend.max_lease:,.0f} s (30 days less the second",
+            f"{MemcachedBackend.max_lease:,.0f} s (30 days less the "
+            f"{ {1: 'second', 2: 'two seconds'}[items.EXPIRY_SLACK] } an item is kept longer)",
         ),
         # store-custom.rst: the memory store
         (
