@@ -250,7 +250,6 @@ class DjangoCacheBackend(LockBackend):
         return RedisBackend(client=client)
 
     def _memcached_store(self, cache: Any) -> LockBackend:
-
         # Options left unset (or None) take the memcached store's defaults (5 s timeouts):
         # pymemcache's own default is to wait for ever.
         options = {
