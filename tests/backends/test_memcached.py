@@ -129,18 +129,8 @@ def test_expiries_are_whole_seconds_with_two_seconds_to_spare() -> None:
     assert expiry(MAX_RELATIVE_EXPIRY - 2) == MAX_RELATIVE_EXPIRY
 
 
-def _next_tick(server: MemcachedServer, client: Client) -> float:
-    """The monotonic time of a coming tick of memcached's clock, set 0.8 s past a whole second.
-
-    The server is stopped until 0.8 s past the next whole second: its overdue timer then fires
-    at once, and a second after each time it ran. Two ticks seen give the next.
-    """
-    assert server.process is not None
-    server.process.send_signal(signal.SIGSTOP)
-    try:
-        time.sleep(math.floor(time.monotonic()) + 1.8 - time.monotonic())
-    finally:
-        server.process.send_signal(signal.SIGCONT)
+def _ticks(client: Client) -> float:
+    """The monotonic time of memcached's next tick, from two ticks seen."""
     ticks: list[float] = []
     last = int(client.stats()[b"time"])
     deadline = time.monotonic() + 5
@@ -153,6 +143,27 @@ def _next_tick(server: MemcachedServer, client: Client) -> float:
             ticks.append(time.monotonic())
             last = now
     return ticks[-1] + (ticks[-1] - ticks[-2])
+
+
+def _next_tick(server: MemcachedServer, client: Client) -> float:
+    """The monotonic time of a coming tick of memcached's clock, set 0.6 to 0.95 s past a whole
+    second.
+
+    The server is stopped until 0.8 s past the next whole second: its overdue timer then fires
+    at once, and a second after each time it ran. Tried again where a loaded machine woke the
+    server too late.
+    """
+    assert server.process is not None
+    for _ in range(5):
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(math.floor(time.monotonic()) + 1.8 - time.monotonic())
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        tick = _ticks(client)
+        if 0.6 <= tick % 1 <= 0.95:
+            return tick
+    pytest.fail("memcached's clock could not be set to tick 0.6 to 0.95 s past a second")
 
 
 def test_a_lease_outlives_a_tick_of_memcacheds_clock_that_moves_it_by_two_seconds(
